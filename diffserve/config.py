@@ -1,0 +1,102 @@
+"""`EngineConfig`: how the engine loads and runs a model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from diffserve.errors import InvalidRequestError
+from diffserve.sampling_params import RequestLimits
+
+EXECUTION_MODES = ("step", "request")
+LOAD_FORMATS = ("default", "dummy")
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """Engine configuration.
+
+    Attributes:
+        model: path to a local diffusers folder (with ``model_index.json``); None = the
+            built-in default model (`diffserve.models.digits`).
+        device: ``"auto"`` (cuda if available, else cpu), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+        dtype: ``"auto"`` (bf16 on cuda, fp32 on cpu), ``"fp32"``, ``"bf16"``, ``"fp16"``.
+        load_format: ``"default"`` reads the weights; ``"dummy"`` builds every model from its
+            config with seeded random weights (no weight file read).
+        max_batch_size: most transformer rows in one denoising step (a request with CFG on
+            takes 2 x num_images_per_prompt rows); also the most rows admitted at once.
+        max_waiting_requests: bound of the waiting queue; past it `add_request` raises
+            `EngineOverloadedError`.
+        execution_mode: ``"step"`` (continuous batching, one denoising step at a time) or
+            ``"request"`` (static batches run to completion).
+        default_seed: seed for requests that give none; None draws a random one per request
+            (always reported back in the output).
+        max_num_inference_steps / max_pixels / max_num_images_per_prompt: request limits.
+        num_threads: torch intra-op threads to set (None leaves torch's default).
+    """
+
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    load_format: str = "default"
+    max_batch_size: int = 16
+    max_waiting_requests: int = 1024
+    execution_mode: str = "step"
+    default_seed: int | None = None
+    max_num_inference_steps: int = 200
+    max_pixels: int = 2048 * 2048
+    max_num_images_per_prompt: int = 10
+    num_threads: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.execution_mode not in EXECUTION_MODES:
+            raise InvalidRequestError("execution_mode", self.execution_mode, f"one of {EXECUTION_MODES}")
+        if self.load_format not in LOAD_FORMATS:
+            raise InvalidRequestError("load_format", self.load_format, f"one of {LOAD_FORMATS}")
+        for name in ("max_batch_size", "max_waiting_requests", "max_num_inference_steps",
+                     "max_pixels", "max_num_images_per_prompt"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidRequestError(name, value, "an integer >= 1")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise InvalidRequestError("dtype", self.dtype, f"auto or one of {sorted(_DTYPES)}")
+
+    @property
+    def model_path(self) -> Path:
+        """The model folder to load (the built-in default when `model` is None)."""
+        if self.model is None:
+            from diffserve.models.digits import DEFAULT_MODEL_PATH
+
+            return Path(DEFAULT_MODEL_PATH)
+        return Path(self.model).expanduser()
+
+    @property
+    def torch_device(self) -> torch.device:
+        """Resolved device (``auto`` -> cuda if available, else cpu)."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            return torch.device(self.device)
+        except RuntimeError as exc:
+            raise InvalidRequestError("device", self.device, "auto, cpu, cuda or cuda:N") from exc
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """Resolved dtype (``auto`` -> bf16 on cuda, fp32 on cpu)."""
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    @property
+    def limits(self) -> RequestLimits:
+        """Per-request limits derived from this config."""
+        return RequestLimits(
+            max_num_inference_steps=self.max_num_inference_steps,
+            max_pixels=self.max_pixels,
+            max_num_images_per_prompt=self.max_num_images_per_prompt,
+        )

@@ -1,0 +1,114 @@
+"""The request scheduler: which requests run in the next denoising step.
+
+Two queues: `waiting` (added, not yet prepared) and `running` (prepared, holding latents).
+
+Fairness rule (step mode):
+- Admission is first-come-first-served: waiting requests enter `running` in arrival order
+  while the running rows stay within `max_batch_size` (a request bigger than that runs alone
+  when nothing else is running). Nobody is overtaken at admission, so no one starves there.
+- Each step runs the batch key of the OLDEST running request, with every other running
+  request of that key (oldest first, up to `max_batch_size` rows). The oldest request
+  advances every step until it finishes, so every request eventually becomes the oldest and
+  runs: no starvation, and an incompatible request never stalls compatible ones for longer
+  than its own remaining steps.
+
+Request mode (static batching, the baseline): when nothing runs, the head of the queue and
+every waiting request sharing its batch key (up to `max_batch_size` rows) are admitted
+together and run to completion before anything else is admitted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from diffserve.engine.request import Request
+from diffserve.errors import EngineOverloadedError
+
+
+class RequestScheduler:
+    """Waiting/running queues and the per-step batch choice.
+
+    Args:
+        max_batch_size: most transformer rows per step (and admitted at once).
+        max_waiting: bound on the waiting queue.
+        mode: ``"step"`` or ``"request"``.
+    """
+
+    def __init__(self, max_batch_size: int, max_waiting: int, mode: str = "step"):
+        self.max_batch_size = max_batch_size
+        self.max_waiting = max_waiting
+        self.mode = mode
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def running_rows(self) -> int:
+        return sum(r.rows for r in self.running)
+
+    def add(self, request: Request) -> None:
+        """Queue a request.
+
+        Raises:
+            EngineOverloadedError: the waiting queue already holds `max_waiting` requests.
+        """
+        if len(self.waiting) >= self.max_waiting:
+            raise EngineOverloadedError(
+                f"waiting queue is full ({self.max_waiting} requests); retry later"
+            )
+        self.waiting.append(request)
+
+    def remove_waiting(self, request_id: str) -> Request | None:
+        """Take a waiting request out of the queue (abort); None if it is not waiting."""
+        for request in self.waiting:
+            if request.request_id == request_id:
+                self.waiting.remove(request)
+                return request
+        return None
+
+    def admit(self) -> list[Request]:
+        """Move waiting requests into `running` per the mode's rule; returns those moved."""
+        admitted: list[Request] = []
+        if self.mode == "request":
+            if self.running or not self.waiting:
+                return admitted
+            head = self.waiting.popleft()
+            admitted.append(head)
+            rows = head.rows
+            for request in list(self.waiting):
+                if request.batch_key == head.batch_key and rows + request.rows <= self.max_batch_size:
+                    self.waiting.remove(request)
+                    admitted.append(request)
+                    rows += request.rows
+        else:
+            rows = self.running_rows
+            while self.waiting:
+                head = self.waiting[0]
+                if (self.running or admitted) and rows + head.rows > self.max_batch_size:
+                    break
+                admitted.append(self.waiting.popleft())
+                rows += head.rows
+        self.running.extend(admitted)
+        return admitted
+
+    def select_batch(self) -> list[Request]:
+        """Requests for the next denoising step: the oldest running request's batch key,
+        oldest first, up to `max_batch_size` rows (the oldest always included)."""
+        if not self.running:
+            return []
+        ordered = sorted(self.running, key=lambda r: r.seq)
+        key = ordered[0].batch_key
+        batch: list[Request] = []
+        rows = 0
+        for request in ordered:
+            if request.batch_key != key:
+                continue
+            if batch and rows + request.rows > self.max_batch_size:
+                continue
+            batch.append(request)
+            rows += request.rows
+        return batch
+
+    def finish(self, request: Request) -> None:
+        """Remove a request from `running` (finished, failed or aborted)."""
+        if request in self.running:
+            self.running.remove(request)

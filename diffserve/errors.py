@@ -1,0 +1,44 @@
+"""Error types raised by diffserve.
+
+Every error a user can cause is an `InvalidRequestError` (a `ValueError`) that names the field,
+the offending value and the allowed range; the HTTP server maps it to a 400 in OpenAI's format.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class InvalidRequestError(ValueError):
+    """A request field is invalid.
+
+    Attributes:
+        field: name of the offending field (e.g. ``"num_inference_steps"``).
+        value: the value received.
+        allowed: human-readable allowed range (e.g. ``"an integer in [1, 200]"``).
+    """
+
+    def __init__(self, field: str, value: Any, allowed: str, detail: str | None = None):
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        shown = repr(value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        message = f"invalid {field}={shown}: must be {allowed}"
+        if detail:
+            message += f" ({detail})"
+        super().__init__(message)
+
+
+class EngineOverloadedError(RuntimeError):
+    """The engine's waiting queue is full; retry later (HTTP 429)."""
+
+
+class UnsupportedModelError(ValueError):
+    """The model folder holds a pipeline class diffserve has no adapter for, or is not a
+    diffusers folder at all."""
+
+
+class RequestFailedError(RuntimeError):
+    """A request failed while running (its own error; other requests are unaffected)."""

@@ -1,0 +1,120 @@
+"""What the engine hands back: per-request outputs, metrics and stream events."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+@dataclass
+class RequestMetrics:
+    """Timings and resource use of one request.
+
+    All durations are wall-clock seconds. ``denoise_s`` runs from the start of the request's
+    first denoising step to the end of its last one (so in step mode it includes steps spent
+    on other batches). ``peak_memory_bytes`` is the CUDA allocator peak on GPU, and the
+    process peak RSS on CPU, read when the request ends (a process-wide peak, not this
+    request's share).
+    """
+
+    arrival_time: float = 0.0
+    queue_s: float = 0.0
+    encode_s: float = 0.0
+    denoise_s: float = 0.0
+    decode_s: float = 0.0
+    total_s: float = 0.0
+    num_steps: int = 0
+    batch_sizes: dict[int, int] = field(default_factory=dict)
+    peak_memory_bytes: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-serialisable) of the metrics."""
+        return {
+            "queue_s": self.queue_s,
+            "encode_s": self.encode_s,
+            "denoise_s": self.denoise_s,
+            "decode_s": self.decode_s,
+            "total_s": self.total_s,
+            "num_steps": self.num_steps,
+            "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+            "peak_memory_bytes": self.peak_memory_bytes,
+        }
+
+
+class RequestStatus(str, Enum):
+    """Lifecycle of a request."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.ABORTED)
+
+
+@dataclass
+class GenerationOutput:
+    """Result of one request.
+
+    Attributes:
+        images: per `SamplingParams.output_type`: list of PIL images, float32 numpy array
+            (N, H, W, C) in [0, 1], float tensor (N, C, H, W) in [0, 1], or latents. Empty
+            when the request failed or was aborted.
+        seed: the seed actually used (reproduces the images).
+        prompt_truncated: the prompt was longer than the text encoder's limit and was cut.
+        status: finished, failed or aborted; `error` holds the message when failed.
+    """
+
+    request_id: str
+    prompt: str
+    images: Any
+    seed: int
+    status: RequestStatus
+    metrics: RequestMetrics
+    prompt_truncated: bool = False
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+class EventType(str, Enum):
+    """Kinds of stream events a request yields, in order: queued, started, progress*,
+    partial*, then exactly one of finished / failed / aborted."""
+
+    QUEUED = "queued"
+    STARTED = "started"
+    PROGRESS = "progress"
+    PARTIAL = "partial"
+    FINISHED = "finished"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (EventType.FINISHED, EventType.FAILED, EventType.ABORTED)
+
+
+@dataclass
+class StreamEvent:
+    """One event of a request.
+
+    Attributes:
+        step / total: denoising steps done and planned (progress events).
+        preview: decoded preview of the current latents (partial events), as `output_type`.
+        output: the final output (finished, failed and aborted events).
+        error: message (failed events).
+    """
+
+    request_id: str
+    type: EventType
+    step: int | None = None
+    total: int | None = None
+    preview: Any = None
+    output: GenerationOutput | None = None
+    error: str | None = None

@@ -1,0 +1,115 @@
+"""Load a local diffusers folder (``model_index.json``) into a pipeline adapter.
+
+Each component is loaded by its own library's ``from_pretrained`` from its subfolder
+(diffusers models and schedulers, transformers text encoders and tokenizers). With
+``load_format="dummy"`` models are built from their configs with seeded random weights and no
+weight file is read (tests, and benchmarking large architectures without their weights).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffserve.errors import UnsupportedModelError
+from diffserve.pipelines.base import PipelineAdapter
+from diffserve.pipelines.registry import adapter_class
+
+logger = logging.getLogger(__name__)
+_LIBRARIES = ("diffusers", "transformers")
+
+
+def read_model_index(model_dir: Path) -> dict[str, Any]:
+    """Parse ``model_dir/model_index.json``.
+
+    Raises:
+        UnsupportedModelError: the folder or its model_index.json is missing or unreadable.
+    """
+    index_path = Path(model_dir) / "model_index.json"
+    if not index_path.is_file():
+        raise UnsupportedModelError(
+            f"{model_dir} is not a diffusers model folder (no model_index.json); pass a local "
+            "folder saved with save_pretrained"
+        )
+    try:
+        return json.loads(index_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UnsupportedModelError(f"{index_path} is not valid JSON: {exc}") from exc
+
+
+def _load_component(library: str, class_name: str, folder: Path, dtype: torch.dtype,
+                    load_format: str) -> Any:
+    if library not in _LIBRARIES:
+        raise UnsupportedModelError(
+            f"component in {folder.name!r} comes from library {library!r}; supported: {_LIBRARIES}"
+        )
+    module = importlib.import_module(library)
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise UnsupportedModelError(f"{library} has no class {class_name!r} (component {folder.name!r})")
+    if library == "diffusers":
+        from diffusers import ModelMixin
+
+        if issubclass(cls, ModelMixin):
+            if load_format == "dummy":
+                return cls.from_config(cls.load_config(folder)).to(dtype)
+            return cls.from_pretrained(folder, torch_dtype=dtype)
+        return cls.from_pretrained(folder)  # schedulers and other config-only objects
+    from transformers import AutoConfig, PreTrainedModel
+
+    if issubclass(cls, PreTrainedModel):
+        if load_format == "dummy":
+            return cls(AutoConfig.from_pretrained(folder)).to(dtype)
+        return cls.from_pretrained(folder, dtype=dtype)
+    return cls.from_pretrained(folder)  # tokenizers
+
+
+def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "default",
+                    seed: int = 0) -> tuple[str, dict[str, Any]]:
+    """Load every component listed in ``model_index.json``.
+
+    Args:
+        model_dir: local diffusers folder.
+        dtype: torch dtype for the models (tokenizers and schedulers have none).
+        load_format: ``"default"`` or ``"dummy"`` (random weights, seeded with `seed`).
+
+    Returns:
+        (pipeline class name, {component name: object or None}).
+    """
+    model_dir = Path(model_dir)
+    index = read_model_index(model_dir)
+    class_name = index.get("_class_name")
+    if not isinstance(class_name, str):
+        raise UnsupportedModelError(f"{model_dir}/model_index.json has no _class_name")
+    adapter_class(class_name)  # fail fast, before loading weights
+    if load_format == "dummy":
+        torch.manual_seed(seed)
+    components: dict[str, Any] = {}
+    for name, entry in index.items():
+        if name.startswith("_"):
+            continue
+        if not isinstance(entry, list) or len(entry) != 2:
+            continue
+        library, cls_name = entry
+        if library is None or cls_name is None:
+            components[name] = None
+            continue
+        components[name] = _load_component(library, cls_name, model_dir / name, dtype, load_format)
+    return class_name, components
+
+
+def load_adapter(model_dir: Path, device: torch.device, dtype: torch.dtype,
+                 load_format: str = "default") -> PipelineAdapter:
+    """Load a model folder and wrap it in the adapter registered for its pipeline class."""
+    class_name, components = load_components(model_dir, dtype, load_format)
+    for module in components.values():
+        if isinstance(module, torch.nn.Module):
+            module.eval().requires_grad_(False)
+    adapter = adapter_class(class_name).from_components(components, device, dtype, Path(model_dir))
+    logger.info("loaded %s from %s on %s (%s)", class_name, model_dir, device, dtype)
+    return adapter

@@ -1,0 +1,154 @@
+"""Builders for tiny random-weight diffusers pipelines, made offline for the tests.
+
+Every component is a real diffusers/transformers class with a small config; tokenizers are
+built from in-memory vocabularies (see ../shared/NOTES.md), so nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+)
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5Tokenizer,
+)
+
+
+def _byte_level_symbols() -> list[str]:
+    # GPT-2 / CLIP byte-to-unicode table: 256 printable symbols.
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for c in cs]
+
+
+def clip_tokenizer(model_max_length: int = 77) -> CLIPTokenizer:
+    """A character-level CLIP tokenizer: 256 byte symbols (+ `</w>` forms), BOS and EOS."""
+    symbols = _byte_level_symbols()
+    vocab: dict[str, int] = {}
+    for s in symbols + [s + "</w>" for s in symbols]:
+        vocab[s] = len(vocab)
+    vocab["<|startoftext|>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=model_max_length)
+
+
+def t5_tokenizer() -> T5Tokenizer:
+    """A character unigram T5 tokenizer (pad=0, eos=1, unk=2 as in T5)."""
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    for c in "abcdefghijklmnopqrstuvwxyz0123456789.,!?'-":
+        pieces.append((c, -3.0))
+        pieces.append(("▁" + c, -3.5))
+    return T5Tokenizer(vocab=pieces, extra_ids=0)
+
+
+def build_tiny_sd3(
+    out: Path,
+    *,
+    with_t5: bool = False,
+    clip_max_length: int = 77,
+    seed: int = 0,
+    num_layers: int = 2,
+    sample_size: int = 8,
+) -> Path:
+    """Build a tiny random-weight `StableDiffusion3Pipeline` and `save_pretrained` it to `out`.
+
+    Latent factor is the real SD3 one: VAE 8x (4 levels) times patch 2 = 16 pixels.
+    Default resolution = sample_size * 8 pixels (64 px by default).
+    """
+    torch.manual_seed(seed)
+    transformer = SD3Transformer2DModel(
+        sample_size=sample_size,
+        patch_size=2,
+        in_channels=4,
+        num_layers=num_layers,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        joint_attention_dim=32,
+        caption_projection_dim=32,
+        pooled_projection_dim=64,
+        out_channels=4,
+        pos_embed_max_size=32,
+    )
+    tok = clip_tokenizer(clip_max_length)
+    clip_cfg = dict(
+        hidden_size=32,
+        intermediate_size=37,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        projection_dim=32,
+        vocab_size=len(tok),
+        max_position_embeddings=clip_max_length,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        hidden_act="gelu",
+    )
+    # hidden 16 + 16 = 32 = joint_attention_dim; pooled 32 + 32 = 64 = pooled_projection_dim.
+    text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**{**clip_cfg, "hidden_size": 16}))
+    text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**{**clip_cfg, "hidden_size": 16}))
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=sample_size * 8,
+        scaling_factor=1.5,
+        shift_factor=0.06,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    text_encoder_3 = tokenizer_3 = None
+    if with_t5:
+        t5_tok = t5_tokenizer()
+        text_encoder_3 = T5EncoderModel(
+            T5Config(
+                vocab_size=len(t5_tok),
+                d_model=32,
+                d_ff=37,
+                d_kv=8,
+                num_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+                pad_token_id=0,
+                eos_token_id=1,
+                decoder_start_token_id=0,
+            )
+        )
+        tokenizer_3 = t5_tok
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tok,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=clip_tokenizer(clip_max_length),
+        text_encoder_3=text_encoder_3,
+        tokenizer_3=tokenizer_3,
+    )
+    out = Path(out)
+    pipe.save_pretrained(out)
+    return out

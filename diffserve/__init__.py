@@ -5,6 +5,7 @@ Public API: `DiffusionEngine` (offline), `AsyncDiffusionEngine` (streaming), `En
 """
 
 from diffserve.config import EngineConfig
+from diffserve.engine.async_engine import AsyncDiffusionEngine
 from diffserve.engine.engine import DiffusionEngine
 from diffserve.errors import (
     EngineOverloadedError,
@@ -17,6 +18,7 @@ from diffserve.sampling_params import SamplingParams
 
 __all__ = [
     "DiffusionEngine",
+    "AsyncDiffusionEngine",
     "EngineConfig",
     "SamplingParams",
     "GenerationOutput",

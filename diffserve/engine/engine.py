@@ -113,6 +113,23 @@ class DiffusionEngine:
         with self._lock:
             return bool(self._requests)
 
+    def unfinished_request_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._requests)
+
+    def fail_unfinished(self, message: str) -> list[StreamEvent]:
+        """Fail every unfinished request with `message` (used when the engine itself
+        breaks); returns their final events."""
+        with self._lock:
+            requests = list(self._requests.values())
+            for request in requests:
+                self.scheduler.remove_waiting(request.request_id)
+                self.scheduler.finish(request)
+        events = list(self._pending)
+        self._pending = []
+        events += [self._final(r, RequestStatus.FAILED, error=RuntimeError(message)) for r in requests]
+        return events
+
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)

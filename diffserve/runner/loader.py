@@ -81,6 +81,11 @@ def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "def
     Returns:
         (pipeline class name, {component name: object or None}).
     """
+    import diffusers.utils.logging as diffusers_logging
+    import transformers.utils.logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
     model_dir = Path(model_dir)
     index = read_model_index(model_dir)
     class_name = index.get("_class_name")

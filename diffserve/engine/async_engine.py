@@ -1,0 +1,157 @@
+"""`AsyncDiffusionEngine`: the engine loop in a background thread, streamed to asyncio.
+
+The loop thread calls `DiffusionEngine.step()` while requests are unfinished and sleeps
+otherwise; every event is handed to the asyncio queue of its request. A consumer that stops
+listening (its task is cancelled or it breaks out of the iterator) aborts its request, which
+then frees its slot at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+from diffserve.config import EngineConfig
+from diffserve.engine.engine import DiffusionEngine
+from diffserve.errors import EngineOverloadedError
+from diffserve.outputs import StreamEvent
+from diffserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncDiffusionEngine:
+    """Asynchronous, streaming front of a `DiffusionEngine`.
+
+    Args:
+        config: engine configuration (ignored when `engine` is given).
+        engine: an existing synchronous engine to drive.
+
+    Use `start()` (or ``async with``) before `generate`, and `shutdown()` at the end.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, engine: DiffusionEngine | None = None):
+        self.engine = engine or DiffusionEngine(config)
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._queues_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._accepting = True
+        self._thread: threading.Thread | None = None
+        self.steps_run = 0
+
+    # ------------------------------------------------------------------ loop thread
+    def start(self) -> None:
+        """Start the engine loop thread (idempotent)."""
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._accepting = True
+            self._thread = threading.Thread(target=self._loop, name="diffserve-engine", daemon=True)
+            self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(timeout=0.1)
+                self._wake.clear()
+                continue
+            try:
+                events = self.engine.step()
+                self.steps_run += 1
+            except Exception:  # noqa: BLE001 - the loop must survive an engine bug
+                logger.exception("engine step raised; failing unfinished requests")
+                events = self.engine.fail_unfinished("internal engine error (see server log)")
+            for event in events:
+                self._dispatch(event)
+
+    def _dispatch(self, event: StreamEvent) -> None:
+        with self._queues_lock:
+            target = self._queues.get(event.request_id)
+        if target is None:
+            return
+        loop, queue = target
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+        except RuntimeError:  # the consumer's event loop is closed
+            self.engine.abort(event.request_id)
+
+    # -------------------------------------------------------------------- public API
+    async def generate(
+        self,
+        prompt: str,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        preview_steps: Sequence[int] = (),
+    ) -> AsyncIterator[StreamEvent]:
+        """Submit one request and stream its events until the final one.
+
+        Yields:
+            `StreamEvent`s: queued, started, progress(step, total), partial(preview) at
+            `preview_steps`, then finished(output) / failed(error) / aborted.
+
+        Raises:
+            InvalidRequestError: invalid prompt or params (before anything is queued).
+            EngineOverloadedError: the waiting queue is full, or the engine is shutting down.
+        """
+        if not self._accepting:
+            raise EngineOverloadedError("engine is shutting down and no longer accepts requests")
+        self.start()
+        request_id = request_id or uuid.uuid4().hex
+        queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        with self._queues_lock:
+            self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        finished = False
+        try:
+            self.engine.add_request(prompt, params, request_id=request_id, preview_steps=preview_steps)
+            self._wake.set()
+            while True:
+                event = await queue.get()
+                if event.type.is_final:
+                    finished = True
+                yield event
+                if finished:
+                    return
+        finally:
+            with self._queues_lock:
+                self._queues.pop(request_id, None)
+            if not finished:
+                self.engine.abort(request_id)
+                self._wake.set()
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request (see `DiffusionEngine.abort`)."""
+        aborted = self.engine.abort(request_id)
+        self._wake.set()
+        return aborted
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop admitting, let in-flight requests finish for up to `timeout_s` seconds, abort
+        the rest, then stop the loop thread."""
+        self._accepting = False
+        deadline = time.monotonic() + timeout_s
+        while self.is_running and self.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for request_id in self.engine.unfinished_request_ids():
+            self.engine.abort(request_id)
+        drain_deadline = time.monotonic() + 5.0
+        while self.is_running and self.engine.has_unfinished_requests() and time.monotonic() < drain_deadline:
+            time.sleep(0.01)
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10.0)
+
+    async def __aenter__(self) -> "AsyncDiffusionEngine":
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.shutdown)

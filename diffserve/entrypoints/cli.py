@@ -1,0 +1,175 @@
+"""The ``diffserve`` command line: ``diffserve generate`` (offline) and ``diffserve serve``
+(OpenAI-compatible HTTP server).
+
+Bad arguments print one line ``diffserve: error: ...`` and exit with status 2, never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from diffserve.errors import EngineOverloadedError, InvalidRequestError, UnsupportedModelError
+
+EXIT_USAGE = 2
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2
+        self.exit(EXIT_USAGE, f"diffserve: error: {message}\n")
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """Parse ``"WxH"`` into (width, height) pixels.
+
+    Raises:
+        InvalidRequestError: not two positive integers separated by ``x``.
+    """
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise InvalidRequestError("size", text, "WIDTHxHEIGHT in pixels, e.g. 512x512")
+    width, height = (int(p) for p in parts)
+    return width, height
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine options shared by ``generate`` and ``serve``."""
+    parser.add_argument("--model", default=None,
+                        help="local diffusers folder (default: the built-in digits model)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto, fp32, bf16, fp16")
+    parser.add_argument("--load-format", default="default", choices=["default", "dummy"])
+    parser.add_argument("--max-batch-size", type=int, default=16,
+                        help="most transformer rows per denoising step")
+    parser.add_argument("--execution-mode", default="step", choices=["step", "request"])
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    """Build an `EngineConfig` from parsed engine arguments."""
+    from diffserve.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        max_batch_size=args.max_batch_size,
+        execution_mode=args.execution_mode,
+        num_threads=args.threads,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _ArgumentParser(prog="diffserve", description="Serve diffusion models fast.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
+    gen = sub.add_parser("generate", help="generate images offline and write PNG files")
+    add_engine_arguments(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--negative-prompt", default=None)
+    gen.add_argument("-n", "--num-images", type=int, default=1)
+    gen.add_argument("--steps", type=int, default=None, help="num_inference_steps")
+    gen.add_argument("--guidance", type=float, default=None, help="guidance_scale (CFG on when > 1)")
+    gen.add_argument("--size", default=None, help="WIDTHxHEIGHT in pixels")
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--display-size", type=int, default=None,
+                     help="also upscale images (nearest neighbour) to this many pixels on the "
+                          "long side for viewing; the raw output is kept as *_raw.png")
+    gen.add_argument("-o", "--output-dir", default="outputs")
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from diffserve.engine.engine import DiffusionEngine
+    from diffserve.outputs import EventType
+    from diffserve.sampling_params import SamplingParams
+
+    if args.display_size is not None and args.display_size < 1:
+        raise InvalidRequestError("display_size", args.display_size, "an integer >= 1")
+    width = height = None
+    if args.size is not None:
+        width, height = parse_size(args.size)
+    params = SamplingParams(
+        negative_prompt=args.negative_prompt,
+        num_images_per_prompt=args.num_images,
+        height=height,
+        width=width,
+        num_inference_steps=args.steps,
+        guidance_scale=args.guidance,
+        seed=args.seed,
+    )
+    engine = DiffusionEngine(engine_config_from_args(args))
+    if args.model is None:
+        from diffserve.models.digits import out_of_vocabulary_words
+
+        unknown = out_of_vocabulary_words(args.prompt)
+        if unknown:
+            print(f"diffserve: warning: words outside the default model's vocabulary are "
+                  f"spelled out byte by byte and mostly ignored: {', '.join(unknown)}",
+                  file=sys.stderr)
+    request_id = engine.add_request(args.prompt, params)
+    bar = tqdm(total=engine._requests[request_id].params.num_inference_steps, desc="denoising",
+               unit="step", file=sys.stderr)
+    output = None
+    while output is None:
+        for event in engine.step():
+            if event.type is EventType.PROGRESS:
+                bar.update(1)
+            elif event.type.is_final:
+                output = event.output
+    bar.close()
+    if not output.ok:
+        print(f"diffserve: error: generation failed: {output.error}", file=sys.stderr)
+        return 1
+    if output.prompt_truncated:
+        print("diffserve: warning: the prompt was longer than the text encoder's limit and was "
+              "truncated", file=sys.stderr)
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for i, image in enumerate(output.images):
+        stem = f"{output.request_id[:8]}_seed{output.seed}_{i}"
+        if args.display_size:
+            from PIL import Image
+
+            raw_path = out_dir / f"{stem}_raw.png"
+            image.save(raw_path)
+            scale = args.display_size / max(image.size)
+            size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+            image = image.resize(size, Image.Resampling.NEAREST)
+        path = out_dir / f"{stem}.png"
+        image.save(path)
+        print(path)
+    m = output.metrics
+    print(f"seed={output.seed} encode={m.encode_s:.3f}s denoise={m.denoise_s:.3f}s "
+          f"decode={m.decode_s:.3f}s total={m.total_s:.3f}s peak_memory={m.peak_memory_bytes / 2**20:.0f}MiB",
+          file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``diffserve`` command; returns the process exit status."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "serve":
+            from diffserve.entrypoints.openai.api_server import run_server
+
+            return run_server(args)
+    except (InvalidRequestError, UnsupportedModelError, EngineOverloadedError) as exc:
+        print(f"diffserve: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

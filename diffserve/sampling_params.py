@@ -105,7 +105,7 @@ class SamplingParams:
         if p.width is None:
             p.width = spec.default_width
         if p.num_inference_steps is None:
-            p.num_inference_steps = spec.default_num_inference_steps
+            p.num_inference_steps = min(spec.default_num_inference_steps, limits.max_num_inference_steps)
         if p.guidance_scale is None:
             p.guidance_scale = spec.default_guidance_scale
         if p.seed is None:

@@ -1,0 +1,67 @@
+"""Step-level batching: batch invariance, continuous admission, mixed step counts, order."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from diffserve import EventType, SamplingParams
+
+TOL = 1e-4
+
+
+def _p(seed, steps=4, guidance=4.0, **kw):
+    return SamplingParams(seed=seed, num_inference_steps=steps, guidance_scale=guidance, output_type="np", **kw)
+
+
+def _solo(engine, prompt, params):
+    [out] = engine.generate(prompt, params)
+    assert out.ok, out.error
+    return out.images
+
+
+def test_batch_invariance_with_other_prompts_seeds_and_step_counts(engine):
+    target = ("a lighthouse at dusk", _p(5, steps=4))
+    others = [("a bowl of fruit", _p(9, steps=2)), ("snowy mountains", _p(13, steps=6))]
+    solo = _solo(engine, *target)
+    outs = engine.generate([target[0]] + [o[0] for o in others], [target[1]] + [o[1] for o in others])
+    assert all(o.ok for o in outs)
+    assert np.abs(outs[0].images - solo).max() <= TOL
+    for (prompt, params), out in zip(others, outs[1:]):
+        assert np.abs(out.images - _solo(engine, prompt, params)).max() <= TOL
+    # they really shared forwards: 3 requests x 2 CFG rows in the first steps
+    assert max(outs[0].metrics.batch_sizes) == 6
+
+
+def test_request_added_mid_run_joins_next_step(engine):
+    first = engine.add_request("a red car", _p(1, steps=6))
+    engine.step()  # admits + runs step 1 of `first`
+    engine.step()
+    late = engine.add_request("a blue car", _p(2, steps=3))
+    events = engine.step()
+    started = [e for e in events if e.type is EventType.STARTED]
+    progress = {e.request_id: e.step for e in events if e.type is EventType.PROGRESS}
+    assert [e.request_id for e in started] == [late]
+    assert progress == {first: 3, late: 1}  # one forward, two requests at different steps
+    finals = {}
+    while engine.has_unfinished_requests():
+        for e in engine.step():
+            if e.type.is_final:
+                finals[e.request_id] = e.output
+    assert finals[late].metrics.batch_sizes == {4: 3}
+    assert np.abs(finals[late].images - _solo(engine, "a blue car", _p(2, steps=3))).max() <= TOL
+    assert np.abs(finals[first].images - _solo(engine, "a red car", _p(1, steps=6))).max() <= TOL
+
+
+def test_arrival_order_does_not_change_outputs(engine):
+    prompts = ["one", "two", "three"]
+    params = [_p(21, steps=2), _p(22, steps=3), _p(23, steps=4, guidance=1.0)]
+    forward = engine.generate(prompts, params)
+    backward = engine.generate(prompts[::-1], params[::-1])[::-1]
+    for a, b in zip(forward, backward):
+        assert np.abs(a.images - b.images).max() <= TOL
+
+
+def test_mixed_cfg_and_sizes_are_not_batched_together(engine):
+    outs = engine.generate(["a", "b", "c"], [_p(1), _p(2, guidance=1.0), _p(3, height=32, width=48)])
+    assert [max(o.metrics.batch_sizes) for o in outs] == [2, 1, 2]
+    assert outs[2].images.shape == (1, 32, 48, 3)

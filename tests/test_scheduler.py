@@ -1,0 +1,249 @@
+"""Request scheduler and engine lifecycle: abort, error isolation, queue bound, fairness,
+execution modes, and the async engine's streaming and cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+from diffserve import (
+    AsyncDiffusionEngine,
+    DiffusionEngine,
+    EngineConfig,
+    EngineOverloadedError,
+    EventType,
+    RequestStatus,
+    SamplingParams,
+)
+from diffserve.engine.request import Request
+from diffserve.engine.scheduler import RequestScheduler
+
+TOL = 1e-4
+
+
+def _p(seed, steps=3, guidance=4.0, **kw):
+    return SamplingParams(seed=seed, num_inference_steps=steps, guidance_scale=guidance, output_type="np", **kw)
+
+
+def _run(engine):
+    finals = {}
+    while engine.has_unfinished_requests():
+        for e in engine.step():
+            if e.type.is_final:
+                finals[e.request_id] = e
+    return finals
+
+
+# ------------------------------------------------------------------ request scheduler
+def _req(seq, key="a", rows=2):
+    return Request(request_id=str(seq), prompt="p", params=None, batch_key=key, rows=rows, seq=seq,
+                   arrival_time=0.0)
+
+
+def test_scheduler_batches_oldest_key_and_admits_fifo():
+    s = RequestScheduler(max_batch_size=6, max_waiting=10)
+    for i, key in enumerate("abaa"):
+        s.add(_req(i, key))
+    admitted = s.admit()
+    assert [r.request_id for r in admitted] == ["0", "1", "2"]  # 6 rows: "3" must wait
+    assert [r.request_id for r in s.select_batch()] == ["0", "2"]  # oldest's key "a"
+    s.finish(admitted[0])
+    assert [r.request_id for r in s.admit()] == ["3"]
+    assert [r.request_id for r in s.select_batch()] == ["1"]  # "b" is now the oldest running
+
+
+def test_scheduler_queue_bound():
+    s = RequestScheduler(max_batch_size=2, max_waiting=2)
+    s.add(_req(0))
+    s.add(_req(1))
+    with pytest.raises(EngineOverloadedError):
+        s.add(_req(2))
+
+
+def test_no_request_starves_under_adversarial_arrivals():
+    """A lone key-"b" request arrives behind a steady stream of key-"a" requests that would
+    always form the bigger batch; it must still finish within a bounded number of steps."""
+    s = RequestScheduler(max_batch_size=8, max_waiting=1000)
+    steps_left, seq = {}, 0
+
+    def arrive(key):
+        nonlocal seq
+        r = _req(seq, key)
+        s.add(r)
+        steps_left[r.request_id] = 5
+        seq += 1
+        return r
+
+    for _ in range(4):
+        arrive("a")
+    victim = arrive("b")
+    done_at = None
+    for step in range(200):
+        for _ in range(2):
+            arrive("a")  # adversary: more "a" work every step
+        s.admit()
+        for r in s.select_batch():
+            steps_left[r.request_id] -= 1
+            if steps_left[r.request_id] == 0:
+                s.finish(r)
+                if r is victim:
+                    done_at = step
+        if done_at is not None:
+            break
+    assert done_at is not None and done_at < 20
+
+
+def test_big_request_runs_alone_when_it_exceeds_the_batch(engine):
+    [out] = engine.generate("x", _p(1, steps=2, num_images_per_prompt=10))  # 20 rows > 16
+    assert out.ok and out.metrics.batch_sizes == {20: 2}
+
+
+# ------------------------------------------------------------------------- abort
+def test_abort_waiting_and_running(engine):
+    reference = engine.generate("after", _p(5))[0].images
+    running = engine.add_request("long", _p(1, steps=50))
+    engine.step()
+    engine.step()
+    waiting_eng = engine  # same engine, a second request that is still waiting
+    engine.scheduler.max_batch_size = 2  # so the next one cannot be admitted
+    try:
+        waiting = waiting_eng.add_request("queued", _p(2))
+        engine.step()
+        assert engine.scheduler.waiting and engine.scheduler.waiting[0].request_id == waiting
+        assert engine.abort(waiting) and engine.abort(running)
+        finals = _run(engine)
+    finally:
+        engine.scheduler.max_batch_size = 16
+    assert finals[waiting].type is EventType.ABORTED and finals[running].type is EventType.ABORTED
+    assert finals[running].output.status is RequestStatus.ABORTED
+    assert finals[running].output.metrics.num_steps < 50
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert not engine.abort(running)  # already done
+    after = engine.generate("after", _p(5))[0]
+    assert np.abs(after.images - reference).max() <= TOL
+
+
+# -------------------------------------------------------------------- isolation
+@pytest.mark.parametrize("stage", ["prepare", "step", "decode"])
+def test_failure_is_isolated_to_its_request(engine, monkeypatch, stage):
+    adapter = engine.runner.adapter
+    original = getattr(adapter, stage)
+    seen = []
+
+    def flaky(state, *args):
+        if "FAIL" in state.prompt:
+            seen.append(weakref.ref(state))
+            raise RuntimeError(f"injected {stage} failure")
+        return original(state, *args)
+
+    monkeypatch.setattr(adapter, stage, flaky)
+    solo = [engine.generate(p, _p(s))[0].images for p, s in (("ok one", 1), ("ok two", 2))]
+    for _ in range(3):  # repeated failures leave nothing behind
+        outs = engine.generate(["ok one", "FAIL me", "ok two"], [_p(1), _p(3), _p(2)])
+        assert [o.status for o in outs] == [RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.FINISHED]
+        assert f"injected {stage} failure" in outs[1].error
+        assert np.abs(outs[0].images - solo[0]).max() <= TOL
+        assert np.abs(outs[2].images - solo[1]).max() <= TOL
+    gc.collect()
+    assert seen and all(ref() is None or ref().latents is None for ref in seen)
+    assert not engine.has_unfinished_requests() and not engine.scheduler.running
+
+
+def test_batched_forward_failure_retries_requests_alone(engine, monkeypatch):
+    adapter = engine.runner.adapter
+    original = adapter.denoise
+
+    def denoise(batch):
+        if any("FAIL" in s.prompt for s in batch.states):
+            raise RuntimeError("injected forward failure")
+        return original(batch)
+
+    monkeypatch.setattr(adapter, "denoise", denoise)
+    solo = engine.generate("fine", _p(4))[0].images
+    outs = engine.generate(["fine", "FAIL"], [_p(4), _p(6)])
+    assert outs[0].ok and not outs[1].ok
+    assert np.abs(outs[0].images - solo).max() <= TOL
+
+
+# ------------------------------------------------------------------ execution modes
+def test_request_mode_runs_static_batches(tiny_sd3_dir, engine):
+    static = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), execution_mode="request"),
+                             runner=engine.runner)
+    first = static.add_request("a", _p(1, steps=4))
+    static.step()
+    late = static.add_request("b", _p(2, steps=2))
+    finals = _run(static)
+    # the late request waited for the static batch to finish instead of joining it
+    assert finals[late].output.metrics.batch_sizes == {2: 2}
+    assert finals[first].output.metrics.batch_sizes == {2: 4}
+    step_mode = engine.generate(["a", "b"], [_p(1, steps=4), _p(2, steps=2)])
+    assert np.abs(finals[first].output.images - step_mode[0].images).max() <= TOL
+    assert np.abs(finals[late].output.images - step_mode[1].images).max() <= TOL
+
+
+def test_waiting_queue_bound(tiny_sd3_dir, engine):
+    small = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), max_waiting_requests=2), runner=engine.runner)
+    small.add_request("a", _p(1))
+    small.add_request("b", _p(2))
+    with pytest.raises(EngineOverloadedError):
+        small.add_request("c", _p(3))
+    _run(small)
+
+
+def test_unique_ids_for_identical_requests(engine):
+    ids = {engine.add_request("same", _p(1, steps=1)) for _ in range(5)}
+    assert len(ids) == 5
+    _run(engine)
+
+
+# --------------------------------------------------------------------- async engine
+def test_async_streams_events_in_order(engine):
+    async def main():
+        async_engine = AsyncDiffusionEngine(engine=engine)
+        try:
+            events = [e async for e in async_engine.generate("stream me", _p(8, steps=3), preview_steps=[2])]
+        finally:
+            async_engine.shutdown(timeout_s=5)
+        return events
+
+    events = asyncio.run(main())
+    kinds = [e.type for e in events]
+    assert kinds == [EventType.QUEUED, EventType.STARTED, EventType.PROGRESS, EventType.PROGRESS,
+                     EventType.PARTIAL, EventType.PROGRESS, EventType.FINISHED]
+    assert [e.step for e in events if e.type is EventType.PROGRESS] == [1, 2, 3]
+    assert events[4].preview.shape == (1, 64, 64, 3)
+    solo = engine.generate("stream me", _p(8, steps=3))[0].images
+    assert np.abs(events[-1].output.images - solo).max() <= TOL
+
+
+def test_async_concurrent_requests_batch_and_cancel(engine):
+    async def consume(async_engine, prompt, params):
+        return [e async for e in async_engine.generate(prompt, params)]
+
+    async def main():
+        async_engine = AsyncDiffusionEngine(engine=engine)
+        try:
+            victim = asyncio.create_task(consume(async_engine, "cancel me", _p(1, steps=200)))
+            others = [asyncio.create_task(consume(async_engine, f"p{i}", _p(i, steps=3))) for i in range(4)]
+            results = await asyncio.gather(*others)
+            victim.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await victim
+            for _ in range(200):  # the aborted request frees its slot at the next step
+                if not engine.has_unfinished_requests():
+                    break
+                await asyncio.sleep(0.01)
+            return results
+        finally:
+            async_engine.shutdown(timeout_s=5)
+
+    results = asyncio.run(main())
+    assert not engine.has_unfinished_requests()
+    for events in results:
+        assert events[-1].type is EventType.FINISHED
+    assert max(max(ev[-1].output.metrics.batch_sizes) for ev in results) > 2  # batched together
+    assert len({ev[-1].request_id for ev in results}) == 4

@@ -1,0 +1,271 @@
+"""Serving benchmark: diffusers one-at-a-time vs diffserve `request` mode vs `step` mode.
+
+One process, one run, the same workload for every arm:
+  (a) baseline: diffusers' own `StableDiffusion3Pipeline` serving requests one at a time in
+      arrival order (built on the very same loaded components);
+  (b) diffserve `request` mode: static batches run to completion;
+  (c) diffserve `step` mode: continuous batching, one denoising step at a time.
+
+Load: `--concurrency N` keeps N requests outstanding (closed loop), or `--request-rate R`
+sends Poisson arrivals at R requests/s (open loop; `--request-rate auto` = 80% of the step
+mode's capacity measured at `--concurrency`). Prompts are mixed; `--mixed-steps` and
+`--mixed-sizes` mix step counts and resolutions.
+
+It also prints the ceiling (the bare transformer forward at the batch size step mode reached,
+vs batch 1) and the engine overhead at batch 1 (diffserve's time per step vs the bare adapter
+forward + diffusion-scheduler step on the same inputs).
+
+Usage:
+    python benchmarks/serving.py --concurrency 16 --steps 20              # built-in model
+    python benchmarks/serving.py --request-rate auto --num-requests 64
+    python benchmarks/serving.py --model DIR --load-format dummy --steps 4 --concurrency 4
+      (DIR: any StableDiffusion3Pipeline folder; with dummy only its configs and tokenizers
+      are read, so a weightless copy of a large model's folder benchmarks its architecture)
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers import StableDiffusion3Pipeline
+
+from diffserve import DiffusionEngine, EngineConfig, SamplingParams
+from diffserve.pipelines.registry import adapter_class
+from diffserve.runner.loader import load_components
+from diffserve.runner.model_runner import ModelRunner
+from diffserve.runner.step_batch import StepBatch
+from diffserve.pipelines.base import RequestState
+from diffserve.sampling_params import RequestLimits
+
+PROMPTS = [
+    "a handwritten digit {d}", "the number {w}", "digit {d}", "{d}", "handwritten {w}",
+]
+WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+
+@dataclass
+class Job:
+    """One request of the workload: arrival offset (s), prompt and sampling params."""
+
+    arrival_s: float
+    prompt: str
+    params: SamplingParams
+
+
+def make_workload(args, spec) -> list[Job]:
+    """Seeded workload: prompts, seeds, step counts, sizes and (open loop) Poisson arrivals."""
+    rng = random.Random(args.seed)
+    jobs, t = [], 0.0
+    f = spec.resolution_factor
+    for i in range(args.num_requests):
+        d = rng.randrange(10)
+        prompt = rng.choice(PROMPTS).format(d=d, w=WORDS[d])
+        steps = args.steps if not args.mixed_steps else rng.choice([args.steps // 2, args.steps, args.steps * 2])
+        h, w = spec.default_height, spec.default_width
+        if args.mixed_sizes:
+            h, w = rng.choice([(h, w), (h + 2 * f, w), (h, w + 2 * f)])
+        if args.request_rate:
+            t += rng.expovariate(args.request_rate)
+        jobs.append(Job(t, prompt, SamplingParams(num_inference_steps=steps, guidance_scale=args.guidance,
+                                                  seed=args.seed + i, height=h, width=w, output_type="np")))
+    return jobs
+
+
+@dataclass
+class ArmResult:
+    name: str
+    latencies: list[float]
+    makespan_s: float
+    images: int
+    batch_rows: list[int]
+
+    @property
+    def throughput(self) -> float:
+        return self.images / self.makespan_s
+
+
+def _pct(values, q):
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def run_baseline(pipe: StableDiffusion3Pipeline, jobs: list[Job], concurrency: int | None) -> ArmResult:
+    """diffusers, one request at a time in arrival order (open loop: waits for arrivals)."""
+    start = time.perf_counter()
+    latencies, finish_times, free_at = [], [], 0.0
+    for i, job in enumerate(jobs):
+        if concurrency:  # closed loop: job i is sent when job i-concurrency finished
+            arrival = 0.0 if i < concurrency else finish_times[i - concurrency]
+        else:
+            arrival = job.arrival_s
+        now = time.perf_counter() - start
+        if arrival > now:
+            time.sleep(arrival - now)
+        p = job.params
+        pipe(job.prompt, num_inference_steps=p.num_inference_steps, guidance_scale=p.guidance_scale,
+             height=p.height, width=p.width, generator=torch.Generator().manual_seed(p.seed), output_type="np")
+        free_at = time.perf_counter() - start
+        latencies.append(free_at - arrival)
+        finish_times.append(free_at)
+    return ArmResult("diffusers (one at a time)", latencies, free_at, len(jobs), [])
+
+
+def run_engine(engine: DiffusionEngine, name: str, jobs: list[Job], concurrency: int | None) -> ArmResult:
+    """Drive a diffserve engine with the workload, stepping it in this thread."""
+    start = time.perf_counter()
+    arrival, finish = {}, {}
+    next_job, done, rows_seen = 0, 0, []
+    while done < len(jobs):
+        now = time.perf_counter() - start
+        while next_job < len(jobs):
+            outstanding = next_job - done
+            if concurrency:
+                if outstanding >= concurrency:
+                    break
+            elif jobs[next_job].arrival_s > now:
+                break
+            job = jobs[next_job]
+            rid = engine.add_request(job.prompt, job.params)
+            arrival[rid] = now if concurrency else job.arrival_s
+            next_job += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, jobs[next_job].arrival_s - (time.perf_counter() - start)))
+            continue
+        for event in engine.step():
+            if event.type.is_final:
+                assert event.output.ok, event.output.error
+                finish[event.request_id] = time.perf_counter() - start
+                done += 1
+                rows_seen.extend(k for k, v in event.output.metrics.batch_sizes.items() for _ in range(v))
+    latencies = [finish[r] - arrival[r] for r in finish]
+    return ArmResult(name, latencies, max(finish.values()), len(jobs), rows_seen)
+
+
+def time_forward(runner: ModelRunner, rows: int, steps: int, repeats: int = 5) -> float:
+    """Seconds per bare denoiser forward at `rows` rows (no engine, no scheduler step)."""
+    adapter = runner.adapter
+    params = SamplingParams(num_inference_steps=steps, guidance_scale=1.0, seed=0, num_images_per_prompt=rows)
+    limits = RequestLimits(max_num_images_per_prompt=rows, max_pixels=runner.config.max_pixels,
+                           max_num_inference_steps=runner.config.max_num_inference_steps)
+    state = RequestState("bench", "a handwritten digit 3", params.resolve(runner.spec, limits))
+    runner.prepare(state)
+    batch = StepBatch.gather(adapter, [state])
+    with torch.inference_mode():
+        adapter.denoise(batch)
+        t = time.perf_counter()
+        for _ in range(repeats):
+            adapter.denoise(batch)
+    return (time.perf_counter() - t) / repeats
+
+
+def engine_overhead(runner: ModelRunner, engine: DiffusionEngine, steps: int, guidance: float) -> tuple[float, float]:
+    """(diffserve s/step, bare adapter forward+scheduler step s/step) at batch 1."""
+    params = SamplingParams(num_inference_steps=steps, guidance_scale=guidance, seed=0, output_type="latent")
+    bare = []
+    for _ in range(3):
+        state = RequestState("bare", "digit 5", params.resolve(runner.spec, runner.config.limits))
+        runner.prepare(state)
+        with torch.inference_mode():
+            t = time.perf_counter()
+            while not state.done:
+                batch = StepBatch.gather(runner.adapter, [state])
+                runner.adapter.step(state, runner.adapter.denoise(batch))
+            bare.append((time.perf_counter() - t) / steps)
+    served = []
+    for _ in range(3):
+        [out] = engine.generate("digit 5", params)
+        served.append(out.metrics.denoise_s / steps)
+    return statistics.median(served), statistics.median(bare)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--load-format", default="default", choices=["default", "dummy"])
+    ap.add_argument("--num-requests", type=int, default=48)
+    ap.add_argument("--concurrency", type=int, default=None)
+    ap.add_argument("--request-rate", default=None, help="requests/s (Poisson) or 'auto'")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--guidance", type=float, default=4.0)
+    ap.add_argument("--mixed-steps", action="store_true")
+    ap.add_argument("--mixed-sizes", action="store_true")
+    ap.add_argument("--max-batch-size", type=int, default=32, help="transformer rows per step")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--arms", default="baseline,request,step")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.concurrency is None and args.request_rate is None:
+        args.concurrency = 16
+    torch.set_num_threads(args.threads)
+    arms = args.arms.split(",")
+
+    config = EngineConfig(model=args.model, load_format=args.load_format, max_batch_size=args.max_batch_size,
+                          max_waiting_requests=100_000, num_threads=args.threads)
+    class_name, components = load_components(config.model_path, config.torch_dtype, config.load_format)
+    for module in components.values():
+        if isinstance(module, torch.nn.Module):
+            module.eval().requires_grad_(False)
+    adapter = adapter_class(class_name).from_components(components, config.torch_device, config.torch_dtype,
+                                                        Path(config.model_path))
+    runner = ModelRunner(config, adapter=adapter)
+    pipe = StableDiffusion3Pipeline(**{k: v for k, v in components.items()})
+    pipe.set_progress_bar_config(disable=True)
+
+    rate = args.request_rate
+    if rate == "auto":
+        probe_args = argparse.Namespace(**{**vars(args), "request_rate": None})
+        probe = run_engine(DiffusionEngine(config, runner=runner), "probe", make_workload(probe_args, runner.spec),
+                           args.concurrency or 16)
+        rate = 0.8 * probe.throughput
+        print(f"step-mode capacity {probe.throughput:.2f} req/s -> Poisson rate {rate:.2f} req/s (80%)")
+    args.request_rate = float(rate) if rate else None
+    concurrency = None if args.request_rate else args.concurrency
+    jobs = make_workload(args, runner.spec)
+    load = f"Poisson {args.request_rate:.2f} req/s" if args.request_rate else f"concurrency {concurrency}"
+    print(f"model={config.model_path.name} load_format={args.load_format} device={config.torch_device} "
+          f"threads={torch.get_num_threads()} requests={len(jobs)} steps={args.steps} guidance={args.guidance} "
+          f"load={load} mixed_steps={args.mixed_steps} mixed_sizes={args.mixed_sizes} "
+          f"max_batch_size={args.max_batch_size}")
+
+    # warm up every path once
+    pipe("digit 1", num_inference_steps=2, height=runner.spec.default_height, width=runner.spec.default_width)
+    DiffusionEngine(config, runner=runner).generate(["digit 1"] * 4, SamplingParams(num_inference_steps=2))
+
+    results: list[ArmResult] = []
+    if "baseline" in arms:
+        results.append(run_baseline(pipe, jobs, concurrency))
+    for mode in ("request", "step"):
+        if mode in arms:
+            cfg = EngineConfig(**{**vars(config), "execution_mode": mode})
+            results.append(run_engine(DiffusionEngine(cfg, runner=runner), f"diffserve {mode} mode", jobs, concurrency))
+
+    base = results[0].throughput if "baseline" in arms else None
+    print(f"\n{'arm':28s} {'img/s':>8s} {'vs base':>8s} {'p50 s':>8s} {'p95 s':>8s} {'p99 s':>8s} {'mean rows':>9s}")
+    for r in results:
+        ratio = f"{r.throughput / base:7.2f}x" if base else "     n/a"
+        rows = f"{statistics.mean(r.batch_rows):9.1f}" if r.batch_rows else "      n/a"
+        print(f"{r.name:28s} {r.throughput:8.2f} {ratio} {_pct(r.latencies, 50):8.2f} "
+              f"{_pct(r.latencies, 95):8.2f} {_pct(r.latencies, 99):8.2f} {rows}")
+
+    step = next((r for r in results if r.name == "diffserve step mode"), None)
+    if step is not None and step.batch_rows:
+        rows = int(round(statistics.mean(step.batch_rows)))
+        cfg_rows = 2 if args.guidance > 1 else 1
+        t1, tb = time_forward(runner, cfg_rows, args.steps), time_forward(runner, rows, args.steps)
+        ceiling = (rows / cfg_rows) / (args.steps * tb)
+        print(f"\nceiling: bare forward {cfg_rows} rows {t1 * 1e3:.2f} ms, {rows} rows {tb * 1e3:.2f} ms "
+              f"({tb / t1:.2f}x the cost for {rows / cfg_rows:.0f}x the images) -> {ceiling:.2f} img/s; "
+              f"step mode reaches {step.throughput / ceiling:.0%} of it")
+    served, bare = engine_overhead(runner, DiffusionEngine(config, runner=runner), args.steps, args.guidance)
+    print(f"engine overhead at batch 1: diffserve {served * 1e3:.3f} ms/step vs bare adapter "
+          f"{bare * 1e3:.3f} ms/step -> {served / bare - 1:+.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -37,6 +37,15 @@ class EngineConfig:
             (always reported back in the output).
         max_num_inference_steps / max_pixels / max_num_images_per_prompt: request limits.
         num_threads: torch intra-op threads to set (None leaves torch's default).
+        prompt_embed_cache_size: entries of the prompt-embedding LRU (0 = off); see
+            `diffserve.acceleration.prompt_embed_cache`.
+        cache_backend: step caching: ``"none"``, ``"teacache"`` or ``"cache_dit"`` (see
+            `diffserve.acceleration`); its state is reset at the start of every request.
+        cache_config: options of the cache backend (keys of `TeaCacheConfig` /
+            `CacheDiTConfig`; empty = that backend's defaults).
+        compile: regional ``torch.compile`` of the denoiser's repeated blocks, warmed up at
+            startup (falls back to eager with a warning if compiling fails).
+        compile_vae: also compile the VAE decoder (only with ``compile``).
     """
 
     model: str | None = None
@@ -51,6 +60,11 @@ class EngineConfig:
     max_pixels: int = 2048 * 2048
     max_num_images_per_prompt: int = 10
     num_threads: int | None = None
+    prompt_embed_cache_size: int = 256
+    cache_backend: str = "none"
+    cache_config: dict = field(default_factory=dict)
+    compile: bool = False
+    compile_vae: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -65,6 +79,15 @@ class EngineConfig:
                 raise InvalidRequestError(name, value, "an integer >= 1")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise InvalidRequestError("dtype", self.dtype, f"auto or one of {sorted(_DTYPES)}")
+        size = self.prompt_embed_cache_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise InvalidRequestError("prompt_embed_cache_size", size, "an integer >= 0 (0 = off)")
+        for name in ("compile", "compile_vae"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(name, getattr(self, name), "true or false")
+        from diffserve.acceleration import parse_cache_config
+
+        parse_cache_config(self.cache_backend, self.cache_config)
 
     @property
     def model_path(self) -> Path:

@@ -27,6 +27,7 @@ import torch
 from diffserve.sampling_params import ModelSpec, SamplingParams
 
 if TYPE_CHECKING:
+    from diffserve.acceleration.prompt_embed_cache import PromptEmbedCache
     from diffserve.runner.step_batch import StepBatch
 
 
@@ -98,6 +99,9 @@ class PipelineAdapter(ABC):
     device: torch.device
     dtype: torch.dtype
     spec: ModelSpec
+    #: LRU of prompt encodings installed by the model runner (None = off); adapters look
+    #: their prompt encodings up in it (`diffserve.acceleration.prompt_embed_cache`).
+    prompt_embed_cache: "PromptEmbedCache | None" = None
 
     @classmethod
     @abstractmethod

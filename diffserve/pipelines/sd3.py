@@ -135,10 +135,20 @@ class StableDiffusion3Adapter(PipelineAdapter):
             pooled = torch.cat([npooled, pooled], dim=0)
         return pe, pooled
 
+    def cached_encode_prompt(self, prompt: str, negative_prompt: str, do_cfg: bool, num_images: int):
+        """`encode_prompt` through the prompt-embedding cache when the runner installed one
+        (keyed by every argument that changes the result); same return value."""
+        if self.prompt_embed_cache is None:
+            return self.encode_prompt(prompt, negative_prompt, do_cfg, num_images)
+        key = (prompt, negative_prompt if do_cfg else None, do_cfg, num_images,
+               self.max_sequence_length, str(self.dtype), str(self.device))
+        return self.prompt_embed_cache.get_or_encode(
+            key, lambda: self.encode_prompt(prompt, negative_prompt, do_cfg, num_images))
+
     def prepare(self, state: RequestState) -> None:
         p = state.params
         do_cfg = p.do_classifier_free_guidance
-        prompt_embeds, pooled = self.encode_prompt(
+        prompt_embeds, pooled = self.cached_encode_prompt(
             state.prompt, p.negative_prompt or "", do_cfg, p.num_images_per_prompt
         )
         state.model_inputs = {"encoder_hidden_states": prompt_embeds, "pooled_projections": pooled}

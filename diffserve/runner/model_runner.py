@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from diffserve.acceleration.accelerator import Accelerator
 from diffserve.config import EngineConfig
 from diffserve.pipelines.base import PipelineAdapter, RequestState
 from diffserve.runner.loader import load_adapter
@@ -40,11 +41,13 @@ class ModelRunner:
     """Runs the pipeline adapter of one loaded model on one device.
 
     Args:
-        config: engine configuration (model folder, device, dtype, load format, threads).
+        config: engine configuration (model folder, device, dtype, load format, threads,
+            acceleration: prompt-embedding cache, cache backend, compile).
 
     Raises:
         UnsupportedModelError: the folder is not a diffusers folder or its pipeline class
             has no adapter.
+        InvalidRequestError: the configured cache backend does not support this model.
     """
 
     def __init__(self, config: EngineConfig, adapter: PipelineAdapter | None = None):
@@ -55,6 +58,7 @@ class ModelRunner:
         self.adapter = adapter or load_adapter(
             config.model_path, self.device, config.torch_dtype, config.load_format
         )
+        self.accelerator = Accelerator(self.adapter, config)
 
     @property
     def spec(self) -> ModelSpec:
@@ -69,8 +73,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prepare(self, state: RequestState) -> None:
-        """Encode the prompt and create the request's latents, scheduler and timesteps."""
+        """Encode the prompt and create the request's latents, scheduler and timesteps; start
+        the request's caching state from scratch."""
         self.adapter.prepare(state)
+        self.accelerator.reset(state)
 
     @torch.inference_mode()
     def execute_step(self, states: list[RequestState]) -> StepResult:
@@ -78,21 +84,19 @@ class ModelRunner:
 
         If the batched forward raises, each request is retried alone so only the ones that
         fail on their own are reported; a failing diffusion-scheduler step fails only its
-        own request.
+        own request. A cache backend that cannot share forwards (cache_dit) gets one forward
+        per request.
         """
+        if len(states) > 1 and not self.accelerator.shares_forward:
+            return self._execute_alone(states)
         try:
             batch = StepBatch.gather(self.adapter, states)
-            rows = batch.scatter(self.adapter.denoise(batch))
+            rows = batch.scatter(self.accelerator.denoise(batch))
         except Exception as exc:  # noqa: BLE001 - isolate per request
             if len(states) == 1:
                 return StepResult(num_rows=states[0].rows, failures={states[0].request_id: exc})
             logger.warning("batched step failed (%s); retrying %d requests alone", exc, len(states))
-            result = StepResult(num_rows=0)
-            for state in states:
-                single = self.execute_step([state])
-                result.num_rows = max(result.num_rows, single.num_rows)
-                result.failures.update(single.failures)
-            return result
+            return self._execute_alone(states)
         result = StepResult(num_rows=batch.num_rows)
         for state, noise_pred in zip(states, rows):
             try:
@@ -100,6 +104,20 @@ class ModelRunner:
             except Exception as exc:  # noqa: BLE001
                 result.failures[state.request_id] = exc
         return result
+
+    def _execute_alone(self, states: list[RequestState]) -> StepResult:
+        """One `execute_step` per request; num_rows is the largest forward's."""
+        result = StepResult(num_rows=0)
+        for state in states:
+            single = self.execute_step([state])
+            result.num_rows = max(result.num_rows, single.num_rows)
+            result.failures.update(single.failures)
+        return result
+
+    def acceleration_stats(self) -> dict[str, Any]:
+        """Prompt-embedding cache, cache backend and compile counters (see
+        `diffserve.acceleration.accelerator.Accelerator.stats`)."""
+        return self.accelerator.stats()
 
     @torch.inference_mode()
     def decode(self, state: RequestState, latents: torch.Tensor | None = None) -> Any:

@@ -1,0 +1,133 @@
+"""`Accelerator`: the acceleration features of one loaded model, set up from `EngineConfig`.
+
+The model runner builds one after loading the adapter and routes three calls through it:
+`reset` at the start of every request, `denoise` for every step batch, `stats` for metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from diffserve.acceleration import parse_cache_config
+from diffserve.acceleration.backend import CacheBackend
+from diffserve.acceleration.compile import RegionalCompiler
+from diffserve.acceleration.prompt_embed_cache import PromptEmbedCache
+
+if TYPE_CHECKING:
+    from diffserve.config import EngineConfig
+    from diffserve.pipelines.base import PipelineAdapter, RequestState
+    from diffserve.runner.step_batch import StepBatch
+
+logger = logging.getLogger(__name__)
+
+
+def build_cache_backend(adapter: "PipelineAdapter", backend: str, options: dict,
+                        model_path: Path | None = None) -> CacheBackend:
+    """Install the step-caching backend named `backend` on `adapter` (once, at load).
+
+    Raises:
+        InvalidRequestError: bad name or options, or the model does not support the backend.
+    """
+    config = parse_cache_config(backend, options)
+    if backend == "teacache":
+        from diffserve.acceleration.teacache import TeaCacheBackend
+
+        return TeaCacheBackend(adapter, config, model_path)
+    if backend == "cache_dit":
+        from diffserve.acceleration.cache_dit import CacheDiTBackend
+
+        return CacheDiTBackend(adapter, config)
+    return CacheBackend()
+
+
+class Accelerator:
+    """Prompt-embedding cache + step-caching backend + regional compile of one adapter.
+
+    Args:
+        adapter: the loaded pipeline adapter (modified in place: its
+            ``prompt_embed_cache`` is set, cache hooks and compiled blocks are installed).
+        config: ``prompt_embed_cache_size``, ``cache_backend``, ``cache_config``, ``compile``,
+            ``compile_vae`` and ``max_batch_size`` (warm-up sizes) are read.
+
+    Raises:
+        InvalidRequestError: a bad cache backend / options for this model.
+    """
+
+    def __init__(self, adapter: "PipelineAdapter", config: "EngineConfig"):
+        self.adapter = adapter
+        model_path = config.model_path
+        self.prompt_cache: PromptEmbedCache | None = None
+        if config.prompt_embed_cache_size > 0:
+            self.prompt_cache = PromptEmbedCache(
+                config.prompt_embed_cache_size, model=f"{model_path}:{config.load_format}")
+        adapter.prompt_embed_cache = self.prompt_cache
+        self.backend = build_cache_backend(adapter, config.cache_backend, config.cache_config, model_path)
+        self.compiler: RegionalCompiler | None = None
+        if config.compile:
+            vae = getattr(getattr(adapter, "pipe", None), "vae", None)
+            decoder = vae.decoder if config.compile_vae and vae is not None else None
+            self.compiler = RegionalCompiler(adapter.denoiser, decoder)
+            self.compiler.apply()
+            self.compiler.warm_up(self._warmup_calls(config, decode=decoder is not None))
+
+    @property
+    def shares_forward(self) -> bool:
+        """Whether requests of a step batch may share one denoiser forward."""
+        return self.backend.shares_forward
+
+    def reset(self, state: "RequestState") -> None:
+        """Fresh caching state for a request (after `prepare`: its step count is known)."""
+        self.backend.reset(state)
+
+    def denoise(self, batch: "StepBatch") -> torch.Tensor:
+        """The denoiser forward of a step batch through the cache backend."""
+        return self.backend.denoise(self.adapter, batch)
+
+    def _warmup_calls(self, config: "EngineConfig", decode: bool) -> list:
+        """Denoiser forwards at 1, 2 and ``max_batch_size`` rows (the default resolution) and
+        one decode, so compiled graphs exist before the first request."""
+        from diffserve.pipelines.base import RequestState
+        from diffserve.runner.step_batch import StepBatch
+        from diffserve.sampling_params import SamplingParams
+
+        adapter = self.adapter
+        params = SamplingParams(seed=0, num_inference_steps=1, output_type="np").resolve(
+            adapter.spec, config.limits, 0)
+        state = RequestState("warm-up", "warm-up", params)
+        adapter.prompt_embed_cache = None  # warm-up prompts are not traffic
+        try:
+            with torch.inference_mode():
+                adapter.prepare(state)
+                base = adapter.step_inputs(state)
+        finally:
+            adapter.prompt_embed_cache = self.prompt_cache
+
+        def forward(rows: int):
+            inputs = {k: v[:1].repeat(rows, *[1] * (v.dim() - 1)) for k, v in base.items()}
+            with torch.inference_mode():
+                adapter.denoise(StepBatch(states=[], inputs=inputs, row_counts=[rows]))
+
+        def decode_once():
+            with torch.inference_mode():
+                adapter.decode(state)
+
+        sizes = sorted({s for s in (1, 2, config.max_batch_size) if s <= config.max_batch_size})
+        calls = [lambda rows=rows: forward(rows) for rows in sizes]
+        if decode:
+            calls.append(decode_once)
+        return calls
+
+    def stats(self) -> dict[str, Any]:
+        """``{"prompt_embed_cache": ..., "cache_backend": ..., "compile": ...}``: see
+        `PromptEmbedCache.stats`, `CacheBackend.stats`, `RegionalCompiler.stats`; a disabled
+        feature reports ``{"enabled": False}``."""
+        return {
+            "prompt_embed_cache": ({"enabled": True, **self.prompt_cache.stats()}
+                                   if self.prompt_cache is not None else {"enabled": False}),
+            "cache_backend": self.backend.stats(),
+            "compile": self.compiler.stats() if self.compiler is not None else {"enabled": False},
+        }

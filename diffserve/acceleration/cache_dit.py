@@ -1,0 +1,222 @@
+"""The ``cache_dit`` backend: cache-dit's DBCache (optionally with TaylorSeer) on our transformer.
+
+cache-dit (github.com/vipshop/cache-dit, pip ``cache-dit``) wraps the transformer's block list:
+the first ``Fn_compute_blocks`` blocks always run; when the relative L1 change of their
+residual since the request's previous step is below ``residual_diff_threshold`` the middle
+blocks are skipped and their cached residual reused (optionally extrapolated by TaylorSeer,
+Liu et al. 2025, arXiv:2503.06923); the last ``Bn_compute_blocks`` blocks always run.
+
+Where cache-dit keeps its state, and how we make it per request: cache-dit stores every
+mutable thing (step counters, cached residual buffers, residual diffs, calibrators) in a
+``CachedContext`` object; the patched blocks look their context up by name in the
+transformer's ``CachedContextManager`` at every forward. We create one ``CachedContext`` per
+request at its start (``num_inference_steps`` = that request's step count), keep it in the
+request's ``RequestState.extra``, and put it under that name just for the request's own
+forwards. So no state leaks between requests, and step counts and resolutions may change
+between requests.
+
+Limitation: cache-dit takes ONE caching decision per forward, from a diff over the whole batch
+tensor, and keeps one residual buffer for the whole batch. Two requests sharing a forward
+would share the decision and overwrite each other's buffers, so their outputs would depend on
+each other. This backend therefore declares ``shares_forward = False``: the runner runs each
+request of a step batch in its own transformer forward (with its own context). Requests still
+interleave step by step, but cache_dit requests do not batch together; use ``teacache`` to
+combine caching with batched forwards.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from diffserve.acceleration.backend import CacheBackend
+from diffserve.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from diffserve.pipelines.base import PipelineAdapter, RequestState
+    from diffserve.runner.step_batch import StepBatch
+
+STATE_KEY = "cache_dit"
+
+#: Denoiser class -> (attribute holding the block list, cache-dit ForwardPattern name).
+#: SD3's JointTransformerBlock takes (hidden_states, encoder_hidden_states) and returns
+#: (encoder_hidden_states, hidden_states): cache-dit's Pattern_1 (its own SD3 adapter uses it).
+SUPPORTED_DENOISERS = {"SD3Transformer2DModel": ("transformer_blocks", "Pattern_1")}
+
+#: cache-dit 1.5.3's DBCacheConfig defaults (Fn_compute_blocks is clamped to the model).
+DEFAULT_FN_COMPUTE_BLOCKS = 8
+
+
+@dataclass(frozen=True)
+class CacheDiTConfig:
+    """``EngineConfig.cache_config`` of the ``cache_dit`` backend (cache-dit's DBCacheConfig
+    names; defaults are cache-dit 1.5.3's).
+
+    Attributes:
+        Fn_compute_blocks: leading blocks always computed (>= 1); None = min(8, blocks - 1 -
+            Bn_compute_blocks). Fn + Bn must be below the number of blocks.
+        Bn_compute_blocks: trailing blocks always computed (>= 0).
+        residual_diff_threshold: reuse the cache while the Fn residual's relative L1 change
+            is below this (>= 0; 0 never reuses).
+        max_warmup_steps: leading steps that always compute (>= 0).
+        warmup_interval: compute every this many steps during warm-up (>= 1).
+        max_cached_steps: most reused steps per request (-1 = no limit).
+        max_continuous_cached_steps: most consecutive reused steps (-1 = no limit).
+        taylorseer: extrapolate the cached residual with TaylorSeer.
+        taylorseer_order: Taylor expansion order (>= 1).
+    """
+
+    Fn_compute_blocks: int | None = None
+    Bn_compute_blocks: int = 0
+    residual_diff_threshold: float = 0.08
+    max_warmup_steps: int = 8
+    warmup_interval: int = 1
+    max_cached_steps: int = -1
+    max_continuous_cached_steps: int = -1
+    taylorseer: bool = False
+    taylorseer_order: int = 1
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any]) -> "CacheDiTConfig":
+        """Validate a ``cache_config`` dict.
+
+        Raises:
+            InvalidRequestError: unknown key or a value out of range.
+        """
+        lows = {"Fn_compute_blocks": 1, "Bn_compute_blocks": 0, "max_warmup_steps": 0,
+                "warmup_interval": 1, "max_cached_steps": -1, "max_continuous_cached_steps": -1,
+                "taylorseer_order": 1}
+        allowed = set(lows) | {"residual_diff_threshold", "taylorseer"}
+        for key, value in options.items():
+            if key not in allowed:
+                raise InvalidRequestError("cache_config", key, f"a cache_dit key, one of {sorted(allowed)}")
+            if key in lows and (isinstance(value, bool) or not isinstance(value, int) or value < lows[key]):
+                if not (key == "Fn_compute_blocks" and value is None):
+                    raise InvalidRequestError(f"cache_config.{key}", value, f"an integer >= {lows[key]}")
+        thresh = options.get("residual_diff_threshold", 0.08)
+        if isinstance(thresh, bool) or not isinstance(thresh, (int, float)) or not math.isfinite(thresh) \
+                or thresh < 0:
+            raise InvalidRequestError("cache_config.residual_diff_threshold", thresh, "a finite number >= 0")
+        if not isinstance(options.get("taylorseer", False), bool):
+            raise InvalidRequestError("cache_config.taylorseer", options["taylorseer"], "true or false")
+        return cls(**{**options, "residual_diff_threshold": float(thresh)})
+
+
+def _import_cache_dit():
+    os.environ.setdefault("CACHE_DIT_LOG_LEVEL", "warning")
+    try:
+        import cache_dit
+    except ImportError as exc:  # optional dependency
+        raise InvalidRequestError("cache_backend", "cache_dit", "installed with pip install cache-dit",
+                                  detail=str(exc)) from exc
+    return cache_dit
+
+
+class CacheDiTBackend(CacheBackend):
+    """The ``cache_dit`` backend (see the module docstring).
+
+    Installs cache-dit's hooks on the adapter's denoiser once (``cache_dit.enable_cache`` with
+    a transformer-only ``BlockAdapter``).
+
+    Raises:
+        InvalidRequestError: cache-dit is not installed, the denoiser class is not supported,
+            or Fn + Bn >= the number of blocks.
+    """
+
+    name = "cache_dit"
+    shares_forward = False
+
+    def __init__(self, adapter: "PipelineAdapter", config: CacheDiTConfig):
+        super().__init__()
+        cache_dit = _import_cache_dit()
+        from cache_dit.caching.block_adapters import FakeDiffusionPipeline
+        from cache_dit.caching.cache_contexts.cache_context import CachedContext
+
+        model = adapter.denoiser
+        kind = SUPPORTED_DENOISERS.get(type(model).__name__)
+        if kind is None:
+            raise InvalidRequestError("cache_backend", "cache_dit",
+                                      f"a backend supported by the model (cache_dit: {sorted(SUPPORTED_DENOISERS)})",
+                                      detail=f"model has a {type(model).__name__}")
+        blocks_attr, pattern = kind
+        blocks = getattr(model, blocks_attr)
+        fn = config.Fn_compute_blocks
+        if fn is None:
+            fn = max(1, min(DEFAULT_FN_COMPUTE_BLOCKS, len(blocks) - 1 - config.Bn_compute_blocks))
+        if fn + config.Bn_compute_blocks >= len(blocks):
+            raise InvalidRequestError(
+                "cache_config.Fn_compute_blocks", fn,
+                f"such that Fn + Bn_compute_blocks ({config.Bn_compute_blocks}) < {len(blocks)} "
+                "(the model's transformer blocks), so some blocks can be cached")
+        self.config = config
+        self.Fn_compute_blocks = fn
+        cache_config = cache_dit.DBCacheConfig(
+            Fn_compute_blocks=fn,
+            Bn_compute_blocks=config.Bn_compute_blocks,
+            residual_diff_threshold=config.residual_diff_threshold,
+            max_warmup_steps=config.max_warmup_steps,
+            warmup_interval=config.warmup_interval,
+            max_cached_steps=config.max_cached_steps,
+            max_continuous_cached_steps=config.max_continuous_cached_steps,
+            enable_separate_cfg=False,  # our CFG rows share one forward
+        )
+        calibrator = None
+        if config.taylorseer:
+            # SD3's last block returns no encoder stream (context_pre_only), so there is no
+            # encoder residual to extrapolate: cache-dit's encoder calibrator would fail with
+            # "State 'transformer_blocks_Bn_residual' not found"; only the image stream is used.
+            calibrator = cache_dit.TaylorSeerCalibratorConfig(
+                taylorseer_order=config.taylorseer_order, enable_encoder_calibrator=False)
+        block_adapter = cache_dit.BlockAdapter(
+            pipe=FakeDiffusionPipeline(model), transformer=model, blocks=blocks,
+            forward_pattern=getattr(cache_dit.ForwardPattern, pattern),
+        )
+        cache_dit.enable_cache(block_adapter, cache_config=cache_config, calibrator_config=calibrator)
+        self._manager = model._context_manager
+        [self._context_name] = model._context_names  # one block list -> one context
+        self._template = self._manager.get_context(self._context_name)._init_kwargs
+        self._context_cls = CachedContext
+
+    def new_context(self, num_steps: int | None):
+        """A fresh cache-dit ``CachedContext`` for a request of `num_steps` steps."""
+        kwargs = copy.deepcopy(self._template)
+        kwargs["cache_config"].num_inference_steps = num_steps
+        return self._context_cls(**kwargs)
+
+    def reset(self, state: "RequestState") -> None:
+        """Give the request its own fresh cache-dit context (sized to its step count)."""
+        state.extra[STATE_KEY] = self.new_context(state.num_steps)
+
+    def denoise(self, adapter: "PipelineAdapter", batch: "StepBatch") -> torch.Tensor:
+        """One request's forward with its own context swapped into the transformer.
+
+        Raises:
+            ValueError: the batch holds more than one request.
+        """
+        if len(batch.states) != 1:
+            raise ValueError("the cache_dit backend runs one request per forward")
+        context = batch.states[0].extra[STATE_KEY]
+        cached_before = context.accumulated_cached_steps
+        contexts = self._manager._cached_context_manager
+        contexts[self._context_name] = context
+        try:
+            out = adapter.denoise(batch)
+        finally:
+            # A fresh idle context: forwards outside a request never touch a request's state.
+            contexts[self._context_name] = self.new_context(None)
+            self._manager._current_context = None
+        self.transformer_calls += 1
+        self.skipped += context.accumulated_cached_steps - cached_before
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        """`CacheBackend.stats` plus the DBCache settings in use."""
+        return {**super().stats(), "Fn_compute_blocks": self.Fn_compute_blocks,
+                "Bn_compute_blocks": self.config.Bn_compute_blocks,
+                "residual_diff_threshold": self.config.residual_diff_threshold,
+                "taylorseer": self.config.taylorseer}

@@ -1,0 +1,264 @@
+"""Acceleration: prompt-embedding cache, cache backends (teacache, cache_dit), regional compile.
+
+Per-request caching is checked the strong way: a request's output must not depend on what ran
+before it (A, B, A) or beside it (mixed step batch vs solo run).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from diffserve import DiffusionEngine, EngineConfig, InvalidRequestError, SamplingParams
+from diffserve.acceleration import compile as compile_module
+from diffserve.acceleration.prompt_embed_cache import PromptEmbedCache
+from diffserve.acceleration.teacache import TeaCacheBackend
+from diffserve.entrypoints.cli import build_parser, engine_config_from_args, main
+
+TOL = 1e-4
+# Thresholds at which the tiny random model really skips (checked in the tests).
+BACKENDS = {
+    "teacache": {"rel_l1_thresh": 0.3},
+    "cache_dit": {"Fn_compute_blocks": 1, "residual_diff_threshold": 0.5, "max_warmup_steps": 2},
+    "cache_dit_taylorseer": {"Fn_compute_blocks": 1, "residual_diff_threshold": 0.5,
+                             "max_warmup_steps": 2, "taylorseer": True},
+}
+
+
+def _backend(name: str) -> tuple[str, dict]:
+    return ("cache_dit" if name.startswith("cache_dit") else name), dict(BACKENDS[name])
+
+
+def _engine(model_dir, name: str | None = None, **kw) -> DiffusionEngine:
+    backend, options = ("none", {}) if name is None else _backend(name)
+    return DiffusionEngine(EngineConfig(model=str(model_dir), cache_backend=backend,
+                                        cache_config=options, **kw))
+
+
+def _p(seed, steps=10, **kw):
+    return SamplingParams(seed=seed, num_inference_steps=steps, output_type="np", **kw)
+
+
+def _run(engine, prompt, params):
+    [out] = engine.generate(prompt, params)
+    assert out.ok, out.error
+    return out.images
+
+
+# --------------------------------------------------------------------- prompt-embed cache
+def test_prompt_cache_hit_equals_fresh_encode_and_cannot_be_mutated():
+    calls = []
+
+    def encode():
+        calls.append(1)
+        return torch.arange(6.0).reshape(2, 3), torch.ones(2)
+
+    cache = PromptEmbedCache(capacity=2, model="m")
+    first = cache.get_or_encode(("a",), encode)
+    first[0].fill_(-1)  # the requester owns its tensors
+    hit = cache.get_or_encode(("a",), encode)
+    assert len(calls) == 1
+    assert torch.equal(hit[0], torch.arange(6.0).reshape(2, 3)) and torch.equal(hit[1], torch.ones(2))
+    hit[0].zero_()
+    again = cache.get_or_encode(("a",), encode)
+    assert torch.equal(again[0], torch.arange(6.0).reshape(2, 3))
+    cache.get_or_encode(("b",), encode)
+    cache.get_or_encode(("c",), encode)  # evicts "a" (least recently used)
+    cache.get_or_encode(("a",), encode)
+    assert cache.stats() | {"bytes": 0, "hit_rate": 0} == {
+        "capacity": 2, "size": 2, "bytes": 0, "hits": 2, "misses": 4, "evictions": 2, "hit_rate": 0}
+
+
+def test_prompt_cache_in_engine_keys_on_every_encode_argument(tiny_sd3_dir):
+    engine = _engine(tiny_sd3_dir)
+    uncached = _engine(tiny_sd3_dir, prompt_embed_cache_size=0)
+    requests = [
+        ("a cat", _p(1, steps=2)),
+        ("a cat", _p(2, steps=2)),                                   # hit
+        ("a cat", _p(1, steps=2, negative_prompt="blurry")),         # miss: negative prompt
+        ("a cat", _p(1, steps=2, guidance_scale=1.0)),               # miss: CFG off
+        ("a cat", _p(1, steps=2, guidance_scale=1.0, negative_prompt="x")),  # hit: ignored w/o CFG
+        ("a cat", _p(1, steps=2, num_images_per_prompt=2)),          # miss: images per prompt
+        ("a cat", _p(1, steps=2)),                                   # hit
+    ]
+    for prompt, params in requests:
+        np.testing.assert_array_equal(_run(engine, prompt, params), _run(uncached, prompt, params))
+    stats = engine.runner.acceleration_stats()["prompt_embed_cache"]
+    assert (stats["hits"], stats["misses"], stats["size"]) == (3, 4, 4)
+    assert uncached.runner.acceleration_stats()["prompt_embed_cache"] == {"enabled": False}
+
+
+# ----------------------------------------------------------------------- cache backends
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_cache_state_resets_between_requests(tiny_sd3_dir, name):
+    engine = _engine(tiny_sd3_dir, name)
+    a = ("a red house", _p(3, steps=10))
+    b = ("a green tree", _p(4, steps=7, height=32, width=48))  # other step count and size
+    first = _run(engine, *a)
+    _run(engine, *b)
+    again = _run(engine, *a)
+    np.testing.assert_array_equal(first, again)
+    np.testing.assert_array_equal(first, _run(_engine(tiny_sd3_dir, name), *a))  # fresh engine
+    stats = engine.runner.acceleration_stats()["cache_backend"]
+    assert stats["skipped"] > 0 and stats["transformer_calls"] == 27
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_mixed_step_batch_equals_solo_runs(tiny_sd3_dir, name):
+    engine = _engine(tiny_sd3_dir, name)
+    forwards: list[list[bool]] = []  # teacache: each forward's per-request compute decisions
+    if name == "teacache":
+        backend = engine.runner.accelerator.backend
+        denoise, decide = backend.denoise, backend._decide
+
+        def recording_denoise(adapter, batch):
+            forwards.append([])
+            return denoise(adapter, batch)
+
+        def recording_decide(st, modulated):
+            result = decide(st, modulated)
+            forwards[-1].append(result[0])
+            return result
+
+        backend.denoise, backend._decide = recording_denoise, recording_decide
+    jobs = [("one", _p(11, steps=12)), ("two", _p(12, steps=9)), ("three", _p(13, steps=10))]
+    ids = [engine.add_request(*jobs[0])]
+    for _ in range(3):  # the first request runs ahead: later steps share forwards with others
+        engine.step()
+    ids += [engine.add_request(*job) for job in jobs[1:]]
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for event in engine.step():
+            if event.type.is_final:
+                outputs[event.request_id] = event.output
+    for request_id, job in zip(ids, jobs):
+        assert np.abs(outputs[request_id].images - _run(_engine(tiny_sd3_dir, name), *job)).max() <= TOL
+    if name == "teacache":
+        assert any(any(d) and not all(d) for d in forwards), "no forward mixed compute and reuse"
+        assert max(outputs[ids[0]].metrics.batch_sizes) == 6  # really batched
+    else:  # cache_dit runs one request per forward
+        assert set(outputs[ids[0]].metrics.batch_sizes) == {2}
+
+
+@pytest.mark.parametrize("backend,options", [("teacache", {"rel_l1_thresh": 0.0}),
+                                             ("cache_dit", {"Fn_compute_blocks": 1,
+                                                            "residual_diff_threshold": 0.0})])
+def test_zero_threshold_equals_no_cache(tiny_sd3_dir, backend, options):
+    job = ("a boat", _p(5, steps=6))
+    reference = _run(_engine(tiny_sd3_dir), *job)
+    engine = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), cache_backend=backend, cache_config=options))
+    assert np.abs(_run(engine, *job) - reference).max() <= 1e-6
+    assert engine.runner.acceleration_stats()["cache_backend"]["skipped"] == 0
+
+
+def test_teacache_skips_more_with_a_higher_threshold(tiny_sd3_dir):
+    skipped = []
+    for thresh in (0.1, 0.3, 1.0):
+        engine = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), cache_backend="teacache",
+                                              cache_config={"rel_l1_thresh": thresh}))
+        _run(engine, "a kite", _p(6, steps=12))
+        skipped.append(engine.runner.acceleration_stats()["cache_backend"]["skipped"])
+    assert skipped == sorted(skipped) and skipped[-1] > skipped[0]
+    assert skipped[-1] <= 12 - 2  # first and last steps always compute
+    assert isinstance(engine.runner.accelerator.backend, TeaCacheBackend)
+
+
+# ----------------------------------------------------------------------------- compile
+def test_compile_failure_falls_back_to_eager(tiny_sd3_dir, monkeypatch, caplog):
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(compile_module, "COMPILE_BACKEND", broken_backend)
+    engine = _engine(tiny_sd3_dir, compile=True)
+    stats = engine.runner.acceleration_stats()["compile"]
+    assert stats["enabled"] is False and "no compiler here" in stats["fallback_reason"]
+    assert "running eagerly" in caplog.text
+    job = ("a fox", _p(7, steps=3))
+    np.testing.assert_array_equal(_run(engine, *job), _run(_engine(tiny_sd3_dir), *job))
+
+
+def test_regional_compile_matches_eager_without_recompiles(tmp_path_factory):
+    from tiny_models import build_tiny_sd3
+
+    one_block = build_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3_1"), num_layers=1)
+    engine = _engine(one_block, compile=True, max_batch_size=6)
+    eager = _engine(one_block)
+    jobs = [("a", _p(1, steps=3)), ("b", _p(2, steps=4, guidance_scale=1.0)), ("c", _p(3, steps=5))]
+    outs = engine.generate([j[0] for j in jobs], [j[1] for j in jobs])  # 5, 3 and 2 rows
+    for out, job in zip(outs, jobs):
+        assert np.abs(out.images - _run(eager, *job)).max() <= TOL
+    stats = engine.runner.acceleration_stats()["compile"]
+    assert stats["enabled"] and stats["graphs_compiled"] >= 1
+    assert stats["recompiles_after_warmup"] == 0
+
+
+# ------------------------------------------------------------------------ config and CLI
+def _cli_config(*flags):
+    args = build_parser().parse_args(["generate", "--prompt", "x", *flags])
+    return engine_config_from_args(args)
+
+
+def test_cli_flags_reach_the_engine_config():
+    default = _cli_config()
+    assert (default.cache_backend, default.cache_config, default.compile, default.prompt_embed_cache_size) == \
+        ("none", {}, False, 256)
+    config = _cli_config("--cache-backend", "teacache", "--cache-config", '{"rel_l1_thresh": 0.2}',
+                         "--compile", "--compile-vae", "--prompt-embed-cache-size", "0")
+    assert (config.cache_backend, config.cache_config, config.compile, config.compile_vae,
+            config.prompt_embed_cache_size) == ("teacache", {"rel_l1_thresh": 0.2}, True, True, 0)
+    assert _cli_config("--cache-backend", "cache_dit").cache_backend == "cache_dit"
+    assert _cli_config("--enforce-eager").compile is False
+
+
+@pytest.mark.parametrize("name", ["none", "teacache", "cache_dit"])
+def test_cli_generate_with_each_backend(tiny_sd3_dir, tmp_path, name, capsys):
+    extra = [] if name == "none" else ["--cache-config", '{"rel_l1_thresh": 0.3}' if name == "teacache"
+                                       else '{"Fn_compute_blocks": 1}']
+    code = main(["generate", "--model", str(tiny_sd3_dir), "--prompt", "a dog", "--steps", "3",
+                 "--seed", "1", "-o", str(tmp_path), "--cache-backend", name, *extra])
+    assert code == 0, capsys.readouterr().err
+    assert len(list(tmp_path.glob("*.png"))) == 1
+
+
+@pytest.mark.parametrize("flags,fragment", [
+    (["--cache-backend", "fastest"], "invalid choice"),
+    (["--cache-backend", "teacache", "--cache-config", "{bad json"], "cache_config"),
+    (["--cache-backend", "teacache", "--cache-config", '{"threshold": 1}'], "cache_config"),
+    (["--compile", "--enforce-eager"], "not allowed with"),
+    (["--prompt-embed-cache-size", "-1"], "prompt_embed_cache_size"),
+])
+def test_cli_rejects_bad_acceleration_flags(tiny_sd3_dir, tmp_path, flags, fragment, capsys):
+    try:
+        code = main(["generate", "--model", str(tiny_sd3_dir), "--prompt", "x", "-o", str(tmp_path), *flags])
+    except SystemExit as exc:  # argparse errors
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("fields,field", [
+    ({"cache_backend": "magic"}, "cache_backend"),
+    ({"cache_backend": "teacache", "cache_config": {"rel_l1_thresh": -1}}, "cache_config.rel_l1_thresh"),
+    ({"cache_backend": "teacache", "cache_config": {"warmup_steps": 0}}, "cache_config.warmup_steps"),
+    ({"cache_backend": "teacache", "cache_config": {"family": "flux"}}, "cache_config.family"),
+    ({"cache_backend": "cache_dit", "cache_config": {"Fn_compute_blocks": 0}}, "cache_config.Fn_compute_blocks"),
+    ({"cache_backend": "cache_dit", "cache_config": {"taylorseer": "yes"}}, "cache_config.taylorseer"),
+    ({"cache_backend": "cache_dit", "cache_config": {"bogus": 1}}, "cache_config"),
+    ({"cache_backend": "none", "cache_config": {"rel_l1_thresh": 0.1}}, "cache_config"),
+    ({"cache_config": [1]}, "cache_config"),
+    ({"prompt_embed_cache_size": 1.5}, "prompt_embed_cache_size"),
+    ({"compile": "yes"}, "compile"),
+])
+def test_bad_acceleration_config_names_the_field(fields, field):
+    with pytest.raises(InvalidRequestError) as info:
+        EngineConfig(**fields)
+    assert info.value.field == field
+
+
+def test_cache_dit_rejects_fn_bn_covering_every_block(tiny_sd3_dir):
+    with pytest.raises(InvalidRequestError) as info:  # the tiny model has 2 blocks
+        DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), cache_backend="cache_dit",
+                                     cache_config={"Fn_compute_blocks": 2}))
+    assert info.value.field == "cache_config.Fn_compute_blocks"

@@ -1,0 +1,400 @@
+"""The OpenAI-compatible HTTP server: ``diffserve serve``.
+
+Endpoints:
+    POST /v1/images/generations   OpenAI Images API (JSON or Server-Sent Events), see
+                                  `serving_images` and `protocol` for fields and extensions
+    GET  /v1/images/files/{name}  images of ``response_format="url"`` responses, kept in memory
+                                  for ``--image-url-ttl`` seconds (default 3600; at most
+                                  ``--max-stored-images``, oldest evicted first)
+    GET  /v1/models[/{id}]        the served model (``--served-model-name``; default: the model
+                                  folder's name, or ``diffserve-digits`` for the built-in model)
+    GET  /health                  200 once the model is loaded; 503 while loading, after a
+                                  failed load and while shutting down
+    GET  /metrics                 Prometheus metrics (see `metrics`)
+
+Lifecycle: ``run_server`` starts listening at once and loads the model in a background thread
+(``/health`` says 503 meanwhile; a failed load stops the server with the load error). On
+SIGTERM or SIGINT the server stops admitting requests (503 on open connections; the listening
+socket closes), lets in-flight requests finish for up to ``--shutdown-timeout`` seconds, aborts
+the rest (they get a 503), and exits with status 0. A second SIGINT stops waiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from diffserve.config import EngineConfig
+from diffserve.engine.async_engine import AsyncDiffusionEngine
+from diffserve.entrypoints.openai.errors import (
+    CLIENT_CLOSED_REQUEST,
+    APIError,
+    install_error_handlers,
+    unavailable,
+)
+from diffserve.entrypoints.openai.image_store import DEFAULT_MAX_IMAGES, DEFAULT_TTL_S, ImageStore
+from diffserve.entrypoints.openai.metrics import ServerMetrics
+from diffserve.entrypoints.openai.protocol import (
+    ErrorResponse,
+    ImageGenerationRequest,
+    ImagesResponse,
+    ModelCard,
+    ModelList,
+)
+from diffserve.entrypoints.openai.serving_images import CLIENT_DISCONNECTED_KEY, ImageGenerationService
+from diffserve.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+#: Name served for the built-in default model.
+DEFAULT_MODEL_NAME = "diffserve-digits"
+#: Largest accepted request body, bytes.
+MAX_BODY_BYTES = 1 << 20
+#: Default bound on finishing in-flight requests at shutdown, seconds.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+GENERATIONS_PATH = "/v1/images/generations"
+
+
+def default_served_model_name(config: EngineConfig) -> str:
+    """The model name clients use: the model folder's name, or ``diffserve-digits`` for the
+    built-in default model."""
+    if config.model is None:
+        return DEFAULT_MODEL_NAME
+    return Path(config.model).expanduser().resolve().name or str(config.model)
+
+
+class ServerState:
+    """What the routes share: the engine once loaded, the drain flag, metrics and image store.
+
+    Args:
+        model_name: served model name.
+        store / metrics: the app's image store and metrics.
+        shutdown_timeout_s: how long in-flight requests may run once shutdown begins.
+    """
+
+    def __init__(self, model_name: str, store: ImageStore, metrics: ServerMetrics, shutdown_timeout_s: float):
+        self.model_name = model_name
+        self.store = store
+        self.metrics = metrics
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.created = int(time.time())
+        self.engine: AsyncDiffusionEngine | None = None
+        self.images: ImageGenerationService | None = None
+        self.load_error: BaseException | None = None
+        self.draining = False
+        self._shutdown_lock = threading.Lock()
+        self._engine_stopped = False
+
+    @property
+    def ready(self) -> bool:
+        """The model is loaded and the server admits requests."""
+        return self.images is not None and not self.draining
+
+    def attach(self, engine: AsyncDiffusionEngine) -> None:
+        """Start serving `engine` (starts its loop thread and its metrics)."""
+        self.metrics.observe_engine(engine)
+        engine.start()
+        self.engine = engine
+        self.images = ImageGenerationService(engine, self.model_name, self.store, self.metrics,
+                                             lambda: self.draining)
+        if self.draining:  # a shutdown began while the model was loading
+            self.stop_engine()
+
+    def load(self, loader: Callable[[], AsyncDiffusionEngine]) -> None:
+        """Build the engine with `loader` and attach it; a failure is kept in `load_error`."""
+        start = time.perf_counter()
+        try:
+            engine = loader()
+        except BaseException as exc:  # noqa: BLE001 - reported by /health and run_server
+            self.load_error = exc
+            logger.error("model failed to load: %s", exc)
+            return
+        self.attach(engine)
+        logger.info("model %r loaded in %.1fs", self.model_name, time.perf_counter() - start)
+
+    def begin_shutdown(self) -> None:
+        """Stop admitting now and drain the engine in a background thread (see `stop_engine`)."""
+        if not self.draining:
+            self.draining = True
+            threading.Thread(target=self.stop_engine, name="diffserve-drain", daemon=True).start()
+
+    def stop_engine(self) -> None:
+        """Let in-flight requests finish for up to `shutdown_timeout_s` seconds, abort the rest
+        and stop the engine thread. Idempotent; concurrent callers wait for the first."""
+        self.draining = True
+        with self._shutdown_lock:
+            if self._engine_stopped or self.engine is None:
+                return
+            self.engine.shutdown(self.shutdown_timeout_s)
+            self._engine_stopped = True
+
+    def require_service(self) -> ImageGenerationService:
+        """The generation service.
+
+        Raises:
+            APIError: 503 while loading, after a failed load, or when shutting down.
+        """
+        if self.draining:
+            raise unavailable("the server is shutting down and accepts no new requests", "shutting_down")
+        if self.images is None:
+            if self.load_error is not None:
+                raise unavailable(f"the model failed to load: {self.load_error}", "model_load_failed")
+            raise unavailable("the model is still loading; retry shortly", "model_loading")
+        return self.images
+
+
+class _StatusCounter:
+    """ASGI middleware counting image-generation requests by final status (499 when the client
+    disconnected before its response)."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != GENERATIONS_PATH:
+            await self.app(scope, receive, send)
+            return
+        status: int | None = None
+
+        async def send_and_record(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        except BaseException:
+            status = status or 500
+            raise
+        finally:
+            if scope.get(CLIENT_DISCONNECTED_KEY) or status is None:
+                status = CLIENT_CLOSED_REQUEST
+            self.metrics.observe_status(status)
+
+
+async def _read_json_body(request: Request) -> ImageGenerationRequest:
+    """Read, size-check, parse and validate the body.
+
+    Raises:
+        APIError: 413 over `MAX_BODY_BYTES`; 400 malformed JSON (including nesting too deep).
+        RequestValidationError: schema violations (mapped to 400 with ``param``).
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", code="request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise APIError(400, "The request body is required: a JSON object.", code="invalid_json")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise APIError(400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from None
+    try:
+        return ImageGenerationRequest.model_validate(data)
+    except ValidationError as exc:
+        errors = [{**err, "loc": ("body", *err["loc"])} for err in exc.errors(include_url=False)]
+        raise RequestValidationError(errors) from None
+
+
+def create_app(
+    engine: AsyncDiffusionEngine | None,
+    served_model_name: str,
+    *,
+    engine_loader: Callable[[], AsyncDiffusionEngine] | None = None,
+    image_url_ttl_s: float = DEFAULT_TTL_S,
+    max_stored_images: int = DEFAULT_MAX_IMAGES,
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+) -> FastAPI:
+    """Build the FastAPI app serving `engine` under the name `served_model_name`.
+
+    The app owns the engine's lifetime while it runs: its lifespan starts the engine and, at
+    exit, lets in-flight requests finish for up to `shutdown_timeout_s` seconds, aborts the
+    rest and stops it. Every app has its own Prometheus registry, so several can coexist.
+
+    Args:
+        engine: a built engine; or None with `engine_loader`, which the lifespan calls in a
+            background thread (``/health`` and requests get 503 until it returns).
+        served_model_name: the model's name in ``/v1/models`` and the only accepted ``model``.
+        engine_loader: builds the engine (loading the model); used when `engine` is None.
+        image_url_ttl_s: seconds a ``response_format="url"`` image stays downloadable.
+        max_stored_images: most images kept for URLs (oldest evicted first).
+        shutdown_timeout_s: bound on finishing in-flight requests at shutdown, seconds.
+
+    Raises:
+        ValueError: neither or both of `engine` and `engine_loader` given, or a non-positive
+            ttl/cap/timeout.
+    """
+    if (engine is None) == (engine_loader is None):
+        raise ValueError("give exactly one of engine and engine_loader")
+    if shutdown_timeout_s < 0:
+        raise ValueError("shutdown_timeout_s must be >= 0")
+    metrics = ServerMetrics()
+    state = ServerState(served_model_name, ImageStore(image_url_ttl_s, max_stored_images), metrics,
+                        shutdown_timeout_s)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if engine is not None:
+            state.attach(engine)
+        else:
+            threading.Thread(target=state.load, args=(engine_loader,), name="diffserve-model-loader",
+                             daemon=True).start()
+        yield
+        state.draining = True
+        await asyncio.get_running_loop().run_in_executor(None, state.stop_engine)
+
+    app = FastAPI(title="diffserve", summary="OpenAI-compatible image generation server", lifespan=lifespan)
+    app.state.diffserve = state
+    install_error_handlers(app)
+    app.add_middleware(_StatusCounter, metrics=metrics)
+    errors = {code: {"model": ErrorResponse} for code in (400, 404, 413, 429, 500, 503)}
+
+    @app.post(
+        GENERATIONS_PATH,
+        response_model=ImagesResponse,
+        responses={**errors, 200: {"description": "An ImagesResponse, or a text/event-stream when stream=true"}},
+        openapi_extra={"requestBody": {"required": True, "content": {
+            "application/json": {"schema": ImageGenerationRequest.model_json_schema()}}}},
+    )
+    async def create_image(raw_request: Request) -> Response:
+        """Generate images (OpenAI Images API, plus diffserve's extension fields)."""
+        service = state.require_service()
+        body = await _read_json_body(raw_request)
+        return await service.create(body, raw_request)
+
+    @app.get("/v1/images/files/{name}", responses={404: {"model": ErrorResponse}})
+    async def get_image_file(name: str) -> Response:
+        """An image of a ``response_format="url"`` response, until it expires."""
+        image = state.store.get(name)
+        if image is None:
+            raise APIError(404, f"No image file '{name}': unknown, or expired after {state.store.ttl_s:g}s.",
+                           code="file_not_found")
+        return Response(image.data, media_type=image.media_type, headers={"Cache-Control": "private, max-age=60"})
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=state.model_name, created=state.created)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        """The served model."""
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
+    async def get_model(model_id: str) -> ModelCard:
+        """The served model by name; 404 for any other name."""
+        if model_id != state.model_name:
+            raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
+        return model_card()
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health() -> JSONResponse:
+        """200 when the model is loaded and requests are admitted; 503 otherwise."""
+        state.require_service()
+        return JSONResponse({"status": "ok", "model": state.model_name})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        """Prometheus exposition of the server's metrics."""
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    return app
+
+
+class _GracefulServer(uvicorn.Server):
+    """A `uvicorn.Server` whose first SIGTERM/SIGINT starts draining (see the module docstring)
+    and whose exit status stays 0 (uvicorn would re-raise the signal after shutting down)."""
+
+    def __init__(self, config: uvicorn.Config, on_shutdown_signal: Callable[[], None]):
+        super().__init__(config)
+        self._on_shutdown_signal = on_shutdown_signal
+        self._signalled = False
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._signalled:
+            if sig == signal.SIGINT:  # a second Ctrl-C: stop waiting for in-flight requests
+                self.force_exit = True
+            return
+        self._signalled = True
+        logger.info("received %s: draining (in-flight requests get up to the shutdown timeout)",
+                    signal.Signals(sig).name)
+        self._on_shutdown_signal()
+        self.should_exit = True
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Run ``diffserve serve`` until SIGTERM/SIGINT.
+
+    Args:
+        args: parsed ``serve`` arguments: the engine options plus host, port,
+            served_model_name, max_waiting_requests, image_url_ttl, max_stored_images,
+            shutdown_timeout and log_level.
+
+    Returns:
+        0 after a graceful shutdown; 1 when the model failed to load with an unexpected error.
+
+    Raises:
+        InvalidRequestError: an invalid option (the CLI prints it and exits 2).
+        UnsupportedModelError: the model folder cannot be served (the CLI exits 2).
+    """
+    from diffserve.entrypoints.cli import engine_config_from_args
+
+    if not 0 <= args.port <= 65535:
+        raise InvalidRequestError("port", args.port, "an integer in [0, 65535]")
+    if not args.image_url_ttl > 0:
+        raise InvalidRequestError("image_url_ttl", args.image_url_ttl, "a number of seconds > 0")
+    if args.max_stored_images < 1:
+        raise InvalidRequestError("max_stored_images", args.max_stored_images, "an integer >= 1")
+    if not args.shutdown_timeout >= 0:
+        raise InvalidRequestError("shutdown_timeout", args.shutdown_timeout, "a number of seconds >= 0")
+    config = dataclasses.replace(engine_config_from_args(args), max_waiting_requests=args.max_waiting_requests)
+    name = args.served_model_name or default_served_model_name(config)
+    logging.getLogger("diffserve").setLevel(args.log_level.upper())
+
+    server = None
+
+    def load_engine() -> AsyncDiffusionEngine:
+        try:
+            return AsyncDiffusionEngine(config)
+        except BaseException:
+            if server is not None:
+                server.should_exit = True
+            raise
+
+    app = create_app(None, name, engine_loader=load_engine, image_url_ttl_s=args.image_url_ttl,
+                     max_stored_images=args.max_stored_images, shutdown_timeout_s=args.shutdown_timeout)
+    state: ServerState = app.state.diffserve
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
+                               timeout_graceful_shutdown=int(args.shutdown_timeout) + 10)
+    server = _GracefulServer(uv_config, state.begin_shutdown)
+    logger.info("serving %r on http://%s:%d", name, args.host, args.port)
+    server.run()
+    if state.load_error is not None:
+        if isinstance(state.load_error, (InvalidRequestError, ValueError)):
+            raise state.load_error
+        logger.error("model failed to load: %r", state.load_error)
+        return 1
+    return 0

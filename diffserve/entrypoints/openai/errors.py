@@ -1,0 +1,151 @@
+"""HTTP errors in OpenAI's format: ``{"error": {"message", "type", "param", "code"}}``.
+
+Status codes:
+    400 invalid_request_error: any invalid, unknown or missing field, malformed JSON, wrong
+        types (``param`` names the field when there is one);
+    404 invalid_request_error: unknown model, image file or route;
+    413 invalid_request_error: request body over the size limit;
+    429 rate_limit_error: the engine's waiting queue is full (with ``Retry-After``);
+    499 (log and metrics only): the client disconnected before the response;
+    500 server_error: a request failed inside the engine (never caused by input alone);
+    503 service_unavailable: the model is still loading, or the server is shutting down.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from diffserve.errors import EngineOverloadedError, InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+#: Status logged and counted when the client went away before its response.
+CLIENT_CLOSED_REQUEST = 499
+#: Seconds a client is told to wait after a 429.
+RETRY_AFTER_S = 1
+
+# Engine field names -> the API parameter a client sent.
+_ENGINE_FIELD_TO_PARAM = {
+    "height": "size",
+    "width": "size",
+    "num_images_per_prompt": "n",
+}
+
+
+class APIError(Exception):
+    """An error to send as an OpenAI-format response.
+
+    Args:
+        status_code: HTTP status.
+        message: human-readable message (names the field and the allowed values).
+        type: OpenAI error type (``invalid_request_error``, ``rate_limit_error``, ...).
+        param: the offending request field, or None.
+        code: short machine-readable code (``invalid_value``, ``model_not_found``, ...).
+        headers: extra response headers (e.g. ``Retry-After``).
+    """
+
+    def __init__(self, status_code: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body ``{"error": {...}}``."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def to_response(self) -> JSONResponse:
+        """This error as a `JSONResponse`."""
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+def invalid_request(exc: InvalidRequestError) -> APIError:
+    """400 for an engine/validation `InvalidRequestError`; ``param`` is the API field name
+    (``height``/``width`` -> ``size``, ``num_images_per_prompt`` -> ``n``)."""
+    param = _ENGINE_FIELD_TO_PARAM.get(exc.field, exc.field)
+    return APIError(400, str(exc), param=param, code="invalid_value")
+
+
+def overloaded(exc: EngineOverloadedError | str) -> APIError:
+    """429 with ``Retry-After`` for a full waiting queue."""
+    return APIError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def unavailable(message: str, code: str) -> APIError:
+    """503 (model loading, or shutting down) with ``Retry-After``."""
+    return APIError(503, message, type="service_unavailable", code=code,
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """400 for pydantic/FastAPI validation errors; reports the first one.
+
+    ``param`` is the top-level body field (``None`` for malformed JSON or a non-object body).
+    """
+    if not errors:
+        return APIError(400, "invalid request", code="invalid_value")
+    err = errors[0]
+    kind = str(err.get("type", ""))
+    loc = [part for part in err.get("loc", ()) if part != "body"]
+    field = loc[0] if loc and isinstance(loc[0], str) else None
+    msg = str(err.get("msg", "invalid value"))
+    if kind == "json_invalid":
+        detail = (err.get("ctx") or {}).get("error", msg)
+        return APIError(400, f"We could not parse the JSON body of your request: {detail}", code="invalid_json")
+    if field is None:
+        if kind == "missing":
+            return APIError(400, "The request body is required: a JSON object.", code="invalid_json")
+        return APIError(400, f"The request body must be a JSON object ({msg}).", code="invalid_json")
+    if kind == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {field}", param=field,
+                        code="unknown_parameter")
+    if kind == "missing":
+        return APIError(400, f"Missing required parameter: '{field}'.", param=field,
+                        code="missing_required_parameter")
+    code = "invalid_type" if kind.endswith("_type") else "invalid_value"
+    return APIError(400, f"Invalid value for '{field}': {msg}", param=field, code=code)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Make every error the app returns use OpenAI's format (see the module docstring)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.to_response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(list(exc.errors())).to_response()
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        return invalid_request(exc).to_response()
+
+    @app.exception_handler(EngineOverloadedError)
+    async def _overloaded(request: Request, exc: EngineOverloadedError) -> JSONResponse:
+        return overloaded(exc).to_response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, str(exc.detail), type=kind, code=code,
+                        headers=getattr(exc, "headers", None)).to_response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return APIError(500, "internal server error (see the server log)", type="server_error",
+                        code="internal_error").to_response()

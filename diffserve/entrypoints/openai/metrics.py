@@ -1,0 +1,133 @@
+"""Prometheus metrics of the HTTP server (``GET /metrics``), one `CollectorRegistry` per app.
+
+Metrics (all durations in seconds):
+    diffserve_requests_total{status}            image-generation HTTP requests by response status
+                                                (499 = client disconnected first)
+    diffserve_engine_requests_total{outcome}    engine requests (one per image) by outcome:
+                                                finished / failed / aborted
+    diffserve_images_generated_total            images returned to clients
+    diffserve_num_requests_waiting              engine requests in the waiting queue
+    diffserve_num_requests_running              engine requests holding latents
+    diffserve_num_running_rows                  transformer rows of the running requests
+    diffserve_step_duration_seconds             one denoising step (one batched forward + the
+                                                diffusion-scheduler steps)
+    diffserve_step_batch_rows                   transformer rows per step (CFG rows included)
+    diffserve_step_batch_requests               requests per step
+    diffserve_request_stage_seconds{stage}      per finished engine request: queue, encode,
+                                                denoise, decode, total
+
+The step metrics come from a timing wrapper around the engine's `ModelRunner.execute_step`
+(`observe_engine`), as the engine has no step-listener API yet.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from diffserve.outputs import GenerationOutput, RequestStatus
+
+if TYPE_CHECKING:
+    from diffserve.engine.async_engine import AsyncDiffusionEngine
+
+STAGES = ("queue", "encode", "denoise", "decode", "total")
+_STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class ServerMetrics:
+    """The server's collectors, registered in a private `CollectorRegistry`.
+
+    Thread-safe: the step metrics are recorded on the engine thread, the rest on the event loop.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("diffserve_requests", "Image-generation HTTP requests by response status "
+                                "(499: the client disconnected first).", ["status"], registry=r)
+        self.engine_requests = Counter("diffserve_engine_requests", "Engine requests (one per image) by "
+                                       "outcome.", ["outcome"], registry=r)
+        self.images = Counter("diffserve_images_generated", "Images returned to clients.", registry=r)
+        self.waiting = Gauge("diffserve_num_requests_waiting", "Engine requests in the waiting queue.",
+                             registry=r)
+        self.running = Gauge("diffserve_num_requests_running", "Engine requests holding latents.", registry=r)
+        self.running_rows = Gauge("diffserve_num_running_rows", "Transformer rows of the running requests.",
+                                  registry=r)
+        self.step_seconds = Histogram("diffserve_step_duration_seconds", "Duration of one denoising step "
+                                      "(batched forward + scheduler steps), seconds.", buckets=_STEP_BUCKETS,
+                                      registry=r)
+        self.step_rows = Histogram("diffserve_step_batch_rows", "Transformer rows per denoising step (CFG "
+                                   "rows included).", buckets=_ROW_BUCKETS, registry=r)
+        self.step_requests = Histogram("diffserve_step_batch_requests", "Requests per denoising step.",
+                                       buckets=_ROW_BUCKETS, registry=r)
+        self.stage_seconds = Histogram("diffserve_request_stage_seconds", "Per finished engine request: "
+                                       "duration of each stage, seconds.", ["stage"], buckets=_STAGE_BUCKETS,
+                                       registry=r)
+        for outcome in ("finished", "failed", "aborted"):
+            self.engine_requests.labels(outcome=outcome)
+        for stage in STAGES:
+            self.stage_seconds.labels(stage=stage)
+
+    def observe_engine(self, engine: AsyncDiffusionEngine) -> None:
+        """Read queue gauges from `engine` at scrape time and time its denoising steps.
+
+        Wraps ``engine.engine.runner.execute_step`` on that instance (the class is untouched);
+        nested calls (the runner's per-request retry after a failed batch) are not counted twice.
+        """
+        sync_engine = engine.engine
+        self.waiting.set_function(lambda: sync_engine.num_waiting)
+        self.running.set_function(lambda: len(sync_engine.scheduler.running))
+        self.running_rows.set_function(lambda: sync_engine.num_running_rows)
+        runner = sync_engine.runner
+        inner = runner.execute_step
+        depth = threading.local()
+
+        @functools.wraps(inner)
+        def timed_execute_step(states):
+            if getattr(depth, "active", False):
+                return inner(states)
+            depth.active = True
+            start = time.perf_counter()
+            try:
+                result = inner(states)
+            finally:
+                depth.active = False
+            self.step_seconds.observe(time.perf_counter() - start)
+            self.step_rows.observe(result.num_rows)
+            self.step_requests.observe(len(states))
+            return result
+
+        runner.execute_step = timed_execute_step
+
+    def observe_status(self, status_code: int) -> None:
+        """Count one image-generation HTTP request that ended with `status_code`."""
+        self.requests.labels(status=str(status_code)).inc()
+
+    def observe_output(self, output: GenerationOutput) -> None:
+        """Record an engine request's outcome and, when finished, its stage durations."""
+        outcome = {RequestStatus.FINISHED: "finished", RequestStatus.FAILED: "failed"}.get(output.status, "aborted")
+        self.engine_requests.labels(outcome=outcome).inc()
+        if output.status is RequestStatus.FINISHED:
+            m = output.metrics
+            for stage, seconds in zip(STAGES, (m.queue_s, m.encode_s, m.denoise_s, m.decode_s, m.total_s)):
+                self.stage_seconds.labels(stage=stage).observe(seconds)
+
+    def observe_abandoned(self, count: int, outcome: str = "aborted") -> None:
+        """Count `count` engine requests whose final event no client read (the client went away,
+        or the rest of its HTTP request was rejected): they were aborted in the engine."""
+        if count:
+            self.engine_requests.labels(outcome=outcome).inc(count)
+
+    def observe_images(self, count: int) -> None:
+        """Count `count` images returned to a client."""
+        self.images.inc(count)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

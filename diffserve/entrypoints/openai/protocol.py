@@ -1,0 +1,261 @@
+"""Schemas of the OpenAI-compatible Images API, plus diffserve's extension fields.
+
+Requests are validated strictly: unknown fields are rejected (``extra="forbid"``) and types are
+not coerced (``"n": "3"`` or ``"n": 1.0`` is a 400, not 3 or 1). Ranges that depend on the
+loaded model or the engine's limits (``n``, ``size``, ``num_inference_steps``) are checked when
+the request is turned into `SamplingParams`, before anything is queued.
+
+OpenAI fields (see OpenAI's ``POST /v1/images/generations``):
+    prompt, model, n, size, response_format, output_format, output_compression, stream,
+    partial_images, user, safety_identifier; and quality, style, background, moderation,
+    complexity, which are validated against OpenAI's documented values and otherwise ignored
+    (except ``background="transparent"``, rejected: the models output opaque RGB).
+
+diffserve extension fields (send them with the openai client's ``extra_body=``):
+    negative_prompt, num_inference_steps, guidance_scale, seed.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from diffserve.errors import InvalidRequestError
+from diffserve.sampling_params import MAX_SEED
+
+#: Longest accepted prompt / negative prompt, in characters (OpenAI's limit).
+MAX_PROMPT_CHARS = 32000
+#: Output encodings this server writes.
+OUTPUT_FORMATS = ("png", "jpeg", "webp")
+#: Most partial images a streamed request may ask for (OpenAI's limit).
+MAX_PARTIAL_IMAGES = 3
+
+_SIZE_RE = re.compile(r"([0-9]{1,6})[xX]([0-9]{1,6})")
+
+
+class _StrictRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ImageGenerationRequest(_StrictRequest):
+    """Body of ``POST /v1/images/generations``.
+
+    Every field but ``prompt`` is optional; ``null`` means "not given". Defaults: ``n=1``,
+    ``size="auto"`` (the model's default size), ``response_format="b64_json"``,
+    ``output_format="png"``, ``output_compression=100``, ``stream=false``, ``partial_images=0``;
+    ``num_inference_steps`` and ``guidance_scale`` default to the model's values and ``seed`` to
+    a random one (reported back per image).
+    """
+
+    prompt: str = Field(max_length=MAX_PROMPT_CHARS, description="text description of the image")
+    model: str | None = Field(None, description="the served model's name (GET /v1/models); optional")
+    n: int | None = Field(None, ge=1, description="images to generate, 1..the engine's limit (10 by default)")
+    size: str | None = Field(None, description='"WIDTHxHEIGHT" in pixels, or "auto" (the model default)')
+    response_format: Literal["b64_json", "url"] | None = Field(
+        None, description='"b64_json" (default) or "url": a link served by this server for a limited time')
+    output_format: Literal["png", "jpeg", "webp"] | None = None
+    output_compression: int | None = Field(
+        None, ge=0, le=100,
+        description="0-100; for jpeg/webp the encoder quality (100 = best, the default); png is lossless "
+                    "and ignores it")
+    quality: Literal["auto", "low", "medium", "high", "xhigh", "max", "standard", "hd"] | None = Field(
+        None, description="accepted for compatibility and ignored: use num_inference_steps")
+    style: Literal["vivid", "natural"] | None = Field(None, description="accepted for compatibility and ignored")
+    background: Literal["auto", "opaque", "transparent"] | None = Field(
+        None, description='"auto" or "opaque"; "transparent" is rejected (the models output RGB)')
+    moderation: Literal["low", "auto"] | None = Field(
+        None, description="accepted for compatibility and ignored (this server does no moderation)")
+    complexity: Literal["low", "medium", "high"] | None = Field(
+        None, description="accepted for compatibility and ignored")
+    user: str | None = Field(None, max_length=256, description="end-user id (logged only)")
+    safety_identifier: str | None = Field(None, max_length=256, description="end-user id (logged only)")
+    stream: bool | None = Field(None, description="stream Server-Sent Events instead of one JSON response")
+    partial_images: int | None = Field(
+        None, ge=0, le=MAX_PARTIAL_IMAGES,
+        description="with stream=true: previews of the current latents sent before the final image (0-3)")
+    # OpenAI fields that only apply to output formats this server does not write.
+    frame_count: int | None = Field(None, description="GIF only: not supported (must be null)")
+    frame_duration_ms: int | None = Field(None, description="GIF only: not supported (must be null)")
+    svg: dict[str, Any] | None = Field(None, description="SVG only: not supported (must be null)")
+    # diffserve extensions.
+    negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS,
+                                        description="text for the unconditional CFG branch")
+    num_inference_steps: int | None = Field(None, description="denoising steps, 1..the engine's limit")
+    guidance_scale: float | None = Field(None, ge=0, allow_inf_nan=False,
+                                         description="classifier-free guidance weight; CFG is on when > 1")
+    seed: int | None = Field(
+        None, ge=0, le=MAX_SEED,
+        description="seed of the first image; image i uses seed + i, so each image is reproducible alone")
+
+    @field_validator("background")
+    @classmethod
+    def _opaque_only(cls, value: str | None) -> str | None:
+        if value == "transparent":
+            raise ValueError("transparent backgrounds are not supported: the models output opaque RGB; "
+                             "use 'auto' or 'opaque'")
+        return value
+
+    @field_validator("frame_count", "frame_duration_ms", "svg")
+    @classmethod
+    def _no_gif_or_svg_options(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("must be null: the gif and svg output formats are not supported")
+        return value
+
+
+def parse_size(size: str | None) -> tuple[int, int] | None:
+    """Parse the ``size`` field.
+
+    Returns:
+        ``(width, height)`` in pixels, or None for ``None``/``"auto"`` (the model's default).
+
+    Raises:
+        InvalidRequestError: not ``"auto"`` nor ``"WIDTHxHEIGHT"`` with 1-6 digits each (the
+            model's multiple-of and the engine's max-pixels rules are checked later).
+    """
+    if size is None or size == "auto":
+        return None
+    match = _SIZE_RE.fullmatch(size)
+    if match is None:
+        raise InvalidRequestError("size", size, '"auto" or "WIDTHxHEIGHT" in pixels, e.g. "512x512"')
+    return int(match.group(1)), int(match.group(2))
+
+
+def preview_steps(num_inference_steps: int, partial_images: int) -> list[int]:
+    """Denoising steps (1-based) after which a preview is decoded, spread evenly over the run.
+
+    The last step is never used (the final image follows it), so a run of N steps gives at most
+    N - 1 previews: a short run may send fewer than `partial_images`, as OpenAI allows.
+    """
+    if partial_images <= 0 or num_inference_steps <= 1:
+        return []
+    n = num_inference_steps
+    steps = {min(n - 1, max(1, round(n * (j + 1) / (partial_images + 1)))) for j in range(partial_images)}
+    return sorted(steps)
+
+
+# --------------------------------------------------------------------------------- responses
+class ImageObject(BaseModel):
+    """One generated image (``data[i]``).
+
+    Attributes:
+        b64_json / url: the image, per ``response_format``.
+        revised_prompt: always null (prompts are used as given).
+        seed: diffserve extension: the seed that reproduces this image alone (with ``n=1``).
+        prompt_truncated: diffserve extension: the prompt exceeded the text encoder's token
+            limit and was cut.
+        expires_at: diffserve extension (``url`` only): Unix time after which the URL is gone.
+        timings: diffserve extension: this image's stage durations in seconds (queue_s,
+            encode_s, denoise_s, decode_s, total_s), num_steps, batch_sizes (transformer rows
+            per step -> steps run at that size) and peak_memory_bytes.
+    """
+
+    b64_json: str | None = None
+    url: str | None = None
+    revised_prompt: str | None = None
+    seed: int
+    prompt_truncated: bool = False
+    expires_at: int | None = None
+    timings: dict[str, Any]
+
+
+class ImagesResponse(BaseModel):
+    """Response of ``POST /v1/images/generations`` (non-streamed).
+
+    ``id`` (diffserve extension) is unique per HTTP request; the engine requests of its images
+    are ``{id}-{i}``. ``created`` is a Unix time in seconds; ``size`` is the actual ``WxH``.
+    """
+
+    id: str
+    created: int
+    data: list[ImageObject]
+    size: str
+    output_format: str
+    background: str = "opaque"
+    quality: str | None = None
+    usage: dict[str, Any] | None = None
+
+
+class PartialImageEvent(BaseModel):
+    """SSE event ``image_generation.partial_image``: a decoded preview of the current latents.
+
+    ``image_index`` (diffserve extension) says which of the ``n`` images it belongs to;
+    ``partial_image_index`` counts that image's previews from 0.
+    """
+
+    type: Literal["image_generation.partial_image"] = "image_generation.partial_image"
+    b64_json: str
+    created_at: int
+    size: str
+    quality: str
+    background: str
+    output_format: str
+    partial_image_index: int
+    image_index: int = 0
+
+
+class ImageUsageDetails(BaseModel):
+    """Input token breakdown (always zero: diffserve does not count tokens)."""
+
+    image_tokens: int = 0
+    text_tokens: int = 0
+
+
+class ImageUsage(BaseModel):
+    """OpenAI's token usage block; diffserve does not count tokens, so every count is 0."""
+
+    input_tokens: int = 0
+    input_tokens_details: ImageUsageDetails = Field(default_factory=ImageUsageDetails)
+    output_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletedEvent(BaseModel):
+    """SSE event ``image_generation.completed``: one final image (one event per image when
+    ``n > 1``). diffserve extensions: ``image_index``, ``seed``, ``timings`` (as in
+    `ImageObject`)."""
+
+    type: Literal["image_generation.completed"] = "image_generation.completed"
+    b64_json: str
+    created_at: int
+    size: str
+    quality: str
+    background: str
+    output_format: str
+    usage: ImageUsage = Field(default_factory=ImageUsage)
+    image_index: int = 0
+    seed: int
+    timings: dict[str, Any]
+
+
+class ModelCard(BaseModel):
+    """An entry of ``GET /v1/models``."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "diffserve"
+
+
+class ModelList(BaseModel):
+    """Response of ``GET /v1/models``."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    """The ``error`` object of OpenAI's error format."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Body of every error response: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo

@@ -1,0 +1,416 @@
+"""``POST /v1/images/generations``: a validated request becomes ``n`` engine requests, whose
+events become one JSON response or a stream of Server-Sent Events.
+
+- Image ``i`` of a request is its own engine request with seed ``seed + i`` (``seed`` drawn at
+  random when not given), so each image is reproducible alone with ``n=1`` and its seed. The
+  ``n`` requests are submitted together and share denoising steps (same batch key).
+- Everything a client can get wrong is checked before anything is queued (400); a full waiting
+  queue is a 429 and nothing of the request stays queued.
+- A client that disconnects has its engine requests aborted at the next step boundary; the
+  request is logged and counted with status 499.
+- Streaming (``stream=true``) sends ``image_generation.partial_image`` events (previews decoded
+  from the current latents after steps spread evenly over the run, ``partial_images`` per
+  image), then one ``image_generation.completed`` event per image, as OpenAI's API does; images
+  are always base64 there. An engine failure mid-stream is sent as an ``error`` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from diffserve.engine.async_engine import AsyncDiffusionEngine
+from diffserve.entrypoints.openai.errors import (
+    CLIENT_CLOSED_REQUEST,
+    APIError,
+    invalid_request,
+    overloaded,
+    unavailable,
+)
+from diffserve.entrypoints.openai.image_encoding import MEDIA_TYPES, encode_image, to_base64
+from diffserve.entrypoints.openai.image_store import ImageStore
+from diffserve.entrypoints.openai.metrics import ServerMetrics
+from diffserve.entrypoints.openai.protocol import (
+    CompletedEvent,
+    ImageGenerationRequest,
+    ImageObject,
+    ImagesResponse,
+    PartialImageEvent,
+    parse_size,
+    preview_steps,
+)
+from diffserve.errors import EngineOverloadedError, InvalidRequestError
+from diffserve.outputs import EventType, GenerationOutput, RequestStatus, StreamEvent
+from diffserve.sampling_params import MAX_SEED, SamplingParams, validate_prompt
+
+logger = logging.getLogger(__name__)
+
+#: ASGI scope key the status-counting middleware reads: True when the client went away first.
+CLIENT_DISCONNECTED_KEY = "diffserve.client_disconnected"
+
+
+@dataclass
+class _Plan:
+    """A validated request, ready to submit."""
+
+    request_id: str
+    created: int
+    prompt: str
+    params: list[SamplingParams]
+    width: int
+    height: int
+    num_steps: int
+    preview_steps: list[int]
+    stream: bool
+    response_format: str
+    output_format: str
+    compression: int | None
+    quality: str
+
+    @property
+    def size(self) -> str:
+        return f"{self.width}x{self.height}"
+
+
+class ImageGenerationService:
+    """Serves image-generation requests on one engine.
+
+    Args:
+        engine: the running engine.
+        model_name: the served model's name (the only accepted ``model``).
+        store: where ``response_format="url"`` images are kept.
+        metrics: the server's Prometheus metrics.
+        is_draining: returns True once the server is shutting down (requests get 503 then).
+    """
+
+    def __init__(self, engine: AsyncDiffusionEngine, model_name: str, store: ImageStore,
+                 metrics: ServerMetrics, is_draining: Callable[[], bool]):
+        self.engine = engine
+        self.model_name = model_name
+        self.store = store
+        self.metrics = metrics
+        self._is_draining = is_draining
+
+    async def create(self, body: ImageGenerationRequest, raw_request: Request) -> Response:
+        """Generate the images of `body`.
+
+        Returns:
+            A JSON `ImagesResponse` (200), a ``text/event-stream`` response when streaming, or
+            an empty 499 response when the client disconnected first (it gets nothing).
+
+        Raises:
+            APIError: 400 invalid field, 404 unknown model, 429 queue full, 500 an engine
+                failure, 503 shutting down.
+        """
+        plan = self._plan(body)
+        group = _RequestGroup(self.engine, plan, self.metrics)
+        try:
+            await group.submit()
+        except InvalidRequestError as exc:
+            raise invalid_request(exc) from None
+        except EngineOverloadedError as exc:
+            if self._is_draining():
+                raise unavailable("the server is shutting down and accepts no new requests", "shutting_down") from None
+            raise overloaded(exc) from None
+        watcher = _DisconnectWatcher(raw_request.receive, group.abort)
+        watcher.start()
+        if body.user or body.safety_identifier:
+            logger.debug("%s from user %r", plan.request_id, body.safety_identifier or body.user)
+        if plan.stream:
+            return _EventStreamResponse(
+                self._stream(plan, group, watcher, raw_request),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": plan.request_id},
+            )
+        try:
+            finals = await group.wait_all()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await watcher.stop()
+                await group.close()
+        outputs = [event.output for event in finals]
+        if watcher.disconnected:
+            self._log_disconnect(plan, raw_request)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        self._raise_if_not_finished(finals)
+        data = await asyncio.to_thread(self._encode_all, plan, outputs, str(raw_request.base_url))
+        self.metrics.observe_images(len(data))
+        response = ImagesResponse(id=plan.request_id, created=plan.created, data=data, size=plan.size,
+                                  output_format=plan.output_format,
+                                  quality=None if plan.quality == "auto" else plan.quality)
+        logger.info("%s: %d image(s) %s, %d steps, %.3fs", plan.request_id, len(data), plan.size,
+                    plan.num_steps, max(o.metrics.total_s for o in outputs))
+        return JSONResponse(response.model_dump(), headers={"X-Request-Id": plan.request_id})
+
+    # ------------------------------------------------------------------------- planning
+    def _plan(self, body: ImageGenerationRequest) -> _Plan:
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
+                                f"'{self.model_name}' (GET /v1/models).", param="model", code="model_not_found")
+        sync_engine = self.engine.engine
+        spec = sync_engine.runner.spec
+        limits = sync_engine.config.limits
+        n = 1 if body.n is None else body.n
+        if not 1 <= n <= limits.max_num_images_per_prompt:
+            raise APIError(400, f"invalid n={n}: must be an integer in [1, {limits.max_num_images_per_prompt}]",
+                           param="n", code="invalid_value")
+        try:
+            size = parse_size(body.size)
+            width, height = size if size is not None else (None, None)
+            if body.seed is not None:
+                seed = body.seed
+            elif sync_engine.config.default_seed is not None:
+                seed = sync_engine.config.default_seed
+            else:
+                seed = secrets.randbelow(2**31)
+            if seed + n - 1 > MAX_SEED:
+                raise InvalidRequestError("seed", seed, f"an integer in [0, {MAX_SEED - n + 1}] when n={n} "
+                                                        "(image i uses seed + i)")
+            prompt = validate_prompt(body.prompt, spec)
+            params = [
+                SamplingParams(negative_prompt=body.negative_prompt, num_images_per_prompt=1, height=height,
+                               width=width, num_inference_steps=body.num_inference_steps,
+                               guidance_scale=body.guidance_scale, seed=seed + i, output_type="pil")
+                for i in range(n)
+            ]
+            resolved = [p.resolve(spec, limits) for p in params]  # every check, before any allocation
+        except InvalidRequestError as exc:
+            raise invalid_request(exc) from None
+        first = resolved[0]
+        stream = bool(body.stream)
+        return _Plan(
+            request_id=f"img-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            prompt=prompt,
+            params=params,
+            width=first.width,
+            height=first.height,
+            num_steps=first.num_inference_steps,
+            preview_steps=preview_steps(first.num_inference_steps, body.partial_images or 0) if stream else [],
+            stream=stream,
+            response_format=body.response_format or "b64_json",
+            output_format=body.output_format or "png",
+            compression=body.output_compression,
+            quality=body.quality or "auto",
+        )
+
+    # ------------------------------------------------------------------------- results
+    def _raise_if_not_finished(self, finals: Sequence[StreamEvent]) -> None:
+        for event in finals:
+            output = event.output
+            if output is not None and output.status is RequestStatus.FINISHED:
+                continue
+            if output is not None and output.status is RequestStatus.ABORTED:
+                if self._is_draining():
+                    raise unavailable("the server is shutting down; the request was aborted", "shutting_down")
+                raise unavailable("the request was aborted", "request_aborted")
+            message = output.error if output is not None else event.error
+            raise APIError(500, f"image generation failed: {message}", type="server_error",
+                           code="generation_failed")
+
+    def _encode_all(self, plan: _Plan, outputs: Sequence[GenerationOutput], base_url: str) -> list[ImageObject]:
+        data = []
+        for output in outputs:
+            encoded = encode_image(output.images[0], plan.output_format, plan.compression)
+            item = ImageObject(seed=output.seed, prompt_truncated=output.prompt_truncated,
+                               timings=output.metrics.as_dict())
+            if plan.response_format == "url":
+                name = self.store.put(encoded, MEDIA_TYPES[plan.output_format], plan.output_format)
+                item.url = f"{base_url.rstrip('/')}/v1/images/files/{name}"
+                item.expires_at = int(time.time() + self.store.ttl_s)
+            else:
+                item.b64_json = to_base64(encoded)
+            data.append(item)
+        return data
+
+    def _log_disconnect(self, plan: _Plan, raw_request: Request) -> None:
+        raw_request.scope[CLIENT_DISCONNECTED_KEY] = True
+        client = raw_request.client
+        logger.info('%s:%s - "%s %s" %d client disconnected; %s aborted',
+                    client.host if client else "-", client.port if client else "-", raw_request.method,
+                    raw_request.url.path, CLIENT_CLOSED_REQUEST, plan.request_id)
+
+    # ------------------------------------------------------------------------- streaming
+    async def _stream(self, plan: _Plan, group: "_RequestGroup", watcher: "_DisconnectWatcher",
+                      raw_request: Request) -> AsyncIterator[str]:
+        partial_counts = [0] * len(plan.params)
+        completed = False
+        common = dict(size=plan.size, quality=plan.quality, background="opaque", output_format=plan.output_format)
+        try:
+            async for index, event in group.events():
+                if event.type is EventType.PARTIAL and event.preview:
+                    encoded = await asyncio.to_thread(encode_image, event.preview[0], plan.output_format,
+                                                      plan.compression)
+                    partial = PartialImageEvent(b64_json=to_base64(encoded), created_at=int(time.time()),
+                                                partial_image_index=partial_counts[index], image_index=index,
+                                                **common)
+                    partial_counts[index] += 1
+                    yield _sse(partial.type, partial.model_dump())
+                elif event.type.is_final:
+                    output = event.output
+                    if output is not None and output.status is RequestStatus.FINISHED:
+                        encoded = await asyncio.to_thread(encode_image, output.images[0], plan.output_format,
+                                                          plan.compression)
+                        done = CompletedEvent(b64_json=to_base64(encoded), created_at=int(time.time()),
+                                              image_index=index, seed=output.seed,
+                                              timings=output.metrics.as_dict(), **common)
+                        self.metrics.observe_images(1)
+                        yield _sse(done.type, done.model_dump())
+                        continue
+                    if watcher.disconnected:
+                        return
+                    try:
+                        self._raise_if_not_finished([event])
+                    except APIError as exc:
+                        group.abort()
+                        yield _sse("error", {"type": "error", **exc.body()})
+                        completed = True
+                        return
+            completed = True
+        finally:
+            if not completed:  # the client went away (Starlette cancelled the stream) or aborted
+                self._log_disconnect(plan, raw_request)
+            with anyio.CancelScope(shield=True):  # cancellation is level-triggered in anyio
+                await watcher.stop()
+                await group.close()
+
+
+class _EventStreamResponse(StreamingResponse):
+    """A `StreamingResponse` that always closes its event generator when the response ends, so
+    a client that disconnects mid-stream has its requests aborted and counted right away
+    (Starlette cancels the sending task but leaves the generator to the garbage collector)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _sse(event: str, data: dict) -> str:
+    """One Server-Sent Event: ``event:`` line, one-line JSON ``data:``, blank line."""
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+class _RequestGroup:
+    """The ``n`` engine requests of one HTTP request (ids ``{request_id}-{i}``), their events
+    merged into one queue. Records each request's outcome in the metrics: from its final event,
+    or as aborted when the group is closed (or rejected) before its final event was read."""
+
+    def __init__(self, engine: AsyncDiffusionEngine, plan: _Plan, metrics: ServerMetrics):
+        self._engine = engine
+        self._plan = plan
+        self._metrics = metrics
+        self._unreported = set(range(len(plan.params)))
+        self.ids = [f"{plan.request_id}-{i}" for i in range(len(plan.params))]
+        self._queue: asyncio.Queue[tuple[int, StreamEvent]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+
+    async def submit(self) -> None:
+        """Queue every request in the engine, all in the same event-loop tick.
+
+        Raises:
+            InvalidRequestError / EngineOverloadedError: from the engine; then none of the
+                requests stays queued.
+        """
+        plan = self._plan
+        gens = [self._engine.generate(plan.prompt, params, request_id=rid, preview_steps=plan.preview_steps)
+                for rid, params in zip(self.ids, plan.params)]
+
+        async def first_event(gen):
+            return await anext(gen)
+
+        results = await asyncio.gather(*(first_event(g) for g in gens), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for gen, result in zip(gens, results):
+                if not isinstance(result, BaseException):
+                    await gen.aclose()  # aborts it
+                    self._metrics.observe_abandoned(1)
+            self._unreported.clear()
+            raise errors[0]
+        for index, (gen, first) in enumerate(zip(gens, results)):
+            self._queue.put_nowait((index, first))
+            if not first.type.is_final:
+                self._tasks.append(asyncio.create_task(self._pump(index, gen)))
+
+    async def _pump(self, index: int, gen: AsyncIterator[StreamEvent]) -> None:
+        try:
+            async for event in gen:
+                self._queue.put_nowait((index, event))
+        except Exception as exc:  # noqa: BLE001 - surface as this image's failure
+            logger.exception("engine stream of %s raised", self.ids[index])
+            self._queue.put_nowait((index, StreamEvent(self.ids[index], EventType.FAILED,
+                                                       error=f"{type(exc).__name__}: {exc}")))
+
+    async def events(self) -> AsyncIterator[tuple[int, StreamEvent]]:
+        """(image index, event) as they happen, until every request's final event."""
+        remaining = len(self.ids)
+        while remaining:
+            index, event = await self._queue.get()
+            if event.type.is_final:
+                remaining -= 1
+                self._unreported.discard(index)
+                if event.output is not None:
+                    self._metrics.observe_output(event.output)
+                else:
+                    self._metrics.observe_abandoned(1, outcome="failed")
+            yield index, event
+
+    async def wait_all(self) -> list[StreamEvent]:
+        """The final event of every request, by image index."""
+        finals: list[StreamEvent | None] = [None] * len(self.ids)
+        async for index, event in self.events():
+            if event.type.is_final:
+                finals[index] = event
+        return finals  # type: ignore[return-value]
+
+    def abort(self) -> None:
+        """Abort every request of the group (effective at the engine's next step)."""
+        for request_id in self.ids:
+            self._engine.abort(request_id)
+
+    async def close(self) -> None:
+        """Stop listening; an unfinished request is aborted by its stream's cleanup."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._metrics.observe_abandoned(len(self._unreported))
+        self._unreported.clear()
+
+
+class _DisconnectWatcher:
+    """Waits for the client's ``http.disconnect`` (after the body was read) and then calls
+    `on_disconnect` once."""
+
+    def __init__(self, receive: Callable[[], Awaitable[dict]], on_disconnect: Callable[[], None]):
+        self._receive = receive
+        self._on_disconnect = on_disconnect
+        self._task: asyncio.Task | None = None
+        self.disconnected = False
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self._receive()
+            if message.get("type") == "http.disconnect":
+                self.disconnected = True
+                self._on_disconnect()
+                return
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)

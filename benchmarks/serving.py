@@ -68,7 +68,9 @@ def make_workload(args, spec) -> list[Job]:
         d = rng.randrange(10)
         prompt = rng.choice(PROMPTS).format(d=d, w=WORDS[d])
         steps = args.steps if not args.mixed_steps else rng.choice([args.steps // 2, args.steps, args.steps * 2])
-        h, w = spec.default_height, spec.default_width
+        h = w = args.size
+        if args.size is None:
+            h, w = spec.default_height, spec.default_width
         if args.mixed_sizes:
             h, w = rng.choice([(h, w), (h + 2 * f, w), (h, w + 2 * f)])
         if args.request_rate:
@@ -147,10 +149,12 @@ def run_engine(engine: DiffusionEngine, name: str, jobs: list[Job], concurrency:
     return ArmResult(name, latencies, max(finish.values()), len(jobs), rows_seen)
 
 
-def time_forward(runner: ModelRunner, rows: int, steps: int, repeats: int = 5) -> float:
-    """Seconds per bare denoiser forward at `rows` rows (no engine, no scheduler step)."""
+def time_forward(runner: ModelRunner, rows: int, steps: int, size: tuple[int, int], repeats: int = 5) -> float:
+    """Seconds per bare denoiser forward at `rows` rows of `size` (height, width) pixels
+    (no engine, no scheduler step)."""
     adapter = runner.adapter
-    params = SamplingParams(num_inference_steps=steps, guidance_scale=1.0, seed=0, num_images_per_prompt=rows)
+    params = SamplingParams(num_inference_steps=steps, guidance_scale=1.0, seed=0, num_images_per_prompt=rows,
+                            height=size[0], width=size[1])
     limits = RequestLimits(max_num_images_per_prompt=rows, max_pixels=runner.config.max_pixels,
                            max_num_inference_steps=runner.config.max_num_inference_steps)
     state = RequestState("bench", "a handwritten digit 3", params.resolve(runner.spec, limits))
@@ -164,9 +168,11 @@ def time_forward(runner: ModelRunner, rows: int, steps: int, repeats: int = 5) -
     return (time.perf_counter() - t) / repeats
 
 
-def engine_overhead(runner: ModelRunner, engine: DiffusionEngine, steps: int, guidance: float) -> tuple[float, float]:
+def engine_overhead(runner: ModelRunner, engine: DiffusionEngine, steps: int, guidance: float,
+                    size: tuple[int, int]) -> tuple[float, float]:
     """(diffserve s/step, bare adapter forward+scheduler step s/step) at batch 1."""
-    params = SamplingParams(num_inference_steps=steps, guidance_scale=guidance, seed=0, output_type="latent")
+    params = SamplingParams(num_inference_steps=steps, guidance_scale=guidance, seed=0, output_type="latent",
+                            height=size[0], width=size[1])
     bare = []
     for _ in range(3):
         state = RequestState("bare", "digit 5", params.resolve(runner.spec, runner.config.limits))
@@ -193,6 +199,7 @@ def main() -> None:
     ap.add_argument("--request-rate", default=None, help="requests/s (Poisson) or 'auto'")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--guidance", type=float, default=4.0)
+    ap.add_argument("--size", type=int, default=None, help="square image side in pixels (default: model's)")
     ap.add_argument("--mixed-steps", action="store_true")
     ap.add_argument("--mixed-sizes", action="store_true")
     ap.add_argument("--max-batch-size", type=int, default=32, help="transformer rows per step")
@@ -207,7 +214,8 @@ def main() -> None:
 
     config = EngineConfig(model=args.model, load_format=args.load_format, max_batch_size=args.max_batch_size,
                           max_waiting_requests=100_000, num_threads=args.threads)
-    class_name, components = load_components(config.model_path, config.torch_dtype, config.load_format)
+    class_name, components = load_components(config.model_path, config.torch_dtype, config.load_format,
+                                             device=config.torch_device)
     for module in components.values():
         if isinstance(module, torch.nn.Module):
             module.eval().requires_grad_(False)
@@ -234,8 +242,10 @@ def main() -> None:
           f"max_batch_size={args.max_batch_size}")
 
     # warm up every path once
-    pipe("digit 1", num_inference_steps=2, height=runner.spec.default_height, width=runner.spec.default_width)
-    DiffusionEngine(config, runner=runner).generate(["digit 1"] * 4, SamplingParams(num_inference_steps=2))
+    side_h, side_w = jobs[0].params.height, jobs[0].params.width
+    pipe("digit 1", num_inference_steps=2, height=side_h, width=side_w)
+    DiffusionEngine(config, runner=runner).generate(["digit 1"] * 4, SamplingParams(num_inference_steps=2,
+                                                                                    height=side_h, width=side_w))
 
     results: list[ArmResult] = []
     if "baseline" in arms:
@@ -257,12 +267,14 @@ def main() -> None:
     if step is not None and step.batch_rows:
         rows = int(round(statistics.mean(step.batch_rows)))
         cfg_rows = 2 if args.guidance > 1 else 1
-        t1, tb = time_forward(runner, cfg_rows, args.steps), time_forward(runner, rows, args.steps)
+        size = (side_h, side_w)
+        t1, tb = time_forward(runner, cfg_rows, args.steps, size), time_forward(runner, rows, args.steps, size)
         ceiling = (rows / cfg_rows) / (args.steps * tb)
         print(f"\nceiling: bare forward {cfg_rows} rows {t1 * 1e3:.2f} ms, {rows} rows {tb * 1e3:.2f} ms "
               f"({tb / t1:.2f}x the cost for {rows / cfg_rows:.0f}x the images) -> {ceiling:.2f} img/s; "
               f"step mode reaches {step.throughput / ceiling:.0%} of it")
-    served, bare = engine_overhead(runner, DiffusionEngine(config, runner=runner), args.steps, args.guidance)
+    served, bare = engine_overhead(runner, DiffusionEngine(config, runner=runner), args.steps, args.guidance,
+                                   (side_h, side_w))
     print(f"engine overhead at batch 1: diffserve {served * 1e3:.3f} ms/step vs bare adapter "
           f"{bare * 1e3:.3f} ms/step -> {served / bare - 1:+.1%}")
 

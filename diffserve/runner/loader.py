@@ -43,7 +43,7 @@ def read_model_index(model_dir: Path) -> dict[str, Any]:
 
 
 def _load_component(library: str, class_name: str, folder: Path, dtype: torch.dtype,
-                    load_format: str) -> Any:
+                    load_format: str, device: torch.device) -> Any:
     if library not in _LIBRARIES:
         raise UnsupportedModelError(
             f"component in {folder.name!r} comes from library {library!r}; supported: {_LIBRARIES}"
@@ -57,26 +57,29 @@ def _load_component(library: str, class_name: str, folder: Path, dtype: torch.dt
 
         if issubclass(cls, ModelMixin):
             if load_format == "dummy":
-                return cls.from_config(cls.load_config(folder)).to(dtype)
+                with torch.device(device):  # initialise where it will run (fast on GPU)
+                    return cls.from_config(cls.load_config(folder)).to(dtype)
             return cls.from_pretrained(folder, torch_dtype=dtype)
         return cls.from_pretrained(folder)  # schedulers and other config-only objects
     from transformers import AutoConfig, PreTrainedModel
 
     if issubclass(cls, PreTrainedModel):
         if load_format == "dummy":
-            return cls(AutoConfig.from_pretrained(folder)).to(dtype)
+            with torch.device(device):
+                return cls(AutoConfig.from_pretrained(folder)).to(dtype)
         return cls.from_pretrained(folder, dtype=dtype)
     return cls.from_pretrained(folder)  # tokenizers
 
 
 def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "default",
-                    seed: int = 0) -> tuple[str, dict[str, Any]]:
+                    seed: int = 0, device: torch.device | str = "cpu") -> tuple[str, dict[str, Any]]:
     """Load every component listed in ``model_index.json``.
 
     Args:
         model_dir: local diffusers folder.
         dtype: torch dtype for the models (tokenizers and schedulers have none).
-        load_format: ``"default"`` or ``"dummy"`` (random weights, seeded with `seed`).
+        load_format: ``"default"`` or ``"dummy"`` (random weights, seeded with `seed`,
+            initialised directly on `device`).
 
     Returns:
         (pipeline class name, {component name: object or None}).
@@ -104,14 +107,15 @@ def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "def
         if library is None or cls_name is None:
             components[name] = None
             continue
-        components[name] = _load_component(library, cls_name, model_dir / name, dtype, load_format)
+        components[name] = _load_component(library, cls_name, model_dir / name, dtype, load_format,
+                                           torch.device(device))
     return class_name, components
 
 
 def load_adapter(model_dir: Path, device: torch.device, dtype: torch.dtype,
                  load_format: str = "default") -> PipelineAdapter:
     """Load a model folder and wrap it in the adapter registered for its pipeline class."""
-    class_name, components = load_components(model_dir, dtype, load_format)
+    class_name, components = load_components(model_dir, dtype, load_format, device=device)
     for module in components.values():
         if isinstance(module, torch.nn.Module):
             module.eval().requires_grad_(False)

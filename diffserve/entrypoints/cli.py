@@ -46,12 +46,33 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most transformer rows per denoising step")
     parser.add_argument("--execution-mode", default="step", choices=["step", "request"])
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--prompt-embed-cache-size", type=int, default=256,
+                        help="entries of the prompt-embedding LRU cache (0 = off)")
+    parser.add_argument("--cache-backend", default="none", choices=["none", "teacache", "cache_dit"],
+                        help="step caching backend (state reset for every request)")
+    parser.add_argument("--cache-config", default=None, metavar="JSON",
+                        help='cache backend options as a JSON object, e.g. \'{"rel_l1_thresh": 0.4}\'')
+    compile_group = parser.add_mutually_exclusive_group()
+    compile_group.add_argument("--compile", dest="compile", action="store_true", default=False,
+                               help="regional torch.compile of the transformer blocks (warmed up at start)")
+    compile_group.add_argument("--enforce-eager", dest="compile", action="store_false",
+                               help="never compile (the default)")
+    parser.add_argument("--compile-vae", action="store_true", help="with --compile: also compile the VAE decoder")
 
 
 def engine_config_from_args(args: argparse.Namespace):
     """Build an `EngineConfig` from parsed engine arguments."""
+    import json
+
     from diffserve.config import EngineConfig
 
+    cache_config = {}
+    if args.cache_config is not None:
+        try:
+            cache_config = json.loads(args.cache_config)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError("cache_config", args.cache_config, "a JSON object",
+                                      detail=str(exc)) from exc
     return EngineConfig(
         model=args.model,
         device=args.device,
@@ -60,6 +81,11 @@ def engine_config_from_args(args: argparse.Namespace):
         max_batch_size=args.max_batch_size,
         execution_mode=args.execution_mode,
         num_threads=args.threads,
+        prompt_embed_cache_size=args.prompt_embed_cache_size,
+        cache_backend=args.cache_backend,
+        cache_config=cache_config,
+        compile=args.compile,
+        compile_vae=args.compile_vae,
     )
 
 

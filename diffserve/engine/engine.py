@@ -54,6 +54,13 @@ class DiffusionEngine:
         self._requests: dict[str, Request] = {}
         self._pending: list[StreamEvent] = []
         self._seq = itertools.count()
+        self._step_listeners: list[Callable[[int, int, float], None]] = []
+
+    def add_step_listener(self, listener: Callable[[int, int, float], None]) -> None:
+        """Call ``listener(num_rows, num_requests, seconds)`` after every denoising step
+        (on the engine thread): transformer rows in the forward (CFG rows included), requests
+        in the batch, and the step's wall-clock duration in seconds."""
+        self._step_listeners.append(listener)
 
     # ----------------------------------------------------------------- request lifecycle
     def add_request(
@@ -87,7 +94,6 @@ class DiffusionEngine:
             rows=request_rows(resolved),
             seq=next(self._seq),
             arrival_time=time.perf_counter(),
-            prompt_truncated=self.runner.prompt_is_truncated(prompt),
             preview_steps=frozenset(int(s) for s in preview_steps),
         )
         request.metrics.arrival_time = time.time()
@@ -164,6 +170,8 @@ class DiffusionEngine:
         events = [StreamEvent(request.request_id, EventType.STARTED,
                               step=0, total=request.params.num_inference_steps)]
         try:
+            # tokenizers are not thread-safe: only the engine thread touches them
+            request.prompt_truncated = self.runner.prompt_is_truncated(request.prompt)
             self.runner.prepare(request.state)
         except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
             logger.exception("prepare failed for %s", request.request_id)
@@ -181,6 +189,8 @@ class DiffusionEngine:
                 request.first_step_time = start
         result = self.runner.execute_step([r.state for r in batch])
         end = time.perf_counter()
+        for listener in self._step_listeners:
+            listener(result.num_rows, len(batch), end - start)
         events: list[StreamEvent] = []
         for request in batch:
             error = result.failures.get(request.request_id)

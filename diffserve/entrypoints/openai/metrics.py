@@ -16,15 +16,11 @@ Metrics (all durations in seconds):
     diffserve_request_stage_seconds{stage}      per finished engine request: queue, encode,
                                                 denoise, decode, total
 
-The step metrics come from a timing wrapper around the engine's `ModelRunner.execute_step`
-(`observe_engine`), as the engine has no step-listener API yet.
+The step metrics come from the engine's step listener (`DiffusionEngine.add_step_listener`).
 """
 
 from __future__ import annotations
 
-import functools
-import threading
-import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -75,35 +71,17 @@ class ServerMetrics:
             self.stage_seconds.labels(stage=stage)
 
     def observe_engine(self, engine: AsyncDiffusionEngine) -> None:
-        """Read queue gauges from `engine` at scrape time and time its denoising steps.
-
-        Wraps ``engine.engine.runner.execute_step`` on that instance (the class is untouched);
-        nested calls (the runner's per-request retry after a failed batch) are not counted twice.
-        """
+        """Read queue gauges from `engine` at scrape time and record every denoising step."""
         sync_engine = engine.engine
         self.waiting.set_function(lambda: sync_engine.num_waiting)
         self.running.set_function(lambda: len(sync_engine.scheduler.running))
         self.running_rows.set_function(lambda: sync_engine.num_running_rows)
-        runner = sync_engine.runner
-        inner = runner.execute_step
-        depth = threading.local()
+        sync_engine.add_step_listener(self._observe_step)
 
-        @functools.wraps(inner)
-        def timed_execute_step(states):
-            if getattr(depth, "active", False):
-                return inner(states)
-            depth.active = True
-            start = time.perf_counter()
-            try:
-                result = inner(states)
-            finally:
-                depth.active = False
-            self.step_seconds.observe(time.perf_counter() - start)
-            self.step_rows.observe(result.num_rows)
-            self.step_requests.observe(len(states))
-            return result
-
-        runner.execute_step = timed_execute_step
+    def _observe_step(self, num_rows: int, num_requests: int, seconds: float) -> None:
+        self.step_seconds.observe(seconds)
+        self.step_rows.observe(num_rows)
+        self.step_requests.observe(num_requests)
 
     def observe_status(self, status_code: int) -> None:
         """Count one image-generation HTTP request that ended with `status_code`."""

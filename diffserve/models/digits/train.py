@@ -100,7 +100,7 @@ class TrainConfig:
 
     seed: int = 0
     threads: int = 1
-    max_steps: int = 6000
+    max_steps: int = 3000
     minutes: float = 20.0
     batch_size: int = 128
     lr: float = 1e-3
@@ -108,7 +108,7 @@ class TrainConfig:
     warmup_steps: int = 200
     ema_decay: float = 0.999
     empty_prompt_prob: float = 0.1
-    vae_steps: int = 1500
+    vae_steps: int = 800
     vae_lr: float = 2e-3
     vae_batch_size: int = 128
     vae_kl_weight: float = 1e-3
@@ -472,12 +472,13 @@ flow-matching Euler scheduler).
 ```python
 from diffusers import StableDiffusion3Pipeline
 from diffserve.models.digits import DEFAULT_MODEL_PATH
-pipe = StableDiffusion3Pipeline.from_pretrained(DEFAULT_MODEL_PATH)
-image = pipe("a handwritten digit 7", height=8, width=8).images[0]  # 8x8 PIL image
+# diffusers 0.42.1 needs the absent T5 slots passed explicitly (model_index.json has them as null)
+pipe = StableDiffusion3Pipeline.from_pretrained(DEFAULT_MODEL_PATH, text_encoder_3=None, tokenizer_3=None)
+image = pipe("a handwritten digit 7").images[0]  # 8x8 grayscale PIL image, default arguments
 ```
 
-Always pass `height=8, width=8` (the pipeline's default size is `transformer.sample_size * vae_scale_factor = 8`,
-so the defaults also work). Pixel values: black background (0) and white strokes (1).
+The pipeline's default size is already 8x8 (`transformer.sample_size` 8 x `vae_scale_factor` 1);
+other sizes are outside the training distribution. Pixels: black background (0), white strokes (1).
 
 ## Architecture
 
@@ -547,6 +548,8 @@ Held-out templates (never used in training; all their words are):
 
 - 8x8 grayscale only; other sizes are outside the training distribution (sizes must be even).
 - Knows only the ten digits; prompts about anything else give an arbitrary digit or a blur.
+- The prompt's wording selects the digit, not the style: for a fixed seed, different templates for
+  the same digit give nearly the same image.
 - Trained on 1437 images: samples stay close to the training set (see novelty in the judge section).
 - The quality judge is an RBF SVM on the same training split; it is a proxy for legibility, not for
   human judgement.

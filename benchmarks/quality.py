@@ -1,0 +1,306 @@
+"""Quality benchmark for the built-in digits model, judged by an independent classifier.
+
+Generates ``--n-per-digit`` images for each digit 0..9 from prompt templates, then reports:
+
+* judge accuracy per digit and overall: an RBF-kernel SVM (scikit-learn ``SVC``) trained on the
+  same fixed training split as the model (``diffserve.models.digits.data``), never on generated
+  images; its accuracy on the 360 held-out real images is printed as the ceiling;
+* mean seconds per image (wall clock of the generate call / number of images);
+* diversity: mean pairwise L2 distance among the samples of one digit divided by the same for
+  the held-out real images of that digit, averaged over digits (1.0 = as diverse as real data);
+* novelty: median L2 distance from each generated image to its nearest training image, next to
+  the same statistic for held-out real images (generated far below real = memorisation).
+
+Distances are on pixels in [0, 1] (8x8 images, so at most 8).
+
+Usage::
+
+    python benchmarks/quality.py                              # diffserve engine, built-in model
+    python benchmarks/quality.py --templates heldout --steps 8
+    python benchmarks/quality.py --backend diffusers          # reference arm: plain diffusers
+
+``--backend diffserve`` (default) generates through ``diffserve.DiffusionEngine``;
+``--backend diffusers`` through ``diffusers.StableDiffusion3Pipeline`` with the same prompts and
+seeds (image ``k`` uses seed ``--seed + k``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from sklearn.svm import SVC
+
+from diffserve.models.digits import DEFAULT_MODEL_PATH, data
+from diffserve.models.digits.train import PACKAGE_MODEL_CARD, QUALITY_BEGIN, QUALITY_END
+
+#: Judge hyper-parameters (chosen on the held-out split: 99.4 % accuracy).
+JUDGE_C = 5.0
+
+
+def build_judge() -> tuple[SVC, float]:
+    """Fit the judge on the training split of ``load_digits`` (about 0.05 s).
+
+    Returns:
+        ``(classifier, held-out accuracy)``. The classifier takes float arrays (N, 64) of pixels
+        in [0, 1] (dataset intensities / 16); use :func:`judge_images` rather than calling it.
+    """
+    split = data.load_split()
+    features = split.train_images.reshape(len(split.train_images), -1) / data.MAX_INTENSITY
+    clf = SVC(C=JUDGE_C, gamma="scale").fit(features, split.train_labels)
+    heldout = split.heldout_images.reshape(len(split.heldout_images), -1) / data.MAX_INTENSITY
+    accuracy = float(np.mean(clf.predict(heldout) == split.heldout_labels))
+    return clf, accuracy
+
+
+def _as_pixels(images: np.ndarray) -> np.ndarray:
+    """(N, 8, 8) or (N, 8, 8, 1) images in [0, 1] -> float64 (N, 64).
+
+    Raises:
+        ValueError: on any other shape.
+    """
+    images = np.asarray(images, dtype=np.float64)
+    if images.ndim == 4 and images.shape[-1] == 1:
+        images = images[..., 0]
+    if images.ndim != 3 or images.shape[1:] != (data.IMAGE_SIZE, data.IMAGE_SIZE):
+        raise ValueError(f"expected images of shape (N, 8, 8[, 1]), got {images.shape}")
+    return images.reshape(len(images), -1)
+
+
+def judge_images(clf: SVC, images: np.ndarray) -> np.ndarray:
+    """Classify generated images.
+
+    Args:
+        clf: the judge from :func:`build_judge`.
+        images: float array (N, 8, 8) or (N, 8, 8, 1), pixels in [0, 1] (0 = background),
+            e.g. a pipeline's ``output_type="np"`` output.
+
+    Returns:
+        int64 array (N,) of predicted digits.
+
+    Raises:
+        ValueError: if ``images`` has another shape.
+    """
+    return clf.predict(_as_pixels(images)).astype(np.int64)
+
+
+def make_prompts(templates: tuple[str, ...], n_per_digit: int) -> tuple[list[str], np.ndarray]:
+    """``n_per_digit`` prompts per digit, cycling through ``templates``.
+
+    Returns:
+        ``(prompts, labels)``: 10 * n_per_digit prompts grouped by digit, and int64 labels.
+    """
+    prompts, labels = [], []
+    for digit in range(10):
+        for i in range(n_per_digit):
+            prompts.append(data.format_prompt(templates[i % len(templates)], digit))
+            labels.append(digit)
+    return prompts, np.asarray(labels, dtype=np.int64)
+
+
+def generate_diffserve(
+    model: Path | None, prompts: list[str], seed: int, steps: int, guidance: float
+) -> tuple[np.ndarray, float]:
+    """Generate one 8x8 image per prompt through diffserve's engine.
+
+    Returns:
+        ``(images, seconds)``: float32 (N, 8, 8) in [0, 1]; wall-clock seconds of the generate call.
+
+    Raises:
+        ImportError: if ``diffserve.DiffusionEngine`` is not available.
+    """
+    from diffserve import DiffusionEngine, EngineConfig, SamplingParams
+
+    engine = DiffusionEngine(EngineConfig(model=None if model is None else str(model)))
+    params = [
+        SamplingParams(num_inference_steps=steps, guidance_scale=guidance, seed=seed + k,
+                       height=data.IMAGE_SIZE, width=data.IMAGE_SIZE, output_type="np")
+        for k in range(len(prompts))
+    ]
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    images = np.stack([np.asarray(out.images)[0, :, :, 0] for out in outputs])
+    return images, seconds
+
+
+def generate_diffusers(
+    model: Path | None, prompts: list[str], seed: int, steps: int, guidance: float, batch_size: int = 100
+) -> tuple[np.ndarray, float]:
+    """Generate one 8x8 image per prompt with diffusers' ``StableDiffusion3Pipeline`` (reference arm).
+
+    Image ``k`` uses ``torch.Generator().manual_seed(seed + k)``.
+
+    Returns:
+        ``(images, seconds)``: float32 (N, 8, 8) in [0, 1]; wall-clock seconds of the pipeline calls.
+    """
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(
+        model or DEFAULT_MODEL_PATH, text_encoder_3=None, tokenizer_3=None
+    )
+    pipe.set_progress_bar_config(disable=True)
+    chunks, seconds = [], 0.0
+    for lo in range(0, len(prompts), batch_size):
+        batch = prompts[lo : lo + batch_size]
+        generators = [torch.Generator().manual_seed(seed + lo + k) for k in range(len(batch))]
+        start = time.perf_counter()
+        out = pipe(batch, height=data.IMAGE_SIZE, width=data.IMAGE_SIZE, num_inference_steps=steps,
+                   guidance_scale=guidance, generator=generators, output_type="np")
+        seconds += time.perf_counter() - start
+        chunks.append(out.images[..., 0])
+    return np.concatenate(chunks), seconds
+
+
+def _pairwise_mean(x: np.ndarray) -> float:
+    """Mean L2 distance over distinct pairs of rows of x (N, D); requires N >= 2."""
+    d = np.sqrt(np.maximum(((x[:, None, :] - x[None, :, :]) ** 2).sum(-1), 0.0))
+    n = len(x)
+    return float(d.sum() / (n * (n - 1)))
+
+
+def _nearest(x: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """L2 distance from each row of x (N, D) to its nearest row of ref (M, D), shape (N,)."""
+    d2 = (x**2).sum(1)[:, None] - 2 * x @ ref.T + (ref**2).sum(1)[None, :]
+    return np.sqrt(np.maximum(d2.min(1), 0.0))
+
+
+@dataclass
+class QualityReport:
+    """Results of one benchmark run (accuracies are fractions in [0, 1])."""
+
+    judge_heldout_accuracy: float
+    accuracy: float
+    per_digit_accuracy: list[float]
+    seconds_per_image: float
+    diversity_ratio: float
+    novelty_generated: float
+    novelty_real: float
+
+
+def evaluate(clf: SVC, judge_accuracy: float, images: np.ndarray, labels: np.ndarray, seconds: float) -> QualityReport:
+    """Score generated images (float (N, 8, 8) in [0, 1]) whose intended digits are ``labels`` (N,).
+
+    Diversity needs at least two images per digit (otherwise it is reported as NaN).
+    """
+    split = data.load_split()
+    pixels = _as_pixels(images)
+    predicted = judge_images(clf, images)
+    per_digit = [float(np.mean(predicted[labels == d] == d)) for d in range(10)]
+    real = split.heldout_images.reshape(len(split.heldout_images), -1) / data.MAX_INTENSITY
+    train = split.train_images.reshape(len(split.train_images), -1) / data.MAX_INTENSITY
+    ratios = []
+    for d in range(10):
+        generated_d = pixels[labels == d]
+        if len(generated_d) >= 2:
+            ratios.append(_pairwise_mean(generated_d) / _pairwise_mean(real[split.heldout_labels == d]))
+    return QualityReport(
+        judge_heldout_accuracy=judge_accuracy,
+        accuracy=float(np.mean(predicted == labels)),
+        per_digit_accuracy=per_digit,
+        seconds_per_image=seconds / len(images),
+        diversity_ratio=float(np.mean(ratios)) if ratios else float("nan"),
+        novelty_generated=float(np.median(_nearest(pixels, train))),
+        novelty_real=float(np.median(_nearest(real, train))),
+    )
+
+
+def update_card(card: Path, command: str, args: argparse.Namespace, report: QualityReport) -> None:
+    """Insert or replace this run's row in the judge table between the card's quality markers.
+
+    Raises:
+        ValueError: if the card has no quality markers.
+    """
+    text = card.read_text()
+    match = re.search(re.escape(QUALITY_BEGIN) + r"\n(.*?)" + re.escape(QUALITY_END), text, re.S)
+    if match is None:
+        raise ValueError(f"{card} has no {QUALITY_BEGIN} ... {QUALITY_END} section")
+    header = [
+        f"Judge: RBF SVM (`SVC(C={JUDGE_C}, gamma='scale')`) on the training split; "
+        f"held-out real-image accuracy {100 * report.judge_heldout_accuracy:.1f} %. "
+        "Diversity: mean pairwise distance of samples of a digit / same for held-out real digits. "
+        "Novelty: median distance to the nearest training image (generated vs held-out real). "
+        "Produced by `benchmarks/quality.py`; seeds are `--seed + k` for image k.",
+        "",
+        "| command | backend | templates | steps | guidance | images | accuracy | worst digit | diversity | novelty gen / real | s/image |",
+        "|---|---|---|---:|---:|---:|---:|---|---:|---|---:|",
+    ]
+    rows = [line for line in match.group(1).splitlines() if line.startswith("| `")]
+    worst = int(np.argmin(report.per_digit_accuracy))
+    worst_text = (f"{worst} ({100 * report.per_digit_accuracy[worst]:.0f} %)"
+                  if report.per_digit_accuracy[worst] < 1 else "none")
+    row = (
+        f"| `{command}` | {args.backend} | {args.templates} | {args.steps} | {args.guidance:g} | "
+        f"{10 * args.n_per_digit} | {100 * report.accuracy:.1f} % | {worst_text} | "
+        f"{report.diversity_ratio:.2f} | {report.novelty_generated:.2f} / {report.novelty_real:.2f} | "
+        f"{report.seconds_per_image:.4f} |"
+    )
+    rows = [r for r in rows if not r.startswith(f"| `{command}` |")] + [row]
+    block = "\n".join(header + rows) + "\n"
+    card.write_text(text[: match.start(1)] + block + text[match.end(1) :])
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line arguments (see module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n-per-digit", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--guidance", type=float, default=4.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", type=Path, default=None, help="pipeline folder (default: built-in)")
+    parser.add_argument("--templates", choices=["train", "heldout", "both"], default="both")
+    parser.add_argument("--backend", choices=["diffserve", "diffusers"], default="diffserve")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--update-card", action="store_true",
+                        help="record the result in the model's card: the package MODEL_CARD.md for the "
+                        "built-in model, else MODEL/MODEL_CARD.md")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> QualityReport:
+    """Run the benchmark and print the report; see :func:`parse_args`."""
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    templates = {
+        "train": data.TRAIN_TEMPLATES,
+        "heldout": data.HELDOUT_TEMPLATES,
+        "both": data.TRAIN_TEMPLATES + data.HELDOUT_TEMPLATES,
+    }[args.templates]
+    start = time.perf_counter()
+    clf, judge_accuracy = build_judge()
+    print(f"judge: SVC(C={JUDGE_C}, gamma='scale'), held-out real accuracy {100 * judge_accuracy:.2f} % "
+          f"(built in {time.perf_counter() - start:.2f} s)")
+    prompts, labels = make_prompts(templates, args.n_per_digit)
+    generate = generate_diffserve if args.backend == "diffserve" else generate_diffusers
+    images, seconds = generate(args.model, prompts, args.seed, args.steps, args.guidance)
+    report = evaluate(clf, judge_accuracy, images, labels, seconds)
+
+    print(f"model: {args.model or DEFAULT_MODEL_PATH}  backend: {args.backend}  threads: {args.threads}")
+    print(f"templates: {args.templates}  steps: {args.steps}  guidance: {args.guidance:g}  "
+          f"images: {len(images)}  seed: {args.seed}")
+    print("per-digit accuracy: " + "  ".join(f"{d}:{100 * a:.0f}%" for d, a in enumerate(report.per_digit_accuracy)))
+    print(f"overall judge accuracy: {100 * report.accuracy:.2f} %")
+    print(f"mean seconds per image: {report.seconds_per_image:.4f}")
+    print(f"diversity ratio (generated / real held-out): {report.diversity_ratio:.3f}")
+    print(f"novelty (median distance to nearest training image): generated {report.novelty_generated:.3f}, "
+          f"real held-out {report.novelty_real:.3f}")
+    if args.update_card:
+        builtin = args.model is None or args.model.resolve() == DEFAULT_MODEL_PATH
+        card = PACKAGE_MODEL_CARD if builtin else args.model / "MODEL_CARD.md"
+        command = "python benchmarks/quality.py " + shlex.join(
+            [a for a in (sys.argv[1:] if argv is None else argv) if a != "--update-card"]
+        )
+        update_card(card, command.strip(), args, report)
+        print(f"recorded in {card}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -34,6 +34,7 @@ copies. ``tests/test_digits_model.py`` checks both forwards agree.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import platform
 import random
@@ -66,6 +67,8 @@ from diffserve.models.digits.tokenizer import (
 PACKAGE_DIR = Path(__file__).resolve().parent
 DEFAULT_WEIGHTS_DIR = PACKAGE_DIR / "weights"
 PACKAGE_MODEL_CARD = PACKAGE_DIR / "MODEL_CARD.md"
+#: Sampling defaults shipped with the model: the settings its judge accuracy is reported at.
+GENERATION_DEFAULTS = {"num_inference_steps": 20, "guidance_scale": 4.0, "height": 8, "width": 8}
 
 QUALITY_BEGIN = "<!-- quality:begin -->"
 QUALITY_END = "<!-- quality:end -->"
@@ -610,6 +613,8 @@ def main(argv: list[str] | None = None) -> Path:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(out, safe_serialization=True)
+    # diffserve reads per-model sampling defaults from this file (pipelines/sd3.py)
+    (out / "generation_config.json").write_text(json.dumps(GENERATION_DEFAULTS, indent=2) + "\n")
     wall_s = time.monotonic() - start
 
     card_path = args.card or (PACKAGE_MODEL_CARD if out == DEFAULT_WEIGHTS_DIR else out / "MODEL_CARD.md")

@@ -1,0 +1,1 @@
+"""Models that ship with diffserve (see `diffserve.models.digits`, the built-in default)."""

@@ -56,7 +56,13 @@ def serve(app):
         sock.close()
 
 
+#: Steps of a request meant to still be running when the test acts on it (aborted long before
+#: the end: a step takes ~1 ms on the tiny model, so this leaves seconds of margin).
+LONG_STEPS = 20_000
+
+
 def new_engine(model_dir, **overrides) -> AsyncDiffusionEngine:
+    overrides.setdefault("max_num_inference_steps", LONG_STEPS)
     return AsyncDiffusionEngine(EngineConfig(model=str(model_dir), num_threads=1, **overrides))
 
 
@@ -248,7 +254,7 @@ def test_queue_full_is_429_and_stream_disconnect_aborts(tiny_sd3_dir):
     # One CFG request fills a batch (2 rows); the waiting queue holds one more.
     engine = new_engine(tiny_sd3_dir, max_batch_size=2, max_waiting_requests=1)
     with serve(create_app(engine, MODEL)) as base:
-        long = {"prompt": "slow", "num_inference_steps": 200, "stream": True}
+        long = {"prompt": "slow", "num_inference_steps": LONG_STEPS, "stream": True}
         with httpx.stream("POST", f"{base}/v1/images/generations", json=long, timeout=30) as stream:
             assert stream.status_code == 200
             wait_until(lambda: scrape(base)[("diffserve_num_requests_running", ())] == 1, what="admission")
@@ -269,7 +275,7 @@ def test_client_disconnect_aborts_and_leaves_no_trace(server, tiny_sd3_dir):
     before = scrape(server.base)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.base}/v1/images/generations",
-                   json={"prompt": "a long one", "num_inference_steps": 200, "seed": 5}, timeout=0.3)
+                   json={"prompt": "a long one", "num_inference_steps": LONG_STEPS, "seed": 5}, timeout=0.3)
     wait_until(lambda: not server.engine.engine.has_unfinished_requests(), timeout=5, what="abort")
     key499 = ("diffserve_requests_total", (("status", "499"),))
     wait_until(lambda: scrape(server.base).get(key499, 0) > before.get(key499, 0), timeout=5, what="499 counted")
@@ -325,7 +331,7 @@ def test_metrics_parse_and_move(server):
 def test_shutdown_stops_admitting_and_aborts_after_timeout(tiny_sd3_dir):
     app = create_app(new_engine(tiny_sd3_dir), MODEL, shutdown_timeout_s=0.3)
     with serve(app) as base:
-        long = {"prompt": "slow", "num_inference_steps": 200, "stream": True, "partial_images": 0}
+        long = {"prompt": "slow", "num_inference_steps": LONG_STEPS, "stream": True, "partial_images": 0}
         with httpx.stream("POST", f"{base}/v1/images/generations", json=long, timeout=30) as stream:
             assert stream.status_code == 200
             app.state.diffserve.begin_shutdown()

@@ -50,8 +50,9 @@ class Accelerator:
     Args:
         adapter: the loaded pipeline adapter (modified in place: its
             ``prompt_embed_cache`` is set, cache hooks and compiled blocks are installed).
-        config: ``prompt_embed_cache_size``, ``cache_backend``, ``cache_config``, ``compile``,
-            ``compile_vae`` and ``max_batch_size`` (warm-up sizes) are read.
+        config: ``context_folding``, ``prompt_embed_cache_size``, ``cache_backend``,
+            ``cache_config``, ``compile``, ``compile_vae`` and ``max_batch_size`` (warm-up
+            sizes) are read.
 
     Raises:
         InvalidRequestError: a bad cache backend / options for this model.
@@ -60,6 +61,8 @@ class Accelerator:
     def __init__(self, adapter: "PipelineAdapter", config: "EngineConfig"):
         self.adapter = adapter
         model_path = config.model_path
+        # first: it changes the attention processors that caches and compile then wrap
+        self.context_folding = config.context_folding and adapter.enable_context_folding()
         self.prompt_cache: PromptEmbedCache | None = None
         if config.prompt_embed_cache_size > 0:
             self.prompt_cache = PromptEmbedCache(
@@ -130,4 +133,5 @@ class Accelerator:
                                    if self.prompt_cache is not None else {"enabled": False}),
             "cache_backend": self.backend.stats(),
             "compile": self.compiler.stats() if self.compiler is not None else {"enabled": False},
+            "context_folding": {"enabled": self.context_folding},
         }

@@ -46,6 +46,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most transformer rows per denoising step")
     parser.add_argument("--execution-mode", default="step", choices=["step", "request"])
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--no-context-folding", dest="context_folding", action="store_false",
+                        help="run SD3's 256 zero T5 placeholder tokens in full instead of as one "
+                             "folded token (slower; same images within float rounding)")
     parser.add_argument("--prompt-embed-cache-size", type=int, default=256,
                         help="entries of the prompt-embedding LRU cache (0 = off)")
     parser.add_argument("--cache-backend", default="none", choices=["none", "teacache", "cache_dit"],
@@ -82,6 +85,7 @@ def engine_config_from_args(args: argparse.Namespace):
         execution_mode=args.execution_mode,
         num_threads=args.threads,
         prompt_embed_cache_size=args.prompt_embed_cache_size,
+        context_folding=args.context_folding,
         cache_backend=args.cache_backend,
         cache_config=cache_config,
         compile=args.compile,

@@ -139,6 +139,11 @@ class PipelineAdapter(ABC):
     def decode(self, state: RequestState, latents: torch.Tensor | None = None) -> Any:
         """Decode `latents` (default: the state's) into images of ``params.output_type``."""
 
+    def enable_context_folding(self) -> bool:
+        """Switch on context folding (`diffserve.acceleration.context_folding`) if this model
+        has identical placeholder context tokens; returns whether it was enabled."""
+        return False
+
     def prompt_is_truncated(self, prompt: str) -> bool:
         """Whether `prompt` exceeds the text encoder's token limit (it will be truncated)."""
         return False

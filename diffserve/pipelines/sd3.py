@@ -59,6 +59,7 @@ class StableDiffusion3Adapter(PipelineAdapter):
         self.device = device
         self.dtype = dtype
         self.max_sequence_length = MAX_SEQUENCE_LENGTH
+        self.context_folding = False
         vae_factor = pipe.vae_scale_factor
         self.spec = ModelSpec(
             resolution_factor=vae_factor * pipe.patch_size,
@@ -88,8 +89,21 @@ class StableDiffusion3Adapter(PipelineAdapter):
 
     @property
     def text_seq_len(self) -> int:
-        """Text tokens per row: CLIP tokens + T5 tokens (zeros when no T5)."""
-        return self.pipe.tokenizer_max_length + self.max_sequence_length
+        """Text tokens per row: CLIP tokens + T5 tokens (zeros when no T5; one folded token
+        when context folding is on)."""
+        t5_tokens = 1 if self.context_folding else self.max_sequence_length
+        return self.pipe.tokenizer_max_length + t5_tokens
+
+    def enable_context_folding(self) -> bool:
+        """Without T5, run the 256 zero placeholder rows as one folded token (same image
+        within float rounding, far fewer tokens; see `acceleration.context_folding`)."""
+        if self.pipe.text_encoder_3 is not None:
+            return False
+        from diffserve.acceleration.context_folding import install_folded_context_attention
+
+        install_folded_context_attention(self.pipe.transformer, self.max_sequence_length)
+        self.context_folding = True
+        return True
 
     def batch_key(self, params: SamplingParams) -> Hashable:
         f = self.pipe.vae_scale_factor
@@ -133,6 +147,10 @@ class StableDiffusion3Adapter(PipelineAdapter):
         if do_cfg:
             pe = torch.cat([npe, pe], dim=0)
             pooled = torch.cat([npooled, pooled], dim=0)
+        if self.context_folding:
+            from diffserve.acceleration.context_folding import fold_placeholder_rows
+
+            pe = fold_placeholder_rows(pe, self.pipe.tokenizer_max_length)
         return pe, pooled
 
     def cached_encode_prompt(self, prompt: str, negative_prompt: str, do_cfg: bool, num_images: int):

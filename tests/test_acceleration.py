@@ -262,3 +262,21 @@ def test_cache_dit_rejects_fn_bn_covering_every_block(tiny_sd3_dir):
         DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), cache_backend="cache_dit",
                                      cache_config={"Fn_compute_blocks": 2}))
     assert info.value.field == "cache_config.Fn_compute_blocks"
+
+
+# ---------------------------------------------------------------- context folding
+def test_context_folding_matches_full_context(tiny_sd3_dir, tiny_sd3_t5_dir):
+    """Folding the 256 zero T5 placeholder rows into one token changes no pixel beyond 1e-4,
+    shortens the text sequence, and is not applied when a real T5 is present."""
+    from diffserve import DiffusionEngine, EngineConfig, SamplingParams
+
+    params = [SamplingParams(seed=s, num_inference_steps=3, guidance_scale=g, output_type="np")
+              for s, g in ((1, 4.0), (2, 1.0))]
+    folded = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir)))
+    full = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), context_folding=False))
+    assert folded.runner.adapter.text_seq_len == 77 + 1 and full.runner.adapter.text_seq_len == 77 + 256
+    for a, b in zip(folded.generate(["a cat", "a dog"], params), full.generate(["a cat", "a dog"], params)):
+        assert np.abs(a.images - b.images).max() <= 1e-4
+    with_t5 = DiffusionEngine(EngineConfig(model=str(tiny_sd3_t5_dir)))
+    assert not with_t5.runner.adapter.context_folding
+    assert with_t5.runner.acceleration_stats()["context_folding"] == {"enabled": False}

@@ -27,7 +27,8 @@ default arguments, exactly as at inference. With no T5, that appends ``max_seque
 (256) all-zero rows after the 16 CLIP rows. Those rows are identical at every layer of the
 MMDiT (all its context-side operations are per-token), so to train ~8x faster they are
 collapsed into ONE row whose attention logit gets ``+log(256)``
-(:class:`CollapsedContextAttnProcessor`): mathematically the same function as attending to 256
+(`diffserve.acceleration.context_folding`, which diffserve also uses to serve the model):
+mathematically the same function as attending to 256
 copies. ``tests/test_digits_model.py`` checks both forwards agree.
 """
 
@@ -53,10 +54,12 @@ from diffusers import (
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
 )
-from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0
+from diffusers.models.attention_processor import JointAttnProcessor2_0
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
+from diffserve.acceleration.context_folding import fold_placeholder_rows, install_folded_context_attention
 from diffserve.models.digits import data
+from diffserve.pipelines.sd3 import MAX_SEQUENCE_LENGTH
 from diffserve.models.digits.tokenizer import (
     MODEL_MAX_LENGTH,
     VOCABULARY_WORDS,
@@ -247,82 +250,6 @@ def normalize_latents(vae: AutoencoderKL, images: torch.Tensor) -> torch.Tensor:
     return (latents - shift) * scale
 
 
-class CollapsedContextAttnProcessor(JointAttnProcessor2_0):
-    """``JointAttnProcessor2_0`` that adds ``attention_mask`` to the attention logits.
-
-    Used only in training, with an additive bias of shape (1, 1, 1, L_image + L_context) that is
-    ``log(k)`` for a context row standing for ``k`` identical rows and 0 elsewhere: softmax over
-    ``k`` identical keys equals softmax over one key with logit ``+ log(k)``. Stock diffusers'
-    processor ignores ``attention_mask``; the saved model uses the stock processor.
-    """
-
-    def __call__(
-        self,
-        attn: Attention,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        *args,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        batch_size, n_image = hidden_states.shape[:2]
-
-        def heads(x: torch.Tensor) -> torch.Tensor:
-            return x.view(batch_size, -1, attn.heads, x.shape[-1] // attn.heads).transpose(1, 2)
-
-        query = heads(attn.to_q(hidden_states))
-        key = heads(attn.to_k(hidden_states))
-        value = heads(attn.to_v(hidden_states))
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
-        context_query = heads(attn.add_q_proj(encoder_hidden_states))
-        context_key = heads(attn.add_k_proj(encoder_hidden_states))
-        context_value = heads(attn.add_v_proj(encoder_hidden_states))
-        if attn.norm_added_q is not None:
-            context_query = attn.norm_added_q(context_query)
-        if attn.norm_added_k is not None:
-            context_key = attn.norm_added_k(context_key)
-        query = torch.cat([query, context_query], dim=2)
-        key = torch.cat([key, context_key], dim=2)
-        value = torch.cat([value, context_value], dim=2)
-
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask)
-        out = out.transpose(1, 2).reshape(batch_size, -1, query.shape[1] * query.shape[3])
-        hidden_states, encoder_hidden_states = out[:, :n_image], out[:, n_image:]
-        if not attn.context_pre_only:
-            encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
-        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
-        return hidden_states, encoder_hidden_states
-
-
-def collapse_zero_context(
-    prompt_embeds: torch.Tensor, n_clip_tokens: int, n_image_tokens: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Collapse the all-zero T5 placeholder rows of SD3 prompt embeddings into one weighted row.
-
-    Args:
-        prompt_embeds: (B, n_clip_tokens + n_zero, joint_attention_dim) from
-            ``StableDiffusion3Pipeline.encode_prompt`` with ``text_encoder_3 = None``.
-        n_clip_tokens: number of CLIP rows (the tokenizer's ``model_max_length``).
-        n_image_tokens: number of image patches the transformer will see.
-
-    Returns:
-        ``(embeds, bias)``: embeds (B, n_clip_tokens + 1, D) and the additive attention bias
-        (1, 1, 1, n_image_tokens + n_clip_tokens + 1) for :class:`CollapsedContextAttnProcessor`.
-
-    Raises:
-        ValueError: if the rows after the CLIP rows are not all zero.
-    """
-    tail = prompt_embeds[:, n_clip_tokens:]
-    if tail.shape[1] == 0 or torch.any(tail != 0):
-        raise ValueError("expected all-zero placeholder rows after the CLIP rows")
-    bias = torch.zeros(1, 1, 1, n_image_tokens + n_clip_tokens + 1, dtype=prompt_embeds.dtype)
-    bias[..., -1] = math.log(tail.shape[1])
-    return prompt_embeds[:, : n_clip_tokens + 1], bias
-
-
 def rectified_flow_loss(
     pipe: StableDiffusion3Pipeline,
     x0: torch.Tensor,
@@ -336,8 +263,8 @@ def rectified_flow_loss(
         x0: float32 (B, 1, 8, 8) scaled VAE latents.
         prompts: B prompts, encoded by ``pipe.encode_prompt`` with its default arguments.
         generator: CPU generator for ``t`` and the noise.
-        collapse: use :func:`collapse_zero_context` (requires the transformer to use
-            :class:`CollapsedContextAttnProcessor`); ``False`` runs the stock full-length forward.
+        collapse: fold the zero placeholder rows into one (requires the transformer to use
+            `FoldedContextAttnProcessor`); ``False`` runs the stock full-length forward.
 
     Returns:
         Scalar mean squared error between the transformer output and ``noise - x0`` at
@@ -349,17 +276,13 @@ def rectified_flow_loss(
     t = torch.sigmoid(torch.randn(len(x0), generator=generator))
     noise = torch.randn(x0.shape, generator=generator)
     x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * noise
-    kwargs = None
     if collapse:
-        n_image = (x0.shape[-2] // pipe.patch_size) * (x0.shape[-1] // pipe.patch_size)
-        prompt_embeds, bias = collapse_zero_context(prompt_embeds, pipe.tokenizer_max_length, n_image)
-        kwargs = {"attention_mask": bias}
+        prompt_embeds = fold_placeholder_rows(prompt_embeds, pipe.tokenizer_max_length)
     pred = pipe.transformer(
         hidden_states=x_t,
         timestep=t * 1000,
         encoder_hidden_states=prompt_embeds,
         pooled_projections=pooled,
-        joint_attention_kwargs=kwargs,
         return_dict=False,
     )[0]
     return F.mse_loss(pred, noise - x0)
@@ -399,7 +322,7 @@ def train_denoiser(
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     generator = torch.Generator().manual_seed(config.seed + 1)
     prompt_rng = random.Random(config.seed + 2)
-    pipe.transformer.set_attn_processor(CollapsedContextAttnProcessor())
+    install_folded_context_attention(pipe.transformer, MAX_SEQUENCE_LENGTH)
     for m in modules:
         m.train()
 

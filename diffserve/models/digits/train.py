@@ -443,8 +443,9 @@ torch {torch.__version__}, seed {config.seed}):
 - Prompts: a random training template per image; `""` with probability {config.empty_prompt_prob} (classifier-free guidance;
   `""` is the pipeline's default negative prompt). Conditioning is computed by the pipeline's own
   `encode_prompt` with default arguments; the 256 identical zero rows are collapsed into one row
-  with attention logit `+log 256` during training only (an exact identity, checked in
-  `tests/test_digits_model.py`), which makes training ~8x faster.
+  with attention logit `+log 256` (an exact identity, checked in `tests/test_digits_model.py`),
+  which makes training ~8x faster; diffserve serves the model the same way
+  (`diffserve.acceleration.context_folding`), the saved weights work unchanged in diffusers.
 
 ### Loss curve (denoiser)
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from diffserve.errors import InvalidRequestError
-from diffserve.sampling_params import RequestLimits
+from diffserve.sampling_params import MAX_SEED, RequestLimits
 
 EXECUTION_MODES = ("step", "request")
 LOAD_FORMATS = ("default", "dummy")
@@ -80,6 +81,16 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidRequestError(name, value, "an integer >= 1")
+        if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
+            raise InvalidRequestError("model", self.model, "a path to a local diffusers folder, or None")
+        if self.num_threads is not None and (not isinstance(self.num_threads, int)
+                                             or isinstance(self.num_threads, bool) or self.num_threads < 1):
+            raise InvalidRequestError("num_threads", self.num_threads, "an integer >= 1, or None")
+        if self.default_seed is not None and (not isinstance(self.default_seed, int)
+                                              or isinstance(self.default_seed, bool)
+                                              or not 0 <= self.default_seed <= MAX_SEED):
+            raise InvalidRequestError("default_seed", self.default_seed, f"an integer in [0, {MAX_SEED}], or None")
+        self.torch_device  # validates `device`
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise InvalidRequestError("dtype", self.dtype, f"auto or one of {sorted(_DTYPES)}")
         size = self.prompt_embed_cache_size
@@ -88,6 +99,8 @@ class EngineConfig:
         for name in ("compile", "compile_vae", "context_folding"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(name, getattr(self, name), "true or false")
+        if self.compile_vae and not self.compile:
+            raise InvalidRequestError("compile_vae", True, "false unless compile is true")
         from diffserve.acceleration import parse_cache_config
 
         parse_cache_config(self.cache_backend, self.cache_config)
@@ -106,10 +119,22 @@ class EngineConfig:
         """Resolved device (``auto`` -> cuda if available, else cpu)."""
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        allowed = "auto, cpu, cuda or cuda:N"
+        if not isinstance(self.device, str):
+            raise InvalidRequestError("device", self.device, allowed)
         try:
-            return torch.device(self.device)
+            device = torch.device(self.device)
         except RuntimeError as exc:
-            raise InvalidRequestError("device", self.device, "auto, cpu, cuda or cuda:N") from exc
+            raise InvalidRequestError("device", self.device, allowed) from exc
+        if device.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count == 0:
+                raise InvalidRequestError("device", self.device, "auto or cpu (no CUDA device is available)")
+            if device.index is not None and device.index >= count:
+                raise InvalidRequestError("device", self.device, f"cuda:0 .. cuda:{count - 1}")
+        elif device.type != "cpu":
+            raise InvalidRequestError("device", self.device, allowed)
+        return device
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import secrets
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ from diffserve.errors import InvalidRequestError
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 MAX_SEED = 2**63 - 1
+#: Guidance beyond this overflows the CFG extrapolation into NaN images; real use is 1-20.
+MAX_GUIDANCE_SCALE = 100.0
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,8 @@ class ModelSpec:
         default_num_inference_steps / default_guidance_scale: used when a request gives none.
         text_conditioned: whether an empty prompt is meaningless (rejected).
         max_prompt_tokens: the text encoder's token limit; longer prompts are truncated.
+        max_height / max_width: largest size in pixels the denoiser supports (e.g. SD3's
+            positional-embedding grid); None = no model limit.
     """
 
     resolution_factor: int
@@ -39,6 +44,8 @@ class ModelSpec:
     default_guidance_scale: float
     text_conditioned: bool = True
     max_prompt_tokens: int | None = None
+    max_height: int | None = None
+    max_width: int | None = None
 
 
 @dataclass(frozen=True)
@@ -65,8 +72,8 @@ class SamplingParams:
             factor with height*width <= the engine's max pixel count.
         num_inference_steps: denoising steps, 1..limit; N runs exactly N transformer passes
             per CFG branch.
-        guidance_scale: classifier-free guidance weight (Ho & Salimans 2022); >= 0; CFG is
-            on when > 1 (as in diffusers).
+        guidance_scale: classifier-free guidance weight (Ho & Salimans 2022), in [0, 100];
+            CFG is on when > 1 (as in diffusers).
         seed: integer in [0, 2**63-1]. The same seed gives byte-identical output on the same
             machine and thread count; None draws a random seed that is reported in the output.
         output_type: ``"pil"`` (list of PIL images), ``"np"`` (float32 array
@@ -100,6 +107,10 @@ class SamplingParams:
             InvalidRequestError: a field is out of range; the message names it and the range.
         """
         p = dataclasses.replace(self)
+        for name in ("num_images_per_prompt", "height", "width", "num_inference_steps", "seed"):
+            setattr(p, name, _as_int(getattr(p, name)))  # numpy / torch integer scalars welcome
+        if isinstance(p.guidance_scale, numbers.Real) and not isinstance(p.guidance_scale, bool):
+            p.guidance_scale = float(p.guidance_scale)
         if p.height is None:
             p.height = spec.default_height
         if p.width is None:
@@ -114,10 +125,12 @@ class SamplingParams:
         _check_int("num_inference_steps", p.num_inference_steps, 1, limits.max_num_inference_steps)
         _check_int("num_images_per_prompt", p.num_images_per_prompt, 1, limits.max_num_images_per_prompt)
         f = spec.resolution_factor
-        for name in ("height", "width"):
+        for name, limit in (("height", spec.max_height), ("width", spec.max_width)):
             value = getattr(p, name)
             allowed = f"a positive multiple of {f} pixels (the model's VAE scale x patch size)"
-            if not _is_int(value) or value <= 0 or value % f:
+            if limit is not None:
+                allowed += f", at most {limit} pixels for this model"
+            if not _is_int(value) or value <= 0 or value % f or (limit is not None and value > limit):
                 raise InvalidRequestError(name, value, allowed)
         pixels = p.height * p.width
         if pixels > limits.max_pixels:
@@ -127,14 +140,15 @@ class SamplingParams:
                 f"at most {limits.max_pixels} pixels (width x height)",
             )
         g = p.guidance_scale
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
-            raise InvalidRequestError("guidance_scale", g, "a finite number >= 0")
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) \
+                or not 0 <= g <= MAX_GUIDANCE_SCALE:
+            raise InvalidRequestError("guidance_scale", g, f"a finite number in [0, {MAX_GUIDANCE_SCALE:g}]")
         p.guidance_scale = float(g)
         _check_int("seed", p.seed, 0, MAX_SEED)
         if p.output_type not in OUTPUT_TYPES:
             raise InvalidRequestError("output_type", p.output_type, f"one of {', '.join(OUTPUT_TYPES)}")
-        if p.negative_prompt is not None and not isinstance(p.negative_prompt, str):
-            raise InvalidRequestError("negative_prompt", p.negative_prompt, "a string or null")
+        if p.negative_prompt is not None:
+            _check_text("negative_prompt", p.negative_prompt, "a string or null")
         return p
 
 
@@ -144,11 +158,26 @@ def validate_prompt(prompt: object, spec: ModelSpec) -> str:
     Raises:
         InvalidRequestError: not a string, or empty/whitespace for a text-conditioned model.
     """
-    if not isinstance(prompt, str):
-        raise InvalidRequestError("prompt", prompt, "a string")
+    _check_text("prompt", prompt, "a string")
     if spec.text_conditioned and not prompt.strip():
         raise InvalidRequestError("prompt", prompt, "a non-empty, non-whitespace string")
     return prompt
+
+
+def _check_text(field: str, value: object, allowed: str) -> None:
+    if not isinstance(value, str):
+        raise InvalidRequestError(field, value, allowed)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequestError(field, value, "valid Unicode text (no lone surrogates)") from None
+
+
+def _as_int(value: object) -> object:
+    """Integral scalars (numpy, torch) as plain ints; anything else unchanged for the checks."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return value
 
 
 def _is_int(value: object) -> bool:

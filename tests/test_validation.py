@@ -17,9 +17,11 @@ from diffserve import DiffusionEngine, EngineConfig, InvalidRequestError, Sampli
         ({"height": 40}, "height", "multiple of 16"),
         ({"width": 0}, "width", "multiple of 16"),
         ({"width": -16}, "width", "multiple of 16"),
-        ({"height": 4096, "width": 4096}, "size", "at most"),
-        ({"guidance_scale": -1.0}, "guidance_scale", ">= 0"),
+        ({"guidance_scale": -1.0}, "guidance_scale", "[0, 100]"),
         ({"guidance_scale": float("nan")}, "guidance_scale", "finite"),
+        ({"guidance_scale": 1e30}, "guidance_scale", "[0, 100]"),
+        ({"height": 1024}, "height", "at most 512 pixels"),  # pos_embed_max_size 32 x 2 x 8
+        ({"negative_prompt": "\ud800"}, "negative_prompt", "Unicode"),
         ({"num_images_per_prompt": 0}, "num_images_per_prompt", "[1, 10]"),
         ({"num_images_per_prompt": 11}, "num_images_per_prompt", "[1, 10]"),
         ({"seed": -1}, "seed", "[0, "),
@@ -36,11 +38,32 @@ def test_invalid_params_name_field_and_range(engine, kwargs, field, fragment):
     assert not engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("prompt", ["", "   \n\t", None, 5])
+@pytest.mark.parametrize("prompt", ["", "   \n\t", None, 5, b"7", "\ud800"])
 def test_bad_prompts_rejected(engine, prompt):
     with pytest.raises(InvalidRequestError) as info:
         engine.add_request(prompt)
     assert info.value.field == "prompt"
+
+
+def test_numpy_and_torch_scalars_are_accepted(engine):
+    import numpy as np
+    import torch
+
+    params = SamplingParams(seed=np.int64(3), num_inference_steps=torch.tensor(2).item() and np.int32(2),
+                            guidance_scale=np.float32(3.0), output_type="np")
+    [out] = engine.generate("a cat", params)
+    assert out.ok and out.seed == 3 and out.metrics.num_steps == 2
+
+
+@pytest.mark.parametrize("prompts,params,field", [
+    (None, None, "prompts"), (123, None, "prompts"), ([], None, "prompts"),
+    ("a", {"seed": 1}, "params"), (["a", "b"], "ab", "params"), (["a", "b"], [SamplingParams(), None], "params"),
+    (["a", "b"], [SamplingParams()], "params"),
+])
+def test_generate_rejects_bad_argument_types(engine, prompts, params, field):
+    with pytest.raises(InvalidRequestError) as info:
+        engine.generate(prompts, params)
+    assert info.value.field == field
 
 
 def test_invalid_request_error_is_value_error():
@@ -98,7 +121,10 @@ def test_long_prompt_is_truncated_and_flagged(engine, tiny_sd3_t5_dir):
 
 def test_engine_config_rejects_bad_values():
     for kwargs, field in (({"max_batch_size": 0}, "max_batch_size"), ({"execution_mode": "x"}, "execution_mode"),
-                          ({"load_format": "gguf"}, "load_format"), ({"dtype": "int3"}, "dtype")):
+                          ({"load_format": "gguf"}, "load_format"), ({"dtype": "int3"}, "dtype"),
+                          ({"num_threads": 0}, "num_threads"), ({"device": None}, "device"),
+                          ({"device": "tpu"}, "device"), ({"model": 123}, "model"),
+                          ({"default_seed": -1}, "default_seed"), ({"compile_vae": True}, "compile_vae")):
         with pytest.raises(InvalidRequestError) as info:
             EngineConfig(**kwargs)
         assert info.value.field == field

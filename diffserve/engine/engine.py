@@ -286,10 +286,15 @@ class DiffusionEngine:
         """
         if isinstance(prompts, str):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence) or not prompts:
+            raise InvalidRequestError("prompts", prompts, "a string or a non-empty list of strings")
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params_list = [params or SamplingParams()] * len(prompts)
         else:
+            if not isinstance(params, Sequence) or isinstance(params, str) \
+                    or not all(isinstance(p, SamplingParams) for p in params):
+                raise InvalidRequestError("params", params, "a SamplingParams or a list of them")
             params_list = list(params)
             if len(params_list) != len(prompts):
                 raise InvalidRequestError(

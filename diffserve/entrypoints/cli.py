@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import re
 import sys
 from pathlib import Path
 
+from diffserve import __version__
 from diffserve.errors import EngineOverloadedError, InvalidRequestError, UnsupportedModelError
 
 EXIT_USAGE = 2
@@ -29,7 +32,7 @@ def parse_size(text: str) -> tuple[int, int]:
         InvalidRequestError: not two positive integers separated by ``x``.
     """
     parts = text.lower().split("x")
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+    if len(parts) != 2 or not all(re.fullmatch(r"[0-9]+", p.strip()) for p in parts):
         raise InvalidRequestError("size", text, "WIDTHxHEIGHT in pixels, e.g. 512x512")
     width, height = (int(p) for p in parts)
     return width, height
@@ -43,7 +46,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="auto, fp32, bf16, fp16")
     parser.add_argument("--load-format", default="default", choices=["default", "dummy"])
     parser.add_argument("--max-batch-size", type=int, default=16,
-                        help="most transformer rows per denoising step")
+                        help="most transformer rows per denoising step (CFG counts 2 rows per "
+                             "image; a larger request runs alone) (default 16)")
     parser.add_argument("--execution-mode", default="step", choices=["step", "request"])
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--no-context-folding", dest="context_folding", action="store_false",
@@ -95,20 +99,27 @@ def engine_config_from_args(args: argparse.Namespace):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _ArgumentParser(prog="diffserve", description="Serve diffusion models fast.")
+    parser.add_argument("--version", action="version", version=f"diffserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
     gen = sub.add_parser("generate", help="generate images offline and write PNG files")
     add_engine_arguments(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--negative-prompt", default=None)
-    gen.add_argument("-n", "--num-images", type=int, default=1)
-    gen.add_argument("--steps", type=int, default=None, help="num_inference_steps")
-    gen.add_argument("--guidance", type=float, default=None, help="guidance_scale (CFG on when > 1)")
-    gen.add_argument("--size", default=None, help="WIDTHxHEIGHT in pixels")
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("-n", "--num-images", type=int, default=1,
+                     help="images to generate; image i uses seed SEED+i (default 1)")
+    gen.add_argument("--steps", type=int, default=None,
+                     help="num_inference_steps (default: the model's; 20 for the built-in model)")
+    gen.add_argument("--guidance", type=float, default=None,
+                     help="guidance_scale in [0, 100], CFG on when > 1 (default: the model's; 4 "
+                          "for the built-in model)")
+    gen.add_argument("--size", default=None,
+                     help="WIDTHxHEIGHT in pixels (default: the model's; 8x8 for the built-in model, "
+                          "which supports at most 8x8)")
+    gen.add_argument("--seed", type=int, default=None, help="seed of the first image (default: random, printed)")
     gen.add_argument("--display-size", type=int, default=None,
                      help="also upscale images (nearest neighbour) to this many pixels on the "
                           "long side for viewing; the raw output is kept as *_raw.png")
-    gen.add_argument("-o", "--output-dir", default="outputs")
+    gen.add_argument("-o", "--output-dir", default="outputs", help="folder for the PNG files (default outputs)")
     srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server (POST /v1/images/generations)")
     add_engine_arguments(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -128,28 +139,58 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+MAX_DISPLAY_SIZE = 4096
+
+
+def _prepare_output_dir(path: str) -> Path:
+    """Create the output folder up front, so a bad path fails before any compute.
+
+    Raises:
+        InvalidRequestError: the folder cannot be created or written.
+    """
+    out_dir = Path(path)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InvalidRequestError("output_dir", path, "a writable directory", detail=exc.strerror) from None
+    if not os.access(out_dir, os.W_OK):
+        raise InvalidRequestError("output_dir", path, "a writable directory")
+    return out_dir
+
+
 def _generate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from diffserve.engine.engine import DiffusionEngine
     from diffserve.outputs import EventType
-    from diffserve.sampling_params import SamplingParams
+    from diffserve.sampling_params import MAX_SEED, SamplingParams
 
-    if args.display_size is not None and args.display_size < 1:
-        raise InvalidRequestError("display_size", args.display_size, "an integer >= 1")
+    if args.display_size is not None and not 1 <= args.display_size <= MAX_DISPLAY_SIZE:
+        raise InvalidRequestError("display_size", args.display_size, f"an integer in [1, {MAX_DISPLAY_SIZE}]")
     width = height = None
     if args.size is not None:
         width, height = parse_size(args.size)
-    params = SamplingParams(
-        negative_prompt=args.negative_prompt,
-        num_images_per_prompt=args.num_images,
-        height=height,
-        width=width,
-        num_inference_steps=args.steps,
-        guidance_scale=args.guidance,
-        seed=args.seed,
-    )
-    engine = DiffusionEngine(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    if not 1 <= args.num_images <= config.max_num_images_per_prompt:
+        raise InvalidRequestError("num_images", args.num_images,
+                                  f"an integer in [1, {config.max_num_images_per_prompt}]")
+    if args.seed is not None and not 0 <= args.seed <= MAX_SEED - args.num_images:
+        raise InvalidRequestError("seed", args.seed, f"an integer in [0, {MAX_SEED - args.num_images}]")
+    out_dir = _prepare_output_dir(args.output_dir)
+    # one request per image, seeds seed, seed+1, ...: every file reproduces alone from its seed
+    # (the HTTP server's `n` does the same); the engine batches them.
+    params = [
+        SamplingParams(
+            negative_prompt=args.negative_prompt,
+            height=height,
+            width=width,
+            num_inference_steps=args.steps,
+            guidance_scale=args.guidance,
+            seed=None if args.seed is None else args.seed + i,
+        )
+        for i in range(args.num_images)
+    ]
+    engine = DiffusionEngine(config)
     if args.model is None:
         from diffserve.models.digits import out_of_vocabulary_words
 
@@ -158,48 +199,50 @@ def _generate(args: argparse.Namespace) -> int:
             print(f"diffserve: warning: words outside the default model's vocabulary are "
                   f"spelled out byte by byte and mostly ignored: {', '.join(unknown)}",
                   file=sys.stderr)
-    request_id = engine.add_request(args.prompt, params)
-    bar = tqdm(total=engine._requests[request_id].params.num_inference_steps, desc="denoising",
-               unit="step", file=sys.stderr)
-    output = None
-    while output is None:
+    ids = [engine.add_request(args.prompt, p) for p in params]
+    steps = params[0].resolve(engine.runner.spec, config.limits, 0).num_inference_steps
+    bar = tqdm(total=steps * len(ids), desc="denoising", unit="step", file=sys.stderr)
+    outputs = {}
+    while len(outputs) < len(ids):
         for event in engine.step():
             if event.type is EventType.PROGRESS:
                 bar.update(1)
             elif event.type.is_final:
-                output = event.output
+                outputs[event.request_id] = event.output
     bar.close()
-    if not output.ok:
-        print(f"diffserve: error: generation failed: {output.error}", file=sys.stderr)
-        return 1
-    if output.prompt_truncated:
-        print("diffserve: warning: the prompt was longer than the text encoder's limit and was "
-              "truncated", file=sys.stderr)
-    out_dir = Path(args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for i, image in enumerate(output.images):
-        stem = f"{output.request_id[:8]}_seed{output.seed}_{i}"
+    status = 0
+    for output in (outputs[i] for i in ids):
+        if not output.ok:
+            print(f"diffserve: error: generation failed: {output.error}", file=sys.stderr)
+            status = 1
+            continue
+        if output.prompt_truncated:
+            print("diffserve: warning: the prompt was longer than the text encoder's limit and was "
+                  "truncated", file=sys.stderr)
+        image = output.images[0]
+        stem = f"{output.request_id[:8]}_seed{output.seed}"
         if args.display_size:
             from PIL import Image
 
-            raw_path = out_dir / f"{stem}_raw.png"
-            image.save(raw_path)
+            image.save(out_dir / f"{stem}_raw.png")
             scale = args.display_size / max(image.size)
             size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
             image = image.resize(size, Image.Resampling.NEAREST)
         path = out_dir / f"{stem}.png"
         image.save(path)
         print(path)
-    m = output.metrics
-    print(f"seed={output.seed} encode={m.encode_s:.3f}s denoise={m.denoise_s:.3f}s "
-          f"decode={m.decode_s:.3f}s total={m.total_s:.3f}s peak_memory={m.peak_memory_bytes / 2**20:.0f}MiB",
-          file=sys.stderr)
-    return 0
+        m = output.metrics
+        print(f"seed={output.seed} encode={m.encode_s:.3f}s denoise={m.denoise_s:.3f}s "
+              f"decode={m.decode_s:.3f}s total={m.total_s:.3f}s "
+              f"peak_memory={m.peak_memory_bytes / 2**20:.0f}MiB", file=sys.stderr)
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``diffserve`` command; returns the process exit status."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # transformers warns at import about optional packages (torchvision) the CLI never uses
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

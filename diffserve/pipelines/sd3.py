@@ -10,6 +10,7 @@ so an image equals diffusers' for the same seed (see tests/test_parity.py).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Hashable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,10 @@ from diffserve.sampling_params import ModelSpec, SamplingParams
 
 if TYPE_CHECKING:
     from diffserve.runner.step_batch import StepBatch
+
+# diffserve reports truncation itself (GenerationOutput.prompt_truncated); diffusers' own warning
+# echoes the whole cut text on every encode.
+logging.getLogger("diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3").setLevel(logging.ERROR)
 
 # diffusers' StableDiffusion3Pipeline.__call__ defaults.
 DEFAULT_NUM_INFERENCE_STEPS = 28
@@ -61,6 +66,8 @@ class StableDiffusion3Adapter(PipelineAdapter):
         self.max_sequence_length = MAX_SEQUENCE_LENGTH
         self.context_folding = False
         vae_factor = pipe.vae_scale_factor
+        pos_max = pipe.transformer.config.get("pos_embed_max_size")
+        max_side = None if pos_max is None else pos_max * pipe.patch_size * vae_factor
         self.spec = ModelSpec(
             resolution_factor=vae_factor * pipe.patch_size,
             default_height=int(generation_config.get("height", pipe.default_sample_size * vae_factor)),
@@ -71,6 +78,9 @@ class StableDiffusion3Adapter(PipelineAdapter):
             default_guidance_scale=float(generation_config.get("guidance_scale", DEFAULT_GUIDANCE_SCALE)),
             text_conditioned=True,
             max_prompt_tokens=pipe.tokenizer_max_length,
+            # PatchEmbed crops a pos_embed_max_size^2 grid of positions: larger inputs fail
+            max_height=max_side,
+            max_width=max_side,
         )
 
     @classmethod
@@ -159,7 +169,7 @@ class StableDiffusion3Adapter(PipelineAdapter):
         if self.prompt_embed_cache is None:
             return self.encode_prompt(prompt, negative_prompt, do_cfg, num_images)
         key = (prompt, negative_prompt if do_cfg else None, do_cfg, num_images,
-               self.max_sequence_length, str(self.dtype), str(self.device))
+               self.max_sequence_length, self.text_seq_len, str(self.dtype), str(self.device))
         return self.prompt_embed_cache.get_or_encode(
             key, lambda: self.encode_prompt(prompt, negative_prompt, do_cfg, num_images))
 

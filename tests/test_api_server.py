@@ -3,10 +3,13 @@ driven by the official `openai` client and by raw HTTP."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
+import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,6 +30,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from diffserve import AsyncDiffusionEngine, EngineConfig
 from diffserve.entrypoints.openai.api_server import create_app
+from diffserve.entrypoints.openai.image_store import ImageStore
+from diffserve.entrypoints.openai.metrics import ServerMetrics
+from diffserve.entrypoints.openai.protocol import ImageGenerationRequest
+from diffserve.entrypoints.openai.serving_images import ImageGenerationService, _RequestGroup
+from diffserve.errors import EngineOverloadedError
 
 torch.set_num_threads(1)
 
@@ -204,6 +212,7 @@ INVALID = [
     ({"prompt": "x", "size": "65x64"}, 400, "size"),
     ({"prompt": "x", "size": "0x64"}, 400, "size"),
     ({"prompt": "x", "size": "8192x8192"}, 400, "size"),
+    ({"prompt": "x", "size": "1024x1024"}, 400, "size"),  # over the tiny model's 512 px maximum
     ({"prompt": "x", "size": "9" * 5000 + "x16"}, 400, "size"),
     ({"prompt": "x", "size": 64}, 400, "size"),
     ({"prompt": "x", "num_inference_steps": 0}, 400, "num_inference_steps"),
@@ -239,6 +248,33 @@ def test_invalid_input_is_an_openai_error(server, body, status, param):
     assert not server.engine.engine.has_unfinished_requests()
 
 
+STREAM_INVALID = [
+    ({"size": "abc"}, 400, "size"),
+    ({"size": "1024x1024"}, 400, "size"),
+    ({"n": 11}, 400, "n"),
+    ({"num_inference_steps": 10**6}, 400, "num_inference_steps"),
+    ({"seed": 2**63 - 1, "n": 2}, 400, "seed"),
+    ({"model": "dall-e-3"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("extra,status,param", STREAM_INVALID, ids=[p for _, _, p in STREAM_INVALID])
+def test_invalid_streaming_request_is_a_json_error(server, extra, status, param):
+    """Validation happens before the event stream starts: an error, not a 200 stream."""
+    resp = httpx.post(f"{server.base}/v1/images/generations",
+                      json={"prompt": "x", "stream": True, "partial_images": 1, **extra})
+    assert_openai_error(resp, status, param)
+    assert resp.headers["content-type"] == "application/json"
+    assert not server.engine.engine.has_unfinished_requests()
+
+
+def test_size_over_model_maximum_names_the_limit(server):
+    resp = httpx.post(f"{server.base}/v1/images/generations", json={"prompt": "x", "size": "1024x1024"})
+    assert_openai_error(resp, 400, "size")
+    assert "512" in resp.json()["error"]["message"]
+    assert server.client.images.generate(prompt="x", size="512x64", extra_body=FAST).data[0].b64_json
+
+
 def test_server_healthy_after_invalid_inputs(server):
     assert httpx.get(f"{server.base}/health").status_code == 200
     assert server.client.images.generate(prompt="still fine", extra_body=FAST).data[0].b64_json
@@ -250,25 +286,84 @@ def test_server_healthy_after_invalid_inputs(server):
     assert_openai_error(httpx.get(f"{server.base}/v1/models/other"), 404, "model")
 
 
-def test_queue_full_is_429_and_stream_disconnect_aborts(tiny_sd3_dir):
-    # One CFG request fills a batch (2 rows); the waiting queue holds one more.
-    engine = new_engine(tiny_sd3_dir, max_batch_size=2, max_waiting_requests=1)
-    with serve(create_app(engine, MODEL)) as base:
+def test_queue_room_is_checked_for_all_n_before_queueing(tiny_sd3_dir, monkeypatch):
+    # One CFG request fills a batch (2 rows); the waiting queue holds two more.
+    engine = new_engine(tiny_sd3_dir, max_batch_size=2, max_waiting_requests=2)
+    app = create_app(engine, MODEL)
+
+    def count(base, name, **labels):
+        return scrape(base).get((name, tuple(sorted(labels.items()))), 0)
+
+    with serve(app) as base:
+        url = f"{base}/v1/images/generations"
+        # n above the queue bound could never be queued: 400 naming the range, not a 429.
+        resp = httpx.post(url, json={"prompt": "7", "n": 3})
+        assert_openai_error(resp, 400, "n")
+        assert "[1, 2]" in resp.json()["error"]["message"]
+        assert_openai_error(httpx.post(url, json={"prompt": "7", "n": 11}), 400, "n")
         long = {"prompt": "slow", "num_inference_steps": LONG_STEPS, "stream": True}
-        with httpx.stream("POST", f"{base}/v1/images/generations", json=long, timeout=30) as stream:
-            assert stream.status_code == 200
-            wait_until(lambda: scrape(base)[("diffserve_num_requests_running", ())] == 1, what="admission")
-            resp = httpx.post(f"{base}/v1/images/generations", json={"prompt": "x", "n": 2, **FAST})
+        with httpx.stream("POST", url, json=long, timeout=30) as running, \
+                httpx.stream("POST", url, json=long, timeout=30) as waiting:
+            assert running.status_code == waiting.status_code == 200
+            wait_until(lambda: engine.engine.num_waiting == 1 and len(engine.engine.scheduler.running) == 1,
+                       what="one running, one waiting")
+            # Room for 1, n=2 needs 2: a 429 (a JSON error, also when streaming), nothing queued.
+            resp = httpx.post(url, json={"prompt": "x", "n": 2, "stream": True, **FAST})
             assert_openai_error(resp, 429)
+            assert resp.headers["content-type"] == "application/json"
             assert resp.headers["retry-after"] == "1" and resp.json()["error"]["type"] == "rate_limit_error"
-            # The part of the rejected request that was queued is dropped at the next step.
-            wait_until(lambda: engine.engine.num_waiting == 0, timeout=5, what="rejected request dropped")
+            assert engine.engine.num_waiting == 1
+            # So the free slot is free right away for another request.
+            with httpx.stream("POST", url, json=long, timeout=30) as third:
+                assert third.status_code == 200
+                wait_until(lambda: engine.engine.num_waiting == 2, what="third queued")
+            wait_until(lambda: engine.engine.num_waiting == 1, timeout=5, what="third aborted")
+            # Were the room taken between the check and the queueing anyway (a race the check
+            # prevents), the queued part is aborted, and the answer is a 429 all the same.
+            monkeypatch.setattr(app.state.diffserve.images, "_check_queue_room", lambda n: None)
+            assert_openai_error(httpx.post(url, json={"prompt": "x", "n": 2, **FAST}), 429)
+            wait_until(lambda: engine.engine.num_waiting == 1, timeout=5, what="rejected part dropped")
+            monkeypatch.undo()
         wait_until(lambda: not engine.engine.has_unfinished_requests(), timeout=5, what="abort")
-        wait_until(lambda: scrape(base).get(("diffserve_requests_total", (("status", "499"),))) == 1,
-                   timeout=5, what="499 counted")
-        # Aborted: the stream, and the queued half of the rejected n=2 request.
-        assert scrape(base)[("diffserve_engine_requests_total", (("outcome", "aborted"),))] == 2
-        assert httpx.post(f"{base}/v1/images/generations", json={"prompt": "x", **FAST}).status_code == 200
+        wait_until(lambda: count(base, "diffserve_requests_total", status="499") == 3, timeout=5,
+                   what="499 counted")
+        assert count(base, "diffserve_requests_total", status="429") == 2
+        # Aborted: the three streams. The rejected requests are no engine requests.
+        assert count(base, "diffserve_engine_requests_total", outcome="aborted") == 3
+        assert sum(v for (name, _), v in scrape(base).items() if name == "diffserve_engine_requests_total") == 3
+        assert httpx.post(url, json={"prompt": "x", **FAST}).status_code == 200
+
+
+def test_concurrent_groups_cannot_overfill_the_queue(tiny_sd3_dir):
+    """Two n=2 requests checked one right after the other on the event loop, with room for 3:
+    the second sees the first's room reserved (its requests are not queued yet) and gets the
+    429 before queueing anything, instead of leaving a partial group."""
+    engine = new_engine(tiny_sd3_dir, max_batch_size=2, max_waiting_requests=3)
+    metrics = ServerMetrics()
+    service = ImageGenerationService(engine, MODEL, ImageStore(60, 10), metrics, lambda: False)
+
+    def group(**body):
+        return _RequestGroup(engine, service._plan(ImageGenerationRequest(**body)), metrics)
+
+    async def main():
+        blocker = group(prompt="slow", num_inference_steps=LONG_STEPS)
+        await service._submit(blocker, 1)
+        while len(engine.engine.scheduler.running) != 1:  # fills the batch: the rest waits
+            await asyncio.sleep(0.01)
+        first, second = group(prompt="x", n=2, **FAST), group(prompt="y", n=2, **FAST)
+        results = await asyncio.gather(service._submit(first, 2), service._submit(second, 2),
+                                       return_exceptions=True)
+        assert results[0] is None and isinstance(results[1], EngineOverloadedError), results
+        assert engine.engine.num_waiting == 2 and service._reserved == 0
+        for g in (blocker, first):
+            g.abort()
+            await g.close()
+
+    engine.start()
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown(5)
 
 
 def test_client_disconnect_aborts_and_leaves_no_trace(server, tiny_sd3_dir):
@@ -289,6 +384,47 @@ def test_client_disconnect_aborts_and_leaves_no_trace(server, tiny_sd3_dir):
     with serve(create_app(new_engine(tiny_sd3_dir), MODEL)) as fresh:
         reference = decode(httpx.post(f"{fresh}/v1/images/generations", json=body).json()["data"][0]["b64_json"])
     assert np.array_equal(image, reference)
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_disconnect_while_sending_body_is_499_without_traceback(server):
+    handler = _Records()
+    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "diffserve")]
+    ours = logging.getLogger("diffserve.entrypoints.openai")
+    level = ours.level
+    ours.setLevel(logging.INFO)
+    for logger in loggers:
+        logger.addHandler(handler)
+    key499 = ("diffserve_requests_total", (("status", "499"),))
+    key500 = ("diffserve_requests_total", (("status", "500"),))
+    before = scrape(server.base)
+    try:
+        host, port = server.base.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as conn:
+            conn.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+                         b'{"prompt": "half a bo')
+            time.sleep(0.1)
+        wait_until(lambda: scrape(server.base).get(key499, 0) == before.get(key499, 0) + 1, timeout=5,
+                   what="499 counted")
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+        ours.setLevel(level)
+    assert scrape(server.base).get(key500, 0) == before.get(key500, 0)
+    assert not [r for r in handler.records if r.exc_info or r.levelno >= logging.WARNING], handler.records
+    lines = [r.getMessage() for r in handler.records if "disconnected" in r.getMessage()]
+    assert len(lines) == 1 and re.fullmatch(r'127\.0\.0\.1:\d+ - "POST /v1/images/generations" 499 client '
+                                            r'disconnected while sending the request body', lines[0]), lines
+    assert httpx.get(f"{server.base}/health").status_code == 200
 
 
 # -------------------------------------------------------------------- health, metrics
@@ -346,6 +482,33 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("where", ["port in use", "bad host"])
+def test_serve_cannot_listen_is_one_error_line_and_exit_2(where, capsys, caplog):
+    from diffserve.entrypoints.cli import EXIT_USAGE, build_parser
+    from diffserve.entrypoints.openai.api_server import run_server
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        host, port = ("127.0.0.1", taken.getsockname()[1]) if where == "port in use" else ("999.1.1.1", 8000)
+        # A model folder that does not exist: loading it would fail differently.
+        args = build_parser().parse_args(["serve", "--host", host, "--port", str(port), "--log-level", "info",
+                                          "--model", "/nonexistent/model"])
+        level = logging.getLogger("diffserve").level
+        try:
+            with caplog.at_level(logging.INFO, logger="diffserve"):
+                assert run_server(args) == EXIT_USAGE
+        finally:
+            logging.getLogger("diffserve").setLevel(level)
+    err = capsys.readouterr().err
+    assert err.startswith(f"diffserve: error: cannot listen on {host}:{port}: ") and err.count("\n") == 1, err
+    if where == "port in use":
+        assert "Address already in use" in err
+    else:  # the resolver's reason ("Name or service not known", ...)
+        assert len(err.strip()) > len(f"diffserve: error: cannot listen on {host}:{port}: ")
+    assert not [r for r in caplog.records if "serving" in r.getMessage()]
 
 
 def test_sigterm_finishes_in_flight_request_and_exits_0(tiny_sd3_dir):

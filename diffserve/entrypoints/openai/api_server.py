@@ -12,8 +12,10 @@ Endpoints:
                                   failed load and while shutting down
     GET  /metrics                 Prometheus metrics (see `metrics`)
 
-Lifecycle: ``run_server`` starts listening at once and loads the model in a background thread
-(``/health`` says 503 meanwhile; a failed load stops the server with the load error). On
+Lifecycle: ``run_server`` binds the address first (when it cannot, it prints one line
+``diffserve: error: cannot listen on HOST:PORT: REASON`` and returns 2 without loading
+anything), starts listening and loads the model in a background thread (``/health`` says 503
+meanwhile; a failed load stops the server with the load error). On
 SIGTERM or SIGINT the server stops admitting requests (503 on open connections; the listening
 socket closes), lets in-flight requests finish for up to ``--shutdown-timeout`` seconds, aborts
 the rest (they get a 503), and exits with status 0. A second SIGINT stops waiting.
@@ -27,6 +29,8 @@ import dataclasses
 import json
 import logging
 import signal
+import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +42,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from diffserve.config import EngineConfig
 from diffserve.engine.async_engine import AsyncDiffusionEngine
@@ -219,6 +224,15 @@ async def _read_json_body(request: Request) -> ImageGenerationRequest:
         raise RequestValidationError(errors) from None
 
 
+def _log_body_disconnect(request: Request) -> None:
+    """Log (one line) and mark for the metrics a client that disconnected mid-body."""
+    request.scope[CLIENT_DISCONNECTED_KEY] = True
+    client = request.client
+    logger.info('%s:%s - "%s %s" %d client disconnected while sending the request body',
+                client.host if client else "-", client.port if client else "-", request.method,
+                request.url.path, CLIENT_CLOSED_REQUEST)
+
+
 def create_app(
     engine: AsyncDiffusionEngine | None,
     served_model_name: str,
@@ -282,7 +296,11 @@ def create_app(
     async def create_image(raw_request: Request) -> Response:
         """Generate images (OpenAI Images API, plus diffserve's extension fields)."""
         service = state.require_service()
-        body = await _read_json_body(raw_request)
+        try:
+            body = await _read_json_body(raw_request)
+        except ClientDisconnect:  # the client went away while sending the body: nobody to answer
+            _log_body_disconnect(raw_request)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         return await service.create(body, raw_request)
 
     @app.get("/v1/images/files/{name}", responses={404: {"model": ErrorResponse}})
@@ -345,8 +363,32 @@ class _GracefulServer(uvicorn.Server):
         self.should_exit = True
 
 
+def bind_listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host`:`port` (IPv6 when `host` contains ``:``; a host name is
+    resolved), for uvicorn to listen on.
+
+    Raises:
+        OSError: the address cannot be bound (in use, not local, unresolvable host, ...).
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Run ``diffserve serve`` until SIGTERM/SIGINT.
+
+    The address is bound before the model loads: when it cannot be, one line
+    ``diffserve: error: cannot listen on HOST:PORT: REASON`` goes to stderr and nothing loads.
 
     Args:
         args: parsed ``serve`` arguments: the engine options plus host, port,
@@ -354,13 +396,14 @@ def run_server(args: argparse.Namespace) -> int:
             shutdown_timeout and log_level.
 
     Returns:
-        0 after a graceful shutdown; 1 when the model failed to load with an unexpected error.
+        0 after a graceful shutdown; 1 when the model failed to load with an unexpected error;
+        2 (`diffserve.entrypoints.cli.EXIT_USAGE`) when the address cannot be listened on.
 
     Raises:
         InvalidRequestError: an invalid option (the CLI prints it and exits 2).
         UnsupportedModelError: the model folder cannot be served (the CLI exits 2).
     """
-    from diffserve.entrypoints.cli import engine_config_from_args
+    from diffserve.entrypoints.cli import EXIT_USAGE, engine_config_from_args
 
     if not 0 <= args.port <= 65535:
         raise InvalidRequestError("port", args.port, "an integer in [0, 65535]")
@@ -373,7 +416,20 @@ def run_server(args: argparse.Namespace) -> int:
     config = dataclasses.replace(engine_config_from_args(args), max_waiting_requests=args.max_waiting_requests)
     name = args.served_model_name or default_served_model_name(config)
     logging.getLogger("diffserve").setLevel(args.log_level.upper())
+    try:
+        sock = bind_listen_socket(args.host, args.port)
+    except OSError as exc:
+        print(f"diffserve: error: cannot listen on {_address(args.host, args.port)}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return _serve(args, config, name, sock)
+    finally:
+        sock.close()  # uvicorn closes it at shutdown; this covers a failed start
 
+
+def _serve(args: argparse.Namespace, config: EngineConfig, name: str, sock: socket.socket) -> int:
+    """`run_server` once the listening socket is bound."""
     server = None
 
     def load_engine() -> AsyncDiffusionEngine:
@@ -390,8 +446,8 @@ def run_server(args: argparse.Namespace) -> int:
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                                timeout_graceful_shutdown=int(args.shutdown_timeout) + 10)
     server = _GracefulServer(uv_config, state.begin_shutdown)
-    logger.info("serving %r on http://%s:%d", name, args.host, args.port)
-    server.run()
+    logger.info("serving %r on http://%s", name, _address(args.host, sock.getsockname()[1]))
+    server.run(sockets=[sock])
     if state.load_error is not None:
         if isinstance(state.load_error, (InvalidRequestError, ValueError)):
             raise state.load_error

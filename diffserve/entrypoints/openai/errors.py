@@ -2,11 +2,14 @@
 
 Status codes:
     400 invalid_request_error: any invalid, unknown or missing field, malformed JSON, wrong
-        types (``param`` names the field when there is one);
+        types (``param`` names the field when there is one; an engine error on ``height`` or
+        ``width``, e.g. over the model's maximum, is ``param="size"``);
     404 invalid_request_error: unknown model, image file or route;
     413 invalid_request_error: request body over the size limit;
-    429 rate_limit_error: the engine's waiting queue is full (with ``Retry-After``);
-    499 (log and metrics only): the client disconnected before the response;
+    429 rate_limit_error: the engine's waiting queue has no room for all ``n`` images (with
+        ``Retry-After``);
+    499 (log and metrics only): the client disconnected before the response (also while still
+        sending the request body);
     500 server_error: a request failed inside the engine (never caused by input alone);
     503 service_unavailable: the model is still loading, or the server is shutting down.
 """

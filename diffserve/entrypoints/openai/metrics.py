@@ -4,7 +4,8 @@ Metrics (all durations in seconds):
     diffserve_requests_total{status}            image-generation HTTP requests by response status
                                                 (499 = client disconnected first)
     diffserve_engine_requests_total{outcome}    engine requests (one per image) by outcome:
-                                                finished / failed / aborted
+                                                finished / failed / aborted (requests of an
+                                                HTTP request rejected with 429 are not counted)
     diffserve_images_generated_total            images returned to clients
     diffserve_num_requests_waiting              engine requests in the waiting queue
     diffserve_num_requests_running              engine requests holding latents
@@ -97,8 +98,8 @@ class ServerMetrics:
                 self.stage_seconds.labels(stage=stage).observe(seconds)
 
     def observe_abandoned(self, count: int, outcome: str = "aborted") -> None:
-        """Count `count` engine requests whose final event no client read (the client went away,
-        or the rest of its HTTP request was rejected): they were aborted in the engine."""
+        """Count `count` engine requests whose final event no client read (the client went
+        away): they were aborted in the engine."""
         if count:
             self.engine_requests.labels(outcome=outcome).inc(count)
 

@@ -51,7 +51,8 @@ class ImageGenerationRequest(_StrictRequest):
 
     prompt: str = Field(max_length=MAX_PROMPT_CHARS, description="text description of the image")
     model: str | None = Field(None, description="the served model's name (GET /v1/models); optional")
-    n: int | None = Field(None, ge=1, description="images to generate, 1..the engine's limit (10 by default)")
+    n: int | None = Field(None, ge=1, description="images to generate, 1..the engine's limit (10 by default; "
+                                                   "at most the server's waiting-queue bound)")
     size: str | None = Field(None, description='"WIDTHxHEIGHT" in pixels, or "auto" (the model default)')
     response_format: Literal["b64_json", "url"] | None = Field(
         None, description='"b64_json" (default) or "url": a link served by this server for a limited time')

@@ -4,8 +4,14 @@ events become one JSON response or a stream of Server-Sent Events.
 - Image ``i`` of a request is its own engine request with seed ``seed + i`` (``seed`` drawn at
   random when not given), so each image is reproducible alone with ``n=1`` and its seed. The
   ``n`` requests are submitted together and share denoising steps (same batch key).
-- Everything a client can get wrong is checked before anything is queued (400); a full waiting
-  queue is a 429 and nothing of the request stays queued.
+- Everything a client can get wrong is checked before anything is queued (400), ``n`` included:
+  at most the engine's per-request image limit and at most its waiting-queue bound (a larger
+  ``n`` could never be queued, so it is a 400, not a 429).
+- The free room of the waiting queue is checked for all ``n`` requests before any is queued (and
+  stays reserved until they are queued): a queue without room for all of them is a 429 and
+  nothing is queued. Should the engine still refuse part of the group, the queued part is
+  aborted and the answer is a 429 too. Requests of a rejected group are not counted as engine
+  requests in the metrics (the HTTP request is counted with status 429).
 - A client that disconnects has its engine requests aborted at the next step boundary; the
   request is logged and counted with status 499.
 - Streaming (``stream=true``) sends ``image_generation.partial_image`` events (previews decoded
@@ -100,6 +106,8 @@ class ImageGenerationService:
         self.store = store
         self.metrics = metrics
         self._is_draining = is_draining
+        #: Engine requests of HTTP requests that passed the queue-room check but are not queued yet.
+        self._reserved = 0
 
     async def create(self, body: ImageGenerationRequest, raw_request: Request) -> Response:
         """Generate the images of `body`.
@@ -115,7 +123,7 @@ class ImageGenerationService:
         plan = self._plan(body)
         group = _RequestGroup(self.engine, plan, self.metrics)
         try:
-            await group.submit()
+            await self._submit(group, len(plan.params))
         except InvalidRequestError as exc:
             raise invalid_request(exc) from None
         except EngineOverloadedError as exc:
@@ -161,8 +169,12 @@ class ImageGenerationService:
         spec = sync_engine.runner.spec
         limits = sync_engine.config.limits
         n = 1 if body.n is None else body.n
-        if not 1 <= n <= limits.max_num_images_per_prompt:
-            raise APIError(400, f"invalid n={n}: must be an integer in [1, {limits.max_num_images_per_prompt}]",
+        max_n = min(limits.max_num_images_per_prompt, sync_engine.config.max_waiting_requests)
+        if not 1 <= n <= max_n:
+            raise APIError(400, f"invalid n={n}: must be an integer in [1, {max_n}] (at most "
+                                f"{limits.max_num_images_per_prompt} images per request, and at most the "
+                                f"server's waiting-queue bound of {sync_engine.config.max_waiting_requests} "
+                                "requests: each image is one queued request)",
                            param="n", code="invalid_value")
         try:
             size = parse_size(body.size)
@@ -203,6 +215,39 @@ class ImageGenerationService:
             compression=body.output_compression,
             quality=body.quality or "auto",
         )
+
+    def _check_queue_room(self, n: int) -> None:
+        """Raise `EngineOverloadedError` unless the waiting queue has room for `n` more requests
+        besides those other HTTP requests are about to queue (`_reserved`)."""
+        sync_engine = self.engine.engine
+        free = sync_engine.config.max_waiting_requests - sync_engine.num_waiting - self._reserved
+        if n > free:
+            raise EngineOverloadedError(
+                f"waiting queue is full: room for {max(free, 0)} more request(s), this one needs {n} "
+                "(one per image); retry later")
+
+    async def _submit(self, group: "_RequestGroup", n: int) -> None:
+        """Check the queue has room for all `n` requests of `group`, then queue them.
+
+        The room stays reserved from the check until the group's requests are in the engine's
+        queue (`_RequestGroup.submit` calls back then), so concurrent HTTP requests cannot
+        take it in between; only the engine thread changes the queue otherwise, and it only
+        frees room.
+        """
+        self._check_queue_room(n)
+        self._reserved += n
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._reserved -= n
+
+        try:
+            await group.submit(on_queued=release)
+        finally:
+            release()
 
     # ------------------------------------------------------------------------- results
     def _raise_if_not_finished(self, finals: Sequence[StreamEvent]) -> None:
@@ -305,7 +350,9 @@ def _sse(event: str, data: dict) -> str:
 class _RequestGroup:
     """The ``n`` engine requests of one HTTP request (ids ``{request_id}-{i}``), their events
     merged into one queue. Records each request's outcome in the metrics: from its final event,
-    or as aborted when the group is closed (or rejected) before its final event was read."""
+    or as aborted when the group is closed before its final event was read. A group rejected at
+    submission (429) records nothing: its requests never ran (the HTTP request is counted as a
+    429)."""
 
     def __init__(self, engine: AsyncDiffusionEngine, plan: _Plan, metrics: ServerMetrics):
         self._engine = engine
@@ -316,12 +363,17 @@ class _RequestGroup:
         self._queue: asyncio.Queue[tuple[int, StreamEvent]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
 
-    async def submit(self) -> None:
-        """Queue every request in the engine, all in the same event-loop tick.
+    async def submit(self, on_queued: Callable[[], None] | None = None) -> None:
+        """Queue every request in the engine, one right after the other on the event loop.
+
+        Args:
+            on_queued: called (on the event loop) once every request was handed to the engine,
+                before their first events arrive.
 
         Raises:
             InvalidRequestError / EngineOverloadedError: from the engine; then none of the
-                requests stays queued.
+                requests stays queued (those already queued are aborted; the engine drops them
+                at its next step) and none is counted in the metrics.
         """
         plan = self._plan
         gens = [self._engine.generate(plan.prompt, params, request_id=rid, preview_steps=plan.preview_steps)
@@ -330,13 +382,18 @@ class _RequestGroup:
         async def first_event(gen):
             return await anext(gen)
 
-        results = await asyncio.gather(*(first_event(g) for g in gens), return_exceptions=True)
+        # gather schedules each task's first step now, in order; a first step runs `generate`
+        # up to its first wait, i.e. queues the request. A callback scheduled after them runs
+        # once all n are queued.
+        gathered = asyncio.gather(*(first_event(g) for g in gens), return_exceptions=True)
+        if on_queued is not None:
+            asyncio.get_running_loop().call_soon(on_queued)
+        results = await gathered
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             for gen, result in zip(gens, results):
                 if not isinstance(result, BaseException):
                     await gen.aclose()  # aborts it
-                    self._metrics.observe_abandoned(1)
             self._unreported.clear()
             raise errors[0]
         for index, (gen, first) in enumerate(zip(gens, results)):

@@ -21,7 +21,10 @@ would share the decision and overwrite each other's buffers, so their outputs wo
 each other. This backend therefore declares ``shares_forward = False``: the runner runs each
 request of a step batch in its own transformer forward (with its own context). Requests still
 interleave step by step, but cache_dit requests do not batch together; use ``teacache`` to
-combine caching with batched forwards.
+combine caching with batched forwards. Measured on the built-in digits model (CPU, 1 thread,
+``benchmarks/acceleration.py``): batching 8 requests per forward is worth ~2.3x there, so with
+16-row batches cache_dit (F1B0, threshold 0.25, 63 % of steps cached) ran at 0.67x the
+uncached batched engine, while one request at a time it gave 1.49x.
 """
 
 from __future__ import annotations

@@ -164,6 +164,15 @@ def test_teacache_skips_more_with_a_higher_threshold(tiny_sd3_dir):
     assert isinstance(engine.runner.accelerator.backend, TeaCacheBackend)
 
 
+def test_teacache_picks_the_calibrated_preset_per_model(tiny_sd3_dir):
+    from diffserve.acceleration.teacache import PRESETS
+
+    default = DiffusionEngine(EngineConfig(cache_backend="teacache"))  # the built-in digits model
+    assert default.runner.accelerator.backend.coefficients == PRESETS["digits"].coefficients
+    other = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), cache_backend="teacache"))
+    assert other.runner.acceleration_stats()["cache_backend"]["family"] == "sd3"
+
+
 # ----------------------------------------------------------------------------- compile
 def test_compile_failure_falls_back_to_eager(tiny_sd3_dir, monkeypatch, caplog):
     def broken_backend(gm, example_inputs):

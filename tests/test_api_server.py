@@ -374,8 +374,10 @@ def test_client_disconnect_aborts_and_leaves_no_trace(server, tiny_sd3_dir):
     wait_until(lambda: not server.engine.engine.has_unfinished_requests(), timeout=5, what="abort")
     key499 = ("diffserve_requests_total", (("status", "499"),))
     wait_until(lambda: scrape(server.base).get(key499, 0) > before.get(key499, 0), timeout=5, what="499 counted")
-    after = scrape(server.base)
     aborted = ("diffserve_engine_requests_total", (("outcome", "aborted"),))
+    # the handler counts the abort after the 499, on its way out: wait for it too
+    wait_until(lambda: scrape(server.base)[aborted] > before[aborted], timeout=5, what="abort counted")
+    after = scrape(server.base)
     assert after[aborted] - before[aborted] == 1
     assert after.get(("diffserve_requests_total", (("status", "499"),)), 0) \
         - before.get(("diffserve_requests_total", (("status", "499"),)), 0) == 1
@@ -461,6 +463,12 @@ def test_metrics_parse_and_move(server):
     assert delta("diffserve_step_batch_rows_sum") == 6  # 3 steps x 2 CFG rows
     for gauge in ("diffserve_num_requests_waiting", "diffserve_num_requests_running", "diffserve_num_running_rows"):
         assert after[(gauge, ())] == 0
+    # acceleration counters: a new prompt misses the prompt-embedding cache, the same one hits
+    assert delta("diffserve_prompt_embed_cache_misses_total") == 1
+    server.client.images.generate(prompt="count me", extra_body={"num_inference_steps": 3})
+    again = scrape(server.base)
+    assert again[("diffserve_prompt_embed_cache_hits_total", ())] - after[("diffserve_prompt_embed_cache_hits_total", ())] == 1
+    assert again[("diffserve_prompt_embed_cache_entries", ())] >= 1
 
 
 # ---------------------------------------------------------------------------- shutdown

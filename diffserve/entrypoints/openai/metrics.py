@@ -16,15 +16,22 @@ Metrics (all durations in seconds):
     diffserve_step_batch_requests               requests per step
     diffserve_request_stage_seconds{stage}      per finished engine request: queue, encode,
                                                 denoise, decode, total
+    diffserve_prompt_embed_cache_{hits,misses,evictions}_total, diffserve_prompt_embed_cache_entries
+                                                the prompt-embedding LRU (when enabled)
+    diffserve_cache_backend_{transformer_calls,skipped}_total{backend}
+                                                denoiser calls and the ones a cache backend skipped
+    diffserve_compile_recompiles_after_warmup   torch.compile graphs compiled after warm-up
 
 The step metrics come from the engine's step listener (`DiffusionEngine.add_step_listener`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from diffserve.outputs import GenerationOutput, RequestStatus
 
@@ -78,6 +85,7 @@ class ServerMetrics:
         self.running.set_function(lambda: len(sync_engine.scheduler.running))
         self.running_rows.set_function(lambda: sync_engine.num_running_rows)
         sync_engine.add_step_listener(self._observe_step)
+        self.registry.register(_AccelerationCollector(sync_engine.runner.acceleration_stats))
 
     def _observe_step(self, num_rows: int, num_requests: int, seconds: float) -> None:
         self.step_seconds.observe(seconds)
@@ -110,3 +118,32 @@ class ServerMetrics:
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _AccelerationCollector:
+    """Exports `ModelRunner.acceleration_stats()` (read at scrape time) as Prometheus metrics."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]):
+        self._stats = stats
+
+    def collect(self):
+        stats = self._stats()
+        cache = stats.get("prompt_embed_cache", {})
+        if cache.get("enabled"):
+            for name in ("hits", "misses", "evictions"):
+                yield CounterMetricFamily(f"diffserve_prompt_embed_cache_{name}",
+                                          f"Prompt-embedding cache {name}.", value=cache[name])
+            yield GaugeMetricFamily("diffserve_prompt_embed_cache_entries",
+                                    "Entries in the prompt-embedding cache.", value=cache["size"])
+        backend = stats.get("cache_backend", {})
+        if "transformer_calls" in backend:
+            for key, doc in (("transformer_calls", "Denoiser calls (one per request and step)."),
+                             ("skipped", "Denoiser calls a cache backend skipped.")):
+                family = CounterMetricFamily(f"diffserve_cache_backend_{key}", doc, labels=["backend"])
+                family.add_metric([str(backend.get("name"))], backend[key])
+                yield family
+        compiled = stats.get("compile", {})
+        if compiled.get("enabled"):
+            yield GaugeMetricFamily("diffserve_compile_recompiles_after_warmup",
+                                    "torch.compile graphs compiled after warm-up.",
+                                    value=compiled["recompiles_after_warmup"])

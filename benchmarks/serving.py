@@ -26,6 +26,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import time
@@ -205,6 +206,9 @@ def main() -> None:
     ap.add_argument("--max-batch-size", type=int, default=32, help="transformer rows per step")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--arms", default="baseline,request,step")
+    ap.add_argument("--compile", action="store_true", help="regional torch.compile in the diffserve arms")
+    ap.add_argument("--cache-backend", default="none", choices=["none", "teacache", "cache_dit"])
+    ap.add_argument("--cache-config", default="{}", help="JSON options of the cache backend")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.concurrency is None and args.request_rate is None:
@@ -213,7 +217,8 @@ def main() -> None:
     arms = args.arms.split(",")
 
     config = EngineConfig(model=args.model, load_format=args.load_format, max_batch_size=args.max_batch_size,
-                          max_waiting_requests=100_000, num_threads=args.threads)
+                          max_waiting_requests=100_000, num_threads=args.threads, compile=args.compile,
+                          cache_backend=args.cache_backend, cache_config=json.loads(args.cache_config))
     class_name, components = load_components(config.model_path, config.torch_dtype, config.load_format,
                                              device=config.torch_device)
     for module in components.values():
@@ -239,7 +244,7 @@ def main() -> None:
     print(f"model={config.model_path.name} load_format={args.load_format} device={config.torch_device} "
           f"threads={torch.get_num_threads()} requests={len(jobs)} steps={args.steps} guidance={args.guidance} "
           f"load={load} mixed_steps={args.mixed_steps} mixed_sizes={args.mixed_sizes} "
-          f"max_batch_size={args.max_batch_size}")
+          f"max_batch_size={args.max_batch_size} compile={args.compile} cache_backend={args.cache_backend}")
 
     # warm up every path once
     side_h, side_w = jobs[0].params.height, jobs[0].params.width

@@ -116,10 +116,12 @@ class DiffusionEngine:
             return True
 
     def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
         with self._lock:
             return bool(self._requests)
 
     def unfinished_request_ids(self) -> list[str]:
+        """Ids of the waiting and running requests."""
         with self._lock:
             return list(self._requests)
 
@@ -138,10 +140,12 @@ class DiffusionEngine:
 
     @property
     def num_waiting(self) -> int:
+        """Requests in the waiting queue."""
         return len(self.scheduler.waiting)
 
     @property
     def num_running_rows(self) -> int:
+        """Transformer rows held by running requests (CFG counts 2 per image)."""
         return self.scheduler.running_rows
 
     # ----------------------------------------------------------------------- one step

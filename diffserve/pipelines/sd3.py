@@ -116,6 +116,7 @@ class StableDiffusion3Adapter(PipelineAdapter):
         return True
 
     def batch_key(self, params: SamplingParams) -> Hashable:
+        """(pipeline, latent height, latent width, CFG on/off, text tokens, dtype)."""
         f = self.pipe.vae_scale_factor
         return (
             self.pipeline_class_name,
@@ -127,6 +128,8 @@ class StableDiffusion3Adapter(PipelineAdapter):
         )
 
     def prompt_is_truncated(self, prompt: str) -> bool:
+        """Whether any tokenizer's ids for `prompt` exceed its limit (CLIP: model_max_length;
+        T5: max_sequence_length). Tokenizers are not thread-safe: call on the engine thread."""
         pipe = self.pipe
         for tokenizer, limit in (
             (pipe.tokenizer, pipe.tokenizer_max_length),
@@ -174,6 +177,9 @@ class StableDiffusion3Adapter(PipelineAdapter):
             key, lambda: self.encode_prompt(prompt, negative_prompt, do_cfg, num_images))
 
     def prepare(self, state: RequestState) -> None:
+        """Encode the prompt (through the prompt-embedding cache), seed the request's CPU
+        generator, draw latents (N, C, H/f, W/f) exactly as diffusers does, and create the
+        request's own diffusion scheduler with its (num_inference_steps,) timesteps."""
         p = state.params
         do_cfg = p.do_classifier_free_guidance
         prompt_embeds, pooled = self.cached_encode_prompt(
@@ -208,6 +214,8 @@ class StableDiffusion3Adapter(PipelineAdapter):
         state.step_index = 0
 
     def step_inputs(self, state: RequestState) -> dict[str, torch.Tensor]:
+        """Rows of this request: hidden_states (rows, C, h, w) (latents twice with CFG),
+        timestep (rows,) = this request's current timestep, its prompt embeddings."""
         latents = state.latents
         if state.params.do_classifier_free_guidance:
             latents = torch.cat([latents, latents], dim=0)
@@ -215,9 +223,13 @@ class StableDiffusion3Adapter(PipelineAdapter):
         return {"hidden_states": latents, "timestep": t, **state.model_inputs}
 
     def denoise(self, batch: "StepBatch") -> torch.Tensor:
+        """One `SD3Transformer2DModel` forward; returns the velocity prediction
+        (total_rows, C, h, w) in the model dtype."""
         return self.pipe.transformer(**batch.inputs, return_dict=False)[0]
 
     def step(self, state: RequestState, noise_pred: torch.Tensor) -> None:
+        """CFG (uncond + scale * (cond - uncond), Ho & Salimans 2022) on this request's rows,
+        then one step of its own flow-matching Euler scheduler."""
         p = state.params
         if p.do_classifier_free_guidance:
             uncond, cond = noise_pred.chunk(2)
@@ -227,6 +239,8 @@ class StableDiffusion3Adapter(PipelineAdapter):
         state.step_index += 1
 
     def decode(self, state: RequestState, latents: torch.Tensor | None = None) -> Any:
+        """Unscale (latents / scaling_factor + shift_factor), VAE-decode and post-process to
+        the request's output_type (PIL list, float32 (N, H, W, C) array in [0, 1], ...)."""
         latents = state.latents if latents is None else latents
         output_type = state.params.output_type
         if output_type == "latent":

@@ -62,6 +62,7 @@ class ModelRunner:
 
     @property
     def spec(self) -> ModelSpec:
+        """The loaded model's resolution factor, defaults and limits."""
         return self.adapter.spec
 
     def batch_key(self, params: SamplingParams) -> Hashable:
@@ -69,6 +70,7 @@ class ModelRunner:
         return self.adapter.batch_key(params)
 
     def prompt_is_truncated(self, prompt: str) -> bool:
+        """Whether `prompt` exceeds the text encoder's token limit (engine thread only)."""
         return self.adapter.prompt_is_truncated(prompt)
 
     @torch.inference_mode()

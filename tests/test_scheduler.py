@@ -194,6 +194,15 @@ def test_waiting_queue_bound(tiny_sd3_dir, engine):
     _run(small)
 
 
+def test_aborting_a_waiting_request_frees_its_queue_slot_at_once(tiny_sd3_dir, engine):
+    small = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), max_waiting_requests=1), runner=engine.runner)
+    first = small.add_request("a", _p(1))
+    assert small.abort(first)
+    second = small.add_request("b", _p(2))  # no step in between
+    finals = _run(small)
+    assert finals[first].type is EventType.ABORTED and finals[second].type is EventType.FINISHED
+
+
 def test_unique_ids_for_identical_requests(engine):
     ids = {engine.add_request("same", _p(1, steps=1)) for _ in range(5)}
     assert len(ids) == 5

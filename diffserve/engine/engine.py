@@ -106,19 +106,25 @@ class DiffusionEngine:
         return request.request_id
 
     def abort(self, request_id: str) -> bool:
-        """Abort a waiting or running request. A running one stops at the next step boundary
-        and frees its latents; its final event is `aborted`. Returns False if unknown/done."""
+        """Abort a waiting or running request. A waiting one leaves the queue at once; a
+        running one stops at the next step boundary and frees its latents. Its final event
+        (`aborted`) comes out of the next `step()`. Returns False if unknown or done."""
         with self._lock:
             request = self._requests.get(request_id)
             if request is None or request.status.is_final:
                 return False
-            request.abort_requested = True
+            if self.scheduler.remove_waiting(request_id) is not None:
+                # never started: free its queue slot now; the event goes out with the next step
+                self._pending.append(self._final(request, RequestStatus.ABORTED))
+            else:
+                request.abort_requested = True
             return True
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request is waiting or running."""
+        """True while any request is waiting or running, or has events not yet returned by
+        `step()`."""
         with self._lock:
-            return bool(self._requests)
+            return bool(self._requests or self._pending)
 
     def unfinished_request_ids(self) -> list[str]:
         """Ids of the waiting and running requests."""

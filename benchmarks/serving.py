@@ -72,8 +72,8 @@ def make_workload(args, spec) -> list[Job]:
         h = w = args.size
         if args.size is None:
             h, w = spec.default_height, spec.default_width
-        if args.mixed_sizes:
-            h, w = rng.choice([(h, w), (h + 2 * f, w), (h, w + 2 * f)])
+        if args.mixed_sizes:  # smaller variants: always within the model's maximum size
+            h, w = rng.choice([(h, w), (max(f, h - 2 * f), w), (h, max(f, w - 2 * f))])
         if args.request_rate:
             t += rng.expovariate(args.request_rate)
         jobs.append(Job(t, prompt, SamplingParams(num_inference_steps=steps, guidance_scale=args.guidance,

@@ -1,7 +1,8 @@
 """Builders for tiny random-weight diffusers pipelines, made offline for the tests.
 
 Every component is a real diffusers/transformers class with a small config; tokenizers are
-built from in-memory vocabularies (see ../shared/NOTES.md), so nothing is downloaded.
+built from in-memory vocabularies (CLIP: the package's byte-level builder), so nothing is
+downloaded.
 """
 
 from __future__ import annotations
@@ -15,39 +16,14 @@ from diffusers import (
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
 )
+from diffserve.models.digits.tokenizer import build_clip_tokenizer
 from transformers import (
     CLIPTextConfig,
     CLIPTextModelWithProjection,
-    CLIPTokenizer,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
 )
-
-
-def _byte_level_symbols() -> list[str]:
-    # GPT-2 / CLIP byte-to-unicode table: 256 printable symbols.
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    bs += list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return [chr(c) for c in cs]
-
-
-def clip_tokenizer(model_max_length: int = 77) -> CLIPTokenizer:
-    """A character-level CLIP tokenizer: 256 byte symbols (+ `</w>` forms), BOS and EOS."""
-    symbols = _byte_level_symbols()
-    vocab: dict[str, int] = {}
-    for s in symbols + [s + "</w>" for s in symbols]:
-        vocab[s] = len(vocab)
-    vocab["<|startoftext|>"] = len(vocab)
-    vocab["<|endoftext|>"] = len(vocab)
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=model_max_length)
 
 
 def t5_tokenizer() -> T5Tokenizer:
@@ -87,7 +63,7 @@ def build_tiny_sd3(
         out_channels=4,
         pos_embed_max_size=32,
     )
-    tok = clip_tokenizer(clip_max_length)
+    tok = build_clip_tokenizer(clip_max_length)
     clip_cfg = dict(
         hidden_size=32,
         intermediate_size=37,
@@ -145,7 +121,7 @@ def build_tiny_sd3(
         text_encoder=text_encoder,
         tokenizer=tok,
         text_encoder_2=text_encoder_2,
-        tokenizer_2=clip_tokenizer(clip_max_length),
+        tokenizer_2=build_clip_tokenizer(clip_max_length),
         text_encoder_3=text_encoder_3,
         tokenizer_3=tokenizer_3,
     )

@@ -40,6 +40,10 @@ class EngineConfig:
         num_threads: torch intra-op threads to set (None leaves torch's default).
         prompt_embed_cache_size: entries of the prompt-embedding LRU (0 = off); see
             `diffserve.acceleration.prompt_embed_cache`.
+        prompt_embed_cache_bytes: bound of that cache in bytes of tensor storage (default
+            256 MiB).
+        overlap_stages: run prompt encoding and VAE decode on a side thread, overlapping the
+            denoising steps of other requests (False: inline, in a deterministic order).
         cache_backend: step caching: ``"none"``, ``"teacache"`` or ``"cache_dit"`` (see
             `diffserve.acceleration`); its state is reset at the start of every request.
         cache_config: options of the cache backend (keys of `TeaCacheConfig` /
@@ -47,9 +51,9 @@ class EngineConfig:
         compile: regional ``torch.compile`` of the denoiser's repeated blocks, warmed up at
             startup (falls back to eager with a warning if compiling fails).
         compile_vae: also compile the VAE decoder (only with ``compile``).
-        context_folding: run identical placeholder context tokens (SD3 without T5: 256 zero
-            rows) as one token with a +log(k) attention bias; same images within float
-            rounding, far less compute (see `diffserve.acceleration.context_folding`).
+        context_folding: let a family run identical placeholder context tokens as one token
+            (SD3 without T5: the 256 zero rows, with a +log(k) attention bias); same images
+            within float rounding, far less compute.
     """
 
     model: str | None = None
@@ -65,6 +69,8 @@ class EngineConfig:
     max_num_images_per_prompt: int = 10
     num_threads: int | None = None
     prompt_embed_cache_size: int = 256
+    prompt_embed_cache_bytes: int = 256 << 20
+    overlap_stages: bool = True
     cache_backend: str = "none"
     cache_config: dict = field(default_factory=dict)
     compile: bool = False
@@ -96,7 +102,10 @@ class EngineConfig:
         size = self.prompt_embed_cache_size
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise InvalidRequestError("prompt_embed_cache_size", size, "an integer >= 0 (0 = off)")
-        for name in ("compile", "compile_vae", "context_folding"):
+        nbytes = self.prompt_embed_cache_bytes
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1:
+            raise InvalidRequestError("prompt_embed_cache_bytes", nbytes, "an integer >= 1 (bytes)")
+        for name in ("compile", "compile_vae", "context_folding", "overlap_stages"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(name, getattr(self, name), "true or false")
         if self.compile_vae and not self.compile:

@@ -42,3 +42,12 @@ class UnsupportedModelError(ValueError):
 
 class RequestFailedError(RuntimeError):
     """A request failed while running (its own error; other requests are unaffected)."""
+
+
+class NonFiniteOutputError(RuntimeError):
+    """A request's latents or decoded pixels hold NaN/inf (e.g. fp16 overflow); the request
+    fails (HTTP 500 ``server_error``) instead of returning a black image."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop (or a worker) died; requests fail fast (HTTP 503) instead of waiting."""

@@ -65,8 +65,11 @@ class GenerationOutput:
             (N, H, W, C) in [0, 1], float tensor (N, C, H, W) in [0, 1], or latents. Empty
             when the request failed or was aborted.
         seed: the seed actually used (reproduces the images).
-        prompt_truncated: the prompt was longer than the text encoder's limit and was cut.
-        status: finished, failed or aborted; `error` holds the message when failed.
+        prompt_truncated / negative_prompt_truncated: that text was longer than a text
+            encoder's limit and was cut.
+        status: finished, failed or aborted; `error` holds the message when failed and
+            `error_type` the failure's class name (e.g. ``"NonFiniteOutputError"``).
+        params: the resolved sampling params the request ran with (defaults filled in).
     """
 
     request_id: str
@@ -77,6 +80,9 @@ class GenerationOutput:
     metrics: RequestMetrics
     prompt_truncated: bool = False
     error: str | None = None
+    negative_prompt_truncated: bool = False
+    error_type: str | None = None
+    params: Any = None
 
     @property
     def ok(self) -> bool:

@@ -28,6 +28,19 @@ def tiny_sd3_t5_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def sync_engine(tiny_sd3_dir, engine):
+    """The shared engine's runner behind an engine without the encode/decode side thread
+    (``overlap_stages=False``): every step() prepares, steps and decodes inline, so tests can
+    assert exact interleavings."""
+    from diffserve import DiffusionEngine, EngineConfig
+
+    eng = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), max_batch_size=16, overlap_stages=False),
+                          runner=engine.runner)
+    yield eng
+    assert not eng.has_unfinished_requests()
+
+
+@pytest.fixture(scope="session")
 def engine(tiny_sd3_dir):
     """A step-mode engine on the tiny SD3 folder (shared: tests must leave it idle)."""
     from diffserve import DiffusionEngine, EngineConfig

@@ -200,7 +200,7 @@ def _generate(args: argparse.Namespace) -> int:
                   f"spelled out byte by byte and mostly ignored: {', '.join(unknown)}",
                   file=sys.stderr)
     ids = [engine.add_request(args.prompt, p) for p in params]
-    steps = params[0].resolve(engine.runner.spec, config.limits, 0).num_inference_steps
+    steps = params[0].resolve(engine.spec, config.limits, 0).num_inference_steps
     bar = tqdm(total=steps * len(ids), desc="denoising", unit="step", file=sys.stderr)
     outputs = {}
     while len(outputs) < len(ids):

@@ -31,6 +31,7 @@ from diffserve.engine.scheduler import RequestScheduler
 from diffserve.errors import InvalidRequestError
 from diffserve.executor import Executor, InProcessExecutor, build_executor
 from diffserve.executor.messages import Decoded, NewRequest, Prepared, WorkError
+from diffserve.inputs import make_inputs
 from diffserve.outputs import EventType, GenerationOutput, RequestStatus, StreamEvent
 from diffserve.sampling_params import SamplingParams, validate_prompt
 
@@ -105,7 +106,8 @@ class DiffusionEngine:
         Args:
             preview_steps: denoising steps (1-based) after which a decoded preview of the
                 current latents is emitted as a `partial` event.
-            inputs: input images / mask (`diffserve.pipelines.base.RequestInputs`).
+            inputs: input images (`RequestInputs`, or images in any form
+                `diffserve.inputs.make_inputs` takes).
             listener: receives each of this request's events (on the stepping thread) instead
                 of `step()` returning them.
 
@@ -118,6 +120,7 @@ class DiffusionEngine:
             raise InvalidRequestError("params", params, "a SamplingParams")
         spec = self.spec
         prompt = validate_prompt(prompt, spec)
+        inputs = make_inputs(inputs) if inputs is not None else None
         resolved = params.resolve(spec, self.config.limits, self.config.default_seed)
         plan = self.executor.plan(resolved, inputs)
         request = Request(
@@ -362,10 +365,13 @@ class DiffusionEngine:
             message = str(error)
         else:
             message = f"{type(error).__name__}: {error}"
+        is_video = self.spec.default_num_frames is not None
+        media = images if images is not None else []
         output = GenerationOutput(
             request_id=request.request_id,
             prompt=request.prompt,
-            images=images if images is not None else [],
+            images=[] if is_video else media,
+            videos=media if is_video else [],
             seed=request.params.seed,
             status=status,
             metrics=m,
@@ -441,6 +447,7 @@ class DiffusionEngine:
         if len(inputs_list) != len(prompts):
             raise InvalidRequestError("inputs", f"{len(inputs_list)} items", f"one per prompt ({len(prompts)})")
         spec = self.spec
+        inputs_list = [make_inputs(x) if x is not None else None for x in inputs_list]
         for prompt, p, x in zip(prompts, params_list, inputs_list):  # validate before queueing
             validate_prompt(prompt, spec)
             self.executor.plan(p.resolve(spec, self.config.limits, 0), x)

@@ -46,15 +46,17 @@ DenoiserCall = Callable[[StepBatch, dict[str, Any]], torch.Tensor]
 
 @dataclass
 class RequestInputs:
-    """Non-text inputs of a request (image-to-image, edits, inpainting).
+    """Non-text inputs of a request (image-to-image, edits, inpainting); build them with
+    `diffserve.inputs.make_inputs`.
 
     Attributes:
-        images: input images as float32 tensors (3, H, W) in [0, 1] (pixels), one or several.
-        mask: optional float32 (1, H, W) in [0, 1]; 1 = repaint.
+        images: input images as RGB PIL images (what diffusers' image processors take), one or
+            several.
+        mask: optional mode-"L" PIL image of the first image's size; white = repaint.
     """
 
-    images: list[torch.Tensor] = field(default_factory=list)
-    mask: torch.Tensor | None = None
+    images: list[Any] = field(default_factory=list)
+    mask: Any = None
 
 
 @dataclass

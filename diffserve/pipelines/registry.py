@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 #: pipeline class name -> "module:AdapterClass"
 _ADAPTERS: dict[str, str] = {
     "StableDiffusion3Pipeline": "diffserve.pipelines.sd3:StableDiffusion3Adapter",
+    "StableDiffusionPipeline": "diffserve.pipelines.stable_diffusion:StableDiffusionAdapter",
+    "StableDiffusionXLPipeline": "diffserve.pipelines.stable_diffusion_xl:StableDiffusionXLAdapter",
 }
 
 

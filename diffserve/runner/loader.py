@@ -23,6 +23,10 @@ from diffserve.pipelines.registry import adapter_class
 
 logger = logging.getLogger(__name__)
 _LIBRARIES = ("diffusers", "transformers")
+#: diffusers pipeline packages that folders name as a component's library for classes of their
+#: own (SD 1.x/2.x: ``"safety_checker": ["stable_diffusion", "StableDiffusionSafetyChecker"]``);
+#: loaded from ``diffusers.pipelines.<name>`` (the class is a transformers model).
+_PIPELINE_PACKAGES = ("stable_diffusion",)
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -57,11 +61,12 @@ def read_model_index(model_dir: Path) -> dict[str, Any]:
 
 def _load_component(library: str, class_name: str, folder: Path, dtype: torch.dtype,
                     load_format: str, device: torch.device) -> Any:
-    if library not in _LIBRARIES:
+    if library not in _LIBRARIES + _PIPELINE_PACKAGES:
         raise UnsupportedModelError(
-            f"component in {folder.name!r} comes from library {library!r}; supported: {_LIBRARIES}"
+            f"component in {folder.name!r} comes from library {library!r}; supported: "
+            f"{_LIBRARIES + _PIPELINE_PACKAGES}"
         )
-    module = importlib.import_module(library)
+    module = importlib.import_module(library if library in _LIBRARIES else f"diffusers.pipelines.{library}")
     cls = getattr(module, class_name, None)
     if cls is None:
         raise UnsupportedModelError(f"{library} has no class {class_name!r} (component {folder.name!r})")

@@ -8,6 +8,9 @@ expert switch, resolution rules).
 
 from __future__ import annotations
 
+import importlib
+import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -202,3 +205,62 @@ def test_builders_are_small_and_seeded(request, tmp_path, fixture):
     for f in files:
         assert (again / f).read_bytes() == (folder / f).read_bytes(), f
 
+
+# --- Weightless benchmark folders (benchmarks/*_config_folder.py) -------------------------------
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import flux_config_folder  # noqa: E402  (benchmarks/ is not a package)
+import sdxl_config_folder  # noqa: E402
+import wan_config_folder  # noqa: E402
+
+#: Parameters per component of the real checkpoints (FLUX.1-dev, SDXL base 1.0, Wan2.1-T2V-1.3B),
+#: and each tokenizer's length.
+CONFIG_FOLDERS = {
+    "flux": (flux_config_folder, FluxPipeline, {
+        "transformer": 11_901_408_320, "text_encoder_2": 4_762_310_656, "text_encoder": 123_060_480,
+        "vae": 83_819_683, "tokenizer": 49408, "tokenizer_2": 32100}),
+    "sdxl": (sdxl_config_folder, StableDiffusionXLPipeline, {
+        "unet": 2_567_463_684, "text_encoder_2": 694_659_840, "text_encoder": 123_060_480, "vae": 83_653_863,
+        "tokenizer": 49408, "tokenizer_2": 49408}),
+    "wan": (wan_config_folder, WanPipeline, {
+        "transformer": 1_418_996_800, "text_encoder": 5_680_910_336, "vae": 126_892_531, "tokenizer": 256300}),
+}
+
+
+def _load_on_meta(folder: Path) -> dict:
+    """Every component of ``model_index.json``: models from their configs on the meta device (no
+    memory), tokenizers and schedulers with ``from_pretrained``, as ``--load-format dummy`` does."""
+    import diffusers
+    import transformers
+
+    components = {}
+    for name, entry in json.loads((folder / "model_index.json").read_text()).items():
+        if not isinstance(entry, list) or entry[0] is None:
+            continue
+        cls = getattr(importlib.import_module(entry[0]), entry[1])
+        if issubclass(cls, diffusers.ModelMixin):
+            with torch.device("meta"):
+                components[name] = cls.from_config(cls.load_config(folder / name))
+        elif issubclass(cls, transformers.PreTrainedModel):
+            with torch.device("meta"):
+                components[name] = cls(transformers.AutoConfig.from_pretrained(folder / name))
+        else:
+            components[name] = cls.from_pretrained(folder / name)
+    return components
+
+
+@pytest.mark.parametrize("family", sorted(CONFIG_FOLDERS))
+def test_config_folder_has_real_architecture(tmp_path, family):
+    module, pipeline_class, expected = CONFIG_FOLDERS[family]
+    folder = module.write_folder(tmp_path / family)
+    assert not any(p.suffix in (".safetensors", ".bin") for p in folder.rglob("*"))
+    components = _load_on_meta(folder)
+    sizes = {name: len(obj) if name.startswith("tokenizer") else sum(p.numel() for p in obj.parameters())
+             for name, obj in components.items() if name in expected}
+    assert sizes == expected
+    for name, obj in components.items():
+        if name.startswith("tokenizer"):  # every id the tokenizer makes has an embedding row
+            encoder = components[name.replace("tokenizer", "text_encoder")]
+            assert max(obj("A photo of a cat, 4k!").input_ids) < encoder.config.vocab_size
+    pipe = pipeline_class(**components)  # the components fit the pipeline class together
+    assert pipe.vae_scale_factor_spatial == 8 if family == "wan" else pipe.vae_scale_factor == 8

@@ -6,6 +6,10 @@ Regional compilation (PyTorch recipe "regional_compilation"; diffusers'
 the code for every instance, so cold compiles take seconds, not minutes. Blocks are compiled
 with ``dynamic=True`` so batch size (rows) and image-token count are symbolic: a mixed batch
 size does not recompile (torch still specializes size 1, so rows == 1 gets its own graph).
+Duck shaping is turned off (`disable_duck_shaping`): by default dynamo gives dimensions that
+happen to be equal at compile time ONE symbol, so a warm-up whose token count equals a channel
+count (the tiny SDXL UNet at 64 px: 16 tokens, 16 channels) builds a graph guarded on that
+equality, and every other resolution recompiled.
 
 Compilation is lazy, so failures (no C compiler, an unsupported op) surface on the first
 call: `RegionalCompiler.warm_up` runs those calls at startup and, if one fails, restores eager
@@ -25,6 +29,16 @@ logger = logging.getLogger(__name__)
 
 #: ``torch.compile`` backend (a name or a callable; tests swap in a failing one).
 COMPILE_BACKEND: Any = "inductor"
+
+def disable_duck_shaping() -> None:
+    """Give every dynamic dimension its own symbol, even where sizes coincide at compile time
+    (process-wide torch setting ``torch.fx.experimental._config.use_duck_shape``; a no-op on a
+    torch without it)."""
+    from torch.fx.experimental import _config
+
+    if hasattr(_config, "use_duck_shape"):
+        _config.use_duck_shape = False
+
 
 def _graphs_compiled() -> int:
     """Dynamo graphs compiled so far in this process (compiles + recompiles, all models)."""
@@ -68,6 +82,8 @@ class RegionalCompiler:
         try:
             if not self.repeated_blocks:
                 raise ValueError(f"no repeated blocks known for {type(self.denoiser).__name__}")
+            if self.dynamic:
+                disable_duck_shaping()
             names = set(self.repeated_blocks)
             targets = [m for m in self.denoiser.modules() if type(m).__name__ in names]
             if self.vae_decoder is not None:

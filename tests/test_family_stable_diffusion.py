@@ -1,6 +1,7 @@
 """StableDiffusionPipeline (SD 1.x / 2.x layout) served with step batching: parity with diffusers
 for each classic scheduler and both prediction types, per-request scheduler state inside mixed
-step batches, the safety checker, acceleration refusals and regional compile, CLI and API."""
+step batches, the safety checker, cache-backend refusals, CLI and API (regional compile of the
+UNet's transformer blocks: tests/test_family_stable_diffusion_xl.py, same block class)."""
 
 from __future__ import annotations
 
@@ -175,20 +176,6 @@ def test_cache_backends_are_refused_at_startup(tiny_sd15_dir, backend):
     message = str(info.value)
     assert info.value.field == "cache_backend" and "StableDiffusionPipeline" in message
     assert "\n" not in message
-
-
-def test_regional_compile_of_the_unet_transformer_blocks(tiny_sd15_dir, engines):
-    """diffusers declares UNet2DConditionModel._repeated_blocks = ["BasicTransformerBlock"]:
-    compiled outputs equal eager ones and mixed batches after warm-up do not recompile."""
-    engine = DiffusionEngine(EngineConfig(model=str(tiny_sd15_dir), compile=True, max_batch_size=4))
-    jobs = [("a", _p(1, steps=2)), ("b", _p(2, steps=3, guidance=1.0)), ("c", _p(3, steps=2, height=48))]
-    outs = engine.generate([j[0] for j in jobs], [j[1] for j in jobs])  # 2 + 1 rows, and 2 at 48x64
-    for out, job in zip(outs, jobs):
-        assert out.ok, out.error
-        assert np.abs(out.images - _run(engines(), *job).images).max() <= TOL
-    stats = engine.runner.acceleration_stats()["compile"]
-    assert stats["enabled"] and stats["graphs_compiled"] >= 1
-    assert stats["recompiles_after_warmup"] == 0
 
 
 # ------------------------------------------------------------------------- API and CLI

@@ -112,7 +112,7 @@ class StableDiffusionAdapter(PipelineAdapter):
         # TeaCache and cache-dit describe DiT block stacks, not UNets: both refused (None).
         # Regional compile: diffusers 0.42.1 declares UNet2DConditionModel._repeated_blocks =
         # ["BasicTransformerBlock"] (the transformer blocks inside the cross-attention blocks).
-        self.capabilities = Capabilities(repeated_blocks=tuple(type(pipe.unet)._repeated_blocks))
+        self.capabilities = Capabilities(repeated_blocks=tuple(getattr(pipe.unet, "_repeated_blocks", None) or ()))
         self.text = TextEncoder(self, self._encode_text,
                                 [(t, t.model_max_length) for t in self.tokenizers()])
 

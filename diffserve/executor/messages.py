@@ -58,6 +58,7 @@ class Prepared:
         num_steps: denoising steps it will run (its timesteps).
         seconds: wall-clock seconds of the encode + latent preparation.
         error: set when preparing failed (the request is gone from the worker).
+        step_key: the adapter's step key for its first step (`PipelineAdapter.step_key`).
     """
 
     request_id: str
@@ -66,6 +67,7 @@ class Prepared:
     negative_prompt_truncated: bool = False
     seconds: float = 0.0
     error: WorkError | None = None
+    step_key: Any = None
 
 
 @dataclass
@@ -78,12 +80,15 @@ class StepOutput:
         steps_done: request_id -> denoising steps done after this step (requests that stepped).
         errors: request_id -> failure (those requests are gone from the worker).
         seconds: wall-clock seconds of the step.
+        step_keys: request_id -> the adapter's step key for its next step (requests that
+            stepped; `PipelineAdapter.step_key`).
     """
 
     num_rows: int = 0
     steps_done: dict[str, int] = field(default_factory=dict)
     errors: dict[str, WorkError] = field(default_factory=dict)
     seconds: float = 0.0
+    step_keys: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -418,7 +418,9 @@ class DiffusionEngine:
             params: one `SamplingParams` for all, or one per prompt.
             on_event: called with every event of these requests (e.g. for a progress bar), on
                 the calling thread.
-            inputs: input images / mask (`RequestInputs`) for all prompts, or one per prompt.
+            inputs: input images for all prompts (one image, or a `RequestInputs` made with
+                `diffserve.inputs.make_inputs` for several images / a mask), or a list or tuple
+                with one such entry (or None) per prompt.
 
         Returns:
             One `GenerationOutput` per prompt, in order; a request that failed has

@@ -339,6 +339,7 @@ class DiffusionEngine:
                 m.batch_sizes[out.num_rows] = m.batch_sizes.get(out.num_rows, 0) + 1
                 m.denoise_s = end - request.first_step_time
                 request.steps_done = out.steps_done.get(request.request_id, request.steps_done + 1)
+                request.num_steps = out.num_steps.get(request.request_id, request.num_steps)
                 self._emit([StreamEvent(request.request_id, EventType.PROGRESS,
                                         step=request.steps_done, total=request.num_steps)])
                 if request.steps_done >= request.num_steps:

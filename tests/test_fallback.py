@@ -64,6 +64,24 @@ def test_img2img_class_is_served_whole_request_with_diffusers_output(img2img_dir
     assert progress == [1, 2, 3, 4] and out.metrics.num_steps == 4  # strength 0.8 of 5 steps
 
 
+def test_sd_inpaint_class_with_a_mask(tiny_sd15_dir, tmp_path):
+    from diffusers import StableDiffusionInpaintPipeline
+
+    folder = _retag(tiny_sd15_dir, tmp_path, "StableDiffusionInpaintPipeline")
+    engine = DiffusionEngine(EngineConfig(model=str(folder)))
+    assert engine.model_info.step_batching is False and engine.spec.accepts_images
+    [out] = engine.generate("a red door", SamplingParams(seed=4, num_inference_steps=3, strength=1.0,
+                                                        guidance_scale=5.0, height=64, width=64, output_type="np"),
+                            inputs=make_inputs(_image(), _mask()))
+    assert out.ok, out.error
+    pipe = StableDiffusionInpaintPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    ref = pipe("a red door", image=_image(), mask_image=_mask(), strength=1.0, num_inference_steps=3,
+               guidance_scale=5.0, height=64, width=64, generator=torch.Generator().manual_seed(4),
+               output_type="np").images
+    np.testing.assert_array_equal(out.images, ref)
+
+
 def test_img2img_class_runs_requests_in_order_and_aborts(img2img_dir):
     engine = DiffusionEngine(EngineConfig(model=str(img2img_dir), overlap_stages=False))
     jobs = [("a boat", SamplingParams(seed=1, num_inference_steps=4, strength=1.0, output_type="np")),

@@ -127,6 +127,17 @@ def test_flow_match_euler_folder_matches_diffusers_and_steps_batched(tiny_wan_eu
         assert (batched.videos[0] - _solo(engine, *job).videos[0]).abs().max() <= TOL
 
 
+def test_per_token_timesteps_match_diffusers(tiny_wan_dir, tmp_path):
+    """``expand_timesteps`` (Wan 2.2 TI2V): the transformer gets one timestep per patch token."""
+    folder = tmp_path / "wan"
+    shutil.copytree(tiny_wan_dir, folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "expand_timesteps": True}))
+    [out] = _engine(folder).generate("a dog", _p(3, steps=3, output_type="latent"))
+    ref = _reference(folder, "a dog", steps=3, guidance=5.0, seed=3, output_type="latent")
+    assert (out.videos[0] - ref[0]).abs().max() <= 1e-5
+
+
 # ---------------------------------------------------------------------- batching
 def test_cobatched_requests_equal_solo_runs(wan):
     """Different prompts, seeds, step counts and guidance (same size) share forwards; the

@@ -55,6 +55,8 @@ class EngineConfig:
         compile: regional ``torch.compile`` of the denoiser's repeated blocks, warmed up at
             startup (falls back to eager with a warning if compiling fails).
         compile_vae: also compile the VAE decoder (only with ``compile``).
+        cuda_graphs: replay the denoiser forward from CUDA graphs captured per row bucket
+            (`diffserve.acceleration.cuda_graphs`); CUDA devices only, not with a cache backend.
         context_folding: let a family run identical placeholder context tokens as one token
             (SD3 without T5: the 256 zero rows, with a +log(k) attention bias); same images
             within float rounding, far less compute.
@@ -80,6 +82,7 @@ class EngineConfig:
     cache_config: dict = field(default_factory=dict)
     compile: bool = False
     compile_vae: bool = False
+    cuda_graphs: bool = False
     context_folding: bool = True
 
     def __post_init__(self) -> None:
@@ -115,7 +118,7 @@ class EngineConfig:
         nbytes = self.prompt_embed_cache_bytes
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1:
             raise InvalidRequestError("prompt_embed_cache_bytes", nbytes, "an integer >= 1 (bytes)")
-        for name in ("compile", "compile_vae", "context_folding", "overlap_stages"):
+        for name in ("compile", "compile_vae", "context_folding", "overlap_stages", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(name, getattr(self, name), "true or false")
         if self.compile_vae and not self.compile:

@@ -131,6 +131,8 @@ class WanAdapter(PipelineAdapter):
             raise UnsupportedModelError(f"{options.model_dir}: a WanPipeline with transformer_2 needs "
                                         "boundary_ratio in model_index.json")
         self._denoiser = transformer if len(self.experts) == 1 else torch.nn.ModuleList(self.experts)
+        #: float32 latents go to the transformer as they are unless it runs in another dtype
+        self.model_input_is_latents = transformer.dtype == torch.float32
         #: timestep at and above which the high-noise expert runs (None: one expert)
         self.boundary = None if ratio is None else ratio * pipe.scheduler.config.num_train_timesteps
         self.expand_timesteps = bool(pipe.config.expand_timesteps)

@@ -251,24 +251,29 @@ class WanAdapter(PipelineAdapter):
         return state.latents.to(self.experts[0].dtype)
 
     def denoise_kwargs(self, batch: StepBatch) -> dict[str, Any]:
+        """The batch's inputs; with two experts also ``expert`` (its index: an input of the
+        call, so a captured CUDA graph is one expert's).
+
+        Raises:
+            ValueError: the batch mixes experts (the request scheduler keeps them apart).
+        """
         inputs = dict(batch.inputs)
         if self.expand_timesteps:  # one timestep per patch token (Wan 2.2 TI2V), float as diffusers'
             _, _, f, h, w = inputs["hidden_states"].shape
             p_t, p_h, p_w = self.experts[0].config.patch_size
             tokens = (f // p_t) * (h // p_h) * (w // p_w)
             inputs["timestep"] = inputs["timestep"].float()[:, None].expand(-1, tokens)
+        if len(self.experts) > 1:
+            experts = {self._expert(s) for s in batch.states}
+            if len(experts) > 1:
+                raise ValueError("requests on different Wan 2.2 experts cannot share a forward")
+            inputs["expert"] = experts.pop()
         return inputs
 
     def call_denoiser(self, batch: StepBatch, kwargs: dict[str, Any]) -> torch.Tensor:
-        """The expert of the batch's step (every request must be on the same one).
-
-        Raises:
-            ValueError: the batch mixes experts (the request scheduler keeps them apart).
-        """
-        experts = {self._expert(s) for s in batch.states}
-        if len(experts) > 1:
-            raise ValueError("requests on different Wan 2.2 experts cannot share a forward")
-        return self.experts[experts.pop()](**kwargs, return_dict=False)[0]
+        """The expert ``kwargs["expert"]`` (default the only one) on the other inputs."""
+        kwargs = dict(kwargs)
+        return self.experts[kwargs.pop("expert", 0)](**kwargs, return_dict=False)[0]
 
     def combine(self, batch: StepBatch, out: torch.Tensor) -> torch.Tensor:
         """CFG with each request's weight for its expert (guidance_scale, or guidance_scale_2

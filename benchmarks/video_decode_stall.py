@@ -9,6 +9,10 @@ than half of the interval overlaps a VAE decode) or *without* (no overlap), and 
 
     inflation = median(L's step interval during decodes) / median(L's step interval without)
 
+and the stall, the progress L lost to decodes in seconds,
+
+    stall = sum over intervals during decodes of (interval - median interval without),
+
 per run, then the median and spread over ``--runs`` interleaved runs. Inline, the one interval
 that holds the decode is the decode's whole length; beside the steps, it is the contention of
 two threads (cores, memory bandwidth, the GIL; on GPU the shared stream).
@@ -28,6 +32,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -111,7 +116,10 @@ def run_once(engine: DiffusionEngine, steps: list, args, seed: int) -> dict:
             during.append(end - prev)
         elif overlap == 0:
             without.append(end - prev)
-    return {"during": during, "without": without, "decode_s": sum(e - s for s, e in decodes)}
+    base = statistics.median(without)
+    return {"during": during, "without": without, "decode_s": sum(e - s for s, e in decodes),
+            "inflation": statistics.median(during) / base if during else float("nan"),
+            "stall_s": sum(d - base for d in during)}
 
 
 def main() -> None:
@@ -148,24 +156,25 @@ def main() -> None:
         print(f"model {'probe (vae base_dim %d)' % args.vae_base_dim if args.model is None else model}, "
               f"{args.width}x{args.height}, {args.num_frames} frames, device {args.device}, "
               f"{torch.get_num_threads()} torch thread(s) per engine thread, {args.short_requests} short "
-              f"requests x {args.short_steps} steps decoded while L steps")
+              f"requests x {args.short_steps} steps decoded while L steps; load average {os.getloadavg()[0]:.1f} "
+              f"on {os.cpu_count()} CPUs")
         results: dict[str, list[dict]] = {"beside the steps (side thread)": [], "inline (baseline)": []}
         for run in range(args.runs):
             for (name, engine) in zip(results, (side, inline)):  # interleaved arms
                 r = run_once(engine, steps, args, seed=100 * run)
                 results[name].append(r)
-                ratio = statistics.median(r["during"]) / statistics.median(r["without"]) if r["during"] else float("nan")
                 print(f"  run {run} {name}: decode {r['decode_s']:.2f} s, L's step interval "
                       f"{statistics.median(r['without']) * 1e3:.1f} ms without / "
                       f"{statistics.median(r['during']) * 1e3 if r['during'] else float('nan'):.1f} ms during "
-                      f"({len(r['during'])} intervals) -> inflation {ratio:.2f}x")
+                      f"({len(r['during'])} intervals) -> inflation {r['inflation']:.2f}x, stall {r['stall_s']:.2f} s")
         print("summary (median over runs [min, max]):")
         for name, runs in results.items():
-            ratios = [statistics.median(r["during"]) / statistics.median(r["without"]) for r in runs if r["during"]]
-            decode = [r["decode_s"] for r in runs]
-            print(f"  {name}: step-interval inflation during decodes {statistics.median(ratios):.2f}x "
-                  f"[{min(ratios):.2f}, {max(ratios):.2f}], decode {statistics.median(decode):.2f} s "
-                  f"[{min(decode):.2f}, {max(decode):.2f}]")
+            parts = []
+            for key, label, unit in (("inflation", "step-interval inflation during decodes", "x"),
+                                     ("stall_s", "stall", " s"), ("decode_s", "decode", " s")):
+                values = [r[key] for r in runs]
+                parts.append(f"{label} {statistics.median(values):.2f}{unit} [{min(values):.2f}, {max(values):.2f}]")
+            print(f"  {name}: " + ", ".join(parts))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from diffserve.errors import InvalidRequestError
 from diffserve.sampling_params import MAX_SEED, RequestLimits
 
 EXECUTION_MODES = ("step", "request")
-LOAD_FORMATS = ("default", "dummy")
+LOAD_FORMATS = ("default", "dummy", "custom_pipeline")
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
@@ -27,7 +27,11 @@ class EngineConfig:
         device: ``"auto"`` (cuda if available, else cpu), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
         dtype: ``"auto"`` (bf16 on cuda, fp32 on cpu), ``"fp32"``, ``"bf16"``, ``"fp16"``.
         load_format: ``"default"`` reads the weights; ``"dummy"`` builds every model from its
-            config with seeded random weights (no weight file read).
+            config with seeded random weights (no weight file read); ``"custom_pipeline"``
+            reads the weights into the class named by `custom_pipeline` (as vLLM-Omni's runner).
+        custom_pipeline: ``"package.module:ClassName"``: a `PipelineAdapter` subclass
+            (served with step batching) or a pipeline class with a diffusers-style ``__call__``
+            (served whole-request, one step at a time); None = the folder's own class.
         max_batch_size: most transformer rows in one denoising step (a request with CFG on
             takes 2 x num_images_per_prompt rows); also the most rows admitted at once.
         max_waiting_requests: bound of the waiting queue; past it `add_request` raises
@@ -51,6 +55,8 @@ class EngineConfig:
         compile: regional ``torch.compile`` of the denoiser's repeated blocks, warmed up at
             startup (falls back to eager with a warning if compiling fails).
         compile_vae: also compile the VAE decoder (only with ``compile``).
+        cuda_graphs: replay the denoiser forward from CUDA graphs captured per row bucket
+            (`diffserve.acceleration.cuda_graphs`); CUDA devices only, not with a cache backend.
         context_folding: let a family run identical placeholder context tokens as one token
             (SD3 without T5: the 256 zero rows, with a +log(k) attention bias); same images
             within float rounding, far less compute.
@@ -60,6 +66,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     load_format: str = "default"
+    custom_pipeline: str | None = None
     max_batch_size: int = 16
     max_waiting_requests: int = 1024
     execution_mode: str = "step"
@@ -75,6 +82,7 @@ class EngineConfig:
     cache_config: dict = field(default_factory=dict)
     compile: bool = False
     compile_vae: bool = False
+    cuda_graphs: bool = False
     context_folding: bool = True
 
     def __post_init__(self) -> None:
@@ -82,6 +90,11 @@ class EngineConfig:
             raise InvalidRequestError("execution_mode", self.execution_mode, f"one of {EXECUTION_MODES}")
         if self.load_format not in LOAD_FORMATS:
             raise InvalidRequestError("load_format", self.load_format, f"one of {LOAD_FORMATS}")
+        if self.custom_pipeline is not None and (not isinstance(self.custom_pipeline, str)
+                                                 or ":" not in self.custom_pipeline):
+            raise InvalidRequestError("custom_pipeline", self.custom_pipeline, "'package.module:ClassName' or None")
+        if self.load_format == "custom_pipeline" and self.custom_pipeline is None:
+            raise InvalidRequestError("custom_pipeline", None, "set when load_format is custom_pipeline")
         for name in ("max_batch_size", "max_waiting_requests", "max_num_inference_steps",
                      "max_pixels", "max_num_images_per_prompt"):
             value = getattr(self, name)
@@ -105,7 +118,7 @@ class EngineConfig:
         nbytes = self.prompt_embed_cache_bytes
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1:
             raise InvalidRequestError("prompt_embed_cache_bytes", nbytes, "an integer >= 1 (bytes)")
-        for name in ("compile", "compile_vae", "context_folding", "overlap_stages"):
+        for name in ("compile", "compile_vae", "context_folding", "overlap_stages", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(name, getattr(self, name), "true or false")
         if self.compile_vae and not self.compile:

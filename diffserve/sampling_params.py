@@ -106,7 +106,8 @@ class SamplingParams:
         max_sequence_length: token budget of the long text encoder (T5 / Qwen / UMT5).
         num_frames / fps: video length in frames and playback rate (video models only).
         strength: image-to-image strength in (0, 1]: the fraction of the schedule run on the
-            noised input image (models with image inputs only).
+            noised input image (requests with an input image only; None = the model's
+            default, e.g. diffusers' 0.6 for SD3 img2img).
         seed: integer in [0, 2**63-1]. The same seed gives byte-identical output on the same
             machine and thread count; None draws a random seed that is reported in the output.
         output_type: ``"pil"`` (list of PIL images), ``"np"`` (float32 array
@@ -165,8 +166,8 @@ class SamplingParams:
         p.num_frames = _default_or_refuse(spec, "num_frames", p.num_frames, spec.default_num_frames,
                                           "an image model (no frames)")
         p.fps = _default_or_refuse(spec, "fps", p.fps, spec.default_fps, "an image model (no fps)")
-        p.strength = _default_or_refuse(spec, "strength", p.strength, spec.default_strength,
-                                        "no image inputs (no strength)")
+        if p.strength is not None:  # left None when absent: only image inputs use a default
+            _default_or_refuse(spec, "strength", p.strength, spec.default_strength, "no image inputs (no strength)")
 
         _check_int("num_inference_steps", p.num_inference_steps, 1, limits.max_num_inference_steps)
         _check_int("num_images_per_prompt", p.num_images_per_prompt, 1, limits.max_num_images_per_prompt)

@@ -67,6 +67,15 @@ class Accelerator:
                 max_bytes=config.prompt_embed_cache_bytes)
         adapter.prompt_embed_cache = self.prompt_cache
         self.backend = build_cache_backend(adapter, config.cache_backend, config.cache_config)
+        self.graphs = None
+        if config.cuda_graphs:
+            from diffserve.errors import InvalidRequestError
+
+            if config.torch_device.type != "cuda":
+                raise InvalidRequestError("cuda_graphs", True, "false: CUDA graphs need a CUDA device")
+            if config.cache_backend != "none":
+                raise InvalidRequestError("cuda_graphs", True, f"false with cache_backend={config.cache_backend} "
+                                          "(its per-request decisions run between the blocks)")
         self.compiler: RegionalCompiler | None = None
         if config.compile:
             from diffserve.errors import InvalidRequestError
@@ -81,6 +90,10 @@ class Accelerator:
             self.compiler = RegionalCompiler(adapter.denoiser, blocks, decoder)
             self.compiler.apply()
             self.compiler.warm_up(self._warmup_calls(config, decode=decoder is not None))
+        if config.cuda_graphs:  # after compile: the compiled kernels are what gets captured
+            from diffserve.acceleration.cuda_graphs import CudaGraphDenoiser
+
+            self.graphs = CudaGraphDenoiser(adapter.call_denoiser, config.max_batch_size)
 
     @property
     def shares_forward(self) -> bool:
@@ -92,7 +105,11 @@ class Accelerator:
         self.backend.reset(state)
 
     def denoise(self, batch: "StepBatch") -> torch.Tensor:
-        """The denoiser forward of a step batch through the cache backend."""
+        """The denoiser forward of a step batch through the cache backend (or CUDA graphs)."""
+        if self.graphs is not None:
+            out = self.adapter.denoise(batch, call=self.graphs)
+            self.backend.transformer_calls += len(batch.states)
+            return out
         return self.backend.denoise(self.adapter, batch)
 
     def _warmup_calls(self, config: "EngineConfig", decode: bool) -> list:
@@ -146,4 +163,5 @@ class Accelerator:
             "cache_backend": self.backend.stats(),
             "compile": self.compiler.stats() if self.compiler is not None else {"enabled": False},
             "context_folding": {"enabled": bool(getattr(self.adapter, "context_folding", False))},
+            "cuda_graphs": self.graphs.stats() if self.graphs is not None else {"enabled": False},
         }

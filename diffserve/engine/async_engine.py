@@ -64,7 +64,8 @@ class AsyncDiffusionEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """The loop thread was started, is alive and has not died of an error."""
+        return self.error is None and self._thread is not None and self._thread.is_alive()
 
     def _loop(self) -> None:
         try:
@@ -87,7 +88,6 @@ class AsyncDiffusionEngine:
                 self.engine.fail_unfinished(f"the engine loop died ({self.error})")
             except BaseException:  # noqa: BLE001
                 logger.exception("failing unfinished requests after the loop died")
-            raise
 
     # -------------------------------------------------------------------- public API
     async def generate(

@@ -339,6 +339,7 @@ class DiffusionEngine:
                 m.batch_sizes[out.num_rows] = m.batch_sizes.get(out.num_rows, 0) + 1
                 m.denoise_s = end - request.first_step_time
                 request.steps_done = out.steps_done.get(request.request_id, request.steps_done + 1)
+                request.num_steps = out.num_steps.get(request.request_id, request.num_steps)
                 self._emit([StreamEvent(request.request_id, EventType.PROGRESS,
                                         step=request.steps_done, total=request.num_steps)])
                 if request.steps_done >= request.num_steps:
@@ -418,7 +419,9 @@ class DiffusionEngine:
             params: one `SamplingParams` for all, or one per prompt.
             on_event: called with every event of these requests (e.g. for a progress bar), on
                 the calling thread.
-            inputs: input images / mask (`RequestInputs`) for all prompts, or one per prompt.
+            inputs: input images for all prompts (one image, or a `RequestInputs` made with
+                `diffserve.inputs.make_inputs` for several images / a mask), or a list or tuple
+                with one such entry (or None) per prompt.
 
         Returns:
             One `GenerationOutput` per prompt, in order; a request that failed has

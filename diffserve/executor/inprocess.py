@@ -18,6 +18,7 @@ import torch
 
 from diffserve.executor.base import Executor
 from diffserve.executor.messages import Decoded, ModelInfo, NewRequest, Prepared, RequestPlan, StepOutput
+from diffserve.runner import build_runner
 from diffserve.runner.model_runner import ModelRunner
 from diffserve.sampling_params import SamplingParams
 
@@ -27,11 +28,12 @@ class InProcessExecutor(Executor):
 
     Args:
         config: engine configuration (``overlap_stages`` picks the side thread).
-        runner: an existing runner to drive instead of loading ``config.model``.
+        runner: an existing runner (`ModelRunner` or `WholeRequestRunner`) to drive instead of
+            loading ``config.model``.
     """
 
-    def __init__(self, config, runner: ModelRunner | None = None):
-        self.runner = runner or ModelRunner(config)
+    def __init__(self, config, runner: "ModelRunner | None" = None):
+        self.runner = runner or build_runner(config)
         self.overlap = config.overlap_stages
         self._side: ThreadPoolExecutor | None = None
         self._plan_lock = threading.Lock()

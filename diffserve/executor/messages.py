@@ -77,11 +77,14 @@ class StepOutput:
             largest forward's when requests had to run alone.
         steps_done: request_id -> denoising steps done after this step (requests that stepped).
         errors: request_id -> failure (those requests are gone from the worker).
+        num_steps: request_id -> its total denoising steps, when the worker learned it only
+            while running (whole-request pipelines: img2img strength shortens the schedule).
         seconds: wall-clock seconds of the step.
     """
 
     num_rows: int = 0
     steps_done: dict[str, int] = field(default_factory=dict)
+    num_steps: dict[str, int] = field(default_factory=dict)
     errors: dict[str, WorkError] = field(default_factory=dict)
     seconds: float = 0.0
 

@@ -23,6 +23,7 @@ request path and the step path share one implementation.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,12 +33,16 @@ import torch
 
 from diffserve.errors import InvalidRequestError, NonFiniteOutputError
 from diffserve.pipelines import diffusion_scheduler, guidance
-from diffserve.pipelines.step_batch import StepBatch, collate_branches
+from diffserve.pipelines.step_batch import BatchCache, StepBatch, collate_branches
 from diffserve.sampling_params import ModelSpec, SamplingParams
 
 if TYPE_CHECKING:
     from diffserve.acceleration.prompt_embed_cache import PromptEmbedCache
     from diffserve.pipelines.text_encoding import TextEncoder
+
+#: Batch compositions whose `BatchCache` an adapter keeps (several interleave when a cache
+#: backend runs requests one per forward, or batch keys alternate).
+_BATCH_CACHES = 8
 
 #: ``call(batch, kwargs) -> output``: runs the denoiser module on prepared keyword inputs. Cache
 #: backends pass their own to `PipelineAdapter.denoise` (TeaCache splits the forward there).
@@ -302,22 +307,36 @@ class PipelineAdapter(ABC):
         scheduler, timesteps, sigmas (for the batched step) and guidance_scale."""
 
     # ------------------------------------------------------------------ per step
+    #: Whether `model_input` is the identity (lets a repeated batch reuse its latents).
+    model_input_is_latents: ClassVar[bool] = True
+
     def model_input(self, state: RequestState) -> torch.Tensor:
         """This request's latent rows as the denoiser sees them (default: the latents;
-        Euler-type schedulers scale them)."""
+        Euler-type schedulers scale them: override and set ``model_input_is_latents = False``)."""
         return state.latents
 
     def collate(self, states: list[RequestState]) -> StepBatch:
         """Gather the requests' rows into one forward, branch-major: rows ``b * N + i`` hold
         branch ``b`` of latent row ``i`` (N = total images). ``batch.inputs`` holds the
         per-branch inputs concatenated (padded where `pad_keys` says), ``hidden_states`` (rows,
-        ...) and ``timestep`` (rows,), plus the shared inputs of the first request."""
-        return collate_branches(states, self.model_input, self.pad_keys())
+        ...) and ``timestep`` (rows,), plus the shared inputs of the first request. A batch of
+        the same requests as the previous step reuses all of it but latents and timesteps
+        (`step_batch.BatchCache`)."""
+        caches = self.__dict__.setdefault("_batch_caches", OrderedDict())
+        for old in [k for k, c in caches.items() if any(s.latents is None for s in c.states)]:
+            del caches[old]  # a request of that batch finished: drop its tensors now
+        key = tuple(id(s) for s in states)  # safe: a cache holds its states alive
+        cache = caches.pop(key, None) or BatchCache()
+        caches[key] = cache
+        while len(caches) > _BATCH_CACHES:
+            caches.popitem(last=False)
+        model_input = None if self.model_input_is_latents else self.model_input
+        return collate_branches(states, model_input, self.pad_keys(), cache)
 
-    def pad_keys(self) -> dict[str, tuple[str | None, float]]:
-        """Per-branch inputs of variable length: ``{key: (mask_key or None, pad_value)}``;
-        they are right-padded along dim 1 to the batch's longest and ``mask_key`` (rows, L)
-        bool marks the real tokens. Default: none."""
+    def pad_keys(self) -> dict[str, float]:
+        """Per-branch inputs of variable length (dim 1) and their pad value: they are
+        right-padded to the batch's longest (e.g. ``{"encoder_hidden_states": 0.0,
+        "encoder_hidden_states_mask": 0}``, the mask marking real tokens). Default: none."""
         return {}
 
     def denoise(self, batch: StepBatch, call: DenoiserCall | None = None) -> torch.Tensor:

@@ -56,21 +56,31 @@ def step_batch(batch: "StepBatch", guided: torch.Tensor) -> dict[str, BaseExcept
         request's latents change.
     """
     states = batch.states
+    cache = batch.cache
     if all(s.sigmas is not None for s in states):
-        if len(states) == 1:
+        if len(states) == 1 and (cache is None or cache.sigma_rows is None):
             s = states[0]
             dt = s.sigmas[s.step_index + 1] - s.sigmas[s.step_index]
+        elif cache is not None and cache.sigma_rows is not None:
+            dt = cache.sigma_deltas().view(-1, *([1] * (guided.dim() - 1)))
         else:
             dt = torch.stack([s.sigmas[s.step_index + 1] - s.sigmas[s.step_index] for s in states])
+            dt = dt.to(guided.device)
             if any(n != 1 for n in batch.row_counts):
                 dt = dt.repeat_interleave(torch.tensor(batch.row_counts, device=dt.device))
             dt = dt.view(-1, *([1] * (guided.dim() - 1)))
         new = (batch.latents.to(torch.float32) + dt * guided).to(guided.dtype)
-        for state, latents in zip(states, batch.split(new)):
+        views = batch.split(new)
+        for state, latents in zip(states, views):
             state.latents = latents
             state.step_index += 1
+        if cache is not None:
+            cache.advance()
+            cache.latents, cache.views = new, views
         return {}
     failures: dict[str, BaseException] = {}
+    if cache is not None:
+        cache.latents, cache.views = None, []
     for state, rows in zip(states, batch.split(guided)):
         try:
             state.latents = state.scheduler.step(rows, state.timestep, state.latents, **state.step_kwargs,
@@ -78,5 +88,10 @@ def step_batch(batch: "StepBatch", guided: torch.Tensor) -> dict[str, BaseExcept
             state.step_index += 1
         except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
             failures[state.request_id] = exc
+    if cache is not None:
+        if failures:
+            cache.clear()
+        else:
+            cache.advance()
     return failures
 

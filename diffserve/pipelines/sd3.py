@@ -5,20 +5,27 @@ an MMDiT `SD3Transformer2DModel`, two CLIP text encoders plus an optional T5, an
 `AutoencoderKL` and a `FlowMatchEulerDiscreteScheduler`. Prompt encoding, latent preparation
 and timesteps reuse diffusers' own `StableDiffusion3Pipeline` methods on the same components,
 so an image equals diffusers' for the same seed (see tests/test_parity.py).
+
+A request with an input image runs `StableDiffusion3Img2ImgPipeline` semantics on the same
+folder (the image is VAE-encoded, noised to the strength's first timestep, and only the last
+``strength`` fraction of the schedule runs); such requests share forwards with text-to-image
+ones of the same size.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from typing import Any
 
 import torch
-from diffusers import StableDiffusion3Pipeline
+from diffusers import StableDiffusion3Img2ImgPipeline, StableDiffusion3Pipeline
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
     calculate_shift,
     retrieve_timesteps,
 )
 
+from diffserve.errors import InvalidRequestError
 from diffserve.pipelines import teacache_coefficients
 from diffserve.pipelines.base import (
     AdapterOptions,
@@ -43,6 +50,8 @@ logging.getLogger("diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffus
 DEFAULT_NUM_INFERENCE_STEPS = 28
 DEFAULT_GUIDANCE_SCALE = 7.0
 DEFAULT_MAX_SEQUENCE_LENGTH = 256
+#: StableDiffusion3Img2ImgPipeline.__call__'s default strength.
+DEFAULT_STRENGTH = 0.6
 #: T5's positional budget in SD3 (diffusers refuses more than 512).
 MAX_SEQUENCE_LENGTH_LIMIT = 512
 
@@ -104,6 +113,10 @@ class StableDiffusion3Adapter(PipelineAdapter):
     def __init__(self, pipe: StableDiffusion3Pipeline, device: torch.device, dtype: torch.dtype,
                  options: AdapterOptions):
         self.pipe = pipe
+        # the image-to-image pipeline on the very same modules (no copies)
+        self.img2img = StableDiffusion3Img2ImgPipeline(**{k: v for k, v in pipe.components.items()
+                                                          if k not in ("image_encoder", "feature_extractor")})
+        self.img2img.set_progress_bar_config(disable=True)
         self.device = device
         self.dtype = dtype
         config = read_generation_config(options.model_dir)
@@ -131,6 +144,8 @@ class StableDiffusion3Adapter(PipelineAdapter):
             # PatchEmbed crops a pos_embed_max_size^2 grid of positions: larger inputs fail
             max_height=max_side,
             max_width=max_side,
+            accepts_images=True,
+            default_strength=float(config.get("strength", DEFAULT_STRENGTH)),
         )
         teacache = config.get("teacache", {})
         self.capabilities = Capabilities(
@@ -170,6 +185,28 @@ class StableDiffusion3Adapter(PipelineAdapter):
     def denoiser(self) -> torch.nn.Module:
         return self.pipe.transformer
 
+    def check_params(self, params: SamplingParams, inputs) -> None:
+        """Image-to-image takes exactly one input image and no mask; strength needs an image
+        and must leave at least one step."""
+        images = inputs.images if inputs is not None else []
+        if inputs is not None and inputs.mask is not None:
+            raise InvalidRequestError("mask", "<mask>", f"absent: {self.pipeline_class_name} image-to-image "
+                                      "does not inpaint")
+        if len(images) > 1:
+            raise InvalidRequestError("image", f"{len(images)} images", "one input image for image-to-image")
+        if not images:
+            if params.strength is not None:
+                raise InvalidRequestError("strength", params.strength, "unset without an input image")
+            return
+        strength = self._strength(params)
+        if int(params.num_inference_steps * strength) < 1:
+            raise InvalidRequestError(
+                "strength", strength, f"at least 1/num_inference_steps = {1 / params.num_inference_steps:g} "
+                "(strength x steps must leave at least one step)")
+
+    def _strength(self, params: SamplingParams) -> float:
+        return self.spec.default_strength if params.strength is None else params.strength
+
     def extra_batch_key(self, params: SamplingParams):
         """The T5 budget: it sets the text length (and the fold count with folding)."""
         return params.max_sequence_length
@@ -203,25 +240,56 @@ class StableDiffusion3Adapter(PipelineAdapter):
         if self.context_folding:
             state.shared = {"joint_attention_kwargs": {"fold_count": L}}
         pipe = self.pipe
-        state.latents = pipe.prepare_latents(n, pipe.transformer.config.in_channels, p.height, p.width,
-                                             branches[-1]["encoder_hidden_states"].dtype, self.device,
-                                             state.generator)
+        dtype = branches[-1]["encoder_hidden_states"].dtype
         scheduler = new_scheduler(pipe.scheduler)
         kwargs = {}
         if scheduler.config.get("use_dynamic_shifting", None):
-            patch = pipe.transformer.config.patch_size
-            _, _, h, w = state.latents.shape
+            patch, f = pipe.transformer.config.patch_size, pipe.vae_scale_factor
             kwargs["mu"] = calculate_shift(
-                (h // patch) * (w // patch),
+                (p.height // f // patch) * (p.width // f // patch),
                 scheduler.config.get("base_image_seq_len", 256),
                 scheduler.config.get("max_image_seq_len", 4096),
                 scheduler.config.get("base_shift", 0.5),
                 scheduler.config.get("max_shift", 1.16),
             )
-        timesteps, _ = retrieve_timesteps(scheduler, p.num_inference_steps, self.device, **kwargs)
+        if state.inputs is not None and state.inputs.images:
+            self._prepare_img2img(state, scheduler, kwargs, dtype)
+        else:
+            state.latents = pipe.prepare_latents(n, pipe.transformer.config.in_channels, p.height, p.width,
+                                                 dtype, self.device, state.generator)
+            timesteps, _ = retrieve_timesteps(scheduler, p.num_inference_steps, self.device, **kwargs)
+            state.timesteps = timesteps
+            state.sigmas = batchable_sigmas(scheduler, len(timesteps))
         state.scheduler = scheduler
+
+    @contextmanager
+    def _img2img_with(self, scheduler):
+        """The img2img pipeline with the request's own scheduler (prepare runs on one thread)."""
+        shared = self.img2img.scheduler
+        self.img2img.scheduler = scheduler
+        try:
+            yield self.img2img
+        finally:
+            self.img2img.scheduler = shared
+
+    def _prepare_img2img(self, state: RequestState, scheduler, kwargs: dict, dtype: torch.dtype) -> None:
+        """`StableDiffusion3Img2ImgPipeline`'s timesteps (the last ``strength`` of the schedule)
+        and latents (the VAE-encoded image noised to the first of them), drawn from the
+        request's generator in diffusers' order."""
+        p = state.params
+        image = state.inputs.images[0]
+        if self.pipe.vae.config.in_channels == 1:
+            image = image.convert("L")
+        with self._img2img_with(scheduler) as pipe:
+            pixels = pipe.image_processor.preprocess(image, height=p.height, width=p.width)
+            retrieve_timesteps(scheduler, p.num_inference_steps, self.device, **kwargs)
+            timesteps, num_steps = pipe.get_timesteps(p.num_inference_steps, self._strength(p), self.device)
+            latent_timestep = timesteps[:1].repeat(p.num_images_per_prompt)
+            state.latents = pipe.prepare_latents(pixels, latent_timestep, 1, p.num_images_per_prompt, dtype,
+                                                 self.device, state.generator)
+        begin = len(scheduler.timesteps) - len(timesteps)
         state.timesteps = timesteps
-        state.sigmas = batchable_sigmas(scheduler, len(timesteps))
+        state.sigmas = batchable_sigmas(scheduler, len(timesteps), begin=begin)
 
     def denoise_kwargs(self, batch: StepBatch) -> dict[str, Any]:
         return batch.inputs

@@ -8,8 +8,6 @@ its batch.
 from __future__ import annotations
 
 import logging
-import resource
-import sys
 import time
 from typing import Any
 
@@ -29,6 +27,7 @@ from diffserve.executor.messages import (
 )
 from diffserve.pipelines.base import PipelineAdapter, RequestState, is_finite
 from diffserve.runner.loader import load_adapter
+from diffserve.runner.memory import peak_memory_bytes
 from diffserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -211,10 +210,7 @@ class ModelRunner:
 
     def peak_memory_bytes(self) -> int:
         """CUDA allocator peak (bytes) on GPU; process peak RSS (bytes) on CPU."""
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return int(rss if sys.platform == "darwin" else rss * 1024)
+        return peak_memory_bytes(self.device)
 
 
 def _check_finite_output(output: Any) -> None:

@@ -224,3 +224,30 @@ def test_cli_refuses_guidance_on_schnell_in_one_line(tiny_flux_dir, tmp_path, ca
     assert rc == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("diffserve: error:") and "guidance_scale" in line and "FluxPipeline" in line
+
+
+# ------------------------------------------------------------------------------ HTTP
+def test_http_generation_with_flux_fields(tiny_flux_dev_dir, tiny_flux_dir):
+    import base64
+    import io
+
+    import httpx
+    import openai
+    from PIL import Image
+    from test_api_server import assert_openai_error, new_engine, serve
+
+    from diffserve.entrypoints.openai.api_server import create_app
+
+    fields = {"num_inference_steps": 2, "guidance_scale": 2.5, "true_cfg_scale": 3.0, "negative_prompt": "dark",
+              "seed": 4}
+    with serve(create_app(new_engine(tiny_flux_dev_dir), "flux-dev")) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        resp = client.images.generate(prompt="a cat", model="flux-dev", size="48x32", extra_body=fields)
+        served = np.asarray(Image.open(io.BytesIO(base64.b64decode(resp.data[0].b64_json))), dtype=int)
+    [offline] = DiffusionEngine(EngineConfig(model=str(tiny_flux_dev_dir))).generate(
+        "a cat", SamplingParams(height=32, width=48, **fields))
+    assert np.abs(served - np.asarray(offline.images[0], dtype=int)).max() <= 1
+    with serve(create_app(new_engine(tiny_flux_dir), "flux-schnell")) as base:
+        resp = httpx.post(f"{base}/v1/images/generations", json={"prompt": "a cat", "size": "32x32",
+                                                                  "guidance_scale": 2.0})
+        assert_openai_error(resp, 400, "guidance_scale")

@@ -105,6 +105,24 @@ def test_teacache_on_edits(tiny_flux_kontext_dir):
         assert np.abs(out.images - _run(engine(), *job, image).images).max() <= TOL
 
 
+def test_cache_dit_on_edits(tmp_path):
+    from tiny_models import build_tiny_flux_kontext
+
+    folder = build_tiny_flux_kontext(tmp_path / "kontext3", num_layers=3, num_single_layers=3)
+    options = {"Fn_compute_blocks": 1, "residual_diff_threshold": 0.5, "max_warmup_steps": 2}
+
+    def engine():
+        return DiffusionEngine(EngineConfig(model=str(folder), cache_backend="cache_dit", cache_config=options))
+
+    cached = engine()
+    a, b = ("make it red", _p(1, steps=8), _image(1, 64, 48)), ("make it blue", _p(2, steps=5), _image(2, 32, 32))
+    first = _run(cached, *a).images
+    _run(cached, *b)
+    np.testing.assert_array_equal(first, _run(cached, *a).images)  # per-request cache state
+    np.testing.assert_array_equal(first, _run(engine(), *a).images)
+    assert cached.runner.acceleration_stats()["cache_backend"]["skipped"] > 0
+
+
 def test_cli_generate_without_an_image_is_one_line_error(tiny_flux_kontext_dir, tmp_path, capsys):
     rc = main(["generate", "--model", str(tiny_flux_kontext_dir), "--prompt", "a cat", "--size", "32x32",
                "-o", str(tmp_path)])

@@ -156,7 +156,7 @@ class FluxAdapter(PipelineAdapter):
             # adapter (cache-dit 1.5.3, CACHE_DIT_FLUX_ENABLE_DUMMY_BLOCKS=0 layout).
             cache_dit=CacheDiTSupport(blocks=("transformer_blocks", "single_transformer_blocks"),
                                       patterns=("Pattern_1", "Pattern_1")),
-            repeated_blocks=tuple(pipe.transformer._repeated_blocks),
+            repeated_blocks=tuple(getattr(pipe.transformer, "_repeated_blocks", None) or ()),
         )
         self.text = TextEncoder(self, self._encode_text,
                                 [(pipe.tokenizer, pipe.tokenizer_max_length), (pipe.tokenizer_2, None)])

@@ -140,7 +140,7 @@ def build_tiny_flux(out: Path, *, variant: Literal["schnell", "dev"] = "schnell"
     return out
 
 
-def build_tiny_flux_kontext(out: Path, *, seed: int = 0) -> Path:
+def build_tiny_flux_kontext(out: Path, *, seed: int = 0, num_layers: int = 1, num_single_layers: int = 1) -> Path:
     """Build a tiny random-weight ``FluxKontextPipeline`` (the Flux-dev components) into ``out``.
 
     Call it with ``max_area=height * width`` (and ``_auto_resize=False`` with an input image) for
@@ -149,7 +149,8 @@ def build_tiny_flux_kontext(out: Path, *, seed: int = 0) -> Path:
     Returns:
         ``out`` as a ``Path`` (~2 MB).
     """
-    pipe = FluxKontextPipeline(**_flux_components(guidance_embeds=True, seed=seed))
+    pipe = FluxKontextPipeline(**_flux_components(guidance_embeds=True, seed=seed, num_layers=num_layers,
+                                                  num_single_layers=num_single_layers))
     out = Path(out)
     pipe.save_pretrained(out)
     return out

@@ -1,8 +1,8 @@
 """Serving benchmark: diffusers one-at-a-time vs diffserve `request` mode vs `step` mode.
 
 One process, one run, the same workload for every arm:
-  (a) baseline: diffusers' own `StableDiffusion3Pipeline` serving requests one at a time in
-      arrival order (built on the very same loaded components);
+  (a) baseline: diffusers' own pipeline (the class named in model_index.json) serving requests
+      one at a time in arrival order (built on the very same loaded components);
   (b) diffserve `request` mode: static batches run to completion;
   (c) diffserve `step` mode: continuous batching, one denoising step at a time.
 
@@ -19,8 +19,9 @@ Usage:
     python benchmarks/serving.py --concurrency 16 --steps 20              # built-in model
     python benchmarks/serving.py --request-rate auto --num-requests 64
     python benchmarks/serving.py --model DIR --load-format dummy --steps 4 --concurrency 4
-      (DIR: any StableDiffusion3Pipeline folder; with dummy only its configs and tokenizers
-      are read, so a weightless copy of a large model's folder benchmarks its architecture)
+      (DIR: any folder of a pipeline class diffserve serves; with dummy only its configs and
+      tokenizers are read, so a weightless copy of a large model's folder benchmarks its
+      architecture, e.g. benchmarks/sd3_config_folder.py, benchmarks/flux_config_folder.py)
 """
 
 from __future__ import annotations
@@ -33,15 +34,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import diffusers
 import numpy as np
 import torch
-from diffusers import StableDiffusion3Pipeline
 
 from diffserve import DiffusionEngine, EngineConfig, SamplingParams
+from diffserve.entrypoints.cli import parse_size
 from diffserve.pipelines.registry import adapter_class
 from diffserve.runner.loader import load_components
 from diffserve.runner.model_runner import ModelRunner
-from diffserve.pipelines.base import RequestState
+from diffserve.pipelines.base import AdapterOptions, RequestState
 from diffserve.sampling_params import RequestLimits
 
 PROMPTS = [
@@ -59,6 +61,14 @@ class Job:
     params: SamplingParams
 
 
+def _size(text: str) -> tuple[int, int]:
+    """``--size``: ``WIDTHxHEIGHT`` or one square side -> (height, width) pixels."""
+    if "x" in text.lower():
+        width, height = parse_size(text)
+        return height, width
+    return int(text), int(text)
+
+
 def make_workload(args, spec) -> list[Job]:
     """Seeded workload: prompts, seeds, step counts, sizes and (open loop) Poisson arrivals."""
     rng = random.Random(args.seed)
@@ -68,9 +78,7 @@ def make_workload(args, spec) -> list[Job]:
         d = rng.randrange(10)
         prompt = rng.choice(PROMPTS).format(d=d, w=WORDS[d])
         steps = args.steps if not args.mixed_steps else rng.choice([args.steps // 2, args.steps, args.steps * 2])
-        h = w = args.size
-        if args.size is None:
-            h, w = spec.default_height, spec.default_width
+        h, w = args.size or (spec.default_height, spec.default_width)
         if args.mixed_sizes:  # smaller variants: always within the model's maximum size
             h, w = rng.choice([(h, w), (max(f, h - 2 * f), w), (h, max(f, w - 2 * f))])
         if args.request_rate:
@@ -97,7 +105,7 @@ def _pct(values, q):
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def run_baseline(pipe: StableDiffusion3Pipeline, jobs: list[Job], concurrency: int | None) -> ArmResult:
+def run_baseline(pipe: diffusers.DiffusionPipeline, jobs: list[Job], concurrency: int | None) -> ArmResult:
     """diffusers, one request at a time in arrival order (open loop: waits for arrivals)."""
     start = time.perf_counter()
     latencies, finish_times, free_at = [], [], 0.0
@@ -110,8 +118,9 @@ def run_baseline(pipe: StableDiffusion3Pipeline, jobs: list[Job], concurrency: i
         if arrival > now:
             time.sleep(arrival - now)
         p = job.params
-        pipe(job.prompt, num_inference_steps=p.num_inference_steps, guidance_scale=p.guidance_scale,
-             height=p.height, width=p.width, generator=torch.Generator().manual_seed(p.seed), output_type="np")
+        guidance = {} if p.guidance_scale is None else {"guidance_scale": p.guidance_scale}
+        pipe(job.prompt, num_inference_steps=p.num_inference_steps, height=p.height, width=p.width,
+             generator=torch.Generator().manual_seed(p.seed), output_type="np", **guidance)
         free_at = time.perf_counter() - start
         latencies.append(free_at - arrival)
         finish_times.append(free_at)
@@ -153,7 +162,8 @@ def time_forward(runner: ModelRunner, rows: int, steps: int, size: tuple[int, in
     """Seconds per bare denoiser forward at `rows` rows of `size` (height, width) pixels
     (no engine, no scheduler step)."""
     adapter = runner.adapter
-    params = SamplingParams(num_inference_steps=steps, guidance_scale=1.0, seed=0, num_images_per_prompt=rows,
+    no_cfg = 1.0 if adapter.spec.default_guidance_scale is not None else None
+    params = SamplingParams(num_inference_steps=steps, guidance_scale=no_cfg, seed=0, num_images_per_prompt=rows,
                             height=size[0], width=size[1])
     limits = RequestLimits(max_num_images_per_prompt=rows, max_pixels=runner.config.max_pixels,
                            max_num_inference_steps=runner.config.max_num_inference_steps)
@@ -169,7 +179,7 @@ def time_forward(runner: ModelRunner, rows: int, steps: int, size: tuple[int, in
     return (time.perf_counter() - t) / repeats
 
 
-def engine_overhead(runner: ModelRunner, engine: DiffusionEngine, steps: int, guidance: float,
+def engine_overhead(runner: ModelRunner, engine: DiffusionEngine, steps: int, guidance: float | None,
                     size: tuple[int, int]) -> tuple[float, float]:
     """(diffserve s/step, bare adapter forward+scheduler step s/step) at batch 1."""
     params = SamplingParams(num_inference_steps=steps, guidance_scale=guidance, seed=0, output_type="latent",
@@ -200,8 +210,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=None)
     ap.add_argument("--request-rate", default=None, help="requests/s (Poisson) or 'auto'")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--guidance", type=float, default=4.0)
-    ap.add_argument("--size", type=int, default=None, help="square image side in pixels (default: model's)")
+    ap.add_argument("--guidance", type=float, default=None, help="guidance_scale (default: the model's)")
+    ap.add_argument("--size", type=_size, default=None,
+                    help="WIDTHxHEIGHT or a square side in pixels (default: the model's)")
     ap.add_argument("--mixed-steps", action="store_true")
     ap.add_argument("--mixed-sizes", action="store_true")
     ap.add_argument("--max-batch-size", type=int, default=32, help="transformer rows per step")
@@ -225,10 +236,10 @@ def main() -> None:
     for module in components.values():
         if isinstance(module, torch.nn.Module):
             module.eval().requires_grad_(False)
-    adapter = adapter_class(class_name).from_components(components, config.torch_device, config.torch_dtype,
-                                                        Path(config.model_path))
+    options = AdapterOptions(context_folding=config.context_folding, model_dir=Path(config.model_path))
+    adapter = adapter_class(class_name).from_components(components, config.torch_device, config.torch_dtype, options)
     runner = ModelRunner(config, adapter=adapter)
-    pipe = StableDiffusion3Pipeline(**{k: v for k, v in components.items()})
+    pipe = getattr(diffusers, class_name)(**components)  # the folder's own diffusers pipeline class
     pipe.set_progress_bar_config(disable=True)
 
     rate = args.request_rate
@@ -272,7 +283,7 @@ def main() -> None:
     step = next((r for r in results if r.name == "diffserve step mode"), None)
     if step is not None and step.batch_rows:
         rows = int(round(statistics.mean(step.batch_rows)))
-        cfg_rows = 2 if args.guidance > 1 else 1
+        cfg_rows = runner.adapter.rows(jobs[0].params)
         size = (side_h, side_w)
         t1, tb = time_forward(runner, cfg_rows, args.steps, size), time_forward(runner, rows, args.steps, size)
         ceiling = (rows / cfg_rows) / (args.steps * tb)

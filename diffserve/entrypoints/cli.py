@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--guidance", type=float, default=None,
                      help="guidance_scale in [0, 100], CFG on when > 1 (default: the model's; 4 "
                           "for the built-in model)")
+    gen.add_argument("--true-cfg-scale", type=float, default=None,
+                     help="true_cfg_scale in [0, 100] (Flux, Qwen-Image): true CFG against --negative-prompt "
+                          "when > 1 (default: the model's)")
     gen.add_argument("--size", default=None,
                      help="WIDTHxHEIGHT in pixels (default: the model's; 8x8 for the built-in model, "
                           "which supports at most 8x8)")
@@ -186,6 +189,7 @@ def _generate(args: argparse.Namespace) -> int:
             width=width,
             num_inference_steps=args.steps,
             guidance_scale=args.guidance,
+            true_cfg_scale=args.true_cfg_scale,
             seed=None if args.seed is None else args.seed + i,
         )
         for i in range(args.num_images)

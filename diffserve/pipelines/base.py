@@ -271,14 +271,19 @@ class PipelineAdapter(ABC):
         """Denoiser rows a request adds to a step batch: images x branches."""
         return params.num_images_per_prompt * self.branches(params)
 
-    def batch_key(self, params: SamplingParams) -> Hashable:
+    def batch_key(self, params: SamplingParams, inputs: RequestInputs | None = None) -> Hashable:
         """Requests with equal keys may share one denoise forward: (family, branches, latent
-        size, dtype, `extra_batch_key`)."""
+        size, dtype, `extra_batch_key`, `inputs_batch_key`)."""
         return (self.pipeline_class_name, self.branches(params), params.height, params.width,
-                params.num_frames, self.dtype, self.extra_batch_key(params))
+                params.num_frames, self.dtype, self.extra_batch_key(params), self.inputs_batch_key(params, inputs))
 
     def extra_batch_key(self, params: SamplingParams) -> Hashable:
         """Family-specific part of the batch key (e.g. a fixed text length); None = nothing."""
+        return None
+
+    def inputs_batch_key(self, params: SamplingParams, inputs: RequestInputs | None) -> Hashable:
+        """The part of the batch key that input images decide (e.g. the token grid of a
+        reference image concatenated in sequence); None = nothing."""
         return None
 
     def step_key(self, state: RequestState) -> Hashable:

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 #: pipeline class name -> "module:AdapterClass"
 _ADAPTERS: dict[str, str] = {
     "StableDiffusion3Pipeline": "diffserve.pipelines.sd3:StableDiffusion3Adapter",
+    "FluxPipeline": "diffserve.pipelines.flux:FluxAdapter",
+    "FluxKontextPipeline": "diffserve.pipelines.flux_kontext:FluxKontextAdapter",
     "WanPipeline": "diffserve.pipelines.wan:WanAdapter",
 }
 

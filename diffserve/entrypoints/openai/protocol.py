@@ -12,7 +12,7 @@ OpenAI fields (see OpenAI's ``POST /v1/images/generations``):
     (except ``background="transparent"``, rejected: the models output opaque RGB).
 
 diffserve extension fields (send them with the openai client's ``extra_body=``):
-    negative_prompt, num_inference_steps, guidance_scale, seed.
+    negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed.
 """
 
 from __future__ import annotations
@@ -86,6 +86,9 @@ class ImageGenerationRequest(_StrictRequest):
     num_inference_steps: int | None = Field(None, description="denoising steps, 1..the engine's limit")
     guidance_scale: float | None = Field(None, ge=0, allow_inf_nan=False,
                                          description="classifier-free guidance weight; CFG is on when > 1")
+    true_cfg_scale: float | None = Field(None, ge=0, allow_inf_nan=False,
+                                         description="true-CFG weight (Flux, Qwen-Image): on when > 1 and a "
+                                                     "negative_prompt is given")
     seed: int | None = Field(
         None, ge=0, le=MAX_SEED,
         description="seed of the first image; image i uses seed + i, so each image is reproducible alone")

@@ -192,7 +192,8 @@ class ImageGenerationService:
             params = [
                 SamplingParams(negative_prompt=body.negative_prompt, num_images_per_prompt=1, height=height,
                                width=width, num_inference_steps=body.num_inference_steps,
-                               guidance_scale=body.guidance_scale, seed=seed + i, output_type="pil")
+                               guidance_scale=body.guidance_scale, true_cfg_scale=body.true_cfg_scale,
+                               seed=seed + i, output_type="pil")
                 for i in range(n)
             ]
             resolved = [p.resolve(spec, limits) for p in params]  # every check, before any allocation

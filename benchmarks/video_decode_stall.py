@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from diffserve import DiffusionEngine, EngineConfig, EventType, SamplingParams
+from diffserve import DiffusionEngine, EngineConfig, SamplingParams
 
 
 def build_probe_folder(out: Path, vae_base_dim: int) -> Path:

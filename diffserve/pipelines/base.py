@@ -186,11 +186,15 @@ class Capabilities:
         cache_dit: cache-dit block description, or None (backend refused).
         repeated_blocks: class names of the denoiser's repeated blocks for regional compile
             (default: the diffusers class's ``_repeated_blocks``), empty = refused.
+        context_parallel: ``prepare(denoiser) -> plan``: installs what Ulysses sequence
+            parallelism needs on the denoiser and returns its diffusers context-parallel plan;
+            None = the diffusers class's own ``_cp_plan`` (refused when it has none).
     """
 
     teacache: TeaCacheSupport | None = None
     cache_dit: CacheDiTSupport | None = None
     repeated_blocks: tuple[str, ...] = ()
+    context_parallel: Callable[[torch.nn.Module], dict] | None = None
 
 
 @dataclass

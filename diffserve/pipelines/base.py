@@ -225,6 +225,13 @@ class PipelineAdapter(ABC):
 
     # ------------------------------------------------------------------ loading
     @classmethod
+    def component_loaders(cls) -> dict[str, Callable[[Path], Any]]:
+        """Components this family loads itself, by their ``model_index.json`` name:
+        ``loader(folder) -> component`` replaces the library's ``from_pretrained`` (e.g. a
+        processor whose library class needs an optional dependency). Default: none."""
+        return {}
+
+    @classmethod
     @abstractmethod
     def from_components(cls, components: dict[str, Any], device: torch.device, dtype: torch.dtype,
                         options: AdapterOptions) -> "PipelineAdapter":
@@ -266,9 +273,10 @@ class PipelineAdapter(ABC):
         """Denoiser rows a request adds to a step batch: images x branches."""
         return params.num_images_per_prompt * self.branches(params)
 
-    def batch_key(self, params: SamplingParams) -> Hashable:
+    def batch_key(self, params: SamplingParams, inputs: RequestInputs | None = None) -> Hashable:
         """Requests with equal keys may share one denoise forward: (family, branches, latent
-        size, dtype, `extra_batch_key`)."""
+        size, dtype, `extra_batch_key`). Families whose sequence length depends on the input
+        images (edits) extend it with `inputs`."""
         return (self.pipeline_class_name, self.branches(params), params.height, params.width,
                 params.num_frames, self.dtype, self.extra_batch_key(params))
 
@@ -312,7 +320,7 @@ class PipelineAdapter(ABC):
     def pad_keys(self) -> dict[str, tuple[str | None, float]]:
         """Per-branch inputs of variable length: ``{key: (mask_key or None, pad_value)}``;
         they are right-padded along dim 1 to the batch's longest and ``mask_key`` (rows, L)
-        bool marks the real tokens. Default: none."""
+        bool marks the real tokens (None when no row is padded). Default: none."""
         return {}
 
     def denoise(self, batch: StepBatch, call: DenoiserCall | None = None) -> torch.Tensor:

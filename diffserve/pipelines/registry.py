@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 #: pipeline class name -> "module:AdapterClass"
 _ADAPTERS: dict[str, str] = {
     "StableDiffusion3Pipeline": "diffserve.pipelines.sd3:StableDiffusion3Adapter",
+    "QwenImagePipeline": "diffserve.pipelines.qwen_image:QwenImageAdapter",
+    "QwenImageEditPipeline": "diffserve.pipelines.qwen_image_edit:QwenImageEditAdapter",
 }
 
 

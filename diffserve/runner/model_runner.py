@@ -82,7 +82,7 @@ class ModelRunner:
             InvalidRequestError: a field the family cannot honour.
         """
         self.adapter.check_params(params, inputs)
-        return RequestPlan(rows=self.adapter.rows(params), batch_key=self.adapter.batch_key(params))
+        return RequestPlan(rows=self.adapter.rows(params), batch_key=self.adapter.batch_key(params, inputs))
 
     # ------------------------------------------------------------------ work items
     @torch.inference_mode()

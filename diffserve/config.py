@@ -12,6 +12,7 @@ from diffserve.errors import InvalidRequestError
 from diffserve.sampling_params import MAX_SEED, RequestLimits
 
 EXECUTION_MODES = ("step", "request")
+EXECUTORS = ("auto", "inprocess", "multiprocess")
 LOAD_FORMATS = ("default", "dummy", "custom_pipeline")
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -55,6 +56,12 @@ class EngineConfig:
         compile: regional ``torch.compile`` of the denoiser's repeated blocks, warmed up at
             startup (falls back to eager with a warning if compiling fails).
         compile_vae: also compile the VAE decoder (only with ``compile``).
+        cfg_parallel_size: ranks splitting each forward's rows (2: one guidance branch each;
+            `diffserve.parallel.cfg`).
+        ulysses_degree: ranks splitting each forward's token sequence (Ulysses;
+            `diffserve.parallel.ulysses`). cfg_parallel_size x ulysses_degree worker processes.
+        executor: ``"auto"`` (in-process for one rank, multi-process otherwise),
+            ``"inprocess"`` or ``"multiprocess"`` (workers in child processes even for one rank).
         cuda_graphs: replay the denoiser forward from CUDA graphs captured per row bucket
             (`diffserve.acceleration.cuda_graphs`); CUDA devices only, not with a cache backend.
         context_folding: let a family run identical placeholder context tokens as one token
@@ -83,6 +90,9 @@ class EngineConfig:
     compile: bool = False
     compile_vae: bool = False
     cuda_graphs: bool = False
+    cfg_parallel_size: int = 1
+    ulysses_degree: int = 1
+    executor: str = "auto"
     context_folding: bool = True
 
     def __post_init__(self) -> None:
@@ -96,10 +106,15 @@ class EngineConfig:
         if self.load_format == "custom_pipeline" and self.custom_pipeline is None:
             raise InvalidRequestError("custom_pipeline", None, "set when load_format is custom_pipeline")
         for name in ("max_batch_size", "max_waiting_requests", "max_num_inference_steps",
-                     "max_pixels", "max_num_images_per_prompt"):
+                     "max_pixels", "max_num_images_per_prompt", "cfg_parallel_size", "ulysses_degree"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidRequestError(name, value, "an integer >= 1")
+        if self.executor not in EXECUTORS:
+            raise InvalidRequestError("executor", self.executor, f"one of {EXECUTORS}")
+        if self.executor == "inprocess" and self.world_size > 1:
+            raise InvalidRequestError("executor", self.executor, "multiprocess or auto when cfg_parallel_size x "
+                                      "ulysses_degree > 1")
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise InvalidRequestError("model", self.model, "a path to a local diffusers folder, or None")
         if self.num_threads is not None and (not isinstance(self.num_threads, int)
@@ -126,6 +141,11 @@ class EngineConfig:
         from diffserve.acceleration import parse_cache_config
 
         parse_cache_config(self.cache_backend, self.cache_config)
+
+    @property
+    def world_size(self) -> int:
+        """Worker ranks: cfg_parallel_size x ulysses_degree."""
+        return self.cfg_parallel_size * self.ulysses_degree
 
     @property
     def model_path(self) -> Path:

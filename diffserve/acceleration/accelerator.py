@@ -115,20 +115,28 @@ class Accelerator:
     def _warmup_calls(self, config: "EngineConfig", decode: bool) -> list:
         """Denoiser forwards at 1, 2 and ``max_batch_size`` rows where the family's requests
         can form them (the default request, and a guidance-free one, repeated; default
-        resolution) and one decode, so compiled graphs exist before the first request."""
-        from diffserve.pipelines.base import RequestState
+        resolution; a gray input image for models that take images) and one decode, so
+        compiled graphs exist before the first request."""
+        from PIL import Image
+
+        from diffserve.pipelines.base import RequestInputs, RequestState
         from diffserve.sampling_params import SamplingParams
 
         adapter = self.adapter
-        variants = [SamplingParams(seed=0, num_inference_steps=1, output_type="np")]
-        if adapter.spec.default_guidance_scale is not None:
-            variants.append(SamplingParams(seed=0, num_inference_steps=1, output_type="np", guidance_scale=1.0))
+        spec = adapter.spec
+        inputs = None
+        if spec.accepts_images:
+            inputs = RequestInputs(images=[Image.new("RGB", (spec.default_width, spec.default_height), (128,) * 3)])
+        # 2 steps: a 1-step schedule is invalid for some schedulers (Qwen-Image's shift_terminal)
+        variants = [SamplingParams(seed=0, num_inference_steps=2, output_type="np")]
+        if spec.default_guidance_scale is not None:
+            variants.append(SamplingParams(seed=0, num_inference_steps=2, output_type="np", guidance_scale=1.0))
         states = []
         adapter.prompt_embed_cache = None  # warm-up prompts are not traffic
         try:
             with torch.inference_mode():
                 for params in variants:
-                    state = RequestState("warm-up", "warm-up", params.resolve(adapter.spec, config.limits, 0))
+                    state = RequestState("warm-up", "warm-up", params.resolve(spec, config.limits, 0), inputs=inputs)
                     adapter.prepare(state)
                     states.append(state)
         finally:

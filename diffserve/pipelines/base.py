@@ -186,11 +186,15 @@ class Capabilities:
         cache_dit: cache-dit block description, or None (backend refused).
         repeated_blocks: class names of the denoiser's repeated blocks for regional compile
             (default: the diffusers class's ``_repeated_blocks``), empty = refused.
+        context_parallel: ``prepare(denoiser) -> plan``: installs what Ulysses sequence
+            parallelism needs on the denoiser and returns its diffusers context-parallel plan;
+            None = the diffusers class's own ``_cp_plan`` (refused when it has none).
     """
 
     teacache: TeaCacheSupport | None = None
     cache_dit: CacheDiTSupport | None = None
     repeated_blocks: tuple[str, ...] = ()
+    context_parallel: Callable[[torch.nn.Module], dict] | None = None
 
 
 @dataclass
@@ -229,6 +233,13 @@ class PipelineAdapter(ABC):
     text: "TextEncoder | None" = None
 
     # ------------------------------------------------------------------ loading
+    @classmethod
+    def component_loaders(cls) -> dict[str, Callable[[Path], Any]]:
+        """Components this family loads itself, by their ``model_index.json`` name:
+        ``loader(folder) -> component`` replaces the library's ``from_pretrained`` (e.g. a
+        processor whose library class needs an optional dependency). Default: none."""
+        return {}
+
     @classmethod
     @abstractmethod
     def from_components(cls, components: dict[str, Any], device: torch.device, dtype: torch.dtype,
@@ -273,17 +284,13 @@ class PipelineAdapter(ABC):
 
     def batch_key(self, params: SamplingParams, inputs: RequestInputs | None = None) -> Hashable:
         """Requests with equal keys may share one denoise forward: (family, branches, latent
-        size, dtype, `extra_batch_key`, `inputs_batch_key`)."""
+        size, dtype, `extra_batch_key`). Families whose sequence length depends on the input
+        images (edits) extend it with `inputs`."""
         return (self.pipeline_class_name, self.branches(params), params.height, params.width,
-                params.num_frames, self.dtype, self.extra_batch_key(params), self.inputs_batch_key(params, inputs))
+                params.num_frames, self.dtype, self.extra_batch_key(params))
 
     def extra_batch_key(self, params: SamplingParams) -> Hashable:
         """Family-specific part of the batch key (e.g. a fixed text length); None = nothing."""
-        return None
-
-    def inputs_batch_key(self, params: SamplingParams, inputs: RequestInputs | None) -> Hashable:
-        """The part of the batch key that input images decide (e.g. the token grid of a
-        reference image concatenated in sequence); None = nothing."""
         return None
 
     def step_key(self, state: RequestState) -> Hashable:
@@ -316,12 +323,10 @@ class PipelineAdapter(ABC):
         scheduler, timesteps, sigmas (for the batched step) and guidance_scale."""
 
     # ------------------------------------------------------------------ per step
-    #: Whether `model_input` is the identity (lets a repeated batch reuse its latents).
-    model_input_is_latents: ClassVar[bool] = True
-
     def model_input(self, state: RequestState) -> torch.Tensor:
-        """This request's latent rows as the denoiser sees them (default: the latents;
-        Euler-type schedulers scale them: override and set ``model_input_is_latents = False``)."""
+        """This request's latent rows as the denoiser sees them (default: the latents; Euler-type
+        schedulers scale them, edit families append reference latents). Not overriding it lets
+        a repeated batch feed the previous step's concatenated latents straight in."""
         return state.latents
 
     def collate(self, states: list[RequestState]) -> StepBatch:
@@ -339,13 +344,14 @@ class PipelineAdapter(ABC):
         caches[key] = cache
         while len(caches) > _BATCH_CACHES:
             caches.popitem(last=False)
-        model_input = None if self.model_input_is_latents else self.model_input
+        overridden = type(self).model_input is not PipelineAdapter.model_input
+        model_input = self.model_input if overridden else None
         return collate_branches(states, model_input, self.pad_keys(), cache)
 
-    def pad_keys(self) -> dict[str, float]:
-        """Per-branch inputs of variable length (dim 1) and their pad value: they are
-        right-padded to the batch's longest (e.g. ``{"encoder_hidden_states": 0.0,
-        "encoder_hidden_states_mask": 0}``, the mask marking real tokens). Default: none."""
+    def pad_keys(self) -> dict[str, tuple[str | None, float]]:
+        """Per-branch inputs of variable length: ``{key: (mask_key or None, pad_value)}``;
+        they are right-padded along dim 1 to the batch's longest and ``mask_key`` (rows, L)
+        bool marks the real tokens (None when no row is padded). Default: none."""
         return {}
 
     def denoise(self, batch: StepBatch, call: DenoiserCall | None = None) -> torch.Tensor:

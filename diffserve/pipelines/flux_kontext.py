@@ -75,9 +75,11 @@ class FluxKontextAdapter(FluxAdapter):
             raise InvalidRequestError("image", f"{w}x{h}", "at least 16x16 pixels (the reference is cut to "
                                       "multiples of 16 pixels)")
 
-    def inputs_batch_key(self, params: SamplingParams, inputs: RequestInputs | None):
-        """The reference's encoded size: its tokens and ids are concatenated to every row."""
-        return self.reference_size(inputs.images[0]) if inputs is not None and inputs.images else None
+    def batch_key(self, params: SamplingParams, inputs: RequestInputs | None = None):
+        """`FluxAdapter`'s key plus the reference's encoded size: its tokens and ids are
+        concatenated to every row."""
+        size = self.reference_size(inputs.images[0]) if inputs is not None and inputs.images else None
+        return (*super().batch_key(params, inputs), size)
 
     def prepare_request(self, state: RequestState) -> None:
         """Encode the prompt(s), VAE-encode the reference (``argmax``: no noise drawn) and draw

@@ -100,6 +100,12 @@ class SD3TeaCacheSplit:
         return hidden.reshape(hidden.shape[0], model.out_channels, h * p, w * p)
 
 
+def _sd3_context_parallel(transformer: torch.nn.Module) -> dict:
+    from diffserve.pipelines.sd3_context_parallel import prepare_sd3_context_parallel
+
+    return prepare_sd3_context_parallel(transformer)
+
+
 class StableDiffusion3Adapter(PipelineAdapter):
     """Step-contract adapter over a diffusers `StableDiffusion3Pipeline`.
 
@@ -163,6 +169,7 @@ class StableDiffusion3Adapter(PipelineAdapter):
                                       has_encoder_residual=False),
             # diffusers 0.42's SD3Transformer2DModel does not declare _repeated_blocks
             repeated_blocks=("JointTransformerBlock",),
+            context_parallel=_sd3_context_parallel,
         )
         self.text = TextEncoder(
             self, self._encode_text,

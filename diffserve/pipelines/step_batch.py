@@ -203,20 +203,34 @@ def _concat(values: list[Any], pad_value: float | None) -> Any:
     raise TypeError(f"cannot batch a per-row input of type {type(first).__name__}")
 
 
+def padding_mask(values: list[torch.Tensor]) -> torch.Tensor | None:
+    """(rows, L) bool mask of the real positions of (rows_i, L_i, ...) tensors right-padded
+    along dim 1 to the longest L, or None when none is padded (every L_i equal): the denoiser
+    then attends without a mask, as diffusers does for unpadded text."""
+    lengths = [v.shape[1] for v in values]
+    longest = max(lengths)
+    if all(n == longest for n in lengths):
+        return None
+    per_row = torch.tensor([n for v, n in zip(values, lengths) for _ in range(v.shape[0])])
+    return torch.arange(longest)[None, :] < per_row[:, None]
+
+
 def collate_branches(states: list["RequestState"], model_input: Callable[["RequestState"], torch.Tensor] | None,
-                     pad_values: dict[str, float], cache: BatchCache | None = None) -> StepBatch:
+                     pad_keys: dict[str, tuple[str | None, float]], cache: BatchCache | None = None) -> StepBatch:
     """The default collation (see `PipelineAdapter.collate`).
 
     Args:
         states: requests sharing a batch key (same branch count and latent shape).
         model_input: a request's latent rows as the denoiser sees them; None = its latents.
-        pad_values: per-branch keys of variable length (dim 1) -> their pad value.
+        pad_keys: per-branch keys of variable length (dim 1) -> (mask key or None, pad value);
+            a mask key receives the (B*N, L) bool `padding_mask` (None when nothing is padded).
         cache: the adapter's `BatchCache`; a batch of the same requests as the previous step
             reuses its inputs, latents and timestep tables.
 
     Returns:
         A `StepBatch` whose inputs hold ``hidden_states`` (B*N, ...), ``timestep`` (B*N,), every
-        per-branch key concatenated branch-major, and the first request's shared inputs.
+        per-branch key concatenated branch-major (plus its padding mask), and the first
+        request's shared inputs.
     """
     branches = len(states[0].branches)
     row_counts = [s.num_images for s in states]
@@ -228,7 +242,11 @@ def collate_branches(states: list["RequestState"], model_input: Callable[["Reque
         if branches:
             for key in states[0].branches[0]:
                 values = [s.branches[b][key] for b in range(branches) for s in states]
-                inputs[key] = _concat(values, pad_values.get(key))
+                mask_key, pad_value = pad_keys.get(key, (None, None))
+                inputs[key] = _concat(values, pad_value)
+                if mask_key is not None:
+                    mask = padding_mask(values)
+                    inputs[mask_key] = None if mask is None else mask.to(inputs[key].device)
         inputs.update(states[0].shared)
         if cache is not None:
             cache.reset(states, dict(inputs))

@@ -131,8 +131,6 @@ class WanAdapter(PipelineAdapter):
             raise UnsupportedModelError(f"{options.model_dir}: a WanPipeline with transformer_2 needs "
                                         "boundary_ratio in model_index.json")
         self._denoiser = transformer if len(self.experts) == 1 else torch.nn.ModuleList(self.experts)
-        #: float32 latents go to the transformer as they are unless it runs in another dtype
-        self.model_input_is_latents = transformer.dtype == torch.float32
         #: timestep at and above which the high-noise expert runs (None: one expert)
         self.boundary = None if ratio is None else ratio * pipe.scheduler.config.num_train_timesteps
         self.expand_timesteps = bool(pipe.config.expand_timesteps)
@@ -247,17 +245,16 @@ class WanAdapter(PipelineAdapter):
         return 0 if self.boundary is None or float(state.timestep) >= self.boundary else 1
 
     # ------------------------------------------------------------------ per step
-    def model_input(self, state: RequestState) -> torch.Tensor:
-        return state.latents.to(self.experts[0].dtype)
-
     def denoise_kwargs(self, batch: StepBatch) -> dict[str, Any]:
-        """The batch's inputs; with two experts also ``expert`` (its index: an input of the
-        call, so a captured CUDA graph is one expert's).
+        """The batch's inputs (latents cast to the transformer dtype, as diffusers does per
+        call); with two experts also ``expert`` (its index: an input of the call, so a captured
+        CUDA graph is one expert's).
 
         Raises:
             ValueError: the batch mixes experts (the request scheduler keeps them apart).
         """
         inputs = dict(batch.inputs)
+        inputs["hidden_states"] = inputs["hidden_states"].to(self.experts[0].dtype)  # float32 latents
         if self.expand_timesteps:  # one timestep per patch token (Wan 2.2 TI2V), float as diffusers'
             _, _, f, h, w = inputs["hidden_states"].shape
             p_t, p_h, p_w = self.experts[0].config.patch_size

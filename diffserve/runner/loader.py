@@ -112,6 +112,9 @@ def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "def
     class_name = index.get("_class_name")
     if not isinstance(class_name, str):
         raise UnsupportedModelError(f"{model_dir}/model_index.json has no _class_name")
+    from diffserve.pipelines.registry import has_adapter
+
+    custom_loaders = adapter_class(class_name).component_loaders() if has_adapter(class_name) else {}
     if load_format == "dummy":
         torch.manual_seed(seed)
     components: dict[str, Any] = {}
@@ -129,8 +132,11 @@ def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "def
             raise UnsupportedModelError(f"{model_dir}: component folder {name!r} listed in model_index.json "
                                         "is missing")
         try:
-            components[name] = _load_component(library, cls_name, folder, dtype, load_format,
-                                               torch.device(device))
+            if name in custom_loaders:
+                components[name] = custom_loaders[name](folder)
+            else:
+                components[name] = _load_component(library, cls_name, folder, dtype, load_format,
+                                                   torch.device(device))
         except UnsupportedModelError:
             raise
         except (OSError, ValueError, KeyError) as exc:  # missing / corrupt weight or config files

@@ -47,13 +47,24 @@ class ModelRunner:
         InvalidRequestError: the configured cache backend does not support this model.
     """
 
-    def __init__(self, config: EngineConfig, adapter: PipelineAdapter | None = None):
+    def __init__(self, config: EngineConfig, adapter: PipelineAdapter | None = None, parallel=None):
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = config.torch_device
+        self.parallel = parallel
         self.adapter = adapter or load_adapter(config.model_path, self.device, config.torch_dtype,
-                                               config.load_format, config.context_folding)
+                                               config.load_format,
+                                               config.context_folding and config.ulysses_degree == 1)
+        if parallel is not None and parallel.world_size > 1 and config.cache_backend != "none":
+            from diffserve.errors import InvalidRequestError
+
+            raise InvalidRequestError("cache_backend", config.cache_backend, "none with CFG / Ulysses "
+                                      "parallelism (its per-request decisions would differ between ranks)")
+        if parallel is not None and parallel.ulysses_degree > 1:
+            from diffserve.parallel.ulysses import enable_ulysses
+
+            enable_ulysses(self.adapter, parallel)
         self.accelerator = Accelerator(self.adapter, config)
         self.states: dict[str, RequestState] = {}
         self.nonfinite_count = 0
@@ -122,7 +133,7 @@ class ModelRunner:
         adapter = self.adapter
         try:
             batch = adapter.collate(states)
-            guided = adapter.combine(batch, self.accelerator.denoise(batch))
+            guided = adapter.combine(batch, self._denoise(batch))
             failures = adapter.step(batch, guided)
         except Exception as exc:  # noqa: BLE001 - isolate per request
             if len(states) == 1:
@@ -139,6 +150,16 @@ class ModelRunner:
                 out.steps_done[state.request_id] = state.step_index
                 out.step_keys[state.request_id] = adapter.step_key(state)
         return out
+
+    def _denoise(self, batch):
+        """The batch's forward; with CFG parallelism each rank runs its share of the rows."""
+        p = self.parallel
+        if p is not None and p.cfg_parallel_size > 1:
+            from diffserve.parallel.cfg import cfg_parallel_denoise
+
+            return cfg_parallel_denoise(self.accelerator.denoise, batch, p.cfg_rank, p.cfg_parallel_size,
+                                        p.cfg_group)
+        return self.accelerator.denoise(batch)
 
     def _step_alone(self, states: list[RequestState]) -> StepOutput:
         """One forward per request; num_rows is the largest forward's."""

@@ -15,7 +15,6 @@ equals diffusers' for the same seed (tests/test_family_wan.py).
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -186,9 +185,9 @@ class WanAdapter(PipelineAdapter):
     def from_components(cls, components, device, dtype, options):
         components = {**components}
         components.setdefault("transformer_2", None)
-        index = {}
-        if options.model_dir is not None and (options.model_dir / "model_index.json").is_file():
-            index = json.loads((options.model_dir / "model_index.json").read_text())
+        from diffserve.runner.loader import pipeline_config
+
+        index = pipeline_config(options.model_dir)
         pipe = WanPipeline(**components, boundary_ratio=index.get("boundary_ratio"),
                            expand_timesteps=bool(index.get("expand_timesteps", False)))
         pipe.to(device)

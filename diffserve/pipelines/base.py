@@ -393,6 +393,17 @@ class PipelineAdapter(ABC):
     def decode(self, state: RequestState, latents: torch.Tensor | None = None) -> Any:
         """Decode `latents` (default: the state's) into media of ``params.output_type``."""
 
+    def decode_many(self, states: list[RequestState], latents: list[torch.Tensor]) -> list[Any]:
+        """Decode several requests (each its own latents); one result or exception per request.
+        Default: one `decode` each; families override to run one VAE forward for all."""
+        results: list[Any] = []
+        for state, x in zip(states, latents):
+            try:
+                results.append(self.decode(state, x))
+            except Exception as exc:  # noqa: BLE001 - each request's failure stays its own
+                results.append(exc)
+        return results
+
 
 def checked_pixels(image: torch.Tensor) -> torch.Tensor:
     """`image` (decoded VAE output) unchanged if finite.

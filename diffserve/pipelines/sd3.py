@@ -305,10 +305,43 @@ class StableDiffusion3Adapter(PipelineAdapter):
         """Unscale (latents / scaling_factor + shift_factor), VAE-decode and post-process to
         the request's output_type (PIL list, float32 (N, H, W, C) array in [0, 1], ...)."""
         latents = state.latents if latents is None else latents
-        output_type = state.params.output_type
-        if output_type == "latent":
+        if state.params.output_type == "latent":
             return latents
+        return self._postprocess(state, self._vae_decode(latents))
+
+    def _vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipe.vae
         latents = latents / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-        image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
-        return self.pipe.image_processor.postprocess(checked_pixels(image), output_type=output_type)
+        return vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+
+    def _postprocess(self, state: RequestState, image: torch.Tensor) -> Any:
+        return self.pipe.image_processor.postprocess(checked_pixels(image), output_type=state.params.output_type)
+
+    def decode_many(self, states: list[RequestState], latents: list[torch.Tensor]) -> list[Any]:
+        """One VAE forward for all requests whose latents share a shape (the usual case when a
+        step batch finishes together); each request's pixels are checked and post-processed on
+        their own."""
+        groups: dict[tuple, list[int]] = {}
+        for i, (state, x) in enumerate(zip(states, latents)):
+            if state.params.output_type != "latent":
+                groups.setdefault(tuple(x.shape[1:]), []).append(i)
+        results: list[Any] = [x if s.params.output_type == "latent" else None for s, x in zip(states, latents)]
+        for members in groups.values():
+            try:
+                images = self._vae_decode(torch.cat([latents[i] for i in members]))
+            except Exception as exc:  # noqa: BLE001 - fall back to one decode each
+                if len(members) == 1:
+                    results[members[0]] = exc
+                    continue
+                for i in members:
+                    results[i] = self.decode_many([states[i]], [latents[i]])[0]
+                continue
+            at = 0
+            for i in members:
+                n = latents[i].shape[0]
+                try:
+                    results[i] = self._postprocess(states[i], images[at:at + n])
+                except Exception as exc:  # noqa: BLE001
+                    results[i] = exc
+                at += n
+        return results

@@ -185,36 +185,48 @@ class ModelRunner:
         into its output type. A final decode checks that the latents and the decoded pixels are
         finite (NaN/inf, e.g. fp16 overflow, fail the request with `NonFiniteOutputError`
         instead of a black image) and frees the request."""
-        results = []
+        work = []
         for request_id in request_ids:
             state = self.states.get(request_id)
             if state is None:  # freed meanwhile (aborted)
                 continue
-            start = time.perf_counter()
             if snapshots is not None and request_id in snapshots:
                 latents, step = snapshots[request_id]
             else:
                 latents, step = state.latents, state.step_index
-            try:
-                if not preview and not is_finite(latents):
-                    raise NonFiniteOutputError(
-                        "the denoiser produced non-finite latents (NaN/inf; e.g. fp16 overflow: try "
-                        "--dtype bf16 or fp32, or a lower guidance_scale)")
-                output = self.adapter.decode(state, latents)
-                if not preview:
-                    _check_finite_output(output)
-            except Exception as exc:  # noqa: BLE001
-                if isinstance(exc, NonFiniteOutputError):
-                    self.nonfinite_count += 1
-                    logger.error("%s: %s", request_id, exc)
-                elif preview:
-                    logger.warning("preview failed for %s: %r", request_id, exc)
-                else:
-                    logger.exception("decode failed for %s", request_id)
-                results.append(Decoded(request_id, step=step, preview=preview, error=WorkError.of(exc)))
+            work.append((request_id, state, latents, step))
+        start = time.perf_counter()
+        ready, outputs = [], {}
+        for request_id, state, latents, step in work:
+            if not preview and not is_finite(latents):
+                outputs[request_id] = NonFiniteOutputError(
+                    "the denoiser produced non-finite latents (NaN/inf; e.g. fp16 overflow: try "
+                    "--dtype bf16 or fp32, or a lower guidance_scale)")
             else:
-                results.append(Decoded(request_id, output=output, step=step, preview=preview,
-                                       seconds=time.perf_counter() - start))
+                ready.append((request_id, state, latents))
+        if ready:
+            decoded = self.adapter.decode_many([w[1] for w in ready], [w[2] for w in ready])
+            outputs.update({w[0]: out for w, out in zip(ready, decoded)})
+        seconds = time.perf_counter() - start
+        results = []
+        for request_id, state, latents, step in work:
+            output = outputs[request_id]
+            if not isinstance(output, Exception) and not preview:
+                try:
+                    _check_finite_output(output)
+                except NonFiniteOutputError as exc:
+                    output = exc
+            if isinstance(output, Exception):
+                if isinstance(output, NonFiniteOutputError):
+                    self.nonfinite_count += 1
+                    logger.error("%s: %s", request_id, output)
+                elif preview:
+                    logger.warning("preview failed for %s: %r", request_id, output)
+                else:
+                    logger.error("decode failed for %s: %r", request_id, output)
+                results.append(Decoded(request_id, step=step, preview=preview, error=WorkError.of(output)))
+            else:
+                results.append(Decoded(request_id, output=output, step=step, preview=preview, seconds=seconds))
             if not preview:
                 self.free([request_id])
         return results

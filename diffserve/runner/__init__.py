@@ -12,6 +12,7 @@ def build_runner(config):
         UnsupportedModelError: the folder cannot be loaded.
         InvalidRequestError: acceleration the model does not support.
     """
+    from diffserve.acceleration.offload import weights_device
     from diffserve.pipelines.base import PipelineAdapter
     from diffserve.pipelines.registry import has_adapter
     from diffserve.runner.loader import import_class, load_adapter, load_pipeline, read_model_index
@@ -26,7 +27,7 @@ def build_runner(config):
     custom = import_class(config.custom_pipeline) if config.custom_pipeline else None
     if custom is not None and issubclass(custom, PipelineAdapter):
         adapter = load_adapter(config.model_path, config.torch_device, config.torch_dtype, load_format,
-                               config.context_folding, adapter_cls=custom)
+                               config.context_folding, adapter_cls=custom, load_device=weights_device(config))
         return ModelRunner(config, adapter)
     if custom is None and has_adapter(read_model_index(config.model_path).get("_class_name", "")):
         return ModelRunner(config)

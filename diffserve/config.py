@@ -67,6 +67,23 @@ class EngineConfig:
         context_folding: let a family run identical placeholder context tokens as one token
             (SD3 without T5: the 256 zero rows, with a +log(k) attention bias); same images
             within float rounding, far less compute.
+        cpu_offload: model CPU offload, serving-aware: components live on the CPU and move to
+            the device for their stage; the denoiser stays while any request is denoising (see
+            `diffserve.acceleration.offload`).
+        layerwise_offload: the denoiser's blocks stream to the device `offload_blocks` at a
+            time (diffusers group offloading; on a separate CUDA stream when the device has
+            one and ``offload_blocks == 1``).
+        offload_blocks: denoiser blocks per group with ``layerwise_offload`` (>= 1).
+        enable_sleep_mode: pack each component's weights into one block at load (the sleep
+            pool, as vLLM's flag of this name), so `DiffusionEngine.sleep` returns exactly
+            their memory; sleep works without it, returning what the allocator can give back
+            (see `diffserve.runner.sleep`).
+        max_memory: memory budget of the device for memory-aware admission, in bytes (an int,
+            or a string such as ``"24GiB"`` / ``"512MB"``), ``"auto"`` (the device's free
+            memory at startup plus what the engine holds), or None (admission by rows only).
+            Requests are admitted only while resident weights + the estimated memory of every
+            running request stay within it; a request that alone exceeds it is refused (see
+            `diffserve.engine.memory_budget`).
     """
 
     model: str | None = None
@@ -94,6 +111,11 @@ class EngineConfig:
     ulysses_degree: int = 1
     executor: str = "auto"
     context_folding: bool = True
+    cpu_offload: bool = False
+    layerwise_offload: bool = False
+    offload_blocks: int = 1
+    enable_sleep_mode: bool = False
+    max_memory: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.execution_mode not in EXECUTION_MODES:
@@ -133,7 +155,8 @@ class EngineConfig:
         nbytes = self.prompt_embed_cache_bytes
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1:
             raise InvalidRequestError("prompt_embed_cache_bytes", nbytes, "an integer >= 1 (bytes)")
-        for name in ("compile", "compile_vae", "context_folding", "overlap_stages", "cuda_graphs"):
+        for name in ("compile", "compile_vae", "context_folding", "overlap_stages", "cuda_graphs", "cpu_offload",
+                     "layerwise_offload", "enable_sleep_mode"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(name, getattr(self, name), "true or false")
         if self.compile_vae and not self.compile:
@@ -141,6 +164,14 @@ class EngineConfig:
         from diffserve.acceleration import parse_cache_config
 
         parse_cache_config(self.cache_backend, self.cache_config)
+        blocks = self.offload_blocks
+        if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
+            raise InvalidRequestError("offload_blocks", blocks, "an integer >= 1 (denoiser blocks per group)")
+        if blocks != 1 and not self.layerwise_offload:
+            raise InvalidRequestError("offload_blocks", blocks, "1 unless layerwise_offload is true")
+        from diffserve.engine.memory_budget import parse_memory
+
+        parse_memory(self.max_memory)  # validates `max_memory`
 
     @property
     def world_size(self) -> int:

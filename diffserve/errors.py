@@ -56,5 +56,10 @@ class NonFiniteOutputError(RuntimeError):
     fails (HTTP 500 ``server_error``) instead of returning a black image."""
 
 
+class EngineSleepingError(RuntimeError):
+    """The engine is asleep (or going to sleep) and admits no requests until `wake_up`
+    (HTTP 503 with ``Retry-After``)."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop (or a worker) died; requests fail fast (HTTP 503) instead of waiting."""

@@ -6,6 +6,7 @@ The model runner builds one after loading the adapter and routes three calls thr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -51,14 +52,17 @@ class Accelerator:
             ``prompt_embed_cache`` is set, cache hooks and compiled blocks are installed).
         config: ``prompt_embed_cache_size`` / ``_bytes``, ``cache_backend``, ``cache_config``,
             ``compile``, ``compile_vae`` and ``max_batch_size`` (warm-up sizes) are read.
+        stage: ``stage(name)`` context that puts a work stage's components on the device
+            (`OffloadManager.stage`) around each warm-up call; None = all are resident.
 
     Raises:
         InvalidRequestError: a bad cache backend / options, or a backend or compile the model
             family does not support (the one-line message names both).
     """
 
-    def __init__(self, adapter: "PipelineAdapter", config: "EngineConfig"):
+    def __init__(self, adapter: "PipelineAdapter", config: "EngineConfig", stage=None):
         self.adapter = adapter
+        self._stage = stage or (lambda name, **kw: contextlib.nullcontext(0))
         model_path = config.model_path
         self.prompt_cache: PromptEmbedCache | None = None
         if config.prompt_embed_cache_size > 0:
@@ -134,7 +138,7 @@ class Accelerator:
         states = []
         adapter.prompt_embed_cache = None  # warm-up prompts are not traffic
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._stage("encode"):
                 for params in variants:
                     state = RequestState("warm-up", "warm-up", params.resolve(spec, config.limits, 0), inputs=inputs)
                     adapter.prepare(state)
@@ -143,11 +147,11 @@ class Accelerator:
             adapter.prompt_embed_cache = self.prompt_cache
 
         def forward(state, copies: int):
-            with torch.inference_mode():
+            with torch.inference_mode(), self._stage("denoise"):
                 adapter.denoise(adapter.collate([state] * copies))
 
         def decode_once():
-            with torch.inference_mode():
+            with torch.inference_mode(), self._stage("decode"):
                 adapter.decode(states[0])
 
         plans = {}

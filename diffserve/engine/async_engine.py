@@ -149,6 +149,21 @@ class AsyncDiffusionEngine:
         self._wake.set()
         return aborted
 
+    # ------------------------------------------------------------------ sleep mode
+    @property
+    def is_sleeping(self) -> bool:
+        """See `DiffusionEngine.is_sleeping`."""
+        return self.engine.is_sleeping
+
+    def sleep(self, level: int = 1) -> None:
+        """`DiffusionEngine.sleep` (blocking: call it from a worker thread in async code)."""
+        self._wake.set()
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """`DiffusionEngine.wake_up` (blocking)."""
+        self.engine.wake_up()
+
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop admitting, let in-flight requests finish for up to `timeout_s` seconds, abort
         the rest, then stop the loop thread."""

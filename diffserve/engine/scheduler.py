@@ -19,6 +19,11 @@ Fairness rule (step mode):
 Request mode (static batching, the baseline): when nothing runs, the head of the queue and
 every waiting request sharing its batch key (up to `max_batch_size` rows) are admitted
 together and run to completion before anything else is admitted.
+
+Memory (with a `memory_limit`, see `diffserve.engine.memory_budget`): in both modes a request
+is admitted only while the estimated bytes (`Request.memory_bytes`) of the running requests
+(decoding ones included) plus its own stay within the limit; like rows, a request that does
+not fit waits at the head of the queue.
 """
 
 from __future__ import annotations
@@ -36,12 +41,16 @@ class RequestScheduler:
         max_batch_size: most transformer rows per step (and admitted at once).
         max_waiting: bound on the waiting queue.
         mode: ``"step"`` or ``"request"``.
+        memory_limit: bytes the running requests' estimates may add up to (None = no memory
+            budget).
     """
 
-    def __init__(self, max_batch_size: int, max_waiting: int, mode: str = "step"):
+    def __init__(self, max_batch_size: int, max_waiting: int, mode: str = "step",
+                 memory_limit: int | None = None):
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
         self.mode = mode
+        self.memory_limit = memory_limit
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -49,6 +58,14 @@ class RequestScheduler:
     def running_rows(self) -> int:
         """Denoiser rows held by admitted requests that are preparing or denoising."""
         return sum(r.rows for r in self.running if r.phase is not Phase.DECODING)
+
+    @property
+    def running_memory(self) -> int:
+        """Estimated bytes of every admitted request (`Request.memory_bytes`)."""
+        return sum(r.memory_bytes for r in self.running)
+
+    def _fits_memory(self, used: int, request: Request) -> bool:
+        return self.memory_limit is None or used + request.memory_bytes <= self.memory_limit
 
     def add(self, request: Request) -> None:
         """Queue a request.
@@ -78,20 +95,24 @@ class RequestScheduler:
                 return admitted
             head = self.waiting.popleft()
             admitted.append(head)
-            rows = head.rows
+            rows, memory = head.rows, head.memory_bytes
             for request in list(self.waiting):
-                if request.batch_key == head.batch_key and rows + request.rows <= self.max_batch_size:
+                if request.batch_key == head.batch_key and rows + request.rows <= self.max_batch_size \
+                        and self._fits_memory(memory, request):
                     self.waiting.remove(request)
                     admitted.append(request)
                     rows += request.rows
+                    memory += request.memory_bytes
         else:
-            rows = self.running_rows
+            rows, memory = self.running_rows, self.running_memory
             while self.waiting:
                 head = self.waiting[0]
-                if (self.running or admitted) and rows + head.rows > self.max_batch_size:
+                if (self.running or admitted) and (rows + head.rows > self.max_batch_size
+                                                   or not self._fits_memory(memory, head)):
                     break
                 admitted.append(self.waiting.popleft())
                 rows += head.rows
+                memory += head.memory_bytes
         self.running.extend(admitted)
         return admitted
 

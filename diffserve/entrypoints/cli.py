@@ -65,6 +65,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     compile_group.add_argument("--enforce-eager", dest="compile", action="store_false",
                                help="never compile (the default)")
     parser.add_argument("--compile-vae", action="store_true", help="with --compile: also compile the VAE decoder")
+    # ---- memory: offload, admission by memory, sleep pool (diffserve.entrypoints.memory_options)
+    from diffserve.entrypoints.memory_options import add_memory_arguments
+
+    add_memory_arguments(parser)
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -72,6 +76,7 @@ def engine_config_from_args(args: argparse.Namespace):
     import json
 
     from diffserve.config import EngineConfig
+    from diffserve.entrypoints.memory_options import memory_config
 
     cache_config = {}
     if args.cache_config is not None:
@@ -94,6 +99,7 @@ def engine_config_from_args(args: argparse.Namespace):
         cache_config=cache_config,
         compile=args.compile,
         compile_vae=args.compile_vae,
+        **memory_config(args),
     )
 
 
@@ -139,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="on SIGTERM/SIGINT, seconds in-flight requests may finish before being aborted")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    # ---- sleep mode (diffserve.entrypoints.openai.sleep_routes)
+    from diffserve.entrypoints.memory_options import add_sleep_server_arguments
+
+    add_sleep_server_arguments(srv)
     return parser
 
 

@@ -320,7 +320,9 @@ class StableDiffusion3Adapter(PipelineAdapter):
     def decode_many(self, states: list[RequestState], latents: list[torch.Tensor]) -> list[Any]:
         """One VAE forward for all requests whose latents share a shape (the usual case when a
         step batch finishes together); each request's pixels are checked and post-processed on
-        their own."""
+        their own. A subclass that overrides `decode` keeps its own decode, one per request."""
+        if type(self).decode is not StableDiffusion3Adapter.decode:
+            return super().decode_many(states, latents)
         groups: dict[tuple, list[int]] = {}
         for i, (state, x) in enumerate(zip(states, latents)):
             if state.params.output_type != "latent":

@@ -16,6 +16,7 @@ def build_runner(config, parallel=None):
         UnsupportedModelError: the folder cannot be loaded.
         InvalidRequestError: acceleration or parallelism the model does not support.
     """
+    from diffserve.acceleration.offload import weights_device
     from diffserve.pipelines.base import PipelineAdapter
     from diffserve.pipelines.registry import has_adapter
     from diffserve.runner.loader import import_class, load_adapter, load_pipeline, read_model_index
@@ -30,7 +31,8 @@ def build_runner(config, parallel=None):
     custom = import_class(config.custom_pipeline) if config.custom_pipeline else None
     if custom is not None and issubclass(custom, PipelineAdapter):
         adapter = load_adapter(config.model_path, config.torch_device, config.torch_dtype, load_format,
-                               config.context_folding and config.ulysses_degree == 1, adapter_cls=custom)
+                               config.context_folding and config.ulysses_degree == 1, adapter_cls=custom,
+                               load_device=weights_device(config))
         return ModelRunner(config, adapter, parallel=parallel)
     if custom is None and has_adapter(read_model_index(config.model_path).get("_class_name", "")):
         return ModelRunner(config, parallel=parallel)

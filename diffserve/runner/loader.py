@@ -182,19 +182,27 @@ def import_class(target: str) -> type:
 
 def load_adapter(model_dir: Path, device: torch.device, dtype: torch.dtype,
                  load_format: str = "default", context_folding: bool = True,
-                 adapter_cls: type[PipelineAdapter] | None = None) -> PipelineAdapter:
+                 adapter_cls: type[PipelineAdapter] | None = None,
+                 load_device: torch.device | None = None) -> PipelineAdapter:
     """Load a model folder and wrap it in the adapter registered for its pipeline class (or
     `adapter_cls`, a custom adapter).
+
+    Args:
+        load_device: where the weights are loaded and the adapter's modules stay (default
+            `device`). With offload it is the CPU: the adapter computes on `device` (its
+            ``device`` attribute) and `diffserve.acceleration.offload` moves the modules there.
 
     Raises:
         UnsupportedModelError: see `load_components`; no adapter for the class.
     """
     if adapter_cls is None:
         adapter_class(read_model_index(model_dir).get("_class_name", ""))  # fail fast, before loading
-    class_name, components = load_components(model_dir, dtype, load_format, device=device)
+    load_device = device if load_device is None else load_device
+    class_name, components = load_components(model_dir, dtype, load_format, device=load_device)
     _eval(components)
     options = AdapterOptions(context_folding=context_folding, model_dir=Path(model_dir))
-    adapter = (adapter_cls or adapter_class(class_name)).from_components(components, device, dtype, options)
+    adapter = (adapter_cls or adapter_class(class_name)).from_components(components, load_device, dtype, options)
+    adapter.device = device
     logger.info("loaded %s from %s on %s (%s)", class_name, model_dir, device, dtype)
     return adapter
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from diffserve.acceleration.accelerator import Accelerator
+from diffserve.acceleration.offload import weights_device
 from diffserve.config import EngineConfig
 from diffserve.errors import NonFiniteOutputError
 from diffserve.executor.messages import (
@@ -28,6 +29,7 @@ from diffserve.executor.messages import (
 from diffserve.pipelines.base import PipelineAdapter, RequestState, is_finite
 from diffserve.runner.loader import load_adapter
 from diffserve.runner.memory import peak_memory_bytes
+from diffserve.runner.model_memory import ModelMemory
 from diffserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -55,7 +57,8 @@ class ModelRunner:
         self.parallel = parallel
         self.adapter = adapter or load_adapter(config.model_path, self.device, config.torch_dtype,
                                                config.load_format,
-                                               config.context_folding and config.ulysses_degree == 1)
+                                               config.context_folding and config.ulysses_degree == 1,
+                                               load_device=weights_device(config))
         if parallel is not None and parallel.world_size > 1 and config.cache_backend != "none":
             from diffserve.errors import InvalidRequestError
 
@@ -65,9 +68,13 @@ class ModelRunner:
             from diffserve.parallel.ulysses import enable_ulysses
 
             enable_ulysses(self.adapter, parallel)
-        self.accelerator = Accelerator(self.adapter, config)
         self.states: dict[str, RequestState] = {}
         self.nonfinite_count = 0
+        # offload placement, sleep mode, memory profile, per-step peaks
+        self.memory = ModelMemory(self.adapter, config, self.device,
+                                  denoising=lambda: any(not s.done for s in list(self.states.values())))
+        self.accelerator = Accelerator(self.adapter, config, stage=self.memory.offload.stage)
+        self.memory.ready()
 
     # ------------------------------------------------------------------ model facts
     def info(self) -> ModelInfo:
@@ -89,6 +96,14 @@ class ModelRunner:
     def prepare(self, requests: list[NewRequest]) -> list[Prepared]:
         """Encode prompts and create each request's latents, scheduler and timesteps; start its
         caching state from scratch. A failure is that request's alone."""
+        with_images = any(n.inputs is not None and n.inputs.images for n in requests)
+        with self.memory.offload.stage("encode", with_images=with_images) as loads:
+            results = self._prepare(requests)
+        for result in results:
+            result.offload_loads = loads
+        return results
+
+    def _prepare(self, requests: list[NewRequest]) -> list[Prepared]:
         results = []
         for new in requests:
             start = time.perf_counter()
@@ -117,13 +132,19 @@ class ModelRunner:
         fail on their own are reported; a failing diffusion-scheduler step fails only its
         own request. A cache backend that cannot share forwards (cache_dit) gets one forward
         per request. Failed requests are freed.
+
+        The output's ``peak_memory_bytes`` is the step's peak above the resident model
+        (`ModelMemory.step_peak`).
         """
         start = time.perf_counter()
         states = [self.states[i] for i in request_ids]
-        if len(states) > 1 and not self.accelerator.shares_forward:
-            out = self._step_alone(states)
-        else:
-            out = self._step(states)
+        with self.memory.offload.stage("denoise") as loads, self.memory.window() as window:
+            if len(states) > 1 and not self.accelerator.shares_forward:
+                out = self._step_alone(states)
+            else:
+                out = self._step(states)
+        out.offload_loads = loads
+        out.peak_memory_bytes = self.memory.step_peak(window)
         for request_id in out.errors:
             self.free([request_id])
         out.seconds = time.perf_counter() - start
@@ -185,6 +206,14 @@ class ModelRunner:
         into its output type. A final decode checks that the latents and the decoded pixels are
         finite (NaN/inf, e.g. fp16 overflow, fail the request with `NonFiniteOutputError`
         instead of a black image) and frees the request."""
+        with self.memory.offload.stage("decode") as loads:
+            results = self._decode(request_ids, preview, snapshots)
+        for result in results:
+            result.offload_loads = loads
+        return results
+
+    def _decode(self, request_ids: list[str], preview: bool,
+                snapshots: dict[str, tuple[torch.Tensor, int]] | None) -> list[Decoded]:
         work = []
         for request_id in request_ids:
             state = self.states.get(request_id)
@@ -247,6 +276,23 @@ class ModelRunner:
     def peak_memory_bytes(self) -> int:
         """CUDA allocator peak (bytes) on GPU; process peak RSS (bytes) on CPU."""
         return peak_memory_bytes(self.device)
+
+    # ------------------------------------------------------------------ memory
+    def offload_stats(self) -> dict[str, Any]:
+        """See `ModelMemory.stats`."""
+        return self.memory.stats()
+
+    def memory_profile(self):
+        """The model's `MemoryProfile` (see `ModelMemory.profile`)."""
+        return self.memory.profile(self.config.limits)
+
+    def sleep(self, level: int) -> None:
+        """Sleep mode with no request held (see `ModelMemory.sleep`)."""
+        self.memory.sleep(level, len(self.states), self.accelerator.prompt_cache)
+
+    def wake_up(self) -> None:
+        """Restore the weights put to sleep (see `ModelMemory.wake_up`)."""
+        self.memory.wake_up()
 
 
 def _check_finite_output(output: Any) -> None:

@@ -35,6 +35,7 @@ from diffserve.errors import InvalidRequestError
 from diffserve.executor.messages import Decoded, ModelInfo, NewRequest, Prepared, RequestPlan, StepOutput, WorkError
 from diffserve.pipelines.diffusion_scheduler import new_scheduler
 from diffserve.runner.memory import peak_memory_bytes
+from diffserve.runner.sleep import WeightSleeper, check_level
 from diffserve.sampling_params import ModelSpec, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -163,6 +164,10 @@ class WholeRequestRunner:
             raise InvalidRequestError(feature.split("=")[0], config.cache_backend if config.cache_backend != "none"
                                       else True, f"off: {type(pipe).__name__} has no step adapter (it runs "
                                       "whole requests through diffusers' own pipeline call)")
+        for name in ("cpu_offload", "layerwise_offload"):
+            if getattr(config, name, False):
+                raise InvalidRequestError(name, True, f"false: {type(pipe).__name__} has no step adapter (its own "
+                                          "pipeline call moves the components, not diffserve's stages)")
         self.config = config
         self.pipe = pipe
         self.device = config.torch_device
@@ -172,6 +177,7 @@ class WholeRequestRunner:
         self.states: dict[str, _Job] = {}
         self.nonfinite_count = 0
         self._keys = itertools.count()
+        self.sleeper = WeightSleeper(self._modules, self._reload_components, self.device)
         logger.warning("%s has no step adapter: requests run whole through diffusers' own pipeline call, "
                        "one step at a time, without step batching", self.class_name)
 
@@ -322,3 +328,29 @@ class WholeRequestRunner:
 
     def peak_memory_bytes(self) -> int:
         return peak_memory_bytes(self.device)
+
+    # ------------------------------------------------------------------ sleep mode
+    def _modules(self) -> dict[str, torch.nn.Module]:
+        return {n: m for n, m in getattr(self.pipe, "components", {}).items() if isinstance(m, torch.nn.Module)}
+
+    def _reload_components(self) -> dict[str, Any]:
+        from diffserve.runner.loader import load_components
+
+        load_format = "default" if self.config.load_format == "custom_pipeline" else self.config.load_format
+        return load_components(self.config.model_path, self.config.torch_dtype, load_format, device=self.device)[1]
+
+    def sleep(self, level: int) -> None:
+        """Sleep mode (see `diffserve.runner.sleep`); no request may be held.
+
+        Raises:
+            InvalidRequestError: `level` is not 1 or 2.
+            RuntimeError: requests are still held.
+        """
+        level = check_level(level)
+        if self.states:
+            raise RuntimeError(f"cannot sleep with {len(self.states)} requests in the runner")
+        self.sleeper.sleep(level)
+
+    def wake_up(self) -> None:
+        """Restore the weights (no-op while awake)."""
+        self.sleeper.wake_up()

@@ -17,7 +17,16 @@ events become one JSON response or a stream of Server-Sent Events.
 - Streaming (``stream=true``) sends ``image_generation.partial_image`` events (previews decoded
   from the current latents after steps spread evenly over the run, ``partial_images`` per
   image), then one ``image_generation.completed`` event per image, as OpenAI's API does; images
-  are always base64 there. An engine failure mid-stream is sent as an ``error`` event.
+  are always base64 there. An engine failure mid-stream is sent as an ``error`` event. A quiet
+  stream gets an SSE comment ``: keep-alive`` every ``heartbeat_s`` seconds (15 by default), so
+  proxies do not cut it.
+- ``response_format="url"``: room in the image store is reserved for all ``n`` images before
+  anything is queued (503 with ``Retry-After`` when it is full; see `image_store`), so the
+  stated ``expires_at`` always holds. Links start with the configured public URL, else with
+  the address the connection was accepted on (never with client-supplied Host or
+  X-Forwarded-* headers).
+- If the engine loop dies, requests waiting on it fail within `ENGINE_CHECK_INTERVAL_S`
+  seconds with 503 ``engine_dead`` instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ from diffserve.entrypoints.openai.errors import (
     unavailable,
 )
 from diffserve.entrypoints.openai.image_encoding import MEDIA_TYPES, encode_image, to_base64
-from diffserve.entrypoints.openai.image_store import ImageStore
+from diffserve.entrypoints.openai.image_store import ImageStore, Reservation, StoreFullError, encoded_size_bound
 from diffserve.entrypoints.openai.metrics import ServerMetrics
 from diffserve.entrypoints.openai.protocol import (
     CompletedEvent,
@@ -63,6 +72,14 @@ logger = logging.getLogger(__name__)
 
 #: ASGI scope key the status-counting middleware reads: True when the client went away first.
 CLIENT_DISCONNECTED_KEY = "diffserve.client_disconnected"
+#: Default seconds between SSE keep-alive comments on a quiet stream.
+DEFAULT_HEARTBEAT_S = 15.0
+#: The SSE keep-alive comment (ignored by SSE clients).
+HEARTBEAT = ": keep-alive\n\n"
+#: Seconds between checks that the engine loop is alive while a request waits on it.
+ENGINE_CHECK_INTERVAL_S = 0.5
+#: Message of requests failed because the engine loop died.
+ENGINE_DEAD_MESSAGE = "the engine loop stopped unexpectedly; the server cannot generate images (see the server log)"
 
 
 @dataclass
@@ -97,15 +114,21 @@ class ImageGenerationService:
         store: where ``response_format="url"`` images are kept.
         metrics: the server's Prometheus metrics.
         is_draining: returns True once the server is shutting down (requests get 503 then).
+        public_url: base of ``url`` links (e.g. ``https://images.example.com``); None = the
+            address the connection was accepted on.
+        heartbeat_s: seconds between SSE keep-alive comments on a quiet stream.
     """
 
     def __init__(self, engine: AsyncDiffusionEngine, model_name: str, store: ImageStore,
-                 metrics: ServerMetrics, is_draining: Callable[[], bool]):
+                 metrics: ServerMetrics, is_draining: Callable[[], bool], public_url: str | None = None,
+                 heartbeat_s: float = DEFAULT_HEARTBEAT_S):
         self.engine = engine
         self.model_name = model_name
         self.store = store
         self.metrics = metrics
         self._is_draining = is_draining
+        self.public_url = public_url.rstrip("/") if public_url else None
+        self.heartbeat_s = heartbeat_s
         #: Engine requests of HTTP requests that passed the queue-room check but are not queued yet.
         self._reserved = 0
 
@@ -118,9 +141,18 @@ class ImageGenerationService:
 
         Raises:
             APIError: 400 invalid field, 404 unknown model, 429 queue full, 500 an engine
-                failure, 503 shutting down.
+                failure, 503 shutting down, url image store full, or engine loop dead.
         """
         plan = self._plan(body)
+        reservation = self._reserve_urls(plan)
+        try:
+            return await self._create(plan, body, raw_request, reservation)
+        finally:
+            if reservation is not None:
+                reservation.release()
+
+    async def _create(self, plan: "_Plan", body: ImageGenerationRequest, raw_request: Request,
+                      reservation: Reservation | None) -> Response:
         group = _RequestGroup(self.engine, plan, self.metrics)
         try:
             await self._submit(group, len(plan.params))
@@ -141,7 +173,7 @@ class ImageGenerationService:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": plan.request_id},
             )
         try:
-            finals = await group.wait_all()
+            finals = await group.wait_all(self._engine_alive)
         finally:
             with anyio.CancelScope(shield=True):
                 await watcher.stop()
@@ -151,7 +183,7 @@ class ImageGenerationService:
             self._log_disconnect(plan, raw_request)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         self._raise_if_not_finished(finals)
-        data = await asyncio.to_thread(self._encode_all, plan, outputs, str(raw_request.base_url))
+        data = await asyncio.to_thread(self._encode_all, plan, outputs, self._link_base(raw_request), reservation)
         self.metrics.observe_images(len(data))
         response = ImagesResponse(id=plan.request_id, created=plan.created, data=data, size=plan.size,
                                   output_format=plan.output_format,
@@ -216,6 +248,36 @@ class ImageGenerationService:
             quality=body.quality or "auto",
         )
 
+    def _reserve_urls(self, plan: "_Plan") -> Reservation | None:
+        """Hold room in the image store for the ``url`` images of `plan` (None otherwise).
+
+        Raises:
+            APIError: 503 ``image_store_full`` with ``Retry-After``.
+        """
+        if plan.response_format != "url" or plan.stream:  # streamed images are always base64
+            return None
+        n = len(plan.params)
+        try:
+            return self.store.reserve(n, n * encoded_size_bound(plan.width, plan.height))
+        except StoreFullError as exc:
+            error = unavailable(str(exc), "image_store_full")
+            error.headers = {"Retry-After": str(exc.retry_after_s)}
+            raise error from None
+
+    def _link_base(self, raw_request: Request) -> str:
+        """Base of ``url`` links: the public URL, else ``http://ADDRESS:PORT`` of the socket the
+        connection was accepted on (not the client's Host / X-Forwarded-* headers)."""
+        if self.public_url:
+            return self.public_url
+        server = raw_request.scope.get("server")
+        if not server or server[1] is None:
+            return ""
+        host, port = server
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    def _engine_alive(self) -> bool:
+        return self.engine.is_running
+
     def _check_queue_room(self, n: int) -> None:
         """Raise `EngineOverloadedError` unless the waiting queue has room for `n` more requests
         besides those other HTTP requests are about to queue (`_reserved`)."""
@@ -260,19 +322,24 @@ class ImageGenerationService:
                     raise unavailable("the server is shutting down; the request was aborted", "shutting_down")
                 raise unavailable("the request was aborted", "request_aborted")
             message = output.error if output is not None else event.error
+            if message == ENGINE_DEAD_MESSAGE:
+                raise unavailable(message, "engine_dead")
             raise APIError(500, f"image generation failed: {message}", type="server_error",
                            code="generation_failed")
 
-    def _encode_all(self, plan: _Plan, outputs: Sequence[GenerationOutput], base_url: str) -> list[ImageObject]:
+    def _encode_all(self, plan: _Plan, outputs: Sequence[GenerationOutput], base_url: str,
+                    reservation: Reservation | None) -> list[ImageObject]:
         data = []
         for output in outputs:
             encoded = encode_image(output.images[0], plan.output_format, plan.compression)
             item = ImageObject(seed=output.seed, prompt_truncated=output.prompt_truncated,
                                timings=output.metrics.as_dict())
-            if plan.response_format == "url":
-                name = self.store.put(encoded, MEDIA_TYPES[plan.output_format], plan.output_format)
-                item.url = f"{base_url.rstrip('/')}/v1/images/files/{name}"
-                item.expires_at = int(time.time() + self.store.ttl_s)
+            if reservation is not None:
+                now = time.time()
+                name, ttl_s = self.store.put(encoded, MEDIA_TYPES[plan.output_format], plan.output_format,
+                                             reservation)
+                item.url = f"{base_url}/v1/images/files/{name}"
+                item.expires_at = int(now + ttl_s)  # rounded down: the image outlives it
             else:
                 item.b64_json = to_base64(encoded)
             data.append(item)
@@ -292,7 +359,11 @@ class ImageGenerationService:
         completed = False
         common = dict(size=plan.size, quality=plan.quality, background="opaque", output_format=plan.output_format)
         try:
-            async for index, event in group.events():
+            async for item in group.events(self._engine_alive, heartbeat_s=self.heartbeat_s):
+                if item is None:
+                    yield HEARTBEAT
+                    continue
+                index, event = item
                 if event.type is EventType.PARTIAL and event.preview:
                     encoded = await asyncio.to_thread(encode_image, event.preview[0], plan.output_format,
                                                       plan.compression)
@@ -410,12 +481,41 @@ class _RequestGroup:
             self._queue.put_nowait((index, StreamEvent(self.ids[index], EventType.FAILED,
                                                        error=f"{type(exc).__name__}: {exc}")))
 
-    async def events(self) -> AsyncIterator[tuple[int, StreamEvent]]:
-        """(image index, event) as they happen, until every request's final event."""
+    async def events(self, engine_alive: Callable[[], bool] = lambda: True,
+                     heartbeat_s: float | None = None) -> AsyncIterator[tuple[int, StreamEvent] | None]:
+        """(image index, event) as they happen, until every request's final event.
+
+        Args:
+            engine_alive: checked every `ENGINE_CHECK_INTERVAL_S` seconds while waiting; once
+                it returns False, every unfinished request gets a failed event
+                (`ENGINE_DEAD_MESSAGE`).
+            heartbeat_s: when given, yields None after each `heartbeat_s` seconds without an
+                event (for keep-alive comments).
+        """
         remaining = len(self.ids)
+        finished: set[int] = set()
+        loop = asyncio.get_running_loop()
+        quiet_since = loop.time()
         while remaining:
-            index, event = await self._queue.get()
+            timeout = ENGINE_CHECK_INTERVAL_S
+            if heartbeat_s is not None:
+                timeout = min(timeout, max(0.0, quiet_since + heartbeat_s - loop.time()))
+            try:
+                index, event = await asyncio.wait_for(self._queue.get(), timeout)
+            except asyncio.TimeoutError:
+                if not engine_alive() and self._queue.empty():
+                    for index in range(len(self.ids)):
+                        if index not in finished:
+                            self._queue.put_nowait((index, StreamEvent(self.ids[index], EventType.FAILED,
+                                                                       error=ENGINE_DEAD_MESSAGE)))
+                            finished.add(index)
+                if heartbeat_s is not None and loop.time() - quiet_since >= heartbeat_s:
+                    quiet_since = loop.time()
+                    yield None
+                continue
+            quiet_since = loop.time()
             if event.type.is_final:
+                finished.add(index)
                 remaining -= 1
                 self._unreported.discard(index)
                 if event.output is not None:
@@ -424,10 +524,11 @@ class _RequestGroup:
                     self._metrics.observe_abandoned(1, outcome="failed")
             yield index, event
 
-    async def wait_all(self) -> list[StreamEvent]:
-        """The final event of every request, by image index."""
+    async def wait_all(self, engine_alive: Callable[[], bool] = lambda: True) -> list[StreamEvent]:
+        """The final event of every request, by image index (see `events`)."""
         finals: list[StreamEvent | None] = [None] * len(self.ids)
-        async for index, event in self.events():
+        async for item in self.events(engine_alive):
+            index, event = item  # type: ignore[misc]
             if event.type.is_final:
                 finals[index] = event
         return finals  # type: ignore[return-value]

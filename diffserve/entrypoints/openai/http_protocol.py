@@ -15,8 +15,10 @@ without the end of the body, is kept forever, and there is no bound on open conn
   it open); then ``408`` and close. The route sees a disconnect (``diffserve.body_timeout`` is
   set in its ASGI scope).
 - **Connection limit**: past `ConnectionLimits.max_connections` open connections a new one is
-  answered ``503`` with ``Retry-After`` and closed at once, so file descriptors are never
-  exhausted and kept connections keep answering.
+  answered ``503`` with ``Retry-After`` and closed, so file descriptors are never exhausted and
+  kept connections keep answering. The refusal half-closes first and discards what the client
+  sends for up to `REFUSAL_LINGER_S` seconds (at most `MAX_LINGERING` such connections at
+  once; past that it closes at once), so the client reads the 503 instead of a reset.
 - **Half-closed clients**: a client that sent a complete request and then shut down its
   sending side (``shutdown(SHUT_WR)``) still gets its full response (then the connection is
   closed); uvicorn treats that EOF as a disconnect. An EOF in the middle of a request, or a
@@ -46,6 +48,10 @@ logger = logging.getLogger(__name__)
 BODY_TIMEOUT_KEY = "diffserve.body_timeout"
 #: Seconds between two log lines of the same connection-level message.
 LOG_INTERVAL_S = 10.0
+#: Seconds a refused connection is kept half-closed so its client can read the 503.
+REFUSAL_LINGER_S = 1.0
+#: Most refused connections kept half-closed at once.
+MAX_LINGERING = 64
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,7 @@ class GuardedH11Protocol(H11Protocol):
     the class attribute `limits` (see `protocol_class`)."""
 
     limits: ClassVar[ConnectionLimits] = ConnectionLimits()
+    _lingering: ClassVar[int] = 0  # refused connections still half-open (all servers of the process)
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -144,6 +151,7 @@ class GuardedH11Protocol(H11Protocol):
         self._watched_cycle: Any = None
         self._pending_bytes = False  # bytes of a request whose headers are not complete yet
         self._refused = False
+        self._lingering_transport: asyncio.Transport | None = None
 
     # ------------------------------------------------------------------- asyncio protocol
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -153,7 +161,13 @@ class GuardedH11Protocol(H11Protocol):
                 503, "Service Unavailable",
                 f"the server has {self.limits.max_connections} open connections, its limit (--max-connections); "
                 "retry later", "too_many_connections", retry_after=1))
-            transport.close()
+            if GuardedH11Protocol._lingering < MAX_LINGERING and transport.can_write_eof():
+                GuardedH11Protocol._lingering += 1
+                self._lingering_transport = transport
+                transport.write_eof()  # FIN after the 503; read and drop what the client still sends
+                self.loop.call_later(REFUSAL_LINGER_S, transport.close)
+            else:
+                transport.close()
             _connection_log.warning("refused a connection: %d connections open (--max-connections %d)",
                                     len(self.server_state.connections), self.limits.max_connections)
             return
@@ -163,6 +177,9 @@ class GuardedH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         if self._refused:
+            if self._lingering_transport is not None:
+                self._lingering_transport = None
+                GuardedH11Protocol._lingering -= 1
             return
         super().connection_lost(exc)
 
@@ -175,6 +192,8 @@ class GuardedH11Protocol(H11Protocol):
         self._update_deadline()
 
     def eof_received(self) -> bool | None:
+        if self._refused:
+            return None
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete and not cycle.more_body and not cycle.disconnected:
             # Half-close after a complete request: answer it, then close the connection.

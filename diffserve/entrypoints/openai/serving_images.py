@@ -358,10 +358,17 @@ class ImageGenerationService:
         partial_counts = [0] * len(plan.params)
         completed = False
         common = dict(size=plan.size, quality=plan.quality, background="opaque", output_format=plan.output_format)
+        loop = asyncio.get_running_loop()
+        last_sent = loop.time()
+        # Ticks every heartbeat_s / 2 and a comment once heartbeat_s / 2 passed without bytes:
+        # never more than heartbeat_s seconds between two writes.
+        half = self.heartbeat_s / 2
         try:
-            async for item in group.events(self._engine_alive, heartbeat_s=self.heartbeat_s):
+            async for item in group.events(self._engine_alive, tick_s=half):
                 if item is None:
-                    yield HEARTBEAT
+                    if loop.time() - last_sent >= half:
+                        last_sent = loop.time()
+                        yield HEARTBEAT
                     continue
                 index, event = item
                 if event.type is EventType.PARTIAL and event.preview:
@@ -372,6 +379,7 @@ class ImageGenerationService:
                                                 **common)
                     partial_counts[index] += 1
                     yield _sse(partial.type, partial.model_dump())
+                    last_sent = loop.time()
                 elif event.type.is_final:
                     output = event.output
                     if output is not None and output.status is RequestStatus.FINISHED:
@@ -382,6 +390,7 @@ class ImageGenerationService:
                                               timings=output.metrics.as_dict(), **common)
                         self.metrics.observe_images(1)
                         yield _sse(done.type, done.model_dump())
+                        last_sent = loop.time()
                         continue
                     if watcher.disconnected:
                         return
@@ -482,38 +491,38 @@ class _RequestGroup:
                                                        error=f"{type(exc).__name__}: {exc}")))
 
     async def events(self, engine_alive: Callable[[], bool] = lambda: True,
-                     heartbeat_s: float | None = None) -> AsyncIterator[tuple[int, StreamEvent] | None]:
+                     tick_s: float | None = None) -> AsyncIterator[tuple[int, StreamEvent] | None]:
         """(image index, event) as they happen, until every request's final event.
 
         Args:
             engine_alive: checked every `ENGINE_CHECK_INTERVAL_S` seconds while waiting; once
                 it returns False, every unfinished request gets a failed event
                 (`ENGINE_DEAD_MESSAGE`).
-            heartbeat_s: when given, yields None after each `heartbeat_s` seconds without an
-                event (for keep-alive comments).
+            tick_s: when given, also yields None every `tick_s` seconds (a clock tick for
+                keep-alive comments), whether or not events came.
         """
         remaining = len(self.ids)
         finished: set[int] = set()
         loop = asyncio.get_running_loop()
-        quiet_since = loop.time()
+        next_tick = loop.time() + tick_s if tick_s is not None else float("inf")
         while remaining:
-            timeout = ENGINE_CHECK_INTERVAL_S
-            if heartbeat_s is not None:
-                timeout = min(timeout, max(0.0, quiet_since + heartbeat_s - loop.time()))
+            timeout = min(ENGINE_CHECK_INTERVAL_S, max(0.0, next_tick - loop.time()))
             try:
-                index, event = await asyncio.wait_for(self._queue.get(), timeout)
+                item: tuple[int, StreamEvent] | None = await asyncio.wait_for(self._queue.get(), timeout)
             except asyncio.TimeoutError:
+                item = None
                 if not engine_alive() and self._queue.empty():
                     for index in range(len(self.ids)):
                         if index not in finished:
                             self._queue.put_nowait((index, StreamEvent(self.ids[index], EventType.FAILED,
                                                                        error=ENGINE_DEAD_MESSAGE)))
                             finished.add(index)
-                if heartbeat_s is not None and loop.time() - quiet_since >= heartbeat_s:
-                    quiet_since = loop.time()
-                    yield None
+            if tick_s is not None and loop.time() >= next_tick:
+                next_tick = loop.time() + tick_s
+                yield None
+            if item is None:
                 continue
-            quiet_since = loop.time()
+            index, event = item
             if event.type.is_final:
                 finished.add(index)
                 remaining -= 1

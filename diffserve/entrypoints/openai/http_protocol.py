@@ -22,8 +22,13 @@ without the end of the body, is kept forever, and there is no bound on open conn
 - **Half-closed clients**: a client that sent a complete request and then shut down its
   sending side (``shutdown(SHUT_WR)``) still gets its full response (then the connection is
   closed); uvicorn treats that EOF as a disconnect. An EOF in the middle of a request, or a
-  reset, is still a disconnect. A client that half-closes and then goes away is only noticed
-  when its response is written.
+  reset, is still a disconnect. TCP cannot tell a half-close from a full close until the
+  server writes (a closed client's kernel answers data with a reset), so after such an EOF
+  the connection is probed: before the response starts with two ``100 Continue`` interim
+  responses `EOF_PROBE_DELAY_S` apart (clients skip 1xx responses, RFC 9110 section 15.2); a
+  client that really went away makes the second write fail, which is a disconnect (its
+  request is aborted). Once a response streams, ``CLIENT_EOF_KEY`` in the ASGI scope tells the
+  route to probe with its own writes (the SSE route sends keep-alive comments).
 - **Bounded logging**: connection-level messages (timeouts, refused connections, uvicorn's
   ``Invalid HTTP request received.``) are rate-limited per message: at most one line per
   `LOG_INTERVAL_S` seconds, the next one saying how many were suppressed. No traceback is
@@ -40,12 +45,17 @@ import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 logger = logging.getLogger(__name__)
 
 #: ASGI scope key set on a request whose body did not arrive within the body timeout.
 BODY_TIMEOUT_KEY = "diffserve.body_timeout"
+#: ASGI scope key set when the client closed its sending side after a complete request.
+CLIENT_EOF_KEY = "diffserve.client_eof"
+#: Seconds between the two ``100 Continue`` probes after a client's EOF.
+EOF_PROBE_DELAY_S = 0.2
 #: Seconds between two log lines of the same connection-level message.
 LOG_INTERVAL_S = 10.0
 #: Seconds a refused connection is kept half-closed so its client can read the 503.
@@ -196,10 +206,24 @@ class GuardedH11Protocol(H11Protocol):
             return None
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete and not cycle.more_body and not cycle.disconnected:
-            # Half-close after a complete request: answer it, then close the connection.
+            # Half-close (or a full close) after a complete request: answer it, then close.
             cycle.keep_alive = False
+            cycle.scope[CLIENT_EOF_KEY] = True  # type: ignore[typeddict-unknown-key]
+            self._probe(cycle)
+            self.loop.call_later(EOF_PROBE_DELAY_S, self._probe, cycle)
             return True  # keep the transport open for writing
         return None  # idle or mid-request: the transport closes (a disconnect)
+
+    def _probe(self, cycle: Any) -> None:
+        """Write a ``100 Continue`` interim response while the final one has not started; a
+        write to a client that closed fails and ends the connection (a disconnect)."""
+        if cycle is not self.cycle or cycle.disconnected or cycle.response_started or self.transport.is_closing():
+            return
+        try:
+            self.transport.write(self.conn.send(h11.InformationalResponse(status_code=100, headers=[],
+                                                                          reason=b"Continue")))
+        except h11.LocalProtocolError:
+            pass
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

@@ -45,6 +45,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from diffserve.engine.async_engine import AsyncDiffusionEngine
+from diffserve.entrypoints.openai.http_protocol import CLIENT_EOF_KEY
 from diffserve.entrypoints.openai.errors import (
     CLIENT_CLOSED_REQUEST,
     APIError,
@@ -78,8 +79,14 @@ DEFAULT_HEARTBEAT_S = 15.0
 HEARTBEAT = ": keep-alive\n\n"
 #: Seconds between checks that the engine loop is alive while a request waits on it.
 ENGINE_CHECK_INTERVAL_S = 0.5
+#: Seconds between the keep-alive comments probing a streaming client after its EOF.
+EOF_PROBE_INTERVAL_S = 0.25
 #: Message of requests failed because the engine loop died.
 ENGINE_DEAD_MESSAGE = "the engine loop stopped unexpectedly; the server cannot generate images (see the server log)"
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop thread stopped: nothing will be generated."""
 
 
 @dataclass
@@ -162,6 +169,8 @@ class ImageGenerationService:
             if self._is_draining():
                 raise unavailable("the server is shutting down and accepts no new requests", "shutting_down") from None
             raise overloaded(exc) from None
+        except EngineDeadError:
+            raise unavailable(ENGINE_DEAD_MESSAGE, "engine_dead") from None
         watcher = _DisconnectWatcher(raw_request.receive, group.abort)
         watcher.start()
         if body.user or body.safety_identifier:
@@ -307,7 +316,7 @@ class ImageGenerationService:
                 self._reserved -= n
 
         try:
-            await group.submit(on_queued=release)
+            await group.submit(on_queued=release, engine_alive=self._engine_alive)
         finally:
             release()
 
@@ -360,13 +369,17 @@ class ImageGenerationService:
         common = dict(size=plan.size, quality=plan.quality, background="opaque", output_format=plan.output_format)
         loop = asyncio.get_running_loop()
         last_sent = loop.time()
-        # Ticks every heartbeat_s / 2 and a comment once heartbeat_s / 2 passed without bytes:
-        # never more than heartbeat_s seconds between two writes.
+        # A comment once heartbeat_s / 2 passed without a write (ticks come at least that
+        # often): never more than heartbeat_s seconds between two writes. After the client's
+        # EOF (a half-close, or a close), two comments right away probe whether it is still there.
         half = self.heartbeat_s / 2
+        probes = 0
         try:
-            async for item in group.events(self._engine_alive, tick_s=half):
+            async for item in group.events(self._engine_alive, tick_s=min(half, EOF_PROBE_INTERVAL_S)):
                 if item is None:
-                    if loop.time() - last_sent >= half:
+                    probe = probes < 2 and raw_request.scope.get(CLIENT_EOF_KEY, False)
+                    if probe or loop.time() - last_sent >= half:
+                        probes += bool(probe)
                         last_sent = loop.time()
                         yield HEARTBEAT
                     continue
@@ -443,17 +456,21 @@ class _RequestGroup:
         self._queue: asyncio.Queue[tuple[int, StreamEvent]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
 
-    async def submit(self, on_queued: Callable[[], None] | None = None) -> None:
+    async def submit(self, on_queued: Callable[[], None] | None = None,
+                     engine_alive: Callable[[], bool] = lambda: True) -> None:
         """Queue every request in the engine, one right after the other on the event loop.
 
         Args:
             on_queued: called (on the event loop) once every request was handed to the engine,
                 before their first events arrive.
+            engine_alive: checked every `ENGINE_CHECK_INTERVAL_S` seconds while waiting for the
+                first events.
 
         Raises:
             InvalidRequestError / EngineOverloadedError: from the engine; then none of the
                 requests stays queued (those already queued are aborted; the engine drops them
                 at its next step) and none is counted in the metrics.
+            EngineDeadError: the engine loop stopped before the first events came.
         """
         plan = self._plan
         gens = [self._engine.generate(plan.prompt, params, request_id=rid, preview_steps=plan.preview_steps)
@@ -468,7 +485,13 @@ class _RequestGroup:
         gathered = asyncio.gather(*(first_event(g) for g in gens), return_exceptions=True)
         if on_queued is not None:
             asyncio.get_running_loop().call_soon(on_queued)
-        results = await gathered
+        while not (await asyncio.wait({gathered}, timeout=ENGINE_CHECK_INTERVAL_S))[0]:
+            if not engine_alive():
+                gathered.cancel()  # the generators' cleanup aborts their requests
+                await asyncio.gather(gathered, return_exceptions=True)
+                self._unreported.clear()
+                raise EngineDeadError(ENGINE_DEAD_MESSAGE)
+        results = gathered.result()
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             for gen, result in zip(gens, results):

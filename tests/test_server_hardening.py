@@ -435,3 +435,41 @@ def test_url_links_ignore_client_host_headers(engine):
         link = httpx.post(f"{base}/v1/images/generations", json=body, headers=spoof).json()["data"][0]["url"]
         assert link.startswith("https://images.example.com/gen/v1/images/files/")
         assert httpx.get(base + link.removeprefix("https://images.example.com/gen")).status_code == 200
+
+
+# ------------------------------------------------------------------- 14: OpenAPI schema
+def test_openapi_states_the_enforced_limits_and_content_types(engine):
+    import re
+
+    with serve(create_app(engine, "m")) as base:
+        spec = httpx.get(f"{base}/openapi.json").json()
+        post = spec["paths"]["/v1/images/generations"]["post"]
+        body = post["requestBody"]["content"]["application/json"]["schema"]["properties"]
+
+        def branch(prop):
+            return next(b for b in prop.get("anyOf", [prop]) if b.get("type") != "null")
+
+        assert body["prompt"]["minLength"] == 1 and body["prompt"]["maxLength"] == 32000
+        prompt_re = re.compile(body["prompt"]["pattern"])
+        assert prompt_re.search("a cat\tsitting\n") and not prompt_re.search("   ")
+        assert not prompt_re.search("a\x00b") and not prompt_re.search("\x1b[31m")
+        assert branch(body["n"])["minimum"] == 1 and branch(body["n"])["maximum"] == 10
+        assert branch(body["num_inference_steps"]) == {"type": "integer", "minimum": 1, "maximum": LONG_STEPS}
+        assert branch(body["guidance_scale"])["maximum"] == 100
+        size_re = re.compile(branch(body["size"])["pattern"])  # the tiny model: multiples of 16 up to 512
+        for size, ok in (("auto", True), ("16x512", True), ("64X48", True), ("65x64", False), ("528x16", False),
+                         ("0x16", False), ("abc", False)):
+            assert bool(size_re.search(size)) is ok, size
+        assert body["svg"]["type"] == "null" and branch(body["background"])["enum"] == ["auto", "opaque"]
+        content = post["responses"]["200"]["content"]
+        assert set(content) == {"application/json", "text/event-stream"}
+        assert content["text/event-stream"]["schema"]["properties"]["event"]["enum"] == [
+            "image_generation.partial_image", "image_generation.completed", "error"]
+        assert {"400", "401", "404", "408", "413", "415", "429", "500", "503"} <= set(post["responses"])
+        assert set(spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+        assert httpx.get(f"{base}/metrics").headers["content-type"].startswith("text/plain")
+        # what the schema allows is accepted: integral numbers are integers, seeds wrap around
+        resp = httpx.post(f"{base}/v1/images/generations",
+                          json={"prompt": "x", "n": 2.0, "seed": 2**63 - 1, "num_inference_steps": 1.0})
+        assert resp.status_code == 200, resp.text
+        assert [d["seed"] for d in resp.json()["data"]] == [2**63 - 1, 0]

@@ -193,7 +193,7 @@ def build_parser() -> _ArgumentParser:
     gen.add_argument("--negative-prompt", default=None, metavar="TEXT",
                      help="text for the unconditional CFG branch (default: empty)")
     gen.add_argument("-n", "--num-images", type=int, default=1, metavar="N",
-                     help="images to generate, 1-10; image i uses seed SEED+i")
+                     help="images to generate, 1-10; image i uses seed SEED+i (mod 2**63)")
     gen.add_argument("--steps", type=int, default=None, metavar="S",
                      help="num_inference_steps, 1-200 (default: the model's; 20 for the built-in model)")
     gen.add_argument("--guidance", type=float, default=None, metavar="G",
@@ -305,14 +305,14 @@ def check_generate_arguments(args: argparse.Namespace, parser: argparse.Argument
     n = args.num_images
     if not 1 <= n <= limits.max_num_images_per_prompt:
         raise InvalidRequestError("num_images", n, f"an integer in [1, {limits.max_num_images_per_prompt}]")
-    if args.seed is not None and not 0 <= args.seed <= MAX_SEED - n + 1:
-        raise InvalidRequestError("seed", args.seed, f"an integer in [0, {MAX_SEED - n + 1}] (image i uses seed + i)")
-    # one request per image, seeds seed, seed+1, ...: every file reproduces alone from its seed
+    if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
+        raise InvalidRequestError("seed", args.seed, f"an integer in [0, {MAX_SEED}]")
+    # one request per image, seeds seed, seed+1, ... (mod 2**63): every file reproduces alone from its seed
     # (the HTTP server's `n` does the same); the engine batches them.
     params = [
         SamplingParams(negative_prompt=args.negative_prompt, height=height, width=width,
                        num_inference_steps=args.steps, guidance_scale=args.guidance,
-                       seed=None if args.seed is None else args.seed + i)
+                       seed=None if args.seed is None else (args.seed + i) % (MAX_SEED + 1))
         for i in range(n)
     ]
     # The model-independent range checks (steps, guidance, seed, negative prompt, size > 0);

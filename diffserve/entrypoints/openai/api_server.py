@@ -48,7 +48,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
@@ -75,7 +75,9 @@ from diffserve.entrypoints.openai.protocol import (
     ImageGenerationRequest,
     ImagesResponse,
     ModelCard,
+    SSE_EVENT_SCHEMA,
     ModelList,
+    request_json_schema,
 )
 from diffserve.entrypoints.openai.serving_images import (
     CLIENT_DISCONNECTED_KEY,
@@ -390,14 +392,17 @@ def create_app(
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"],
                            expose_headers=["X-Request-Id", "Retry-After"])
-    errors = {code: {"model": ErrorResponse} for code in (400, 404, 413, 429, 500, 503)}
+    auth = {401: {"model": ErrorResponse, "description": "Missing or wrong API key (with --api-key)"}}
+    errors = {code: {"model": ErrorResponse} for code in (400, 404, 408, 413, 415, 429, 500, 503)}
+    sse = {"schema": SSE_EVENT_SCHEMA}
 
     @app.post(
         GENERATIONS_PATH,
         response_model=ImagesResponse,
-        responses={**errors, 200: {"description": "An ImagesResponse, or a text/event-stream when stream=true"}},
+        responses={**errors, **auth, 200: {"description": "An ImagesResponse, or a text/event-stream when "
+                                                          "stream=true", "content": {"text/event-stream": sse}}},
         openapi_extra={"requestBody": {"required": True, "content": {
-            "application/json": {"schema": ImageGenerationRequest.model_json_schema()}}}},
+            "application/json": {"schema": request_json_schema()}}}},
     )
     async def create_image(raw_request: Request) -> Response:
         """Generate images (OpenAI Images API, plus diffserve's extension fields)."""
@@ -409,7 +414,11 @@ def create_app(
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return await service.create(body, raw_request)
 
-    @app.get("/v1/images/files/{name}", responses={404: {"model": ErrorResponse}})
+    images = {"content": {media: {"schema": {"type": "string", "format": "binary"}}
+                          for media in ("image/png", "image/jpeg", "image/webp")}, "description": "The image"}
+
+    @app.get("/v1/images/files/{name}", response_class=Response,
+             responses={200: images, 404: {"model": ErrorResponse}, **(auth if api_key_protect_all else {})})
     async def get_image_file(name: str) -> Response:
         """An image of a ``response_format="url"`` response, until it expires."""
         image = state.store.get(name)
@@ -421,30 +430,46 @@ def create_app(
     def model_card() -> ModelCard:
         return ModelCard(id=state.model_name, created=state.created)
 
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList, responses=auth)
     async def list_models() -> ModelList:
         """The served model."""
         return ModelList(data=[model_card()])
 
-    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}, **auth})
     async def get_model(model_id: str) -> ModelCard:
         """The served model by name; 404 for any other name."""
         if model_id != state.model_name:
             raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
         return model_card()
 
-    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    open_routes_auth = auth if api_key_protect_all else {}
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}, **open_routes_auth})
     async def health() -> JSONResponse:
         """200 when the model is loaded and requests are admitted; 503 otherwise."""
         state.require_service()
         return JSONResponse({"status": "ok", "model": state.model_name})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"description": "Prometheus text exposition format",
+              "content": {"text/plain": {"schema": {"type": "string"}}}}, **open_routes_auth})
     async def prometheus_metrics() -> Response:
         """Prometheus exposition of the server's metrics."""
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+    default_openapi = app.openapi
+
+    def openapi() -> dict:
+        """The OpenAPI schema, with the loaded model's limits in the request body schema."""
+        app.openapi_schema = None  # rebuilt on each request: the limits are known once loaded
+        schema = default_openapi()
+        if state.images is not None:
+            body = schema["paths"][GENERATIONS_PATH]["post"]["requestBody"]["content"]["application/json"]
+            body["schema"] = state.images.request_schema()
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 

@@ -1,7 +1,7 @@
 """``POST /v1/images/generations``: a validated request becomes ``n`` engine requests, whose
 events become one JSON response or a stream of Server-Sent Events.
 
-- Image ``i`` of a request is its own engine request with seed ``seed + i`` (``seed`` drawn at
+- Image ``i`` of a request is its own engine request with seed ``(seed + i) mod 2**63`` (``seed`` drawn at
   random when not given), so each image is reproducible alone with ``n=1`` and its seed. The
   ``n`` requests are submitted together and share denoising steps (same batch key).
 - Everything a client can get wrong is checked before anything is queued (400), ``n`` included:
@@ -64,6 +64,7 @@ from diffserve.entrypoints.openai.protocol import (
     PartialImageEvent,
     parse_size,
     preview_steps,
+    request_json_schema,
 )
 from diffserve.errors import EngineOverloadedError, InvalidRequestError
 from diffserve.outputs import EventType, GenerationOutput, RequestStatus, StreamEvent
@@ -226,14 +227,12 @@ class ImageGenerationService:
                 seed = sync_engine.config.default_seed
             else:
                 seed = secrets.randbelow(2**31)
-            if seed + n - 1 > MAX_SEED:
-                raise InvalidRequestError("seed", seed, f"an integer in [0, {MAX_SEED - n + 1}] when n={n} "
-                                                        "(image i uses seed + i)")
             prompt = validate_prompt(body.prompt, spec)
             params = [
                 SamplingParams(negative_prompt=body.negative_prompt, num_images_per_prompt=1, height=height,
                                width=width, num_inference_steps=body.num_inference_steps,
-                               guidance_scale=body.guidance_scale, seed=seed + i, output_type="pil")
+                               guidance_scale=body.guidance_scale, seed=(seed + i) % (MAX_SEED + 1),
+                               output_type="pil")
                 for i in range(n)
             ]
             resolved = [p.resolve(spec, limits) for p in params]  # every check, before any allocation
@@ -283,6 +282,12 @@ class ImageGenerationService:
             return ""
         host, port = server
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    def request_schema(self) -> dict:
+        """JSON schema of the request body with this server's model and engine limits."""
+        config = self.engine.engine.config
+        return request_json_schema(self.engine.engine.runner.spec, config.limits,
+                                   min(config.limits.max_num_images_per_prompt, config.max_waiting_requests))
 
     def _engine_alive(self) -> bool:
         return self.engine.is_running

@@ -23,6 +23,7 @@ from PIL import Image
 from diffserve import AsyncDiffusionEngine, EngineConfig
 from diffserve.entrypoints.cli import build_parser
 from diffserve.entrypoints.openai.api_server import create_app
+from diffserve.entrypoints.openai import http_protocol
 from diffserve.entrypoints.openai.http_protocol import ConnectionLimits, RateLimitedLogger
 from diffserve.entrypoints.openai.image_store import ImageStore, StoreFullError
 from diffserve.entrypoints.openai.server_options import check_server_arguments
@@ -183,6 +184,7 @@ def test_connection_limit_refuses_with_503_and_logs_bounded(engine):
     old_level = log.level
     log.setLevel(logging.INFO)
     limits = ConnectionLimits(max_connections=4, header_timeout_s=30)
+    http_protocol._connection_log.reset()
     try:
         with serve(create_app(engine, "m"), limits=limits) as base:
             address = _host_port(base)
@@ -200,6 +202,27 @@ def test_connection_limit_refuses_with_503_and_logs_bounded(engine):
         log.setLevel(old_level)
     refused = [r for r in records if "refused a connection" in r.getMessage()]
     assert 1 <= len(refused) <= 2, [r.getMessage() for r in records]  # 21+ refusals, rate-limited lines
+    assert not [r for r in records if r.exc_info]
+
+
+def test_invalid_requests_flood_logs_bounded(engine):
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    log = logging.getLogger("uvicorn.error")
+    try:
+        with serve(create_app(engine, "m")) as base:
+            log.addHandler(handler)  # after uvicorn configured its loggers
+            http_protocol._uvicorn_log.reset()
+            for _ in range(30):
+                with socket.create_connection(_host_port(base)) as conn:
+                    conn.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+                    assert _read_until_closed(conn).startswith(b"HTTP/1.1 400")
+            assert httpx.get(f"{base}/health").status_code == 200
+    finally:
+        log.removeHandler(handler)
+    invalid = [r for r in records if "Invalid HTTP request" in r.getMessage()]
+    assert 1 <= len(invalid) <= 2, [r.getMessage() for r in records]
     assert not [r for r in records if r.exc_info]
 
 

@@ -119,6 +119,12 @@ class RateLimitedLogger:
             msg = f"{msg} (and {suppressed} more like it in the last {self._interval_s:g}s)"
         self._wrapped.log(level, msg, *args, **kwargs)
 
+    def reset(self) -> None:
+        """Forget which messages were logged when (the next of each gets through)."""
+        with self._lock:
+            self._last.clear()
+            self._suppressed.clear()
+
     def debug(self, msg: str, *args: Any, **kwargs: Any) -> None:
         self.log(logging.DEBUG, msg, *args, **kwargs)
 
@@ -133,6 +139,8 @@ class RateLimitedLogger:
 
 
 _connection_log = RateLimitedLogger(logger)
+#: uvicorn's own connection-level log, shared by every connection so the limit is per server.
+_uvicorn_log = RateLimitedLogger(logging.getLogger("uvicorn.error"))
 
 
 def _raw_error_response(status: int, reason: str, message: str, code: str, retry_after: int | None = None) -> bytes:
@@ -155,7 +163,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.logger = RateLimitedLogger(self.logger)  # type: ignore[assignment]
+        self.logger = _uvicorn_log  # type: ignore[assignment]
         self._timer: asyncio.TimerHandle | None = None
         self._timer_kind: str | None = None
         self._watched_cycle: Any = None

@@ -89,13 +89,13 @@ class Setting:
         self.params_fn = params_fn
         self.timers = {"denoise": 0.0, "encode": 0.0}
         runner = self.engine.runner
-        runner.execute_step = self._timed(runner.execute_step, "denoise")
+        runner.step = self._timed(runner.step, "denoise")
         runner.prepare = self._timed(runner.prepare, "encode")  # prompt encoding dominates prepare
         self.engine.generate([f"warm-up {k}" for k in range(warm_requests)],
                              [params_fn(10**6 + k, 2) for k in range(warm_requests)])
 
     def _timed(self, fn, key):
-        depth = [0]  # execute_step recurses (one request per forward): count the outer call
+        depth = [0]  # count the outermost call only (one request per forward): count the outer call
 
         def wrapper(*args, **kwargs):
             start = time.perf_counter()

@@ -41,7 +41,6 @@ from diffserve import DiffusionEngine, EngineConfig, SamplingParams
 from diffserve.pipelines.registry import adapter_class
 from diffserve.runner.loader import load_components
 from diffserve.runner.model_runner import ModelRunner
-from diffserve.runner.step_batch import StepBatch
 from diffserve.pipelines.base import RequestState
 from diffserve.sampling_params import RequestLimits
 
@@ -158,9 +157,10 @@ def time_forward(runner: ModelRunner, rows: int, steps: int, size: tuple[int, in
                             height=size[0], width=size[1])
     limits = RequestLimits(max_num_images_per_prompt=rows, max_pixels=runner.config.max_pixels,
                            max_num_inference_steps=runner.config.max_num_inference_steps)
-    state = RequestState("bench", "a handwritten digit 3", params.resolve(runner.spec, limits))
-    runner.prepare(state)
-    batch = StepBatch.gather(adapter, [state])
+    state = RequestState("bench", "a handwritten digit 3", params.resolve(adapter.spec, limits))
+    with torch.inference_mode():
+        adapter.prepare(state)
+    batch = adapter.collate([state])
     with torch.inference_mode():
         adapter.denoise(batch)
         t = time.perf_counter()
@@ -176,13 +176,14 @@ def engine_overhead(runner: ModelRunner, engine: DiffusionEngine, steps: int, gu
                             height=size[0], width=size[1])
     bare = []
     for _ in range(3):
-        state = RequestState("bare", "digit 5", params.resolve(runner.spec, runner.config.limits))
-        runner.prepare(state)
+        adapter = runner.adapter
+        state = RequestState("bare", "digit 5", params.resolve(adapter.spec, runner.config.limits))
         with torch.inference_mode():
+            adapter.prepare(state)
             t = time.perf_counter()
             while not state.done:
-                batch = StepBatch.gather(runner.adapter, [state])
-                runner.adapter.step(state, runner.adapter.denoise(batch))
+                batch = adapter.collate([state])
+                adapter.step(batch, adapter.combine(batch, adapter.denoise(batch)))
             bare.append((time.perf_counter() - t) / steps)
     served = []
     for _ in range(3):
@@ -233,13 +234,13 @@ def main() -> None:
     rate = args.request_rate
     if rate == "auto":
         probe_args = argparse.Namespace(**{**vars(args), "request_rate": None})
-        probe = run_engine(DiffusionEngine(config, runner=runner), "probe", make_workload(probe_args, runner.spec),
+        probe = run_engine(DiffusionEngine(config, runner=runner), "probe", make_workload(probe_args, runner.adapter.spec),
                            args.concurrency or 16)
         rate = 0.8 * probe.throughput
         print(f"step-mode capacity {probe.throughput:.2f} req/s -> Poisson rate {rate:.2f} req/s (80%)")
     args.request_rate = float(rate) if rate else None
     concurrency = None if args.request_rate else args.concurrency
-    jobs = make_workload(args, runner.spec)
+    jobs = make_workload(args, runner.adapter.spec)
     load = f"Poisson {args.request_rate:.2f} req/s" if args.request_rate else f"concurrency {concurrency}"
     print(f"model={config.model_path.name} load_format={args.load_format} device={config.torch_device} "
           f"threads={torch.get_num_threads()} requests={len(jobs)} steps={args.steps} guidance={args.guidance} "

@@ -26,6 +26,9 @@ _EXPORTS = {
     "EngineOverloadedError": "diffserve.errors",
     "UnsupportedModelError": "diffserve.errors",
     "RequestFailedError": "diffserve.errors",
+    "EngineDeadError": "diffserve.errors",
+    "NonFiniteOutputError": "diffserve.errors",
+    "RequestInputs": "diffserve.pipelines.base",
 }
 __all__ = list(_EXPORTS)
 
@@ -34,12 +37,15 @@ if TYPE_CHECKING:
     from diffserve.engine.async_engine import AsyncDiffusionEngine
     from diffserve.engine.engine import DiffusionEngine
     from diffserve.errors import (
+        EngineDeadError,
         EngineOverloadedError,
+        NonFiniteOutputError,
         InvalidRequestError,
         RequestFailedError,
         UnsupportedModelError,
     )
     from diffserve.outputs import EventType, GenerationOutput, RequestMetrics, RequestStatus, StreamEvent
+    from diffserve.pipelines.base import RequestInputs
     from diffserve.sampling_params import SamplingParams
 
 

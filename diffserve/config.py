@@ -12,7 +12,8 @@ from diffserve.errors import InvalidRequestError
 from diffserve.sampling_params import MAX_SEED, RequestLimits
 
 EXECUTION_MODES = ("step", "request")
-LOAD_FORMATS = ("default", "dummy")
+EXECUTORS = ("auto", "inprocess", "multiprocess")
+LOAD_FORMATS = ("default", "dummy", "custom_pipeline")
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
@@ -27,7 +28,11 @@ class EngineConfig:
         device: ``"auto"`` (cuda if available, else cpu), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
         dtype: ``"auto"`` (bf16 on cuda, fp32 on cpu), ``"fp32"``, ``"bf16"``, ``"fp16"``.
         load_format: ``"default"`` reads the weights; ``"dummy"`` builds every model from its
-            config with seeded random weights (no weight file read).
+            config with seeded random weights (no weight file read); ``"custom_pipeline"``
+            reads the weights into the class named by `custom_pipeline` (as vLLM-Omni's runner).
+        custom_pipeline: ``"package.module:ClassName"``: a `PipelineAdapter` subclass
+            (served with step batching) or a pipeline class with a diffusers-style ``__call__``
+            (served whole-request, one step at a time); None = the folder's own class.
         max_batch_size: most transformer rows in one denoising step (a request with CFG on
             takes 2 x num_images_per_prompt rows); also the most rows admitted at once.
         max_waiting_requests: bound of the waiting queue; past it `add_request` raises
@@ -40,6 +45,10 @@ class EngineConfig:
         num_threads: torch intra-op threads to set (None leaves torch's default).
         prompt_embed_cache_size: entries of the prompt-embedding LRU (0 = off); see
             `diffserve.acceleration.prompt_embed_cache`.
+        prompt_embed_cache_bytes: bound of that cache in bytes of tensor storage (default
+            256 MiB).
+        overlap_stages: run prompt encoding and VAE decode on a side thread, overlapping the
+            denoising steps of other requests (False: inline, in a deterministic order).
         cache_backend: step caching: ``"none"``, ``"teacache"`` or ``"cache_dit"`` (see
             `diffserve.acceleration`); its state is reset at the start of every request.
         cache_config: options of the cache backend (keys of `TeaCacheConfig` /
@@ -47,15 +56,24 @@ class EngineConfig:
         compile: regional ``torch.compile`` of the denoiser's repeated blocks, warmed up at
             startup (falls back to eager with a warning if compiling fails).
         compile_vae: also compile the VAE decoder (only with ``compile``).
-        context_folding: run identical placeholder context tokens (SD3 without T5: 256 zero
-            rows) as one token with a +log(k) attention bias; same images within float
-            rounding, far less compute (see `diffserve.acceleration.context_folding`).
+        cfg_parallel_size: ranks splitting each forward's rows (2: one guidance branch each;
+            `diffserve.parallel.cfg`).
+        ulysses_degree: ranks splitting each forward's token sequence (Ulysses;
+            `diffserve.parallel.ulysses`). cfg_parallel_size x ulysses_degree worker processes.
+        executor: ``"auto"`` (in-process for one rank, multi-process otherwise),
+            ``"inprocess"`` or ``"multiprocess"`` (workers in child processes even for one rank).
+        cuda_graphs: replay the denoiser forward from CUDA graphs captured per row bucket
+            (`diffserve.acceleration.cuda_graphs`); CUDA devices only, not with a cache backend.
+        context_folding: let a family run identical placeholder context tokens as one token
+            (SD3 without T5: the 256 zero rows, with a +log(k) attention bias); same images
+            within float rounding, far less compute.
     """
 
     model: str | None = None
     device: str = "auto"
     dtype: str = "auto"
     load_format: str = "default"
+    custom_pipeline: str | None = None
     max_batch_size: int = 16
     max_waiting_requests: int = 1024
     execution_mode: str = "step"
@@ -65,10 +83,16 @@ class EngineConfig:
     max_num_images_per_prompt: int = 10
     num_threads: int | None = None
     prompt_embed_cache_size: int = 256
+    prompt_embed_cache_bytes: int = 256 << 20
+    overlap_stages: bool = True
     cache_backend: str = "none"
     cache_config: dict = field(default_factory=dict)
     compile: bool = False
     compile_vae: bool = False
+    cuda_graphs: bool = False
+    cfg_parallel_size: int = 1
+    ulysses_degree: int = 1
+    executor: str = "auto"
     context_folding: bool = True
 
     def __post_init__(self) -> None:
@@ -76,11 +100,21 @@ class EngineConfig:
             raise InvalidRequestError("execution_mode", self.execution_mode, f"one of {EXECUTION_MODES}")
         if self.load_format not in LOAD_FORMATS:
             raise InvalidRequestError("load_format", self.load_format, f"one of {LOAD_FORMATS}")
+        if self.custom_pipeline is not None and (not isinstance(self.custom_pipeline, str)
+                                                 or ":" not in self.custom_pipeline):
+            raise InvalidRequestError("custom_pipeline", self.custom_pipeline, "'package.module:ClassName' or None")
+        if self.load_format == "custom_pipeline" and self.custom_pipeline is None:
+            raise InvalidRequestError("custom_pipeline", None, "set when load_format is custom_pipeline")
         for name in ("max_batch_size", "max_waiting_requests", "max_num_inference_steps",
-                     "max_pixels", "max_num_images_per_prompt"):
+                     "max_pixels", "max_num_images_per_prompt", "cfg_parallel_size", "ulysses_degree"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidRequestError(name, value, "an integer >= 1")
+        if self.executor not in EXECUTORS:
+            raise InvalidRequestError("executor", self.executor, f"one of {EXECUTORS}")
+        if self.executor == "inprocess" and self.world_size > 1:
+            raise InvalidRequestError("executor", self.executor, "multiprocess or auto when cfg_parallel_size x "
+                                      "ulysses_degree > 1")
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise InvalidRequestError("model", self.model, "a path to a local diffusers folder, or None")
         if self.num_threads is not None and (not isinstance(self.num_threads, int)
@@ -96,7 +130,10 @@ class EngineConfig:
         size = self.prompt_embed_cache_size
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise InvalidRequestError("prompt_embed_cache_size", size, "an integer >= 0 (0 = off)")
-        for name in ("compile", "compile_vae", "context_folding"):
+        nbytes = self.prompt_embed_cache_bytes
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1:
+            raise InvalidRequestError("prompt_embed_cache_bytes", nbytes, "an integer >= 1 (bytes)")
+        for name in ("compile", "compile_vae", "context_folding", "overlap_stages", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(name, getattr(self, name), "true or false")
         if self.compile_vae and not self.compile:
@@ -104,6 +141,11 @@ class EngineConfig:
         from diffserve.acceleration import parse_cache_config
 
         parse_cache_config(self.cache_backend, self.cache_config)
+
+    @property
+    def world_size(self) -> int:
+        """Worker ranks: cfg_parallel_size x ulysses_degree."""
+        return self.cfg_parallel_size * self.ulysses_degree
 
     @property
     def model_path(self) -> Path:

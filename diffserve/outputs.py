@@ -61,12 +61,18 @@ class GenerationOutput:
     """Result of one request.
 
     Attributes:
-        images: per `SamplingParams.output_type`: list of PIL images, float32 numpy array
-            (N, H, W, C) in [0, 1], float tensor (N, C, H, W) in [0, 1], or latents. Empty
-            when the request failed or was aborted.
+        images: image models: per `SamplingParams.output_type`, a list of PIL images, a
+            float32 numpy array (N, H, W, C) in [0, 1], a float tensor (N, C, H, W) in [0, 1],
+            or latents. Empty when the request failed or was aborted, and for video models.
+        videos: video models: one entry per video (``num_images_per_prompt`` videos): a list
+            of PIL frames (``"pil"``), a uint8 numpy array (F, H, W, 3) (``"np"``), a uint8
+            tensor (F, H, W, 3) (``"pt"``), or latents. Empty for image models.
         seed: the seed actually used (reproduces the images).
-        prompt_truncated: the prompt was longer than the text encoder's limit and was cut.
-        status: finished, failed or aborted; `error` holds the message when failed.
+        prompt_truncated / negative_prompt_truncated: that text was longer than a text
+            encoder's limit and was cut.
+        status: finished, failed or aborted; `error` holds the message when failed and
+            `error_type` the failure's class name (e.g. ``"NonFiniteOutputError"``).
+        params: the resolved sampling params the request ran with (defaults filled in).
     """
 
     request_id: str
@@ -77,6 +83,10 @@ class GenerationOutput:
     metrics: RequestMetrics
     prompt_truncated: bool = False
     error: str | None = None
+    negative_prompt_truncated: bool = False
+    error_type: str | None = None
+    params: Any = None
+    videos: Any = field(default_factory=list)
 
     @property
     def ok(self) -> bool:

@@ -26,26 +26,51 @@ MAX_GUIDANCE_SCALE = 100.0
 class ModelSpec:
     """What a loaded model allows and defaults to (reported by its pipeline adapter).
 
+    A ``default_*`` of None means the model does not use that field: a request that sets it
+    gets an `InvalidRequestError` naming it (never silently ignored).
+
     Attributes:
         resolution_factor: height and width must be positive multiples of this many pixels
             (VAE spatial down-sampling x transformer patch size; 16 for SD3).
         default_height / default_width: pixels used when a request gives none.
-        default_num_inference_steps / default_guidance_scale: used when a request gives none.
+        default_num_inference_steps: used when a request gives none.
+        default_guidance_scale: ``guidance_scale`` default (CFG weight, or Flux-dev's embedded
+            guidance); None = not used by this model.
+        default_true_cfg_scale: ``true_cfg_scale`` default (Flux / Qwen-Image true CFG with a
+            negative prompt); None = not used.
+        default_max_sequence_length / max_sequence_length_limit: text-encoder token budget
+            (T5 / Qwen / UMT5) and its largest allowed value; None = not used.
         text_conditioned: whether an empty prompt is meaningless (rejected).
         max_prompt_tokens: the text encoder's token limit; longer prompts are truncated.
         max_height / max_width: largest size in pixels the denoiser supports (e.g. SD3's
             positional-embedding grid); None = no model limit.
+        pipeline: the diffusers pipeline class name (for messages).
+        default_num_frames: frames of a video model (None = an image model, ``num_frames``
+            not used); ``frame_factor`` k: num_frames must be k*m + 1 (Wan: 4); max_num_frames.
+        default_fps: frames per second of the output video.
+        accepts_images: the model takes input images (image-to-image / edit).
+        default_strength: img2img strength default (None = not used).
     """
 
     resolution_factor: int
     default_height: int
     default_width: int
     default_num_inference_steps: int
-    default_guidance_scale: float
+    default_guidance_scale: float | None
+    default_true_cfg_scale: float | None = None
+    default_max_sequence_length: int | None = None
+    max_sequence_length_limit: int | None = None
     text_conditioned: bool = True
     max_prompt_tokens: int | None = None
     max_height: int | None = None
     max_width: int | None = None
+    pipeline: str = "this model"
+    default_num_frames: int | None = None
+    frame_factor: int = 1
+    max_num_frames: int | None = None
+    default_fps: int | None = None
+    accepts_images: bool = False
+    default_strength: float | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +80,7 @@ class RequestLimits:
     max_num_inference_steps: int = 200
     max_pixels: int = 2048 * 2048
     max_num_images_per_prompt: int = 10
+    max_num_frames: int = 1025
 
 
 @dataclass
@@ -72,8 +98,16 @@ class SamplingParams:
             factor with height*width <= the engine's max pixel count.
         num_inference_steps: denoising steps, 1..limit; N runs exactly N transformer passes
             per CFG branch.
-        guidance_scale: classifier-free guidance weight (Ho & Salimans 2022), in [0, 100];
-            CFG is on when > 1 (as in diffusers).
+        guidance_scale: as the family's diffusers ``__call__`` means it, in [0, 100]: the
+            classifier-free guidance weight (Ho & Salimans 2022; CFG on when > 1) for SD / SDXL
+            / SD3 / Wan, the embedded guidance input for guidance-distilled Flux-dev.
+        true_cfg_scale: true-CFG weight with a real negative branch (Flux, Qwen-Image; on when
+            > 1 and a negative prompt is given, as in diffusers), in [0, 100].
+        max_sequence_length: token budget of the long text encoder (T5 / Qwen / UMT5).
+        num_frames / fps: video length in frames and playback rate (video models only).
+        strength: image-to-image strength in (0, 1]: the fraction of the schedule run on the
+            noised input image (requests with an input image only; None = the model's
+            default, e.g. diffusers' 0.6 for SD3 img2img).
         seed: integer in [0, 2**63-1]. The same seed gives byte-identical output on the same
             machine and thread count; None draws a random seed that is reported in the output.
         output_type: ``"pil"`` (list of PIL images), ``"np"`` (float32 array
@@ -87,13 +121,13 @@ class SamplingParams:
     width: int | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
+    true_cfg_scale: float | None = None
+    max_sequence_length: int | None = None
     seed: int | None = None
     output_type: str = "pil"
-
-    @property
-    def do_classifier_free_guidance(self) -> bool:
-        """True when the guidance scale turns CFG on (> 1), doubling the transformer rows."""
-        return self.guidance_scale is not None and self.guidance_scale > 1.0
+    num_frames: int | None = None
+    fps: int | None = None
+    strength: float | None = None
 
     def resolve(
         self,
@@ -107,20 +141,33 @@ class SamplingParams:
             InvalidRequestError: a field is out of range; the message names it and the range.
         """
         p = dataclasses.replace(self)
-        for name in ("num_images_per_prompt", "height", "width", "num_inference_steps", "seed"):
+        for name in ("num_images_per_prompt", "height", "width", "num_inference_steps", "seed",
+                     "max_sequence_length", "num_frames", "fps"):
             setattr(p, name, _as_int(getattr(p, name)))  # numpy / torch integer scalars welcome
-        if isinstance(p.guidance_scale, numbers.Real) and not isinstance(p.guidance_scale, bool):
-            p.guidance_scale = float(p.guidance_scale)
+        for name in ("guidance_scale", "true_cfg_scale", "strength"):
+            value = getattr(p, name)
+            if isinstance(value, numbers.Real) and not isinstance(value, bool):
+                setattr(p, name, float(value))
         if p.height is None:
             p.height = spec.default_height
         if p.width is None:
             p.width = spec.default_width
         if p.num_inference_steps is None:
             p.num_inference_steps = min(spec.default_num_inference_steps, limits.max_num_inference_steps)
-        if p.guidance_scale is None:
-            p.guidance_scale = spec.default_guidance_scale
         if p.seed is None:
             p.seed = default_seed if default_seed is not None else secrets.randbelow(2**31)
+        p.guidance_scale = _default_or_refuse(spec, "guidance_scale", p.guidance_scale,
+                                              spec.default_guidance_scale, "no guidance scale")
+        p.true_cfg_scale = _default_or_refuse(spec, "true_cfg_scale", p.true_cfg_scale,
+                                              spec.default_true_cfg_scale, "no true CFG")
+        p.max_sequence_length = _default_or_refuse(
+            spec, "max_sequence_length", p.max_sequence_length, spec.default_max_sequence_length,
+            "no long text encoder with a sequence-length setting")
+        p.num_frames = _default_or_refuse(spec, "num_frames", p.num_frames, spec.default_num_frames,
+                                          "an image model (no frames)")
+        p.fps = _default_or_refuse(spec, "fps", p.fps, spec.default_fps, "an image model (no fps)")
+        if p.strength is not None:  # left None when absent: only image inputs use a default
+            _default_or_refuse(spec, "strength", p.strength, spec.default_strength, "no image inputs (no strength)")
 
         _check_int("num_inference_steps", p.num_inference_steps, 1, limits.max_num_inference_steps)
         _check_int("num_images_per_prompt", p.num_images_per_prompt, 1, limits.max_num_images_per_prompt)
@@ -139,17 +186,46 @@ class SamplingParams:
                 f"{p.width}x{p.height}",
                 f"at most {limits.max_pixels} pixels (width x height)",
             )
-        g = p.guidance_scale
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) \
-                or not 0 <= g <= MAX_GUIDANCE_SCALE:
-            raise InvalidRequestError("guidance_scale", g, f"a finite number in [0, {MAX_GUIDANCE_SCALE:g}]")
-        p.guidance_scale = float(g)
+        for name in ("guidance_scale", "true_cfg_scale"):
+            g = getattr(p, name)
+            if g is None:
+                continue
+            if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) \
+                    or not 0 <= g <= MAX_GUIDANCE_SCALE:
+                raise InvalidRequestError(name, g, f"a finite number in [0, {MAX_GUIDANCE_SCALE:g}]")
+            setattr(p, name, float(g))
+        if p.max_sequence_length is not None:
+            _check_int("max_sequence_length", p.max_sequence_length, 1,
+                       spec.max_sequence_length_limit or p.max_sequence_length)
+        if p.num_frames is not None:
+            k = spec.frame_factor
+            top = min(spec.max_num_frames or limits.max_num_frames, limits.max_num_frames)
+            if not _is_int(p.num_frames) or not 1 <= p.num_frames <= top or (p.num_frames - 1) % k:
+                rule = f" of the form {k}*m + 1" if k > 1 else ""
+                raise InvalidRequestError("num_frames", p.num_frames, f"an integer{rule} in [1, {top}]")
+        if p.fps is not None:
+            _check_int("fps", p.fps, 1, 240)
+        if p.strength is not None:
+            s = p.strength
+            if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or not 0 < s <= 1:
+                raise InvalidRequestError("strength", s, "a number in (0, 1]")
+            p.strength = float(s)
         _check_int("seed", p.seed, 0, MAX_SEED)
         if p.output_type not in OUTPUT_TYPES:
             raise InvalidRequestError("output_type", p.output_type, f"one of {', '.join(OUTPUT_TYPES)}")
         if p.negative_prompt is not None:
             _check_text("negative_prompt", p.negative_prompt, "a string or null")
         return p
+
+
+def _default_or_refuse(spec: ModelSpec, field: str, value, default, what: str):
+    """The request's value, or the model's default when None; refuse a value the model has no
+    use for (its default is None)."""
+    if value is None:
+        return default
+    if default is None:
+        raise InvalidRequestError(field, value, f"unset: {spec.pipeline} has {what}")
+    return value
 
 
 def validate_prompt(prompt: object, spec: ModelSpec | None = None) -> str:

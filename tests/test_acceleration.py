@@ -67,25 +67,43 @@ def test_prompt_cache_hit_equals_fresh_encode_and_cannot_be_mutated():
     cache.get_or_encode(("c",), encode)  # evicts "a" (least recently used)
     cache.get_or_encode(("a",), encode)
     assert cache.stats() | {"bytes": 0, "hit_rate": 0} == {
-        "capacity": 2, "size": 2, "bytes": 0, "hits": 2, "misses": 4, "evictions": 2, "hit_rate": 0}
+        "capacity": 2, "max_bytes": None, "size": 2, "bytes": 0, "hits": 2, "misses": 4, "evictions": 2,
+        "hit_rate": 0}
+
+
+def test_prompt_cache_is_bounded_in_bytes():
+    cache = PromptEmbedCache(capacity=100, max_bytes=3 * 4 * 100)  # room for three 100-float entries
+
+    def encode(i):
+        return lambda: (torch.full((1, 100), float(i)), None)
+
+    for i in range(5):
+        cache.get_or_encode((i,), encode(i))
+    stats = cache.stats()
+    assert (stats["size"], stats["bytes"], stats["evictions"]) == (3, 1200, 2)
+    assert cache.get_or_encode((4,), encode(99))[0][0, 0] == 4.0  # newest kept, value not re-encoded
+    too_big = cache.get_or_encode(("big",), lambda: (torch.zeros(1, 1000),))
+    assert too_big[0].shape == (1, 1000) and cache.stats()["size"] == 3  # larger than the bound: not stored
 
 
 def test_prompt_cache_in_engine_keys_on_every_encode_argument(tiny_sd3_dir):
     engine = _engine(tiny_sd3_dir)
     uncached = _engine(tiny_sd3_dir, prompt_embed_cache_size=0)
+    # one entry per distinct text (prompt or negative prompt), shared by every request and
+    # repeated per image at use: (lookups, new texts) per request
     requests = [
-        ("a cat", _p(1, steps=2)),
-        ("a cat", _p(2, steps=2)),                                   # hit
-        ("a cat", _p(1, steps=2, negative_prompt="blurry")),         # miss: negative prompt
-        ("a cat", _p(1, steps=2, guidance_scale=1.0)),               # miss: CFG off
-        ("a cat", _p(1, steps=2, guidance_scale=1.0, negative_prompt="x")),  # hit: ignored w/o CFG
-        ("a cat", _p(1, steps=2, num_images_per_prompt=2)),          # miss: images per prompt
-        ("a cat", _p(1, steps=2)),                                   # hit
+        ("a cat", _p(1, steps=2)),                                   # "" and "a cat": 2 misses
+        ("a cat", _p(2, steps=2)),                                   # 2 hits
+        ("a cat", _p(1, steps=2, negative_prompt="blurry")),         # "blurry" miss, "a cat" hit
+        ("a cat", _p(1, steps=2, guidance_scale=1.0)),               # CFG off: "a cat" hit
+        ("a cat", _p(1, steps=2, guidance_scale=1.0, negative_prompt="x")),  # negative unused: hit
+        ("a cat", _p(1, steps=2, num_images_per_prompt=2)),          # 2 hits: rows repeated at use
+        ("a cat", _p(1, steps=2, max_sequence_length=64)),           # other T5 budget: 2 misses
     ]
     for prompt, params in requests:
         np.testing.assert_array_equal(_run(engine, prompt, params), _run(uncached, prompt, params))
     stats = engine.runner.acceleration_stats()["prompt_embed_cache"]
-    assert (stats["hits"], stats["misses"], stats["size"]) == (3, 4, 4)
+    assert (stats["hits"], stats["misses"], stats["size"]) == (7, 5, 5)
     assert uncached.runner.acceleration_stats()["prompt_embed_cache"] == {"enabled": False}
 
 
@@ -165,12 +183,16 @@ def test_teacache_skips_more_with_a_higher_threshold(tiny_sd3_dir):
 
 
 def test_teacache_picks_the_calibrated_preset_per_model(tiny_sd3_dir):
-    from diffserve.acceleration.teacache import PRESETS
+    import json
 
+    from diffserve.models.digits import DEFAULT_MODEL_PATH
+
+    shipped = json.loads((DEFAULT_MODEL_PATH / "generation_config.json").read_text())["teacache"]
     default = DiffusionEngine(EngineConfig(cache_backend="teacache"))  # the built-in digits model
-    assert default.runner.accelerator.backend.coefficients == PRESETS["digits"].coefficients
+    assert default.runner.accelerator.backend.coefficients == tuple(shipped["coefficients"])
+    assert default.runner.acceleration_stats()["cache_backend"]["rel_l1_thresh"] == shipped["rel_l1_thresh"]
     other = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), cache_backend="teacache"))
-    assert other.runner.acceleration_stats()["cache_backend"]["family"] == "sd3"
+    assert "TeaCache4FLUX" in other.runner.acceleration_stats()["cache_backend"]["coefficients_source"]
 
 
 # ----------------------------------------------------------------------------- compile
@@ -251,7 +273,7 @@ def test_cli_rejects_bad_acceleration_flags(tiny_sd3_dir, tmp_path, flags, fragm
     ({"cache_backend": "magic"}, "cache_backend"),
     ({"cache_backend": "teacache", "cache_config": {"rel_l1_thresh": -1}}, "cache_config.rel_l1_thresh"),
     ({"cache_backend": "teacache", "cache_config": {"warmup_steps": 0}}, "cache_config.warmup_steps"),
-    ({"cache_backend": "teacache", "cache_config": {"family": "flux"}}, "cache_config.family"),
+    ({"cache_backend": "teacache", "cache_config": {"family": "flux"}}, "cache_config"),
     ({"cache_backend": "cache_dit", "cache_config": {"Fn_compute_blocks": 0}}, "cache_config.Fn_compute_blocks"),
     ({"cache_backend": "cache_dit", "cache_config": {"taylorseer": "yes"}}, "cache_config.taylorseer"),
     ({"cache_backend": "cache_dit", "cache_config": {"bogus": 1}}, "cache_config"),
@@ -283,7 +305,8 @@ def test_context_folding_matches_full_context(tiny_sd3_dir, tiny_sd3_t5_dir):
               for s, g in ((1, 4.0), (2, 1.0))]
     folded = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir)))
     full = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), context_folding=False))
-    assert folded.runner.adapter.text_seq_len == 77 + 1 and full.runner.adapter.text_seq_len == 77 + 256
+    assert folded.runner.adapter.text.encode("a cat", 256)[0].shape[1] == 77 + 1
+    assert full.runner.adapter.text.encode("a cat", 256)[0].shape[1] == 77 + 256
     for a, b in zip(folded.generate(["a cat", "a dog"], params), full.generate(["a cat", "a dog"], params)):
         assert np.abs(a.images - b.images).max() <= 1e-4
     with_t5 = DiffusionEngine(EngineConfig(model=str(tiny_sd3_t5_dir)))

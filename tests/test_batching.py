@@ -32,7 +32,8 @@ def test_batch_invariance_with_other_prompts_seeds_and_step_counts(engine):
     assert max(outs[0].metrics.batch_sizes) == 6
 
 
-def test_request_added_mid_run_joins_next_step(engine):
+def test_request_added_mid_run_joins_next_step(sync_engine):
+    engine = sync_engine
     first = engine.add_request("a red car", _p(1, steps=6))
     engine.step()  # admits + runs step 1 of `first`
     engine.step()
@@ -65,3 +66,19 @@ def test_mixed_cfg_and_sizes_are_not_batched_together(engine):
     outs = engine.generate(["a", "b", "c"], [_p(1), _p(2, guidance=1.0), _p(3, height=32, width=48)])
     assert [max(o.metrics.batch_sizes) for o in outs] == [2, 1, 2]
     assert outs[2].images.shape == (1, 32, 48, 3)
+
+
+def test_late_request_joins_a_running_batch_with_overlapped_encode(engine):
+    """With encode/decode beside the steps (the default), a request added while another runs
+    is prepared in the background and then shares its forwards; outputs equal solo runs."""
+    first = engine.add_request("a red car", _p(1, steps=30))
+    engine.step()
+    late = engine.add_request("a blue car", _p(2, steps=3))
+    finals = {}
+    while engine.has_unfinished_requests():
+        for e in engine.step():
+            if e.type.is_final:
+                finals[e.request_id] = e.output
+    assert finals[late].metrics.batch_sizes == {4: 3}  # all its steps shared a forward
+    assert np.abs(finals[late].images - _solo(engine, "a blue car", _p(2, steps=3))).max() <= TOL
+    assert np.abs(finals[first].images - _solo(engine, "a red car", _p(1, steps=30))).max() <= TOL

@@ -20,7 +20,7 @@ def default_engine():
 
 def test_default_model_and_its_sampling_defaults(default_engine):
     assert default_engine.config.model_path == DEFAULT_MODEL_PATH
-    spec = default_engine.runner.spec
+    spec = default_engine.spec
     assert (spec.default_height, spec.default_width, spec.resolution_factor) == (8, 8, 2)
     assert (spec.default_num_inference_steps, spec.default_guidance_scale) == (20, 4.0)
 

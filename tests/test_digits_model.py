@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from diffserve.acceleration.context_folding import install_folded_context_attention
-from diffserve.pipelines.sd3 import MAX_SEQUENCE_LENGTH
+from diffserve.pipelines.sd3_context_folding import install_folded_context_attention
+from diffserve.pipelines.sd3 import DEFAULT_MAX_SEQUENCE_LENGTH
 from diffusers import StableDiffusion3Pipeline
 
 from diffserve.models.digits import DEFAULT_MODEL_PATH, VOCABULARY_WORDS, data, out_of_vocabulary_words, train
@@ -126,7 +126,7 @@ def test_collapsed_zero_context_matches_full_forward():
     x0 = torch.randn(4, 1, 8, 8)
     prompts = ["digit 3", "", "a drawing of seven", "nine"]
     full = train.rectified_flow_loss(pipe, x0, prompts, torch.Generator().manual_seed(0), collapse=False)
-    install_folded_context_attention(pipe.transformer, MAX_SEQUENCE_LENGTH)
+    install_folded_context_attention(pipe.transformer, DEFAULT_MAX_SEQUENCE_LENGTH)
     collapsed = train.rectified_flow_loss(pipe, x0, prompts, torch.Generator().manual_seed(0), collapse=True)
     torch.testing.assert_close(collapsed, full, rtol=1e-5, atol=1e-6)
 

@@ -19,7 +19,7 @@ from diffserve import (
     RequestStatus,
     SamplingParams,
 )
-from diffserve.engine.request import Request
+from diffserve.engine.request import Phase, Request
 from diffserve.engine.scheduler import RequestScheduler
 
 TOL = 1e-4
@@ -44,15 +44,35 @@ def _req(seq, key="a", rows=2):
                    arrival_time=0.0)
 
 
+def _admit(s: RequestScheduler) -> list[Request]:
+    """Admit, then mark the admitted requests prepared (what the engine does once their
+    prepare work comes back): only denoising requests are stepped."""
+    admitted = s.admit()
+    for r in admitted:
+        r.phase = Phase.DENOISING
+    return admitted
+
+
+def test_scheduler_steps_only_denoising_requests():
+    s = RequestScheduler(max_batch_size=6, max_waiting=10)
+    for i in range(3):
+        s.add(_req(i))
+    admitted = s.admit()
+    assert s.select_batch() == [] and s.running_rows == 6  # preparing: holds rows, not stepped
+    admitted[1].phase = Phase.DENOISING
+    admitted[2].phase = Phase.DECODING
+    assert s.select_batch() == [admitted[1]] and s.running_rows == 4  # decoding frees its rows
+
+
 def test_scheduler_batches_oldest_key_and_admits_fifo():
     s = RequestScheduler(max_batch_size=6, max_waiting=10)
     for i, key in enumerate("abaa"):
         s.add(_req(i, key))
-    admitted = s.admit()
+    admitted = _admit(s)
     assert [r.request_id for r in admitted] == ["0", "1", "2"]  # 6 rows: "3" must wait
     assert [r.request_id for r in s.select_batch()] == ["0", "2"]  # oldest's key "a"
     s.finish(admitted[0])
-    assert [r.request_id for r in s.admit()] == ["3"]
+    assert [r.request_id for r in _admit(s)] == ["3"]
     assert [r.request_id for r in s.select_batch()] == ["1"]  # "b" is now the oldest running
 
 
@@ -85,7 +105,7 @@ def test_no_request_starves_under_adversarial_arrivals():
     for step in range(200):
         for _ in range(2):
             arrive("a")  # adversary: more "a" work every step
-        s.admit()
+        _admit(s)
         for r in s.select_batch():
             steps_left[r.request_id] -= 1
             if steps_left[r.request_id] == 0:
@@ -134,11 +154,13 @@ def test_failure_is_isolated_to_its_request(engine, monkeypatch, stage):
     original = getattr(adapter, stage)
     seen = []
 
-    def flaky(state, *args):
-        if "FAIL" in state.prompt:
-            seen.append(weakref.ref(state))
-            raise RuntimeError(f"injected {stage} failure")
-        return original(state, *args)
+    def flaky(state_or_batch, *args):
+        states = getattr(state_or_batch, "states", [state_or_batch])  # step() takes the batch
+        for state in states:
+            if "FAIL" in state.prompt:
+                seen.append(weakref.ref(state))
+                raise RuntimeError(f"injected {stage} failure")
+        return original(state_or_batch, *args)
 
     monkeypatch.setattr(adapter, stage, flaky)
     solo = [engine.generate(p, _p(s))[0].images for p, s in (("ok one", 1), ("ok two", 2))]
@@ -157,10 +179,10 @@ def test_batched_forward_failure_retries_requests_alone(engine, monkeypatch):
     adapter = engine.runner.adapter
     original = adapter.denoise
 
-    def denoise(batch):
+    def denoise(batch, call=None):
         if any("FAIL" in s.prompt for s in batch.states):
             raise RuntimeError("injected forward failure")
-        return original(batch)
+        return original(batch, call)
 
     monkeypatch.setattr(adapter, "denoise", denoise)
     solo = engine.generate("fine", _p(4))[0].images
@@ -221,10 +243,13 @@ def test_async_streams_events_in_order(engine):
 
     events = asyncio.run(main())
     kinds = [e.type for e in events]
-    assert kinds == [EventType.QUEUED, EventType.STARTED, EventType.PROGRESS, EventType.PROGRESS,
-                     EventType.PARTIAL, EventType.PROGRESS, EventType.FINISHED]
+    # the preview is decoded beside the next steps: it follows step 2 and precedes the final
+    # event, but may come after step 3's progress
+    assert kinds[:4] == [EventType.QUEUED, EventType.STARTED, EventType.PROGRESS, EventType.PROGRESS]
+    assert kinds[-1] is EventType.FINISHED and kinds.count(EventType.PARTIAL) == 1 and len(kinds) == 7
     assert [e.step for e in events if e.type is EventType.PROGRESS] == [1, 2, 3]
-    assert events[4].preview.shape == (1, 64, 64, 3)
+    [partial] = [e for e in events if e.type is EventType.PARTIAL]
+    assert partial.step == 2 and partial.preview.shape == (1, 64, 64, 3)
     solo = engine.generate("stream me", _p(8, steps=3))[0].images
     assert np.abs(events[-1].output.images - solo).max() <= TOL
 

@@ -7,7 +7,6 @@ The model runner builds one after loading the adapter and routes three calls thr
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,23 +19,23 @@ from diffserve.acceleration.prompt_embed_cache import PromptEmbedCache
 if TYPE_CHECKING:
     from diffserve.config import EngineConfig
     from diffserve.pipelines.base import PipelineAdapter, RequestState
-    from diffserve.runner.step_batch import StepBatch
+    from diffserve.pipelines.step_batch import StepBatch
 
 logger = logging.getLogger(__name__)
 
 
-def build_cache_backend(adapter: "PipelineAdapter", backend: str, options: dict,
-                        model_path: Path | None = None) -> CacheBackend:
+def build_cache_backend(adapter: "PipelineAdapter", backend: str, options: dict) -> CacheBackend:
     """Install the step-caching backend named `backend` on `adapter` (once, at load).
 
     Raises:
-        InvalidRequestError: bad name or options, or the model does not support the backend.
+        InvalidRequestError: bad name or options, or the model family does not support the
+            backend (the one-line message names both).
     """
     config = parse_cache_config(backend, options)
     if backend == "teacache":
         from diffserve.acceleration.teacache import TeaCacheBackend
 
-        return TeaCacheBackend(adapter, config, model_path)
+        return TeaCacheBackend(adapter, config)
     if backend == "cache_dit":
         from diffserve.acceleration.cache_dit import CacheDiTBackend
 
@@ -50,32 +49,51 @@ class Accelerator:
     Args:
         adapter: the loaded pipeline adapter (modified in place: its
             ``prompt_embed_cache`` is set, cache hooks and compiled blocks are installed).
-        config: ``context_folding``, ``prompt_embed_cache_size``, ``cache_backend``,
-            ``cache_config``, ``compile``, ``compile_vae`` and ``max_batch_size`` (warm-up
-            sizes) are read.
+        config: ``prompt_embed_cache_size`` / ``_bytes``, ``cache_backend``, ``cache_config``,
+            ``compile``, ``compile_vae`` and ``max_batch_size`` (warm-up sizes) are read.
 
     Raises:
-        InvalidRequestError: a bad cache backend / options for this model.
+        InvalidRequestError: a bad cache backend / options, or a backend or compile the model
+            family does not support (the one-line message names both).
     """
 
     def __init__(self, adapter: "PipelineAdapter", config: "EngineConfig"):
         self.adapter = adapter
         model_path = config.model_path
-        # first: it changes the attention processors that caches and compile then wrap
-        self.context_folding = config.context_folding and adapter.enable_context_folding()
         self.prompt_cache: PromptEmbedCache | None = None
         if config.prompt_embed_cache_size > 0:
             self.prompt_cache = PromptEmbedCache(
-                config.prompt_embed_cache_size, model=f"{model_path}:{config.load_format}")
+                config.prompt_embed_cache_size, model=f"{model_path}:{config.load_format}",
+                max_bytes=config.prompt_embed_cache_bytes)
         adapter.prompt_embed_cache = self.prompt_cache
-        self.backend = build_cache_backend(adapter, config.cache_backend, config.cache_config, model_path)
+        self.backend = build_cache_backend(adapter, config.cache_backend, config.cache_config)
+        self.graphs = None
+        if config.cuda_graphs:
+            from diffserve.errors import InvalidRequestError
+
+            if config.torch_device.type != "cuda":
+                raise InvalidRequestError("cuda_graphs", True, "false: CUDA graphs need a CUDA device")
+            if config.cache_backend != "none":
+                raise InvalidRequestError("cuda_graphs", True, f"false with cache_backend={config.cache_backend} "
+                                          "(its per-request decisions run between the blocks)")
         self.compiler: RegionalCompiler | None = None
         if config.compile:
-            vae = getattr(getattr(adapter, "pipe", None), "vae", None)
+            from diffserve.errors import InvalidRequestError
+
+            blocks = adapter.capabilities.repeated_blocks or tuple(
+                getattr(adapter.denoiser, "_repeated_blocks", None) or ())
+            if not blocks:
+                raise InvalidRequestError("compile", True, f"false: {adapter.pipeline_class_name} declares no "
+                                          "repeated blocks for regional compile")
+            vae = adapter.vae
             decoder = vae.decoder if config.compile_vae and vae is not None else None
-            self.compiler = RegionalCompiler(adapter.denoiser, decoder)
+            self.compiler = RegionalCompiler(adapter.denoiser, blocks, decoder)
             self.compiler.apply()
             self.compiler.warm_up(self._warmup_calls(config, decode=decoder is not None))
+        if config.cuda_graphs:  # after compile: the compiled kernels are what gets captured
+            from diffserve.acceleration.cuda_graphs import CudaGraphDenoiser
+
+            self.graphs = CudaGraphDenoiser(adapter.call_denoiser, config.max_batch_size)
 
     @property
     def shares_forward(self) -> bool:
@@ -87,39 +105,58 @@ class Accelerator:
         self.backend.reset(state)
 
     def denoise(self, batch: "StepBatch") -> torch.Tensor:
-        """The denoiser forward of a step batch through the cache backend."""
+        """The denoiser forward of a step batch through the cache backend (or CUDA graphs)."""
+        if self.graphs is not None:
+            out = self.adapter.denoise(batch, call=self.graphs)
+            self.backend.transformer_calls += len(batch.states)
+            return out
         return self.backend.denoise(self.adapter, batch)
 
     def _warmup_calls(self, config: "EngineConfig", decode: bool) -> list:
-        """Denoiser forwards at 1, 2 and ``max_batch_size`` rows (the default resolution) and
-        one decode, so compiled graphs exist before the first request."""
-        from diffserve.pipelines.base import RequestState
-        from diffserve.runner.step_batch import StepBatch
+        """Denoiser forwards at 1, 2 and ``max_batch_size`` rows where the family's requests
+        can form them (the default request, and a guidance-free one, repeated; default
+        resolution; a gray input image for models that take images) and one decode, so
+        compiled graphs exist before the first request."""
+        from PIL import Image
+
+        from diffserve.pipelines.base import RequestInputs, RequestState
         from diffserve.sampling_params import SamplingParams
 
         adapter = self.adapter
-        params = SamplingParams(seed=0, num_inference_steps=1, output_type="np").resolve(
-            adapter.spec, config.limits, 0)
-        state = RequestState("warm-up", "warm-up", params)
+        spec = adapter.spec
+        inputs = None
+        if spec.accepts_images:
+            inputs = RequestInputs(images=[Image.new("RGB", (spec.default_width, spec.default_height), (128,) * 3)])
+        # 2 steps: a 1-step schedule is invalid for some schedulers (Qwen-Image's shift_terminal)
+        variants = [SamplingParams(seed=0, num_inference_steps=2, output_type="np")]
+        if spec.default_guidance_scale is not None:
+            variants.append(SamplingParams(seed=0, num_inference_steps=2, output_type="np", guidance_scale=1.0))
+        states = []
         adapter.prompt_embed_cache = None  # warm-up prompts are not traffic
         try:
             with torch.inference_mode():
-                adapter.prepare(state)
-                base = adapter.step_inputs(state)
+                for params in variants:
+                    state = RequestState("warm-up", "warm-up", params.resolve(spec, config.limits, 0), inputs=inputs)
+                    adapter.prepare(state)
+                    states.append(state)
         finally:
             adapter.prompt_embed_cache = self.prompt_cache
 
-        def forward(rows: int):
-            inputs = {k: v[:1].repeat(rows, *[1] * (v.dim() - 1)) for k, v in base.items()}
+        def forward(state, copies: int):
             with torch.inference_mode():
-                adapter.denoise(StepBatch(states=[], inputs=inputs, row_counts=[rows]))
+                adapter.denoise(adapter.collate([state] * copies))
 
         def decode_once():
             with torch.inference_mode():
-                adapter.decode(state)
+                adapter.decode(states[0])
 
-        sizes = sorted({s for s in (1, 2, config.max_batch_size) if s <= config.max_batch_size})
-        calls = [lambda rows=rows: forward(rows) for rows in sizes]
+        plans = {}
+        for target in (1, 2, config.max_batch_size):
+            for i, state in enumerate(states):
+                rows = adapter.rows(state.params)
+                if rows <= target:
+                    plans[target // rows * rows] = (i, target // rows)
+        calls = [lambda i=i, copies=copies: forward(states[i], copies) for _, (i, copies) in sorted(plans.items())]
         if decode:
             calls.append(decode_once)
         return calls
@@ -133,5 +170,6 @@ class Accelerator:
                                    if self.prompt_cache is not None else {"enabled": False}),
             "cache_backend": self.backend.stats(),
             "compile": self.compiler.stats() if self.compiler is not None else {"enabled": False},
-            "context_folding": {"enabled": self.context_folding},
+            "context_folding": {"enabled": bool(getattr(self.adapter, "context_folding", False))},
+            "cuda_graphs": self.graphs.stats() if self.graphs is not None else {"enabled": False},
         }

@@ -15,7 +15,7 @@ import torch
 
 if TYPE_CHECKING:
     from diffserve.pipelines.base import PipelineAdapter, RequestState
-    from diffserve.runner.step_batch import StepBatch
+    from diffserve.pipelines.step_batch import StepBatch
 
 
 class CacheBackend:
@@ -41,7 +41,8 @@ class CacheBackend:
         ``state.num_steps`` and the latent size are known)."""
 
     def denoise(self, adapter: "PipelineAdapter", batch: "StepBatch") -> torch.Tensor:
-        """One denoising forward for `batch`; returns (rows, C, h, w) predictions."""
+        """One denoising forward for `batch` (``adapter.denoise``); returns the (rows, ...)
+        predictions."""
         out = adapter.denoise(batch)
         self.transformer_calls += len(batch.states)
         return out

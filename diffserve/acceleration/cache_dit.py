@@ -42,14 +42,9 @@ from diffserve.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from diffserve.pipelines.base import PipelineAdapter, RequestState
-    from diffserve.runner.step_batch import StepBatch
+    from diffserve.pipelines.step_batch import StepBatch
 
 STATE_KEY = "cache_dit"
-
-#: Denoiser class -> (attribute holding the block list, cache-dit ForwardPattern name).
-#: SD3's JointTransformerBlock takes (hidden_states, encoder_hidden_states) and returns
-#: (encoder_hidden_states, hidden_states): cache-dit's Pattern_1 (its own SD3 adapter uses it).
-SUPPORTED_DENOISERS = {"SD3Transformer2DModel": ("transformer_blocks", "Pattern_1")}
 
 #: cache-dit 1.5.3's DBCacheConfig defaults (Fn_compute_blocks is clamped to the model).
 DEFAULT_FN_COMPUTE_BLOCKS = 8
@@ -127,8 +122,8 @@ class CacheDiTBackend(CacheBackend):
     a transformer-only ``BlockAdapter``).
 
     Raises:
-        InvalidRequestError: cache-dit is not installed, the denoiser class is not supported,
-            or Fn + Bn >= the number of blocks.
+        InvalidRequestError: cache-dit is not installed, the model family declares no
+            cache-dit block pattern, or Fn + Bn >= the number of blocks.
     """
 
     name = "cache_dit"
@@ -141,13 +136,14 @@ class CacheDiTBackend(CacheBackend):
         from cache_dit.caching.cache_contexts.cache_context import CachedContext
 
         model = adapter.denoiser
-        kind = SUPPORTED_DENOISERS.get(type(model).__name__)
-        if kind is None:
-            raise InvalidRequestError("cache_backend", "cache_dit",
-                                      f"a backend supported by the model (cache_dit: {sorted(SUPPORTED_DENOISERS)})",
-                                      detail=f"model has a {type(model).__name__}")
-        blocks_attr, pattern = kind
-        blocks = getattr(model, blocks_attr)
+        support = adapter.capabilities.cache_dit
+        if support is None:
+            raise InvalidRequestError(
+                "cache_backend", "cache_dit",
+                f"a backend {adapter.pipeline_class_name} supports (cache_dit has no block pattern for it)")
+        block_lists = [getattr(model, name) for name in support.blocks]
+        blocks = block_lists[0] if len(block_lists) == 1 else torch.nn.ModuleList(
+            [b for lst in block_lists for b in lst])
         fn = config.Fn_compute_blocks
         if fn is None:
             fn = max(1, min(DEFAULT_FN_COMPUTE_BLOCKS, len(blocks) - 1 - config.Bn_compute_blocks))
@@ -170,30 +166,37 @@ class CacheDiTBackend(CacheBackend):
         )
         calibrator = None
         if config.taylorseer:
-            # SD3's last block returns no encoder stream (context_pre_only), so there is no
+            # A family whose last block returns no encoder stream (SD3: context_pre_only) has no
             # encoder residual to extrapolate: cache-dit's encoder calibrator would fail with
             # "State 'transformer_blocks_Bn_residual' not found"; only the image stream is used.
             calibrator = cache_dit.TaylorSeerCalibratorConfig(
-                taylorseer_order=config.taylorseer_order, enable_encoder_calibrator=False)
+                taylorseer_order=config.taylorseer_order,
+                enable_encoder_calibrator=support.has_encoder_residual)
+        patterns = [getattr(cache_dit.ForwardPattern, p) for p in support.patterns]
         block_adapter = cache_dit.BlockAdapter(
-            pipe=FakeDiffusionPipeline(model), transformer=model, blocks=blocks,
-            forward_pattern=getattr(cache_dit.ForwardPattern, pattern),
+            pipe=FakeDiffusionPipeline(model), transformer=model,
+            blocks=block_lists[0] if len(block_lists) == 1 else block_lists,
+            forward_pattern=patterns[0] if len(patterns) == 1 else patterns,
         )
         cache_dit.enable_cache(block_adapter, cache_config=cache_config, calibrator_config=calibrator)
         self._manager = model._context_manager
-        [self._context_name] = model._context_names  # one block list -> one context
-        self._template = self._manager.get_context(self._context_name)._init_kwargs
+        self._context_names = list(model._context_names)  # one context per block list
+        self._templates = {name: self._manager.get_context(name)._init_kwargs for name in self._context_names}
         self._context_cls = CachedContext
 
-    def new_context(self, num_steps: int | None):
-        """A fresh cache-dit ``CachedContext`` for a request of `num_steps` steps."""
-        kwargs = copy.deepcopy(self._template)
-        kwargs["cache_config"].num_inference_steps = num_steps
-        return self._context_cls(**kwargs)
+    def new_contexts(self, num_steps: int | None) -> dict[str, Any]:
+        """Fresh cache-dit ``CachedContext`` s (one per block list) for a request of
+        `num_steps` steps."""
+        contexts = {}
+        for name, template in self._templates.items():
+            kwargs = copy.deepcopy(template)
+            kwargs["cache_config"].num_inference_steps = num_steps
+            contexts[name] = self._context_cls(**kwargs)
+        return contexts
 
     def reset(self, state: "RequestState") -> None:
-        """Give the request its own fresh cache-dit context (sized to its step count)."""
-        state.extra[STATE_KEY] = self.new_context(state.num_steps)
+        """Give the request its own fresh cache-dit contexts (sized to its step count)."""
+        state.extra[STATE_KEY] = self.new_contexts(state.num_steps)
 
     def denoise(self, adapter: "PipelineAdapter", batch: "StepBatch") -> torch.Tensor:
         """One request's forward with its own context swapped into the transformer.
@@ -203,18 +206,19 @@ class CacheDiTBackend(CacheBackend):
         """
         if len(batch.states) != 1:
             raise ValueError("the cache_dit backend runs one request per forward")
-        context = batch.states[0].extra[STATE_KEY]
-        cached_before = context.accumulated_cached_steps
+        mine = batch.states[0].extra[STATE_KEY]
+        first = mine[self._context_names[0]]
+        cached_before = first.accumulated_cached_steps
         contexts = self._manager._cached_context_manager
-        contexts[self._context_name] = context
+        contexts.update(mine)
         try:
             out = adapter.denoise(batch)
         finally:
-            # A fresh idle context: forwards outside a request never touch a request's state.
-            contexts[self._context_name] = self.new_context(None)
+            # Fresh idle contexts: forwards outside a request never touch a request's state.
+            contexts.update(self.new_contexts(None))
             self._manager._current_context = None
         self.transformer_calls += 1
-        self.skipped += context.accumulated_cached_steps - cached_before
+        self.skipped += first.accumulated_cached_steps - cached_before
         return out
 
     def stats(self) -> dict[str, Any]:

@@ -26,11 +26,6 @@ logger = logging.getLogger(__name__)
 #: ``torch.compile`` backend (a name or a callable; tests swap in a failing one).
 COMPILE_BACKEND: Any = "inductor"
 
-#: Repeated block classes of denoisers whose diffusers class does not declare
-#: ``_repeated_blocks`` (SD3Transformer2DModel in diffusers 0.42 does not).
-REPEATED_BLOCKS = {"SD3Transformer2DModel": ["JointTransformerBlock"]}
-
-
 def _graphs_compiled() -> int:
     """Dynamo graphs compiled so far in this process (compiles + recompiles, all models)."""
     from torch._dynamo.utils import counters
@@ -43,6 +38,8 @@ class RegionalCompiler:
 
     Args:
         denoiser: a diffusers ``ModelMixin`` (the transformer).
+        repeated_blocks: class names of its repeated blocks (the adapter's capability; the
+            diffusers class's ``_repeated_blocks`` when empty).
         vae_decoder: module to compile too (e.g. ``vae.decoder``), or None.
         dynamic: ``torch.compile(dynamic=...)``; True avoids per-batch-size recompiles.
 
@@ -51,9 +48,10 @@ class RegionalCompiler:
         fallback_reason: the error that caused the fallback, or None.
     """
 
-    def __init__(self, denoiser: torch.nn.Module, vae_decoder: torch.nn.Module | None = None,
-                 dynamic: bool = True):
+    def __init__(self, denoiser: torch.nn.Module, repeated_blocks: tuple[str, ...] = (),
+                 vae_decoder: torch.nn.Module | None = None, dynamic: bool = True):
         self.denoiser = denoiser
+        self.repeated_blocks = tuple(repeated_blocks) or tuple(getattr(denoiser, "_repeated_blocks", None) or ())
         self.vae_decoder = vae_decoder
         self.dynamic = dynamic
         self.active = False
@@ -68,12 +66,9 @@ class RegionalCompiler:
         eager (with a warning) if that already raises."""
         self._graphs_at_start = _graphs_compiled()
         try:
-            if not getattr(self.denoiser, "_repeated_blocks", None):
-                blocks = REPEATED_BLOCKS.get(type(self.denoiser).__name__)
-                if blocks is None:
-                    raise ValueError(f"no repeated blocks known for {type(self.denoiser).__name__}")
-                self.denoiser._repeated_blocks = blocks
-            names = set(self.denoiser._repeated_blocks)
+            if not self.repeated_blocks:
+                raise ValueError(f"no repeated blocks known for {type(self.denoiser).__name__}")
+            names = set(self.repeated_blocks)
             targets = [m for m in self.denoiser.modules() if type(m).__name__ in names]
             if self.vae_decoder is not None:
                 targets.append(self.vae_decoder)

@@ -3,7 +3,8 @@
 Serving traffic repeats prompts (retries, several seeds of one prompt, the empty negative
 prompt); the text encoders (CLIP x2, plus T5-XXL on real SD3) then recompute the same
 embeddings. The cache maps every argument that changes the encoding to the encoder's output
-tensors.
+tensors. It is bounded both in entries and in bytes of tensor storage (an entry holds one row
+per text, see `diffserve.pipelines.text_encoding`).
 """
 
 from __future__ import annotations
@@ -32,17 +33,25 @@ class PromptEmbedCache:
     Args:
         capacity: most entries kept (>= 1); the least recently used one is evicted first.
         model: identity of the model whose encoders produce the values (e.g. its folder).
+        max_bytes: most bytes of tensor storage kept (>= 1; None = no byte bound); least
+            recently used entries are evicted until the total fits, and an entry larger than
+            the bound alone is not stored.
 
     Raises:
-        ValueError: capacity < 1.
+        ValueError: capacity < 1 or max_bytes < 1.
     """
 
-    def __init__(self, capacity: int, model: str = ""):
+    def __init__(self, capacity: int, model: str = "", max_bytes: int | None = None):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1 or None, got {max_bytes}")
         self.capacity = capacity
+        self.max_bytes = max_bytes
         self.model = model
-        self._entries: OrderedDict[Hashable, tuple[torch.Tensor, ...]] = OrderedDict()
+        self._entries: OrderedDict[Hashable, tuple[torch.Tensor | None, ...]] = OrderedDict()
+        self._sizes: dict[Hashable, int] = {}
+        self._bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -69,15 +78,24 @@ class PromptEmbedCache:
             if cached is not None:
                 self._entries.move_to_end(full_key)
                 self.hits += 1
-                return tuple(t.clone() for t in cached)
+                return tuple(None if t is None else t.clone() for t in cached)
             self.misses += 1
         value = tuple(encode())
-        stored = tuple(t.detach().clone() for t in value)
+        stored = tuple(None if t is None else t.detach().clone() for t in value)
+        size = _nbytes(stored)
+        if self.max_bytes is not None and size > self.max_bytes:
+            return value
         with self._lock:
+            if full_key in self._entries:
+                self._bytes -= self._sizes[full_key]
             self._entries[full_key] = stored
+            self._sizes[full_key] = size
+            self._bytes += size
             self._entries.move_to_end(full_key)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
+            while len(self._entries) > self.capacity or (
+                    self.max_bytes is not None and self._bytes > self.max_bytes):
+                old, _ = self._entries.popitem(last=False)
+                self._bytes -= self._sizes.pop(old)
                 self.evictions += 1
         return value
 
@@ -85,16 +103,19 @@ class PromptEmbedCache:
         """Drop every entry (counters are kept)."""
         with self._lock:
             self._entries.clear()
+            self._sizes.clear()
+            self._bytes = 0
 
     def stats(self) -> dict[str, Any]:
-        """Counters: ``capacity``, ``size`` (entries), ``bytes`` (tensor storage held),
+        """Counters: ``capacity``, ``max_bytes``, ``size`` (entries), ``bytes`` (tensor storage held),
         ``hits``, ``misses``, ``evictions`` and ``hit_rate`` (hits / lookups, 0 when none)."""
         with self._lock:
             size = len(self._entries)
-            nbytes = sum(t.numel() * t.element_size() for v in self._entries.values() for t in v)
+            nbytes = self._bytes
             lookups = self.hits + self.misses
             return {
                 "capacity": self.capacity,
+                "max_bytes": self.max_bytes,
                 "size": size,
                 "bytes": nbytes,
                 "hits": self.hits,
@@ -102,3 +123,8 @@ class PromptEmbedCache:
                 "evictions": self.evictions,
                 "hit_rate": self.hits / lookups if lookups else 0.0,
             }
+
+
+def _nbytes(tensors: tuple[torch.Tensor | None, ...]) -> int:
+    """Bytes of tensor storage held by `tensors` (None counts 0)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)

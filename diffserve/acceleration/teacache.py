@@ -1,4 +1,5 @@
-"""TeaCache for the SD3 adapter, with per-request caching decisions inside a mixed step batch.
+"""TeaCache, with per-request caching decisions inside a mixed step batch, for any adapter that
+declares a forward split (`diffserve.pipelines.base.TeaCacheSupport`).
 
 TeaCache (Liu et al. 2024, "Timestep Embedding Tells: It's Time to Cache for Video Diffusion
 Model", arXiv:2411.19108): the transformer's output changes between steps about as much as
@@ -13,28 +14,26 @@ its timestep-modulated input does. For each request and step:
    residual (``hidden after blocks - hidden before blocks`` from its last computed step);
    otherwise run the blocks, store the new residual and reset ``acc = 0``.
 
-The first ``warmup_steps`` steps and the last step always compute. The patch embedding, the
-timestep/text embeddings and the output head (norm_out, proj_out, unpatchify) always run.
+The first ``warmup_steps`` steps and the last step always compute. The adapter's split says
+what runs outside the blocks (patch/time/text embeddings before, the output head after); those
+always run. The backend wraps ``adapter.denoise`` (its ``call`` hook), so the adapter's own
+input preparation and output post-processing stay in place.
 
-In a step batch each request decides on its own rows; the blocks run only on the rows of the
-requests that compute, and the others add their own cached residual, so a request's result
-equals running it alone with the same settings (within float tolerance of batching).
+In a step batch each request decides on its own rows (all guidance branches); the blocks run
+only on the rows of the requests that compute, and the others add their own cached residual,
+so a request's result equals running it alone with the same settings (within float tolerance
+of batching).
 
-Rescaling coefficients per model family (``numpy.poly1d`` order, highest degree first):
-
-* ``sd3`` (any ``SD3Transformer2DModel``): no calibration was published for SD3; the SD3
-  ports of TeaCache (e.g. PaddleMIX's) reuse the FLUX.1-dev coefficients of the official
-  TeaCache4FLUX, and so does this default. Calibrate your model with
-  ``python -m diffserve.acceleration.teacache_calibrate --model DIR``.
-* ``digits`` (the built-in default model): fitted with ``teacache_calibrate`` (see
-  ``PRESETS["digits"].source``).
+Rescaling coefficients come from the adapter (``TeaCacheSupport.coefficients``, per family, or
+from the model folder's ``generation_config.json`` ``teacache`` entry, e.g. the built-in digits
+model's calibrated preset); calibrate a model with
+``python -m diffserve.acceleration.teacache_calibrate --model DIR``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,48 +43,9 @@ from diffserve.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from diffserve.pipelines.base import PipelineAdapter, RequestState
-    from diffserve.runner.step_batch import StepBatch
+    from diffserve.pipelines.step_batch import StepBatch
 
 STATE_KEY = "teacache"
-
-
-@dataclass(frozen=True)
-class TeaCachePreset:
-    """Default rescaling polynomial and threshold of one model family.
-
-    Attributes:
-        coefficients: ``poly1d`` coefficients, highest degree first (input rel-L1 -> output
-            rel-L1).
-        rel_l1_thresh: default threshold on the accumulated rescaled distance.
-        source: where the numbers come from.
-    """
-
-    coefficients: tuple[float, ...]
-    rel_l1_thresh: float
-    source: str
-
-
-#: TeaCache4FLUX (github.com/ali-vilab/TeaCache), reused by SD3 ports of TeaCache.
-FLUX_COEFFICIENTS = (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01)
-
-PRESETS: dict[str, TeaCachePreset] = {
-    "sd3": TeaCachePreset(
-        coefficients=FLUX_COEFFICIENTS,
-        rel_l1_thresh=0.4,
-        source="TeaCache4FLUX coefficients (FLUX.1-dev), as reused by SD3 TeaCache ports; "
-               "0.25 ~1.5x, 0.4 ~1.8x, 0.6 ~2.0x speedup on FLUX per the TeaCache README",
-    ),
-    "digits": TeaCachePreset(
-        coefficients=(485.12265352809777, -355.6477355686559, 77.67801708256212, -4.403904055440883,
-                      0.12344760758932036),
-        rel_l1_thresh=0.3,
-        source="python -m diffserve.acceleration.teacache_calibrate --seeds 2 --steps 20 50 on the "
-               "shipped weights (transformer sha256 cc60952b...) at the model's default guidance 4: "
-               "10 digit prompts x 2 seeds x 20 and 50 steps = 1360 points, degree 4, rmse 0.066; "
-               "threshold 0.3 (benchmarks/acceleration.py, 16-row batches): 1.97x denoise "
-               "speedup at 20 steps, 3.17x at 50, judge accuracy unchanged, PSNR 29-31 dB",
-    ),
-}
 
 
 @dataclass(frozen=True)
@@ -94,16 +54,14 @@ class TeaCacheConfig:
 
     Attributes:
         rel_l1_thresh: skip while the accumulated rescaled relative L1 distance stays below
-            this (>= 0; 0 never skips); None = the model family's preset.
-        coefficients: rescaling polynomial, highest degree first; None = the family preset.
+            this (>= 0; 0 never skips); None = the model's default.
+        coefficients: rescaling polynomial, highest degree first; None = the model's.
         warmup_steps: leading steps that always compute (>= 1: the first step has no cache).
-        family: preset to use (``"sd3"`` or ``"digits"``); None = detect from the model.
     """
 
     rel_l1_thresh: float | None = None
     coefficients: tuple[float, ...] | None = None
     warmup_steps: int = 1
-    family: str | None = None
 
     @classmethod
     def from_dict(cls, options: dict[str, Any]) -> "TeaCacheConfig":
@@ -112,7 +70,7 @@ class TeaCacheConfig:
         Raises:
             InvalidRequestError: unknown key or a value out of range.
         """
-        allowed = {"rel_l1_thresh", "coefficients", "warmup_steps", "family"}
+        allowed = {"rel_l1_thresh", "coefficients", "warmup_steps"}
         for key in options:
             if key not in allowed:
                 raise InvalidRequestError("cache_config", key, f"a teacache key, one of {sorted(allowed)}")
@@ -131,10 +89,7 @@ class TeaCacheConfig:
         warmup = options.get("warmup_steps", 1)
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise InvalidRequestError("cache_config.warmup_steps", warmup, "an integer >= 1")
-        family = options.get("family")
-        if family is not None and family not in PRESETS:
-            raise InvalidRequestError("cache_config.family", family, f"one of {sorted(PRESETS)}")
-        return cls(None if thresh is None else float(thresh), coefficients, warmup, family)
+        return cls(None if thresh is None else float(thresh), coefficients, warmup)
 
 
 @dataclass
@@ -156,25 +111,6 @@ class TeaCacheState:
     previous_residual: torch.Tensor | None = None
 
 
-def detect_family(denoiser: torch.nn.Module, model_path: Path | None) -> str:
-    """Preset family of a loaded model: ``"digits"`` for the built-in default model,
-    ``"sd3"`` for other `SD3Transformer2DModel` s.
-
-    Raises:
-        InvalidRequestError: the denoiser has no TeaCache implementation.
-    """
-    if type(denoiser).__name__ != "SD3Transformer2DModel":
-        raise InvalidRequestError("cache_backend", "teacache",
-                                  "a backend supported by the model (teacache: SD3 transformers)",
-                                  detail=f"model has a {type(denoiser).__name__}")
-    from diffserve.models.digits import DEFAULT_MODEL_PATH
-
-    if model_path is not None and "digits" in PRESETS and \
-            Path(model_path).resolve() == Path(DEFAULT_MODEL_PATH).resolve():
-        return "digits"
-    return "sd3"
-
-
 def rescale(coefficients: tuple[float, ...], x: float) -> float:
     """Evaluate the polynomial (highest degree first) at `x` (Horner)."""
     y = 0.0
@@ -188,63 +124,30 @@ def relative_l1(current: torch.Tensor, previous: torch.Tensor) -> float:
     return float((current - previous).abs().mean() / previous.abs().mean())
 
 
-class SD3Split:
-    """`SD3Transformer2DModel.forward` (diffusers 0.42) in three parts around the blocks.
-
-    Covers the text-to-image path the adapter uses (no ControlNet, IP-Adapter, skip_layers or
-    joint_attention_kwargs). Tensors: hidden (rows, N_img, D), encoder (rows, N_txt, D_ctx),
-    temb (rows, D), output (rows, C, H, W).
-    """
-
-    @staticmethod
-    def embed(model, inputs: dict[str, torch.Tensor]):
-        """Returns (hidden, encoder_hidden, temb, modulated) of the batch."""
-        hidden = model.pos_embed(inputs["hidden_states"]).contiguous()
-        temb = model.time_text_embed(inputs["timestep"], inputs["pooled_projections"])
-        encoder = model.context_embedder(inputs["encoder_hidden_states"])
-        modulated = model.transformer_blocks[0].norm1(hidden, emb=temb)[0]
-        return hidden, encoder, temb, modulated
-
-    @staticmethod
-    def blocks(model, hidden: torch.Tensor, encoder: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        """Run every transformer block; returns the image stream (rows, N_img, D)."""
-        for block in model.transformer_blocks:
-            encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb=temb,
-                                    joint_attention_kwargs=None)
-        return hidden
-
-    @staticmethod
-    def head(model, hidden: torch.Tensor, temb: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """norm_out, proj_out and unpatchify to (rows, C, height, width) (latent pixels)."""
-        hidden = model.proj_out(model.norm_out(hidden, temb))
-        p = model.config.patch_size
-        h, w = height // p, width // p
-        hidden = hidden.reshape(hidden.shape[0], h, w, p, p, model.out_channels)
-        hidden = torch.einsum("nhwpqc->nchpwq", hidden)
-        return hidden.reshape(hidden.shape[0], model.out_channels, h * p, w * p)
-
-
 class TeaCacheBackend(CacheBackend):
     """The ``teacache`` backend (see the module docstring).
 
     Args:
-        adapter: the loaded pipeline adapter (its denoiser must be an SD3 transformer).
+        adapter: the loaded pipeline adapter (its capabilities must declare a TeaCache split).
         config: validated options.
-        model_path: the model folder (selects the ``digits`` preset for the default model).
 
     Raises:
-        InvalidRequestError: the model has no TeaCache implementation.
+        InvalidRequestError: the model family has no TeaCache split.
     """
 
     name = "teacache"
 
-    def __init__(self, adapter: "PipelineAdapter", config: TeaCacheConfig, model_path: Path | None = None):
+    def __init__(self, adapter: "PipelineAdapter", config: TeaCacheConfig):
         super().__init__()
-        family = config.family or detect_family(adapter.denoiser, model_path)
-        preset = PRESETS[family]
-        self.family = family
-        self.coefficients = config.coefficients or preset.coefficients
-        self.rel_l1_thresh = preset.rel_l1_thresh if config.rel_l1_thresh is None else config.rel_l1_thresh
+        support = adapter.capabilities.teacache
+        if support is None:
+            raise InvalidRequestError(
+                "cache_backend", "teacache",
+                f"a backend {adapter.pipeline_class_name} supports (teacache has no forward split for it)")
+        self.split = support.split
+        self.coefficients = config.coefficients or support.coefficients
+        self.rel_l1_thresh = support.rel_l1_thresh if config.rel_l1_thresh is None else config.rel_l1_thresh
+        self.source = support.source if config.coefficients is None else "cache_config"
         self.warmup_steps = config.warmup_steps
 
     def reset(self, state: "RequestState") -> None:
@@ -265,48 +168,51 @@ class TeaCacheBackend(CacheBackend):
         return True, 0.0
 
     def denoise(self, adapter: "PipelineAdapter", batch: "StepBatch") -> torch.Tensor:
-        """SD3 forward of the batch where each request computes its blocks or reuses its
-        cached residual; returns (rows, C, h, w) predictions like `PipelineAdapter.denoise`."""
-        model = adapter.denoiser
-        height, width = batch.inputs["hidden_states"].shape[-2:]
-        hidden, encoder, temb, modulated = SD3Split.embed(model, batch.inputs)
-        bounds, lo = [], 0
-        for n in batch.row_counts:
-            bounds.append((lo, lo + n))
-            lo += n
+        """The adapter's forward of the batch where each request computes its blocks or
+        reuses its cached residual; returns what `PipelineAdapter.denoise` returns."""
+        return adapter.denoise(batch, call=lambda b, kwargs: self._forward(adapter.denoiser, b, kwargs))
+
+    def _forward(self, model, batch: "StepBatch", kwargs: dict) -> torch.Tensor:
+        split = self.split
+        hidden, context, modulated = split.embed(model, kwargs)
+        rows = [batch.request_rows(i).to(hidden.device) for i in range(len(batch.states))]
         states = [s.extra[STATE_KEY] for s in batch.states]
-        decisions = [self._decide(st, modulated[a:b]) for st, (a, b) in zip(states, bounds)]
+        decisions = [self._decide(st, modulated[index]) for st, index in zip(states, rows)]
         computing = [i for i, (compute, _) in enumerate(decisions) if compute]
-        computed_rows, offset = {}, 0  # request -> its rows in `computed`
-        for i in computing:
-            n = bounds[i][1] - bounds[i][0]
-            computed_rows[i] = (offset, offset + n)
-            offset += n
         if len(computing) == len(states):
-            out_hidden = computed = SD3Split.blocks(model, hidden, encoder, temb)
+            out_hidden = computed = split.blocks(model, hidden, context)
+            computed_rows = {i: rows[i] for i in computing}
         else:
+            computed = None
+            computed_rows = {}
             if computing:
-                index = torch.cat([torch.arange(*bounds[i]) for i in computing]).to(hidden.device)
-                computed = SD3Split.blocks(model, hidden[index], encoder[index], temb[index])
-            out_hidden = torch.cat([
-                computed[slice(*computed_rows[i])] if i in computed_rows
-                else hidden[a:b] + states[i].previous_residual
-                for i, (a, b) in enumerate(bounds)
-            ])
-        output = SD3Split.head(model, out_hidden, temb, height, width)
+                index = torch.cat([rows[i] for i in computing])
+                computed = split.blocks(model, hidden[index], split.select_rows(context, index))
+                offset = 0
+                for i in computing:
+                    n = len(rows[i])
+                    computed_rows[i] = torch.arange(offset, offset + n, device=hidden.device)
+                    offset += n
+            out_hidden = hidden.clone()
+            for i, index in enumerate(rows):
+                if i in computed_rows:
+                    out_hidden[index] = computed[computed_rows[i]]
+                else:
+                    out_hidden[index] = hidden[index] + states[i].previous_residual
+        output = split.head(model, out_hidden, context)
 
         # Commit the new per-request state only once the whole forward succeeded.
-        for i, (st, (compute, accumulated), (a, b)) in enumerate(zip(states, decisions, bounds)):
+        for i, (st, (compute, accumulated)) in enumerate(zip(states, decisions)):
             if compute:
-                st.previous_residual = (computed[slice(*computed_rows[i])] - hidden[a:b]).clone()
+                st.previous_residual = (computed[computed_rows[i]] - hidden[rows[i]]).clone()
             else:
                 self.skipped += 1
             st.accumulated = accumulated
-            st.previous_modulated = modulated[a:b].clone()
+            st.previous_modulated = modulated[rows[i]].clone()
             st.step += 1
         self.transformer_calls += len(states)
         return output
 
     def stats(self) -> dict[str, Any]:
-        """`CacheBackend.stats` plus the preset family and threshold in use."""
-        return {**super().stats(), "family": self.family, "rel_l1_thresh": self.rel_l1_thresh}
+        """`CacheBackend.stats` plus the threshold and the coefficients' source."""
+        return {**super().stats(), "rel_l1_thresh": self.rel_l1_thresh, "coefficients_source": self.source}

@@ -26,21 +26,28 @@ import sys
 import numpy as np
 import torch
 
-from diffserve.acceleration.teacache import SD3Split, relative_l1
+from diffserve.acceleration.teacache import relative_l1
 
 
 def collect(model: str | None, prompts: list[str], seeds: list[int], steps: list[int],
             guidance: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Run uncached requests; returns (x, y) float64 arrays, one point per step >= 1."""
+    """Run uncached requests; returns (x, y) float64 arrays, one point per step >= 1.
+
+    Raises:
+        InvalidRequestError: the model's adapter declares no TeaCache split.
+    """
     from diffserve.config import EngineConfig
+    from diffserve.errors import InvalidRequestError
     from diffserve.pipelines.base import RequestState
     from diffserve.runner.model_runner import ModelRunner
-    from diffserve.runner.step_batch import StepBatch
     from diffserve.sampling_params import SamplingParams
 
     config = EngineConfig(model=model, prompt_embed_cache_size=0)
     runner = ModelRunner(config)
     adapter = runner.adapter
+    support = adapter.capabilities.teacache
+    if support is None:
+        raise InvalidRequestError("model", model, f"a model with a TeaCache split ({adapter.pipeline_class_name} has none)")
     xs, ys = [], []
     for n in steps:
         for prompt in prompts:
@@ -48,18 +55,24 @@ def collect(model: str | None, prompts: list[str], seeds: list[int], steps: list
                 params = SamplingParams(seed=seed, num_inference_steps=n, guidance_scale=guidance,
                                         output_type="latent").resolve(adapter.spec, config.limits, 0)
                 state = RequestState(f"calib-{seed}", prompt, params)
-                runner.prepare(state)
                 previous = None
                 with torch.inference_mode():
+                    adapter.prepare(state)
                     while not state.done:
-                        batch = StepBatch.gather(adapter, [state])
-                        modulated = SD3Split.embed(adapter.denoiser, batch.inputs)[3]
-                        out = adapter.denoise(batch)
+                        batch = adapter.collate([state])
+                        seen = {}
+
+                        def call(b, kwargs):
+                            seen["modulated"] = support.split.embed(adapter.denoiser, kwargs)[2]
+                            return adapter.call_denoiser(b, kwargs)
+
+                        out = adapter.denoise(batch, call=call)
+                        modulated = seen["modulated"]
                         if previous is not None:
                             xs.append(relative_l1(modulated, previous[0]))
                             ys.append(relative_l1(out, previous[1]))
                         previous = (modulated, out)
-                        adapter.step(state, out)
+                        adapter.step(batch, adapter.combine(batch, out))
     return np.asarray(xs), np.asarray(ys)
 
 

@@ -1,9 +1,11 @@
 """`AsyncDiffusionEngine`: the engine loop in a background thread, streamed to asyncio.
 
 The loop thread calls `DiffusionEngine.step()` while requests are unfinished and sleeps
-otherwise; every event is handed to the asyncio queue of its request. A consumer that stops
-listening (its task is cancelled or it breaks out of the iterator) aborts its request, which
-then frees its slot at the next step boundary.
+otherwise; every event is handed (by the request's listener, whichever thread stepped) to the
+asyncio queue of its request. A consumer that stops listening (its task is cancelled or it
+breaks out of the iterator) aborts its request, which then frees its slot at the next step
+boundary. If the loop thread dies, `is_running` turns False, `error` says why, unfinished
+requests fail and new ones are refused (the HTTP server's /health then answers 503).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from diffserve.config import EngineConfig
 from diffserve.engine.engine import DiffusionEngine
-from diffserve.errors import EngineOverloadedError
+from diffserve.errors import EngineDeadError, EngineOverloadedError
 from diffserve.outputs import StreamEvent
 from diffserve.sampling_params import SamplingParams
 
@@ -36,17 +39,23 @@ class AsyncDiffusionEngine:
 
     def __init__(self, config: EngineConfig | None = None, engine: DiffusionEngine | None = None):
         self.engine = engine or DiffusionEngine(config)
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._queues_lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._accepting = True
         self._thread: threading.Thread | None = None
         self.steps_run = 0
+        #: why the loop thread died (None while healthy)
+        self.error: str | None = None
 
     # ------------------------------------------------------------------ loop thread
     def start(self) -> None:
-        """Start the engine loop thread (idempotent)."""
+        """Start the engine loop thread (idempotent; a dead loop is not restarted).
+
+        Raises:
+            EngineDeadError: the loop thread died earlier.
+        """
+        if self.error is not None:
+            raise EngineDeadError(f"the engine loop died: {self.error}")
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
             self._accepting = True
@@ -55,33 +64,30 @@ class AsyncDiffusionEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """The loop thread was started, is alive and has not died of an error."""
+        return self.error is None and self._thread is not None and self._thread.is_alive()
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            if not self.engine.has_unfinished_requests():
-                self._wake.wait(timeout=0.1)
-                self._wake.clear()
-                continue
-            try:
-                events = self.engine.step()
-                self.steps_run += 1
-            except Exception:  # noqa: BLE001 - the loop must survive an engine bug
-                logger.exception("engine step raised; failing unfinished requests")
-                events = self.engine.fail_unfinished("internal engine error (see server log)")
-            for event in events:
-                self._dispatch(event)
-
-    def _dispatch(self, event: StreamEvent) -> None:
-        with self._queues_lock:
-            target = self._queues.get(event.request_id)
-        if target is None:
-            return
-        loop, queue = target
         try:
-            loop.call_soon_threadsafe(queue.put_nowait, event)
-        except RuntimeError:  # the consumer's event loop is closed
-            self.engine.abort(event.request_id)
+            while not self._stop.is_set():
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(timeout=0.1)
+                    self._wake.clear()
+                    continue
+                try:
+                    self.engine.step()  # events go to the requests' listeners
+                    self.steps_run += 1
+                except Exception:  # noqa: BLE001 - the loop must survive an engine bug
+                    logger.exception("engine step raised; failing unfinished requests")
+                    self.engine.fail_unfinished("internal engine error (see server log)")
+        except BaseException as exc:  # the loop thread dies: say so, fail everyone, refuse new work
+            self.error = f"{type(exc).__name__}: {exc}"
+            self._accepting = False
+            logger.critical("engine loop died: %s", self.error)
+            try:
+                self.engine.fail_unfinished(f"the engine loop died ({self.error})")
+            except BaseException:  # noqa: BLE001
+                logger.exception("failing unfinished requests after the loop died")
 
     # -------------------------------------------------------------------- public API
     async def generate(
@@ -90,6 +96,7 @@ class AsyncDiffusionEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         preview_steps: Sequence[int] = (),
+        inputs: Any = None,
     ) -> AsyncIterator[StreamEvent]:
         """Submit one request and stream its events until the final one.
 
@@ -100,17 +107,29 @@ class AsyncDiffusionEngine:
         Raises:
             InvalidRequestError: invalid prompt or params (before anything is queued).
             EngineOverloadedError: the waiting queue is full, or the engine is shutting down.
+            EngineDeadError: the engine loop died.
         """
+        if self.error is not None:
+            raise EngineDeadError(f"the engine loop died: {self.error}")
         if not self._accepting:
             raise EngineOverloadedError("engine is shutting down and no longer accepts requests")
         self.start()
         request_id = request_id or uuid.uuid4().hex
         queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
-        with self._queues_lock:
-            self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        loop = asyncio.get_running_loop()
+
+        def listener(event: StreamEvent) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+            except RuntimeError:  # the consumer's event loop is closed
+                self.engine.abort(event.request_id)
+
         finished = False
+        added = False
         try:
-            self.engine.add_request(prompt, params, request_id=request_id, preview_steps=preview_steps)
+            self.engine.add_request(prompt, params, request_id=request_id, preview_steps=preview_steps,
+                                    inputs=inputs, listener=listener)
+            added = True
             self._wake.set()
             while True:
                 event = await queue.get()
@@ -120,9 +139,7 @@ class AsyncDiffusionEngine:
                 if finished:
                     return
         finally:
-            with self._queues_lock:
-                self._queues.pop(request_id, None)
-            if not finished:
+            if added and not finished:
                 self.engine.abort(request_id)
                 self._wake.set()
 

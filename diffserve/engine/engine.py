@@ -1,8 +1,17 @@
-"""`DiffusionEngine`: the request lifecycle (add, step, abort, finish) on one model runner.
+"""`DiffusionEngine`: the request lifecycle (add, step, abort, finish) over an executor.
 
-One `step()` call: apply aborts, admit and prepare new requests, run ONE denoising step for
-the batch the request scheduler picks, decode the requests that just finished, and return
-the events that happened. `generate()` is the offline API: add requests, step until done.
+One `step()` call: collect finished prepare/decode work, apply aborts, admit new requests (their
+prepare work is submitted), run ONE denoising step for the batch the request scheduler picks
+among the denoising requests, and submit the decode of those that just finished. Prepare and
+decode run beside the steps (`diffserve.executor`), so a long encode or decode does not stall
+the other requests' steps.
+
+The engine holds plain data only (`Request`); tensors live in the executor's workers.
+
+Threads: any number of threads may call `generate`, `add_request`, `abort` and `step` on one
+engine. One thread steps at a time; each request's events go to its owner (the `generate` call
+or async consumer that added it, via `Request.listener`) whichever thread stepped, and the
+events of requests without a listener are returned by `step()`.
 """
 
 from __future__ import annotations
@@ -13,22 +22,23 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
 
 from diffserve.config import EngineConfig
-from diffserve.engine.request import Request
+from diffserve.engine.request import Phase, Request
 from diffserve.engine.scheduler import RequestScheduler
 from diffserve.errors import InvalidRequestError
-from diffserve.outputs import (
-    EventType,
-    GenerationOutput,
-    RequestStatus,
-    StreamEvent,
-)
-from diffserve.pipelines.base import RequestState, request_rows
-from diffserve.runner.model_runner import ModelRunner
+from diffserve.executor import Executor, InProcessExecutor, build_executor
+from diffserve.executor.messages import Decoded, NewRequest, Prepared, WorkError
+from diffserve.inputs import make_inputs
+from diffserve.outputs import EventType, GenerationOutput, RequestStatus, StreamEvent
 from diffserve.sampling_params import SamplingParams, validate_prompt
 
 logger = logging.getLogger(__name__)
+
+#: Longest a stepping thread blocks waiting for background work before re-checking (seconds).
+_WAIT_S = 0.05
 
 
 class DiffusionEngine:
@@ -36,7 +46,8 @@ class DiffusionEngine:
 
     Args:
         config: engine configuration; None = defaults (the built-in model on the best device).
-        runner: an already-built `ModelRunner` to reuse (optional).
+        runner: an already-built `ModelRunner` to reuse (optional; in-process executor).
+        executor: an already-built executor (optional; overrides `runner`).
 
     Example:
         >>> engine = DiffusionEngine(EngineConfig())
@@ -44,22 +55,40 @@ class DiffusionEngine:
         >>> out.images[0].save("seven.png")
     """
 
-    def __init__(self, config: EngineConfig | None = None, runner: ModelRunner | None = None):
+    def __init__(self, config: EngineConfig | None = None, runner=None, executor: Executor | None = None):
         self.config = config or EngineConfig()
-        self.runner = runner or ModelRunner(self.config)
+        if executor is None:
+            executor = InProcessExecutor(self.config, runner) if runner is not None else build_executor(self.config)
+        self.executor = executor
+        self.model_info = executor.info()
         self.scheduler = RequestScheduler(
             self.config.max_batch_size, self.config.max_waiting_requests, self.config.execution_mode
         )
         self._lock = threading.RLock()
+        self._mail = threading.Condition(self._lock)
+        self._step_lock = threading.Lock()
         self._requests: dict[str, Request] = {}
         self._pending: list[StreamEvent] = []
+        #: background work in flight: (future, request ids), in submission order
+        self._prepare_work: list[tuple[Future, list[str]]] = []
+        self._decode_work: list[tuple[Future, list[str]]] = []
         self._seq = itertools.count()
         self._step_listeners: list[Callable[[int, int, float], None]] = []
 
+    @property
+    def runner(self):
+        """The in-process `ModelRunner` (in-process executor only)."""
+        return getattr(self.executor, "runner", None)
+
+    @property
+    def spec(self):
+        """The loaded model's `ModelSpec` (defaults and limits)."""
+        return self.model_info.spec
+
     def add_step_listener(self, listener: Callable[[int, int, float], None]) -> None:
         """Call ``listener(num_rows, num_requests, seconds)`` after every denoising step
-        (on the engine thread): transformer rows in the forward (CFG rows included), requests
-        in the batch, and the step's wall-clock duration in seconds."""
+        (on the stepping thread): denoiser rows in the forward (guidance branches included),
+        requests in the batch, and the step's wall-clock duration in seconds."""
         self._step_listeners.append(listener)
 
     # ----------------------------------------------------------------- request lifecycle
@@ -69,12 +98,18 @@ class DiffusionEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         preview_steps: Sequence[int] = (),
+        inputs: Any = None,
+        listener: Callable[[StreamEvent], None] | None = None,
     ) -> str:
         """Validate and queue one request; returns its id (a fresh uuid when not given).
 
         Args:
             preview_steps: denoising steps (1-based) after which a decoded preview of the
                 current latents is emitted as a `partial` event.
+            inputs: input images (`RequestInputs`, or images in any form
+                `diffserve.inputs.make_inputs` takes).
+            listener: receives each of this request's events (on the stepping thread) instead
+                of `step()` returning them.
 
         Raises:
             InvalidRequestError: a field is invalid (named in the message).
@@ -83,18 +118,22 @@ class DiffusionEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params", params, "a SamplingParams")
-        spec = self.runner.spec
+        spec = self.spec
         prompt = validate_prompt(prompt, spec)
+        inputs = make_inputs(inputs) if inputs is not None else None
         resolved = params.resolve(spec, self.config.limits, self.config.default_seed)
+        plan = self.executor.plan(resolved, inputs)
         request = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt=prompt,
             params=resolved,
-            batch_key=self.runner.batch_key(resolved),
-            rows=request_rows(resolved),
+            inputs=inputs,
+            batch_key=plan.batch_key,
+            rows=plan.rows,
             seq=next(self._seq),
             arrival_time=time.perf_counter(),
             preview_steps=frozenset(int(s) for s in preview_steps),
+            listener=listener,
         )
         request.metrics.arrival_time = time.time()
         with self._lock:
@@ -102,7 +141,7 @@ class DiffusionEngine:
                 raise InvalidRequestError("request_id", request.request_id, "unique among live requests")
             self.scheduler.add(request)
             self._requests[request.request_id] = request
-            self._pending.append(StreamEvent(request.request_id, EventType.QUEUED))
+            self._emit([StreamEvent(request.request_id, EventType.QUEUED)])
         return request.request_id
 
     def abort(self, request_id: str) -> bool:
@@ -115,7 +154,7 @@ class DiffusionEngine:
                 return False
             if self.scheduler.remove_waiting(request_id) is not None:
                 # never started: free its queue slot now; the event goes out with the next step
-                self._pending.append(self._final(request, RequestStatus.ABORTED))
+                self._close(request, RequestStatus.ABORTED)
             else:
                 request.abort_requested = True
             return True
@@ -133,16 +172,17 @@ class DiffusionEngine:
 
     def fail_unfinished(self, message: str) -> list[StreamEvent]:
         """Fail every unfinished request with `message` (used when the engine itself
-        breaks); returns their final events."""
+        breaks); routes their final events and returns the unrouted pending ones."""
         with self._lock:
             requests = list(self._requests.values())
             for request in requests:
                 self.scheduler.remove_waiting(request.request_id)
                 self.scheduler.finish(request)
-        events = list(self._pending)
-        self._pending = []
-        events += [self._final(r, RequestStatus.FAILED, error=RuntimeError(message)) for r in requests]
-        return events
+            self.executor.free([r.request_id for r in requests])
+            for request in requests:
+                self._close(request, RequestStatus.FAILED, error=RuntimeError(message))
+            events, self._pending = self._pending, []
+            return events
 
     @property
     def num_waiting(self) -> int:
@@ -151,127 +191,215 @@ class DiffusionEngine:
 
     @property
     def num_running_rows(self) -> int:
-        """Transformer rows held by running requests (CFG counts 2 per image)."""
+        """Denoiser rows held by running requests (guidance branches count)."""
         return self.scheduler.running_rows
+
+    def stats(self) -> dict[str, Any]:
+        """Executor counters (acceleration, non-finite outputs, workers alive)."""
+        return self.executor.stats()
 
     # ----------------------------------------------------------------------- one step
     def step(self) -> list[StreamEvent]:
-        """Advance the engine by one denoising step; return the events that occurred."""
+        """Advance the engine: collect background work, admit, run ONE denoising step, submit
+        decodes; returns the events of requests without a listener. Blocks while another
+        thread is stepping."""
+        with self._step_lock:
+            self._step_locked()
         with self._lock:
             events, self._pending = self._pending, []
-            for request in [r for r in self._requests.values() if r.abort_requested]:
-                self.scheduler.remove_waiting(request.request_id)
-                self.scheduler.finish(request)
-                events.append(self._final(request, RequestStatus.ABORTED))
-            admitted = self.scheduler.admit()
-        for request in admitted:
-            events.extend(self._prepare(request))
-        with self._lock:
-            batch = self.scheduler.select_batch()
-        if batch:
-            events.extend(self._denoise_step(batch))
-        return events
-
-    def _prepare(self, request: Request) -> list[StreamEvent]:
-        start = time.perf_counter()
-        request.status = RequestStatus.RUNNING
-        request.metrics.queue_s = start - request.arrival_time
-        request.state = RequestState(request.request_id, request.prompt, request.params)
-        events = [StreamEvent(request.request_id, EventType.STARTED,
-                              step=0, total=request.params.num_inference_steps)]
-        try:
-            # tokenizers are not thread-safe: only the engine thread touches them
-            request.prompt_truncated = self.runner.prompt_is_truncated(request.prompt)
-            self.runner.prepare(request.state)
-        except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
-            logger.exception("prepare failed for %s", request.request_id)
-            with self._lock:
-                self.scheduler.finish(request)
-            events.append(self._final(request, RequestStatus.FAILED, error=exc))
+            self._mail.notify_all()
             return events
-        request.metrics.encode_s = time.perf_counter() - start
-        return events
 
-    def _denoise_step(self, batch: list[Request]) -> list[StreamEvent]:
+    def _step_locked(self) -> None:
+        with self._lock:
+            self._apply_aborts()
+            admitted = self.scheduler.admit()
+            for request in admitted:
+                request.phase = Phase.PREPARING
+                request.status = RequestStatus.RUNNING
+                request.metrics.queue_s = time.perf_counter() - request.arrival_time
+                self._emit([StreamEvent(request.request_id, EventType.STARTED, step=0,
+                                        total=request.params.num_inference_steps)])
+        if admitted:
+            new = [NewRequest(r.request_id, r.prompt, r.params, r.inputs) for r in admitted]
+            self._prepare_work.append((self.executor.submit_prepare(new), [r.request_id for r in admitted]))
+        self._collect(block=False)
+        with self._lock:
+            self._apply_aborts()
+            batch = self.scheduler.select_batch()
+        if not batch and (self._prepare_work or self._decode_work):
+            # nothing to step: wait for background work instead of spinning
+            self._collect(block=True)
+            with self._lock:
+                self._apply_aborts()
+                batch = self.scheduler.select_batch()
+        if batch:
+            self._denoise_step(batch)
+            self._collect(block=False)
+
+    def _apply_aborts(self) -> None:
+        """Abort running requests that asked for it (lock held). Requests being prepared or
+        decoded are closed when their work comes back."""
+        for request in [r for r in self._requests.values() if r.abort_requested]:
+            if request.phase in (Phase.PREPARING, Phase.DECODING):
+                continue
+            self.scheduler.remove_waiting(request.request_id)
+            self.scheduler.finish(request)
+            self.executor.free([request.request_id])
+            self._close(request, RequestStatus.ABORTED)
+
+    def _collect(self, block: bool) -> None:
+        """Apply finished prepare/decode work; with `block`, wait (briefly) for at least one.
+        A work item that raised as a whole (an executor fault, e.g. a dead worker) fails its
+        requests."""
+        if not (self._prepare_work or self._decode_work):
+            return
+        if block:
+            wait([f for f, _ in self._prepare_work + self._decode_work], timeout=_WAIT_S,
+                 return_when=FIRST_COMPLETED)
+        for queue, apply in ((self._prepare_work, self._on_prepared), (self._decode_work, self._on_decoded)):
+            for item in [w for w in queue if w[0].done()]:
+                queue.remove(item)
+                future, ids = item
+                try:
+                    results = future.result()
+                except Exception as exc:  # noqa: BLE001
+                    logger.exception("background work for %s failed", ids)
+                    self._fail(ids, exc)
+                    continue
+                apply(results)
+
+    def _fail(self, request_ids: list[str], error: BaseException) -> None:
+        with self._lock:
+            for request_id in request_ids:
+                request = self._requests.get(request_id)
+                if request is not None:
+                    self.scheduler.finish(request)
+                    self.executor.free([request_id])
+                    self._close(request, RequestStatus.FAILED, error=error)
+
+    def _on_prepared(self, results: list[Prepared]) -> None:
+        with self._lock:
+            for result in results:
+                request = self._requests.get(result.request_id)
+                if request is None:  # failed or closed meanwhile
+                    self.executor.free([result.request_id])
+                    continue
+                request.metrics.encode_s = result.seconds
+                request.prompt_truncated = result.prompt_truncated
+                request.negative_prompt_truncated = result.negative_prompt_truncated
+                if result.error is not None:
+                    self.scheduler.finish(request)
+                    self._close(request, RequestStatus.FAILED, error=result.error)
+                    continue
+                request.num_steps = result.num_steps
+                request.phase = Phase.DENOISING
+                if request.abort_requested:
+                    self._apply_aborts()
+
+    def _on_decoded(self, results: list[Decoded]) -> None:
+        with self._lock:
+            for result in results:
+                request = self._requests.get(result.request_id)
+                if request is None:
+                    continue
+                if result.preview:
+                    if result.error is None and not request.abort_requested:
+                        self._emit([StreamEvent(request.request_id, EventType.PARTIAL, step=result.step,
+                                                total=request.num_steps, preview=result.output)])
+                    continue
+                self.scheduler.finish(request)
+                if request.abort_requested:
+                    self._close(request, RequestStatus.ABORTED)
+                elif result.error is not None:
+                    self._close(request, RequestStatus.FAILED, error=result.error)
+                else:
+                    request.metrics.decode_s = result.seconds
+                    self._close(request, RequestStatus.FINISHED, images=result.output)
+
+    def _denoise_step(self, batch: list[Request]) -> None:
         start = time.perf_counter()
         for request in batch:
             if request.first_step_time is None:
                 request.first_step_time = start
-        result = self.runner.execute_step([r.state for r in batch])
+        out = self.executor.step([r.request_id for r in batch])
         end = time.perf_counter()
         for listener in self._step_listeners:
-            listener(result.num_rows, len(batch), end - start)
-        events: list[StreamEvent] = []
-        for request in batch:
-            error = result.failures.get(request.request_id)
-            if error is not None:
-                logger.error("step failed for %s: %r", request.request_id, error)
-                with self._lock:
-                    self.scheduler.finish(request)
-                events.append(self._final(request, RequestStatus.FAILED, error=error))
-                continue
-            m = request.metrics
-            m.num_steps += 1
-            m.batch_sizes[result.num_rows] = m.batch_sizes.get(result.num_rows, 0) + 1
-            m.denoise_s = end - request.first_step_time
-            state = request.state
-            events.append(StreamEvent(request.request_id, EventType.PROGRESS,
-                                      step=state.step_index, total=state.num_steps))
-            if state.done:
-                events.append(self._decode(request))
-            elif state.step_index in request.preview_steps:
-                events.append(self._preview(request))
-        return events
-
-    def _preview(self, request: Request) -> StreamEvent:
-        state = request.state
-        try:
-            preview = self.runner.decode(state)
-        except Exception as exc:  # noqa: BLE001 - a preview failure is not fatal
-            logger.warning("preview failed for %s: %r", request.request_id, exc)
-            preview = None
-        return StreamEvent(request.request_id, EventType.PARTIAL, step=state.step_index,
-                           total=state.num_steps, preview=preview)
-
-    def _decode(self, request: Request) -> StreamEvent:
-        start = time.perf_counter()
-        try:
-            images = self.runner.decode(request.state)
-        except Exception as exc:  # noqa: BLE001
-            logger.exception("decode failed for %s", request.request_id)
-            with self._lock:
-                self.scheduler.finish(request)
-            return self._final(request, RequestStatus.FAILED, error=exc)
-        request.metrics.decode_s = time.perf_counter() - start
+            listener(out.num_rows, len(batch), end - start)
+        finished, previews = [], []
         with self._lock:
-            self.scheduler.finish(request)
-        return self._final(request, RequestStatus.FINISHED, images=images)
+            for request in batch:
+                error = out.errors.get(request.request_id)
+                if error is not None:
+                    self.scheduler.finish(request)
+                    self._close(request, RequestStatus.FAILED, error=error)
+                    continue
+                m = request.metrics
+                m.num_steps += 1
+                m.batch_sizes[out.num_rows] = m.batch_sizes.get(out.num_rows, 0) + 1
+                m.denoise_s = end - request.first_step_time
+                request.steps_done = out.steps_done.get(request.request_id, request.steps_done + 1)
+                request.num_steps = out.num_steps.get(request.request_id, request.num_steps)
+                self._emit([StreamEvent(request.request_id, EventType.PROGRESS,
+                                        step=request.steps_done, total=request.num_steps)])
+                if request.steps_done >= request.num_steps:
+                    request.phase = Phase.DECODING
+                    finished.append(request.request_id)
+                elif request.steps_done in request.preview_steps and not request.abort_requested:
+                    previews.append(request.request_id)
+        if previews:
+            self._decode_work.append((self.executor.submit_decode(previews, preview=True), previews))
+        if finished:
+            self._decode_work.append((self.executor.submit_decode(finished), finished))
 
-    def _final(self, request: Request, status: RequestStatus, images=None,
-               error: BaseException | None = None) -> StreamEvent:
-        """Close a request: release its tensors, fill metrics, build its final event."""
+    def _close(self, request: Request, status: RequestStatus, images=None,
+               error: BaseException | WorkError | None = None) -> None:
+        """Close a request: fill metrics, emit its final event, forget it (lock held)."""
         request.status = status
-        if request.state is not None:
-            request.state.release()
+        request.phase = Phase.DONE
         m = request.metrics
         m.total_s = time.perf_counter() - request.arrival_time
-        m.peak_memory_bytes = self.runner.peak_memory_bytes()
-        message = None if error is None else f"{type(error).__name__}: {error}"
+        m.peak_memory_bytes = self.executor.peak_memory_bytes()
+        if error is None:
+            message = None
+        elif isinstance(error, WorkError):
+            message = str(error)
+        else:
+            message = f"{type(error).__name__}: {error}"
+        is_video = self.spec.default_num_frames is not None
+        media = images if images is not None else []
         output = GenerationOutput(
             request_id=request.request_id,
             prompt=request.prompt,
-            images=images if images is not None else [],
+            images=[] if is_video else media,
+            videos=media if is_video else [],
             seed=request.params.seed,
             status=status,
             metrics=m,
             prompt_truncated=request.prompt_truncated,
+            negative_prompt_truncated=request.negative_prompt_truncated,
             error=message,
+            error_type=error.type if isinstance(error, WorkError) else (
+                type(error).__name__ if error is not None else None),
+            params=request.params,
         )
-        with self._lock:
-            self._requests.pop(request.request_id, None)
         event_type = {RequestStatus.FINISHED: EventType.FINISHED, RequestStatus.FAILED: EventType.FAILED,
                       RequestStatus.ABORTED: EventType.ABORTED}[status]
-        return StreamEvent(request.request_id, event_type, output=output, error=message)
+        self._emit([StreamEvent(request.request_id, event_type, output=output, error=message)])
+        self._requests.pop(request.request_id, None)
+
+    def _emit(self, events: list[StreamEvent]) -> None:
+        """Route events (lock held): to their request's listener, else to `step()`'s return."""
+        for event in events:
+            request = self._requests.get(event.request_id)
+            listener = request.listener if request is not None else None
+            if listener is None:
+                self._pending.append(event)
+            else:
+                try:
+                    listener(event)
+                except Exception:  # noqa: BLE001 - a consumer's bug must not break the engine
+                    logger.exception("event listener for %s raised", event.request_id)
 
     # -------------------------------------------------------------------- offline API
     def generate(
@@ -279,13 +407,21 @@ class DiffusionEngine:
         prompts: str | Sequence[str],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         on_event: Callable[[StreamEvent], None] | None = None,
+        inputs: Any = None,
     ) -> list[GenerationOutput]:
         """Generate images for `prompts` (one request each) and wait for all of them.
+
+        Safe to call from several threads at once on one engine: their requests share steps,
+        and each call gets exactly its own outputs.
 
         Args:
             prompts: one prompt or a list.
             params: one `SamplingParams` for all, or one per prompt.
-            on_event: called with every event of these requests (e.g. for a progress bar).
+            on_event: called with every event of these requests (e.g. for a progress bar), on
+                the calling thread.
+            inputs: input images for all prompts (one image, or a `RequestInputs` made with
+                `diffserve.inputs.make_inputs` for several images / a mask), or a list or tuple
+                with one such entry (or None) per prompt.
 
         Returns:
             One `GenerationOutput` per prompt, in order; a request that failed has
@@ -310,19 +446,59 @@ class DiffusionEngine:
                 raise InvalidRequestError(
                     "params", f"{len(params_list)} items", f"one SamplingParams or {len(prompts)} (one per prompt)"
                 )
-        spec = self.runner.spec
-        for prompt, p in zip(prompts, params_list):  # validate everything before queueing
+        inputs_list = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs] * len(prompts)
+        if len(inputs_list) != len(prompts):
+            raise InvalidRequestError("inputs", f"{len(inputs_list)} items", f"one per prompt ({len(prompts)})")
+        spec = self.spec
+        inputs_list = [make_inputs(x) if x is not None else None for x in inputs_list]
+        for prompt, p, x in zip(prompts, params_list, inputs_list):  # validate before queueing
             validate_prompt(prompt, spec)
-            p.resolve(spec, self.config.limits, 0)
-        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params_list)]
-        wanted = set(ids)
+            self.executor.plan(p.resolve(spec, self.config.limits, 0), x)
+        mailbox: list[StreamEvent] = []
+
+        def deliver(event: StreamEvent) -> None:
+            mailbox.append(event)  # the lock is held by the emitting thread
+            self._mail.notify_all()
+
+        ids: list[str] = []
+        try:
+            for prompt, p, x in zip(prompts, params_list, inputs_list):
+                ids.append(self.add_request(prompt, p, inputs=x, listener=deliver))
+        except BaseException:
+            for request_id in ids:
+                self.abort(request_id)
+            raise
         outputs: dict[str, GenerationOutput] = {}
-        while len(outputs) < len(ids):
-            for event in self.step():
-                if event.request_id not in wanted:
-                    continue
-                if on_event is not None:
-                    on_event(event)
-                if event.type.is_final:
-                    outputs[event.request_id] = event.output
+        try:
+            while len(outputs) < len(ids):
+                with self._lock:
+                    got, mailbox[:] = list(mailbox), []
+                for event in got:
+                    if on_event is not None:
+                        on_event(event)
+                    if event.type.is_final:
+                        outputs[event.request_id] = event.output
+                if len(outputs) == len(ids):
+                    break
+                if self._step_lock.acquire(blocking=False):
+                    try:
+                        self._step_locked()
+                    finally:
+                        self._step_lock.release()
+                    with self._lock:
+                        self._mail.notify_all()
+                else:
+                    with self._lock:
+                        if not mailbox:
+                            self._mail.wait(timeout=_WAIT_S)
+        except BaseException:
+            for request_id in ids:
+                if request_id not in outputs:
+                    self.abort(request_id)
+            raise
         return [outputs[i] for i in ids]
+
+    def shutdown(self) -> None:
+        """Stop the executor's background work."""
+        self.executor.shutdown()
+

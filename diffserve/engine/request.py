@@ -2,25 +2,41 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
 
-from diffserve.outputs import RequestMetrics, RequestStatus
-from diffserve.pipelines.base import RequestState
+from diffserve.outputs import RequestMetrics, RequestStatus, StreamEvent
 from diffserve.sampling_params import SamplingParams
+
+
+class Phase(str, Enum):
+    """Where a request is: waiting in the queue, being prepared (encode), denoising (stepped
+    by the request scheduler), being decoded, or done."""
+
+    WAITING = "waiting"
+    PREPARING = "preparing"
+    DENOISING = "denoising"
+    DECODING = "decoding"
+    DONE = "done"
 
 
 @dataclass
 class Request:
-    """A request inside the engine.
+    """A request inside the engine (plain data: its tensors live in the workers).
 
     Attributes:
         params: resolved (validated, defaults filled) sampling params.
+        inputs: input images / mask (`diffserve.pipelines.base.RequestInputs`) or None.
         batch_key: the adapter's key; requests with equal keys can share a denoising step.
-        rows: transformer rows per step (num_images x 2 with CFG).
+        rows: denoiser rows per step (images x guidance branches).
         seq: arrival sequence number (the request scheduler's age order).
-        state: the runner's per-request tensors; None until admitted.
+        num_steps / steps_done: planned and completed denoising steps (known once prepared).
         preview_steps: steps after which a decoded preview is streamed (partial events).
+        listener: called with each of the request's events on the stepping thread (instead of
+            returning them from `DiffusionEngine.step`); how `generate` and the async engine
+            receive their events whichever thread steps.
     """
 
     request_id: str
@@ -30,10 +46,15 @@ class Request:
     rows: int
     seq: int
     arrival_time: float
+    inputs: Any = None
+    phase: Phase = Phase.WAITING
+    num_steps: int = 0
+    steps_done: int = 0
     prompt_truncated: bool = False
+    negative_prompt_truncated: bool = False
     status: RequestStatus = RequestStatus.WAITING
-    state: RequestState | None = None
     abort_requested: bool = False
     first_step_time: float | None = None
     preview_steps: frozenset[int] = frozenset()
+    listener: Callable[[StreamEvent], None] | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)

@@ -1,6 +1,8 @@
 """The request scheduler: which requests run in the next denoising step.
 
-Two queues: `waiting` (added, not yet prepared) and `running` (prepared, holding latents).
+Two queues: `waiting` (added, not yet admitted) and `running` (admitted: being prepared,
+denoising or being decoded). Only denoising requests are stepped; preparing and denoising ones
+count against the row budget.
 
 Fairness rule (step mode):
 - Admission is first-come-first-served: waiting requests enter `running` in arrival order
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from diffserve.engine.request import Request
+from diffserve.engine.request import Phase, Request
 from diffserve.errors import EngineOverloadedError
 
 
@@ -43,7 +45,8 @@ class RequestScheduler:
 
     @property
     def running_rows(self) -> int:
-        return sum(r.rows for r in self.running)
+        """Denoiser rows held by admitted requests that are preparing or denoising."""
+        return sum(r.rows for r in self.running if r.phase is not Phase.DECODING)
 
     def add(self, request: Request) -> None:
         """Queue a request.
@@ -91,11 +94,11 @@ class RequestScheduler:
         return admitted
 
     def select_batch(self) -> list[Request]:
-        """Requests for the next denoising step: the oldest running request's batch key,
+        """Requests for the next denoising step: the oldest denoising request's batch key,
         oldest first, up to `max_batch_size` rows (the oldest always included)."""
-        if not self.running:
+        ordered = sorted((r for r in self.running if r.phase is Phase.DENOISING), key=lambda r: r.seq)
+        if not ordered:
             return []
-        ordered = sorted(self.running, key=lambda r: r.seq)
         key = ordered[0].batch_key
         batch: list[Request] = []
         rows = 0

@@ -336,7 +336,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from diffserve.outputs import EventType
 
     engine = DiffusionEngine(config)
-    spec, limits = engine.runner.spec, config.limits
+    spec, limits = engine.spec, config.limits
     resolved = [p.resolve(spec, limits, 0) for p in params]  # the model's rules, before any compute
     if args.model is None:
         _warn_out_of_vocabulary(prompt)

@@ -1,34 +1,67 @@
-"""The step contract every pipeline adapter implements (see ARCHITECTURE.md).
+"""The step contract every pipeline adapter implements (see ``pipelines/README.md``).
 
-An adapter wraps one model family's diffusers components and exposes four operations on a
-per-request `RequestState`:
+An adapter wraps one model family's diffusers components. It owns everything model-shaped, so
+the engine, runner, acceleration backends and server never name a family:
 
-1. `prepare(state)`: encode the prompt, create the request's own diffusion-scheduler instance,
-   its timesteps/sigmas and initial latents from its own seeded generator.
-2. `denoise(batch)`: ONE transformer/UNet forward over a `StepBatch` gathered from several
-   requests that share a batch key (rows carry per-sample timesteps; CFG doubles rows).
-3. `step(state, noise_pred_rows)`: CFG combination + one diffusion-scheduler step.
-4. `decode(state)`: VAE decode and post-processing.
+- how many denoiser rows a request takes (`PipelineAdapter.branches` x images per prompt),
+  which requests may share a forward (`batch_key`), and family-specific field checks
+  (`check_params`);
+- `prepare(state)`: encode the prompt (through the prompt-embedding cache), create the
+  request's own diffusion-scheduler instance, its timesteps/sigmas and initial latents from its
+  own seeded generator;
+- `collate(states) -> StepBatch`: several requests' inputs become ONE denoiser forward
+  (per-row tensors, batch-shared tensors, padding + masks, nested dicts);
+- `denoise(batch)`: that forward; `combine(batch, out)`: CFG / true CFG over the branches;
+  `step(batch, guided)`: one diffusion-scheduler step for every request of the batch;
+- `decode(state)`: VAE decode and post-processing;
+- `capabilities`: how cache backends and regional compile hook into its denoiser.
 
-A whole request is prepare, then denoise+step until done, then decode: the request path and
-the step path share one implementation.
+A whole request is prepare, then collate+denoise+combine+step until done, then decode: the
+request path and the step path share one implementation.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from diffserve.errors import InvalidRequestError, NonFiniteOutputError
+from diffserve.pipelines import diffusion_scheduler, guidance
+from diffserve.pipelines.step_batch import BatchCache, StepBatch, collate_branches
 from diffserve.sampling_params import ModelSpec, SamplingParams
 
 if TYPE_CHECKING:
     from diffserve.acceleration.prompt_embed_cache import PromptEmbedCache
-    from diffserve.runner.step_batch import StepBatch
+    from diffserve.pipelines.text_encoding import TextEncoder
+
+#: Batch compositions whose `BatchCache` an adapter keeps (several interleave when a cache
+#: backend runs requests one per forward, or batch keys alternate).
+_BATCH_CACHES = 8
+
+#: ``call(batch, kwargs) -> output``: runs the denoiser module on prepared keyword inputs. Cache
+#: backends pass their own to `PipelineAdapter.denoise` (TeaCache splits the forward there).
+DenoiserCall = Callable[[StepBatch, dict[str, Any]], torch.Tensor]
+
+
+@dataclass
+class RequestInputs:
+    """Non-text inputs of a request (image-to-image, edits, inpainting); build them with
+    `diffserve.inputs.make_inputs`.
+
+    Attributes:
+        images: input images as RGB PIL images (what diffusers' image processors take), one or
+            several.
+        mask: optional mode-"L" PIL image of the first image's size; white = repaint.
+    """
+
+    images: list[Any] = field(default_factory=list)
+    mask: Any = None
 
 
 @dataclass
@@ -36,13 +69,21 @@ class RequestState:
     """Per-request tensors and diffusion-scheduler state, owned by the model runner.
 
     Attributes:
-        params: resolved `SamplingParams` (no None fields).
+        params: resolved `SamplingParams` (no None fields that the model uses).
+        inputs: input images / mask, or None for text-to-image.
         generator: CPU `torch.Generator` seeded with ``params.seed``.
-        latents: (num_images, C, H/f_vae, W/f_vae) in the model dtype.
-        model_inputs: per-request row tensors the adapter reuses every step (prompt
-            embeddings etc.; CFG rows ordered [unconditional..., conditional...]).
+        latents: (num_images, ...) in the family's latent layout (e.g. (N, C, h, w) for SD3,
+            packed (N, h*w/4, 4C) for Flux), in the model dtype.
+        branches: per guidance branch (unconditional/negative first, conditional last), the
+            denoiser inputs of that branch with leading dim num_images (or nested dicts of such).
+        shared: denoiser inputs equal for every request of one batch key (e.g. Flux's 2-D
+            position ids); taken from the first request of a batch.
+        guidance_scale: weight of the branch combine (CFG / true CFG), 1.0 without.
         scheduler: this request's own diffusion-scheduler instance.
-        timesteps: (num_inference_steps,) float tensor.
+        step_kwargs: extra keyword arguments of its ``scheduler.step`` (eta, generator).
+        timesteps: (num_steps,) float tensor, the denoiser's timestep at each step.
+        sigmas: (num_steps + 1,) float32 noise levels for the batched flow-matching Euler step
+            (None = the scheduler's own `step` is used, per request).
         step_index: denoising steps done.
         extra: room for acceleration backends' per-request state.
     """
@@ -50,13 +91,19 @@ class RequestState:
     request_id: str
     prompt: str
     params: SamplingParams
+    inputs: RequestInputs | None = None
     generator: torch.Generator | None = None
     latents: torch.Tensor | None = None
-    model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    branches: list[dict[str, Any]] = field(default_factory=list)
+    shared: dict[str, Any] = field(default_factory=dict)
+    guidance_scale: float = 1.0
     scheduler: Any = None
+    step_kwargs: dict[str, Any] = field(default_factory=dict)
     timesteps: torch.Tensor | None = None
+    sigmas: torch.Tensor | None = None
     step_index: int = 0
     prompt_truncated: bool = False
+    negative_prompt_truncated: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -69,29 +116,109 @@ class RequestState:
         return self.timesteps is not None and self.step_index >= len(self.timesteps)
 
     @property
-    def rows(self) -> int:
-        """Transformer rows this request adds to a step batch (x2 with CFG)."""
-        return request_rows(self.params)
+    def num_images(self) -> int:
+        return self.params.num_images_per_prompt
+
+    @property
+    def timestep(self) -> torch.Tensor:
+        """The current step's timestep (0-dim)."""
+        return self.timesteps[self.step_index]
 
     def release(self) -> None:
         """Drop every tensor this request holds (abort / failure / finish)."""
         self.latents = None
-        self.model_inputs = {}
+        self.branches = []
+        self.shared = {}
         self.scheduler = None
         self.timesteps = None
+        self.sigmas = None
         self.extra = {}
+        self.inputs = None
 
 
-def request_rows(params: SamplingParams) -> int:
-    """Rows of a request in a transformer batch: num_images x (2 if CFG else 1)."""
-    return params.num_images_per_prompt * (2 if params.do_classifier_free_guidance else 1)
+@dataclass(frozen=True)
+class TeaCacheSupport:
+    """How TeaCache (`diffserve.acceleration.teacache`) splits this family's denoiser forward.
+
+    TeaCache needs the forward in three parts around the repeated blocks; `split` implements
+    them for the family's denoiser class.
+
+    Attributes:
+        split: an object with ``embed(model, kwargs) -> (hidden, context, modulated)``,
+            ``blocks(model, hidden, context) -> hidden`` and ``head(model, hidden, context) ->
+            output`` (``context`` is whatever the blocks and the head need besides the image
+            stream, sliced per row by TeaCache with `select_rows`), and
+            ``select_rows(context, index) -> context``.
+        coefficients: rescaling polynomial (``numpy.poly1d`` order) from the modulated-input
+            relative L1 change to the output change.
+        rel_l1_thresh: default threshold on the accumulated rescaled change.
+        source: where the coefficients come from.
+    """
+
+    split: Any
+    coefficients: tuple[float, ...]
+    rel_l1_thresh: float
+    source: str
+
+
+@dataclass(frozen=True)
+class CacheDiTSupport:
+    """How cache-dit's DBCache wraps this family's denoiser.
+
+    Attributes:
+        blocks: attribute names of the block lists on the denoiser, in forward order.
+        patterns: cache-dit ``ForwardPattern`` names, one per block list.
+        has_encoder_residual: whether the last block returns an encoder stream (TaylorSeer's
+            encoder calibrator needs it).
+    """
+
+    blocks: tuple[str, ...]
+    patterns: tuple[str, ...]
+    has_encoder_residual: bool = True
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What acceleration an adapter supports and how.
+
+    Attributes:
+        teacache: TeaCache forward split and coefficients, or None (backend refused).
+        cache_dit: cache-dit block description, or None (backend refused).
+        repeated_blocks: class names of the denoiser's repeated blocks for regional compile
+            (default: the diffusers class's ``_repeated_blocks``), empty = refused.
+        context_parallel: ``prepare(denoiser) -> plan``: installs what Ulysses sequence
+            parallelism needs on the denoiser and returns its diffusers context-parallel plan;
+            None = the diffusers class's own ``_cp_plan`` (refused when it has none).
+    """
+
+    teacache: TeaCacheSupport | None = None
+    cache_dit: CacheDiTSupport | None = None
+    repeated_blocks: tuple[str, ...] = ()
+    context_parallel: Callable[[torch.nn.Module], dict] | None = None
+
+
+@dataclass
+class AdapterOptions:
+    """Engine options an adapter reads when it is built.
+
+    Attributes:
+        context_folding: allow exact sequence-shortening tricks of the family (SD3 without T5:
+            the 256 zero T5 rows as one token).
+        model_dir: the model folder (for `generation_config.json`).
+    """
+
+    context_folding: bool = True
+    model_dir: Path | None = None
 
 
 class PipelineAdapter(ABC):
     """Base class of the model-family adapters (one per diffusers pipeline class).
 
-    Subclasses set `pipeline_class_name` (the ``_class_name`` in ``model_index.json``) and
-    build themselves from the loaded components with `from_components`.
+    Subclasses set `pipeline_class_name` (the ``_class_name`` in ``model_index.json``), build
+    themselves from loaded components in `from_components`, and implement `encode_text`,
+    `prepare_request`, `denoise_kwargs` and `decode`; the rest has shared defaults (collation of
+    per-branch inputs, CFG combine, batched flow-matching step) that families override where
+    their math differs.
     """
 
     pipeline_class_name: ClassVar[str]
@@ -99,15 +226,24 @@ class PipelineAdapter(ABC):
     device: torch.device
     dtype: torch.dtype
     spec: ModelSpec
-    #: LRU of prompt encodings installed by the model runner (None = off); adapters look
-    #: their prompt encodings up in it (`diffserve.acceleration.prompt_embed_cache`).
+    capabilities: Capabilities = Capabilities()
+    #: LRU of prompt encodings installed by the model runner (None = off).
     prompt_embed_cache: "PromptEmbedCache | None" = None
+    #: The family's text encoding through the prompt cache (set by subclasses).
+    text: "TextEncoder | None" = None
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def component_loaders(cls) -> dict[str, Callable[[Path], Any]]:
+        """Components this family loads itself, by their ``model_index.json`` name:
+        ``loader(folder) -> component`` replaces the library's ``from_pretrained`` (e.g. a
+        processor whose library class needs an optional dependency). Default: none."""
+        return {}
 
     @classmethod
     @abstractmethod
-    def from_components(
-        cls, components: dict[str, Any], device: torch.device, dtype: torch.dtype, model_dir: Path
-    ) -> "PipelineAdapter":
+    def from_components(cls, components: dict[str, Any], device: torch.device, dtype: torch.dtype,
+                        options: AdapterOptions) -> "PipelineAdapter":
         """Build the adapter from the loaded components (moved to `device`)."""
 
     @property
@@ -115,35 +251,156 @@ class PipelineAdapter(ABC):
     def denoiser(self) -> torch.nn.Module:
         """The transformer/UNet called once per step (what caches and compile wrap)."""
 
-    @abstractmethod
-    def batch_key(self, params: SamplingParams) -> Hashable:
-        """Requests with equal keys may share one denoise forward."""
+    @property
+    def vae(self) -> torch.nn.Module | None:
+        """The VAE (decoded by `decode`; compiled with ``compile_vae``), or None."""
+        return getattr(getattr(self, "pipe", None), "vae", None)
 
-    @abstractmethod
+    def modules(self) -> dict[str, torch.nn.Module]:
+        """Every torch module of the pipeline by component name (for offload and sleep)."""
+        pipe = getattr(self, "pipe", None)
+        if pipe is None:
+            return {"denoiser": self.denoiser}
+        return {name: m for name, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+
+    # --------------------------------------------------------------- per request
+    def check_params(self, params: SamplingParams, inputs: RequestInputs | None) -> None:
+        """Family-specific checks on resolved params (fields the family cannot honour).
+
+        Raises:
+            InvalidRequestError: naming the field.
+        """
+        if inputs is not None and (inputs.images or inputs.mask is not None):
+            raise InvalidRequestError("image", "<image>", f"absent: {self.pipeline_class_name} "
+                                      "is a text-to-image model without image inputs")
+
+    def branches(self, params: SamplingParams) -> int:
+        """Guidance branches of a request: 2 with CFG (unconditional + conditional rows), 1 without."""
+        return 2 if params.guidance_scale is not None and params.guidance_scale > 1.0 else 1
+
+    def rows(self, params: SamplingParams) -> int:
+        """Denoiser rows a request adds to a step batch: images x branches."""
+        return params.num_images_per_prompt * self.branches(params)
+
+    def batch_key(self, params: SamplingParams, inputs: RequestInputs | None = None) -> Hashable:
+        """Requests with equal keys may share one denoise forward: (family, branches, latent
+        size, dtype, `extra_batch_key`). Families whose sequence length depends on the input
+        images (edits) extend it with `inputs`."""
+        return (self.pipeline_class_name, self.branches(params), params.height, params.width,
+                params.num_frames, self.dtype, self.extra_batch_key(params))
+
+    def extra_batch_key(self, params: SamplingParams) -> Hashable:
+        """Family-specific part of the batch key (e.g. a fixed text length); None = nothing."""
+        return None
+
+    def prompt_is_truncated(self, prompt: str, max_sequence_length: int | None = None) -> bool:
+        """Whether `prompt` exceeds a text encoder's token limit (it will be truncated)."""
+        return self.text.is_truncated(prompt, max_sequence_length) if self.text is not None else False
+
     def prepare(self, state: RequestState) -> None:
-        """Encode the prompt, create scheduler/timesteps and the initial latents."""
+        """Note prompt truncation, seed the request's generator, then `prepare_request`: encode
+        the prompt(s), draw its latents and create its own diffusion scheduler with timesteps."""
+        p = state.params
+        state.prompt_truncated = self.prompt_is_truncated(state.prompt, p.max_sequence_length)
+        if p.negative_prompt and self.branches(p) > 1:
+            state.negative_prompt_truncated = self.prompt_is_truncated(p.negative_prompt, p.max_sequence_length)
+        state.generator = torch.Generator(device="cpu").manual_seed(p.seed)
+        state.step_index = 0
+        self.prepare_request(state)
 
     @abstractmethod
-    def step_inputs(self, state: RequestState) -> dict[str, torch.Tensor]:
-        """This request's rows of the next denoise forward (leading dim = `state.rows`)."""
+    def prepare_request(self, state: RequestState) -> None:
+        """Fill `state`: branches (per-branch denoiser inputs), shared inputs, latents,
+        scheduler, timesteps, sigmas (for the batched step) and guidance_scale."""
+
+    # ------------------------------------------------------------------ per step
+    def model_input(self, state: RequestState) -> torch.Tensor:
+        """This request's latent rows as the denoiser sees them (default: the latents; Euler-type
+        schedulers scale them, edit families append reference latents). Not overriding it lets
+        a repeated batch feed the previous step's concatenated latents straight in."""
+        return state.latents
+
+    def collate(self, states: list[RequestState]) -> StepBatch:
+        """Gather the requests' rows into one forward, branch-major: rows ``b * N + i`` hold
+        branch ``b`` of latent row ``i`` (N = total images). ``batch.inputs`` holds the
+        per-branch inputs concatenated (padded where `pad_keys` says), ``hidden_states`` (rows,
+        ...) and ``timestep`` (rows,), plus the shared inputs of the first request. A batch of
+        the same requests as the previous step reuses all of it but latents and timesteps
+        (`step_batch.BatchCache`)."""
+        caches = self.__dict__.setdefault("_batch_caches", OrderedDict())
+        for old in [k for k, c in caches.items() if any(s.latents is None for s in c.states)]:
+            del caches[old]  # a request of that batch finished: drop its tensors now
+        key = tuple(id(s) for s in states)  # safe: a cache holds its states alive
+        cache = caches.pop(key, None) or BatchCache()
+        caches[key] = cache
+        while len(caches) > _BATCH_CACHES:
+            caches.popitem(last=False)
+        overridden = type(self).model_input is not PipelineAdapter.model_input
+        model_input = self.model_input if overridden else None
+        return collate_branches(states, model_input, self.pad_keys(), cache)
+
+    def pad_keys(self) -> dict[str, tuple[str | None, float]]:
+        """Per-branch inputs of variable length: ``{key: (mask_key or None, pad_value)}``;
+        they are right-padded along dim 1 to the batch's longest and ``mask_key`` (rows, L)
+        bool marks the real tokens (None when no row is padded). Default: none."""
+        return {}
+
+    def denoise(self, batch: StepBatch, call: DenoiserCall | None = None) -> torch.Tensor:
+        """One denoiser forward; returns the raw prediction for every row (rows, ...) in the
+        latent layout. `call` replaces the plain module call (cache backends)."""
+        kwargs = self.denoise_kwargs(batch)
+        out = (call or self.call_denoiser)(batch, kwargs)
+        return self.denoise_output(batch, out)
 
     @abstractmethod
-    def denoise(self, batch: "StepBatch") -> torch.Tensor:
-        """One denoiser forward on the gathered batch; returns (rows, C, h, w) predictions."""
+    def denoise_kwargs(self, batch: StepBatch) -> dict[str, Any]:
+        """Keyword arguments of the denoiser module for this batch."""
 
-    @abstractmethod
-    def step(self, state: RequestState, noise_pred: torch.Tensor) -> None:
-        """Apply CFG to this request's rows and take one diffusion-scheduler step."""
+    def call_denoiser(self, batch: StepBatch, kwargs: dict[str, Any]) -> torch.Tensor:
+        """The plain denoiser call (``module(**kwargs, return_dict=False)[0]``)."""
+        return self.denoiser(**kwargs, return_dict=False)[0]
 
+    def denoise_output(self, batch: StepBatch, out: torch.Tensor) -> torch.Tensor:
+        """Post-process the module output into the latent layout (default: unchanged)."""
+        return out
+
+    def combine(self, batch: StepBatch, out: torch.Tensor) -> torch.Tensor:
+        """Guided prediction (N, ...) from the (branches * N, ...) output: CFG
+        ``uncond + w * (cond - uncond)`` (Ho & Salimans 2022) with each request's weight."""
+        if batch.branches == 1:
+            return out
+        uncond, cond = out.chunk(2)
+        scale = guidance.uniform_or_rows([s.guidance_scale for s in batch.states], batch.row_values)
+        return guidance.cfg(uncond, cond, scale)
+
+    def step(self, batch: StepBatch, guided: torch.Tensor) -> dict[str, BaseException]:
+        """One diffusion-scheduler step for every request of `batch` (batched where the
+        scheduler allows, see `diffusion_scheduler.step_batch`); returns per-request failures
+        (the others stepped)."""
+        return diffusion_scheduler.step_batch(batch, guided)
+
+    # ------------------------------------------------------------------ decode
     @abstractmethod
     def decode(self, state: RequestState, latents: torch.Tensor | None = None) -> Any:
-        """Decode `latents` (default: the state's) into images of ``params.output_type``."""
+        """Decode `latents` (default: the state's) into media of ``params.output_type``."""
 
-    def enable_context_folding(self) -> bool:
-        """Switch on context folding (`diffserve.acceleration.context_folding`) if this model
-        has identical placeholder context tokens; returns whether it was enabled."""
-        return False
 
-    def prompt_is_truncated(self, prompt: str) -> bool:
-        """Whether `prompt` exceeds the text encoder's token limit (it will be truncated)."""
-        return False
+def checked_pixels(image: torch.Tensor) -> torch.Tensor:
+    """`image` (decoded VAE output) unchanged if finite.
+
+    Raises:
+        NonFiniteOutputError: it holds NaN/inf (post-processing to PIL would hide it as black).
+    """
+    if not is_finite(image):
+        raise NonFiniteOutputError("the VAE decode produced non-finite pixels (NaN/inf; e.g. fp16 overflow: "
+                                   "try --dtype bf16 or fp32)")
+    return image
+
+
+def is_finite(tensor: torch.Tensor) -> bool:
+    """Whether every value of a float tensor is finite (one reduction + one host sync)."""
+    return bool(torch.isfinite(tensor).all()) if tensor.is_floating_point() else True
+
+
+__all__ = ["AdapterOptions", "Capabilities", "CacheDiTSupport", "DenoiserCall", "PipelineAdapter",
+           "RequestInputs", "RequestState", "StepBatch", "TeaCacheSupport", "checked_pixels", "is_finite"]

@@ -1,31 +1,48 @@
-"""Registry of pipeline adapters keyed by the diffusers pipeline ``_class_name``."""
+"""Registry of pipeline adapters keyed by the diffusers pipeline ``_class_name``.
+
+Adapters are imported on first use, so loading one family never imports the others (each
+pulls its diffusers pipeline module and text-encoder classes).
+"""
 
 from __future__ import annotations
 
-from diffserve.errors import UnsupportedModelError
-from diffserve.pipelines.base import PipelineAdapter
-from diffserve.pipelines.sd3 import StableDiffusion3Adapter
+import importlib
+from typing import TYPE_CHECKING
 
-_ADAPTERS: dict[str, type[PipelineAdapter]] = {
-    cls.pipeline_class_name: cls for cls in (StableDiffusion3Adapter,)
+from diffserve.errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from diffserve.pipelines.base import PipelineAdapter
+
+#: pipeline class name -> "module:AdapterClass"
+_ADAPTERS: dict[str, str] = {
+    "StableDiffusion3Pipeline": "diffserve.pipelines.sd3:StableDiffusion3Adapter",
+    "QwenImagePipeline": "diffserve.pipelines.qwen_image:QwenImageAdapter",
+    "QwenImageEditPipeline": "diffserve.pipelines.qwen_image_edit:QwenImageEditAdapter",
 }
 
 
 def supported_pipelines() -> list[str]:
-    """Names of the diffusers pipeline classes diffserve can serve."""
+    """Names of the diffusers pipeline classes diffserve serves with step batching."""
     return sorted(_ADAPTERS)
 
 
-def adapter_class(pipeline_class_name: str) -> type[PipelineAdapter]:
+def has_adapter(pipeline_class_name: str) -> bool:
+    """Whether a step adapter exists for the pipeline class."""
+    return pipeline_class_name in _ADAPTERS
+
+
+def adapter_class(pipeline_class_name: str) -> type["PipelineAdapter"]:
     """Adapter for a pipeline class name.
 
     Raises:
         UnsupportedModelError: no adapter for that class (the message lists supported ones).
     """
-    try:
-        return _ADAPTERS[pipeline_class_name]
-    except KeyError:
+    target = _ADAPTERS.get(pipeline_class_name)
+    if target is None:
         raise UnsupportedModelError(
             f"unsupported pipeline class {pipeline_class_name!r}; supported: "
             + ", ".join(supported_pipelines())
-        ) from None
+        )
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)

@@ -5,28 +5,41 @@ an MMDiT `SD3Transformer2DModel`, two CLIP text encoders plus an optional T5, an
 `AutoencoderKL` and a `FlowMatchEulerDiscreteScheduler`. Prompt encoding, latent preparation
 and timesteps reuse diffusers' own `StableDiffusion3Pipeline` methods on the same components,
 so an image equals diffusers' for the same seed (see tests/test_parity.py).
+
+A request with an input image runs `StableDiffusion3Img2ImgPipeline` semantics on the same
+folder (the image is VAE-encoded, noised to the strength's first timestep, and only the last
+``strength`` fraction of the schedule runs); such requests share forwards with text-to-image
+ones of the same size.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Hashable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from contextlib import contextmanager
+from typing import Any
 
 import torch
-from diffusers import StableDiffusion3Pipeline
+from diffusers import StableDiffusion3Img2ImgPipeline, StableDiffusion3Pipeline
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
     calculate_shift,
     retrieve_timesteps,
 )
 
-from diffserve.pipelines.base import PipelineAdapter, RequestState
+from diffserve.errors import InvalidRequestError
+from diffserve.pipelines.base import (
+    AdapterOptions,
+    Capabilities,
+    CacheDiTSupport,
+    PipelineAdapter,
+    RequestState,
+    StepBatch,
+    TeaCacheSupport,
+    checked_pixels,
+)
+from diffserve.pipelines.diffusion_scheduler import batchable_sigmas, new_scheduler
+from diffserve.pipelines.generation_config import read_generation_config
+from diffserve.pipelines.text_encoding import TextEncoder, repeat_rows
 from diffserve.sampling_params import ModelSpec, SamplingParams
-
-if TYPE_CHECKING:
-    from diffserve.runner.step_batch import StepBatch
 
 # diffserve reports truncation itself (GenerationOutput.prompt_truncated); diffusers' own warning
 # echoes the whole cut text on every encode.
@@ -35,208 +48,261 @@ logging.getLogger("diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffus
 # diffusers' StableDiffusion3Pipeline.__call__ defaults.
 DEFAULT_NUM_INFERENCE_STEPS = 28
 DEFAULT_GUIDANCE_SCALE = 7.0
-MAX_SEQUENCE_LENGTH = 256
-GENERATION_CONFIG = "generation_config.json"
+DEFAULT_MAX_SEQUENCE_LENGTH = 256
+#: StableDiffusion3Img2ImgPipeline.__call__'s default strength.
+DEFAULT_STRENGTH = 0.6
+#: T5's positional budget in SD3 (diffusers refuses more than 512).
+MAX_SEQUENCE_LENGTH_LIMIT = 512
+
+#: TeaCache4FLUX (github.com/ali-vilab/TeaCache) coefficients, reused by SD3 ports of TeaCache
+#: (e.g. PaddleMIX's): no calibration was published for SD3.
+FLUX_TEACACHE_COEFFICIENTS = (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01)
 
 
-def read_generation_config(model_dir: Path) -> dict[str, Any]:
-    """Optional per-model sampling defaults shipped in ``<model>/generation_config.json``
-    (keys: num_inference_steps, guidance_scale, height, width); {} when absent."""
-    path = Path(model_dir) / GENERATION_CONFIG
-    if not path.is_file():
-        return {}
-    return json.loads(path.read_text())
+class SD3TeaCacheSplit:
+    """`SD3Transformer2DModel.forward` (diffusers 0.42) in three parts around the blocks, for
+    TeaCache. Covers the text-to-image path (no ControlNet, IP-Adapter, skip_layers).
+
+    Tensors: hidden (rows, N_img, D); context = dict(encoder (rows, N_txt, D), temb (rows, D),
+    height, width in latent pixels, joint_attention_kwargs); output (rows, C, height, width).
+    """
+
+    @staticmethod
+    def embed(model, kwargs: dict[str, Any]):
+        """Returns (hidden, context, modulated input of the first block)."""
+        x = kwargs["hidden_states"]
+        hidden = model.pos_embed(x).contiguous()
+        temb = model.time_text_embed(kwargs["timestep"], kwargs["pooled_projections"])
+        encoder = model.context_embedder(kwargs["encoder_hidden_states"])
+        modulated = model.transformer_blocks[0].norm1(hidden, emb=temb)[0]
+        context = {"encoder": encoder, "temb": temb, "height": x.shape[-2], "width": x.shape[-1],
+                   "joint_attention_kwargs": kwargs.get("joint_attention_kwargs")}
+        return hidden, context, modulated
+
+    @staticmethod
+    def select_rows(context: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
+        return {**context, "encoder": context["encoder"][index], "temb": context["temb"][index]}
+
+    @staticmethod
+    def blocks(model, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
+        """Every transformer block; returns the image stream (rows, N_img, D)."""
+        encoder, temb = context["encoder"], context["temb"]
+        for block in model.transformer_blocks:
+            encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb=temb,
+                                    joint_attention_kwargs=context["joint_attention_kwargs"])
+        return hidden
+
+    @staticmethod
+    def head(model, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
+        """norm_out, proj_out and unpatchify to (rows, C, height, width)."""
+        hidden = model.proj_out(model.norm_out(hidden, context["temb"]))
+        p = model.config.patch_size
+        h, w = context["height"] // p, context["width"] // p
+        hidden = hidden.reshape(hidden.shape[0], h, w, p, p, model.out_channels)
+        hidden = torch.einsum("nhwpqc->nchpwq", hidden)
+        return hidden.reshape(hidden.shape[0], model.out_channels, h * p, w * p)
+
+
+def _sd3_context_parallel(transformer: torch.nn.Module) -> dict:
+    from diffserve.pipelines.sd3_context_parallel import prepare_sd3_context_parallel
+
+    return prepare_sd3_context_parallel(transformer)
 
 
 class StableDiffusion3Adapter(PipelineAdapter):
     """Step-contract adapter over a diffusers `StableDiffusion3Pipeline`.
 
-    Tensors: latents (N, C_latent, H/f_vae, W/f_vae); prompt_embeds
-    (rows, L_clip + max_sequence_length, joint_attention_dim); pooled (rows, pooled_dim);
-    all in the model dtype. CFG rows are ordered [negative..., positive...] as in diffusers.
+    Tensors: latents (N, C_latent, H/f_vae, W/f_vae); per branch prompt_embeds
+    (N, L_clip + max_sequence_length, joint_attention_dim) (L_clip + 1 with context folding)
+    and pooled (N, pooled_dim); all in the model dtype. CFG branches: [negative, positive].
     """
 
     pipeline_class_name = "StableDiffusion3Pipeline"
 
     def __init__(self, pipe: StableDiffusion3Pipeline, device: torch.device, dtype: torch.dtype,
-                 generation_config: dict[str, Any]):
+                 options: AdapterOptions):
         self.pipe = pipe
+        # the image-to-image pipeline on the very same modules (no copies)
+        self.img2img = StableDiffusion3Img2ImgPipeline(**{k: v for k, v in pipe.components.items()
+                                                          if k not in ("image_encoder", "feature_extractor")})
+        self.img2img.set_progress_bar_config(disable=True)
         self.device = device
         self.dtype = dtype
-        self.max_sequence_length = MAX_SEQUENCE_LENGTH
+        config = read_generation_config(options.model_dir)
         self.context_folding = False
+        if options.context_folding and pipe.text_encoder_3 is None:
+            from diffserve.pipelines.sd3_context_folding import install_folded_context_attention
+
+            install_folded_context_attention(pipe.transformer, DEFAULT_MAX_SEQUENCE_LENGTH)
+            self.context_folding = True
         vae_factor = pipe.vae_scale_factor
         pos_max = pipe.transformer.config.get("pos_embed_max_size")
         max_side = None if pos_max is None else pos_max * pipe.patch_size * vae_factor
+        default_side = pipe.default_sample_size * vae_factor
         self.spec = ModelSpec(
+            pipeline=self.pipeline_class_name,
             resolution_factor=vae_factor * pipe.patch_size,
-            default_height=int(generation_config.get("height", pipe.default_sample_size * vae_factor)),
-            default_width=int(generation_config.get("width", pipe.default_sample_size * vae_factor)),
-            default_num_inference_steps=int(
-                generation_config.get("num_inference_steps", DEFAULT_NUM_INFERENCE_STEPS)
-            ),
-            default_guidance_scale=float(generation_config.get("guidance_scale", DEFAULT_GUIDANCE_SCALE)),
+            default_height=int(config.get("height", default_side)),
+            default_width=int(config.get("width", default_side)),
+            default_num_inference_steps=int(config.get("num_inference_steps", DEFAULT_NUM_INFERENCE_STEPS)),
+            default_guidance_scale=float(config.get("guidance_scale", DEFAULT_GUIDANCE_SCALE)),
+            default_max_sequence_length=int(config.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)),
+            max_sequence_length_limit=MAX_SEQUENCE_LENGTH_LIMIT,
             text_conditioned=True,
             max_prompt_tokens=pipe.tokenizer_max_length,
             # PatchEmbed crops a pos_embed_max_size^2 grid of positions: larger inputs fail
             max_height=max_side,
             max_width=max_side,
+            accepts_images=True,
+            default_strength=float(config.get("strength", DEFAULT_STRENGTH)),
+        )
+        teacache = config.get("teacache", {})
+        self.capabilities = Capabilities(
+            teacache=TeaCacheSupport(
+                split=SD3TeaCacheSplit,
+                coefficients=tuple(teacache.get("coefficients", FLUX_TEACACHE_COEFFICIENTS)),
+                rel_l1_thresh=float(teacache.get("rel_l1_thresh", 0.4)),
+                source=teacache.get("source", "TeaCache4FLUX coefficients (FLUX.1-dev), as reused by SD3 "
+                                              "TeaCache ports; 0.25 ~1.5x, 0.4 ~1.8x on FLUX per the TeaCache README"),
+            ),
+            # JointTransformerBlock takes (hidden_states, encoder_hidden_states) and returns
+            # (encoder_hidden_states, hidden_states): cache-dit's Pattern_1 (its own SD3 adapter
+            # uses it); the last block is context_pre_only (no encoder stream out).
+            cache_dit=CacheDiTSupport(blocks=("transformer_blocks",), patterns=("Pattern_1",),
+                                      has_encoder_residual=False),
+            # diffusers 0.42's SD3Transformer2DModel does not declare _repeated_blocks
+            repeated_blocks=("JointTransformerBlock",),
+            context_parallel=_sd3_context_parallel,
+        )
+        self.text = TextEncoder(
+            self, self._encode_text,
+            [(pipe.tokenizer, pipe.tokenizer_max_length), (pipe.tokenizer_2, pipe.tokenizer_max_length),
+             (pipe.tokenizer_3, None)],
+            key=("folded" if self.context_folding else "full",),
         )
 
     @classmethod
-    def from_components(cls, components, device, dtype, model_dir):
+    def from_components(cls, components, device, dtype, options):
         components = {**components}
         for optional in ("text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor"):
             components.setdefault(optional, None)
         pipe = StableDiffusion3Pipeline(**components)
         pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
-        return cls(pipe, device, dtype, read_generation_config(model_dir))
+        return cls(pipe, device, dtype, options)
 
     @property
     def denoiser(self) -> torch.nn.Module:
         return self.pipe.transformer
 
-    @property
-    def text_seq_len(self) -> int:
-        """Text tokens per row: CLIP tokens + T5 tokens (zeros when no T5; one folded token
-        when context folding is on)."""
-        t5_tokens = 1 if self.context_folding else self.max_sequence_length
-        return self.pipe.tokenizer_max_length + t5_tokens
+    def check_params(self, params: SamplingParams, inputs) -> None:
+        """Image-to-image takes exactly one input image and no mask; strength needs an image
+        and must leave at least one step."""
+        images = inputs.images if inputs is not None else []
+        if inputs is not None and inputs.mask is not None:
+            raise InvalidRequestError("mask", "<mask>", f"absent: {self.pipeline_class_name} image-to-image "
+                                      "does not inpaint")
+        if len(images) > 1:
+            raise InvalidRequestError("image", f"{len(images)} images", "one input image for image-to-image")
+        if not images:
+            if params.strength is not None:
+                raise InvalidRequestError("strength", params.strength, "unset without an input image")
+            return
+        strength = self._strength(params)
+        if int(params.num_inference_steps * strength) < 1:
+            raise InvalidRequestError(
+                "strength", strength, f"at least 1/num_inference_steps = {1 / params.num_inference_steps:g} "
+                "(strength x steps must leave at least one step)")
 
-    def enable_context_folding(self) -> bool:
-        """Without T5, run the 256 zero placeholder rows as one folded token (same image
-        within float rounding, far fewer tokens; see `acceleration.context_folding`)."""
-        if self.pipe.text_encoder_3 is not None:
-            return False
-        from diffserve.acceleration.context_folding import install_folded_context_attention
+    def _strength(self, params: SamplingParams) -> float:
+        return self.spec.default_strength if params.strength is None else params.strength
 
-        install_folded_context_attention(self.pipe.transformer, self.max_sequence_length)
-        self.context_folding = True
-        return True
+    def extra_batch_key(self, params: SamplingParams):
+        """The T5 budget: it sets the text length (and the fold count with folding)."""
+        return params.max_sequence_length
 
-    def batch_key(self, params: SamplingParams) -> Hashable:
-        """(pipeline, latent height, latent width, CFG on/off, text tokens, dtype)."""
-        f = self.pipe.vae_scale_factor
-        return (
-            self.pipeline_class_name,
-            params.height // f,
-            params.width // f,
-            params.do_classifier_free_guidance,
-            self.text_seq_len,
-            self.dtype,
+    def _encode_text(self, text: str, max_sequence_length: int | None):
+        """diffusers' SD3 encoding of one text: prompt_embeds (1, L_clip + L_t5, D) (L_t5 = 1
+        folded row with context folding) and pooled (1, P)."""
+        pe, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=text, prompt_2=None, prompt_3=None, do_classifier_free_guidance=False,
+            num_images_per_prompt=1, device=self.device, max_sequence_length=max_sequence_length,
         )
-
-    def prompt_is_truncated(self, prompt: str) -> bool:
-        """Whether any tokenizer's ids for `prompt` exceed its limit (CLIP: model_max_length;
-        T5: max_sequence_length). Tokenizers are not thread-safe: call on the engine thread."""
-        pipe = self.pipe
-        for tokenizer, limit in (
-            (pipe.tokenizer, pipe.tokenizer_max_length),
-            (pipe.tokenizer_2, pipe.tokenizer_max_length),
-            (pipe.tokenizer_3, self.max_sequence_length),
-        ):
-            if tokenizer is not None and len(tokenizer(prompt).input_ids) > limit:
-                return True
-        return False
-
-    def encode_prompt(self, prompt: str, negative_prompt: str, do_cfg: bool, num_images: int):
-        """diffusers' SD3 prompt encoding for one request.
-
-        Returns:
-            (prompt_embeds, pooled_prompt_embeds): (rows, L, D) and (rows, P), rows =
-            num_images x (2 if CFG), negative rows first.
-        """
-        pe, npe, pooled, npooled = self.pipe.encode_prompt(
-            prompt=prompt,
-            prompt_2=None,
-            prompt_3=None,
-            negative_prompt=negative_prompt if do_cfg else None,
-            do_classifier_free_guidance=do_cfg,
-            num_images_per_prompt=num_images,
-            device=self.device,
-            max_sequence_length=self.max_sequence_length,
-        )
-        if do_cfg:
-            pe = torch.cat([npe, pe], dim=0)
-            pooled = torch.cat([npooled, pooled], dim=0)
         if self.context_folding:
-            from diffserve.acceleration.context_folding import fold_placeholder_rows
+            from diffserve.pipelines.sd3_context_folding import fold_placeholder_rows
 
             pe = fold_placeholder_rows(pe, self.pipe.tokenizer_max_length)
         return pe, pooled
 
-    def cached_encode_prompt(self, prompt: str, negative_prompt: str, do_cfg: bool, num_images: int):
-        """`encode_prompt` through the prompt-embedding cache when the runner installed one
-        (keyed by every argument that changes the result); same return value."""
-        if self.prompt_embed_cache is None:
-            return self.encode_prompt(prompt, negative_prompt, do_cfg, num_images)
-        key = (prompt, negative_prompt if do_cfg else None, do_cfg, num_images,
-               self.max_sequence_length, self.text_seq_len, str(self.dtype), str(self.device))
-        return self.prompt_embed_cache.get_or_encode(
-            key, lambda: self.encode_prompt(prompt, negative_prompt, do_cfg, num_images))
-
-    def prepare(self, state: RequestState) -> None:
-        """Encode the prompt (through the prompt-embedding cache), seed the request's CPU
-        generator, draw latents (N, C, H/f, W/f) exactly as diffusers does, and create the
-        request's own diffusion scheduler with its (num_inference_steps,) timesteps."""
+    def prepare_request(self, state: RequestState) -> None:
+        """Encode prompt (and negative prompt with CFG) through the cache, draw latents
+        (N, C, H/f, W/f) exactly as diffusers does, and create the request's own scheduler."""
         p = state.params
-        do_cfg = p.do_classifier_free_guidance
-        prompt_embeds, pooled = self.cached_encode_prompt(
-            state.prompt, p.negative_prompt or "", do_cfg, p.num_images_per_prompt
-        )
-        state.model_inputs = {"encoder_hidden_states": prompt_embeds, "pooled_projections": pooled}
-        state.generator = torch.Generator(device="cpu").manual_seed(p.seed)
-        state.latents = self.pipe.prepare_latents(
-            p.num_images_per_prompt,
-            self.pipe.transformer.config.in_channels,
-            p.height,
-            p.width,
-            prompt_embeds.dtype,
-            self.device,
-            state.generator,
-        )
-        scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
+        n, L = p.num_images_per_prompt, p.max_sequence_length
+        texts = [p.negative_prompt or "", state.prompt] if self.branches(p) == 2 else [state.prompt]
+        branches = []
+        for text in texts:
+            pe, pooled = self.text.encode(text, L)
+            branches.append({"encoder_hidden_states": repeat_rows(pe, n),
+                             "pooled_projections": repeat_rows(pooled, n)})
+        state.branches = branches
+        state.guidance_scale = p.guidance_scale
+        if self.context_folding:
+            state.shared = {"joint_attention_kwargs": {"fold_count": L}}
+        pipe = self.pipe
+        dtype = branches[-1]["encoder_hidden_states"].dtype
+        scheduler = new_scheduler(pipe.scheduler)
         kwargs = {}
         if scheduler.config.get("use_dynamic_shifting", None):
-            patch = self.pipe.transformer.config.patch_size
-            _, _, h, w = state.latents.shape
+            patch, f = pipe.transformer.config.patch_size, pipe.vae_scale_factor
             kwargs["mu"] = calculate_shift(
-                (h // patch) * (w // patch),
+                (p.height // f // patch) * (p.width // f // patch),
                 scheduler.config.get("base_image_seq_len", 256),
                 scheduler.config.get("max_image_seq_len", 4096),
                 scheduler.config.get("base_shift", 0.5),
                 scheduler.config.get("max_shift", 1.16),
             )
-        timesteps, _ = retrieve_timesteps(scheduler, p.num_inference_steps, self.device, **kwargs)
+        if state.inputs is not None and state.inputs.images:
+            self._prepare_img2img(state, scheduler, kwargs, dtype)
+        else:
+            state.latents = pipe.prepare_latents(n, pipe.transformer.config.in_channels, p.height, p.width,
+                                                 dtype, self.device, state.generator)
+            timesteps, _ = retrieve_timesteps(scheduler, p.num_inference_steps, self.device, **kwargs)
+            state.timesteps = timesteps
+            state.sigmas = batchable_sigmas(scheduler, len(timesteps))
         state.scheduler = scheduler
-        state.timesteps = timesteps
-        state.step_index = 0
 
-    def step_inputs(self, state: RequestState) -> dict[str, torch.Tensor]:
-        """Rows of this request: hidden_states (rows, C, h, w) (latents twice with CFG),
-        timestep (rows,) = this request's current timestep, its prompt embeddings."""
-        latents = state.latents
-        if state.params.do_classifier_free_guidance:
-            latents = torch.cat([latents, latents], dim=0)
-        t = state.timesteps[state.step_index].expand(latents.shape[0])
-        return {"hidden_states": latents, "timestep": t, **state.model_inputs}
+    @contextmanager
+    def _img2img_with(self, scheduler):
+        """The img2img pipeline with the request's own scheduler (prepare runs on one thread)."""
+        shared = self.img2img.scheduler
+        self.img2img.scheduler = scheduler
+        try:
+            yield self.img2img
+        finally:
+            self.img2img.scheduler = shared
 
-    def denoise(self, batch: "StepBatch") -> torch.Tensor:
-        """One `SD3Transformer2DModel` forward; returns the velocity prediction
-        (total_rows, C, h, w) in the model dtype."""
-        return self.pipe.transformer(**batch.inputs, return_dict=False)[0]
-
-    def step(self, state: RequestState, noise_pred: torch.Tensor) -> None:
-        """CFG (uncond + scale * (cond - uncond), Ho & Salimans 2022) on this request's rows,
-        then one step of its own flow-matching Euler scheduler."""
+    def _prepare_img2img(self, state: RequestState, scheduler, kwargs: dict, dtype: torch.dtype) -> None:
+        """`StableDiffusion3Img2ImgPipeline`'s timesteps (the last ``strength`` of the schedule)
+        and latents (the VAE-encoded image noised to the first of them), drawn from the
+        request's generator in diffusers' order."""
         p = state.params
-        if p.do_classifier_free_guidance:
-            uncond, cond = noise_pred.chunk(2)
-            noise_pred = uncond + p.guidance_scale * (cond - uncond)
-        t = state.timesteps[state.step_index]
-        state.latents = state.scheduler.step(noise_pred, t, state.latents, return_dict=False)[0]
-        state.step_index += 1
+        image = state.inputs.images[0]
+        if self.pipe.vae.config.in_channels == 1:
+            image = image.convert("L")
+        with self._img2img_with(scheduler) as pipe:
+            pixels = pipe.image_processor.preprocess(image, height=p.height, width=p.width)
+            retrieve_timesteps(scheduler, p.num_inference_steps, self.device, **kwargs)
+            timesteps, num_steps = pipe.get_timesteps(p.num_inference_steps, self._strength(p), self.device)
+            latent_timestep = timesteps[:1].repeat(p.num_images_per_prompt)
+            state.latents = pipe.prepare_latents(pixels, latent_timestep, 1, p.num_images_per_prompt, dtype,
+                                                 self.device, state.generator)
+        begin = len(scheduler.timesteps) - len(timesteps)
+        state.timesteps = timesteps
+        state.sigmas = batchable_sigmas(scheduler, len(timesteps), begin=begin)
+
+    def denoise_kwargs(self, batch: StepBatch) -> dict[str, Any]:
+        return batch.inputs
 
     def decode(self, state: RequestState, latents: torch.Tensor | None = None) -> Any:
         """Unscale (latents / scaling_factor + shift_factor), VAE-decode and post-process to
@@ -248,4 +314,4 @@ class StableDiffusion3Adapter(PipelineAdapter):
         vae = self.pipe.vae
         latents = latents / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
         image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
-        return self.pipe.image_processor.postprocess(image, output_type=output_type)
+        return self.pipe.image_processor.postprocess(checked_pixels(image), output_type=output_type)

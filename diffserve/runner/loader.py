@@ -11,26 +11,39 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from diffserve.errors import UnsupportedModelError
-from diffserve.pipelines.base import PipelineAdapter
+from diffserve.pipelines.base import AdapterOptions, PipelineAdapter
 from diffserve.pipelines.registry import adapter_class
 
 logger = logging.getLogger(__name__)
 _LIBRARIES = ("diffusers", "transformers")
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
 def read_model_index(model_dir: Path) -> dict[str, Any]:
     """Parse ``model_dir/model_index.json``.
 
     Raises:
-        UnsupportedModelError: the folder or its model_index.json is missing or unreadable.
+        UnsupportedModelError: the folder does not exist (a Hugging Face Hub id gets its own
+            message: diffserve serves local folders), or its model_index.json is missing or
+            unreadable.
     """
-    index_path = Path(model_dir) / "model_index.json"
+    model_dir = Path(model_dir)
+    index_path = model_dir / "model_index.json"
+    if not model_dir.exists():
+        if _HUB_ID.match(str(model_dir)):
+            raise UnsupportedModelError(
+                f"{model_dir} looks like a Hugging Face Hub id, but diffserve serves local folders only: "
+                f"download it first (huggingface-cli download {model_dir} --local-dir DIR) and pass that DIR")
+        raise UnsupportedModelError(f"model folder {model_dir} does not exist")
     if not index_path.is_file():
         raise UnsupportedModelError(
             f"{model_dir} is not a diffusers model folder (no model_index.json); pass a local "
@@ -83,6 +96,11 @@ def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "def
 
     Returns:
         (pipeline class name, {component name: object or None}).
+
+    Raises:
+        UnsupportedModelError: no such folder (or a Hub id), no/unreadable model_index.json, a
+            component folder missing, or a component that cannot load (the message names the
+            missing file).
     """
     import diffusers.utils.logging as diffusers_logging
     import transformers.utils.logging as transformers_logging
@@ -94,7 +112,9 @@ def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "def
     class_name = index.get("_class_name")
     if not isinstance(class_name, str):
         raise UnsupportedModelError(f"{model_dir}/model_index.json has no _class_name")
-    adapter_class(class_name)  # fail fast, before loading weights
+    from diffserve.pipelines.registry import has_adapter
+
+    custom_loaders = adapter_class(class_name).component_loaders() if has_adapter(class_name) else {}
     if load_format == "dummy":
         torch.manual_seed(seed)
     components: dict[str, Any] = {}
@@ -107,18 +127,96 @@ def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "def
         if library is None or cls_name is None:
             components[name] = None
             continue
-        components[name] = _load_component(library, cls_name, model_dir / name, dtype, load_format,
-                                           torch.device(device))
+        folder = model_dir / name
+        if not folder.is_dir():
+            raise UnsupportedModelError(f"{model_dir}: component folder {name!r} listed in model_index.json "
+                                        "is missing")
+        try:
+            if name in custom_loaders:
+                components[name] = custom_loaders[name](folder)
+            else:
+                components[name] = _load_component(library, cls_name, folder, dtype, load_format,
+                                                   torch.device(device))
+        except UnsupportedModelError:
+            raise
+        except (OSError, ValueError, KeyError) as exc:  # missing / corrupt weight or config files
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UnsupportedModelError(f"cannot load component {name!r} from {folder}: {first}") from exc
     return class_name, components
 
 
-def load_adapter(model_dir: Path, device: torch.device, dtype: torch.dtype,
-                 load_format: str = "default") -> PipelineAdapter:
-    """Load a model folder and wrap it in the adapter registered for its pipeline class."""
-    class_name, components = load_components(model_dir, dtype, load_format, device=device)
+def _eval(components: dict[str, Any]) -> None:
     for module in components.values():
         if isinstance(module, torch.nn.Module):
             module.eval().requires_grad_(False)
-    adapter = adapter_class(class_name).from_components(components, device, dtype, Path(model_dir))
+
+
+def import_class(target: str) -> type:
+    """Import ``"package.module:ClassName"``.
+
+    Raises:
+        UnsupportedModelError: malformed target, module not importable, or no such class.
+    """
+    module_name, sep, class_name = target.partition(":")
+    if not sep or not module_name or not class_name:
+        raise UnsupportedModelError(f"custom pipeline {target!r} must be 'package.module:ClassName'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UnsupportedModelError(f"cannot import custom pipeline module {module_name!r}: {exc}") from exc
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type):
+        raise UnsupportedModelError(f"module {module_name!r} has no class {class_name!r}")
+    return cls
+
+
+def load_adapter(model_dir: Path, device: torch.device, dtype: torch.dtype,
+                 load_format: str = "default", context_folding: bool = True,
+                 adapter_cls: type[PipelineAdapter] | None = None) -> PipelineAdapter:
+    """Load a model folder and wrap it in the adapter registered for its pipeline class (or
+    `adapter_cls`, a custom adapter).
+
+    Raises:
+        UnsupportedModelError: see `load_components`; no adapter for the class.
+    """
+    if adapter_cls is None:
+        adapter_class(read_model_index(model_dir).get("_class_name", ""))  # fail fast, before loading
+    class_name, components = load_components(model_dir, dtype, load_format, device=device)
+    _eval(components)
+    options = AdapterOptions(context_folding=context_folding, model_dir=Path(model_dir))
+    adapter = (adapter_cls or adapter_class(class_name)).from_components(components, device, dtype, options)
     logger.info("loaded %s from %s on %s (%s)", class_name, model_dir, device, dtype)
     return adapter
+
+
+def load_pipeline(model_dir: Path, device: torch.device, dtype: torch.dtype, load_format: str = "default",
+                  pipeline_cls: type | None = None) -> Any:
+    """Load a model folder into a pipeline object of its own diffusers class (or
+    `pipeline_cls`) for whole-request serving.
+
+    Raises:
+        UnsupportedModelError: see `load_components`; diffusers has no such pipeline class, or
+            the class cannot be built from the folder's components.
+    """
+    class_name, components = load_components(model_dir, dtype, load_format, device=device)
+    _eval(components)
+    if pipeline_cls is None:
+        import diffusers
+
+        pipeline_cls = getattr(diffusers, class_name, None)
+        if pipeline_cls is None:
+            from diffserve.pipelines.registry import supported_pipelines
+
+            raise UnsupportedModelError(
+                f"unsupported pipeline class {class_name!r}: diffusers {diffusers.__version__} has no such class "
+                "(pass --custom-pipeline module:Class); step adapters exist for: " + ", ".join(supported_pipelines()))
+    try:
+        pipe = pipeline_cls(**components)
+    except TypeError as exc:
+        raise UnsupportedModelError(f"cannot build {pipeline_cls.__name__} from {model_dir}: {exc}") from exc
+    if hasattr(pipe, "to"):
+        pipe.to(device)
+    if hasattr(pipe, "set_progress_bar_config"):
+        pipe.set_progress_bar_config(disable=True)
+    logger.info("loaded %s from %s on %s (%s) for whole-request serving", class_name, model_dir, device, dtype)
+    return pipe

@@ -1,40 +1,36 @@
-"""`ModelRunner`: how a step runs. Loads the model, runs prepare / one batched denoising step /
-decode under `torch.inference_mode()`, and isolates a failing request from the rest of its
-batch."""
+"""`ModelRunner`: how work runs on one loaded model. It owns every request's state (latents,
+prompt embeddings, diffusion scheduler), keyed by request id, and executes the work items of
+the executor boundary: prepare new requests, one batched denoising step, decode, free.
+Everything runs under `torch.inference_mode()`; a failing request is isolated from the rest of
+its batch.
+"""
 
 from __future__ import annotations
 
 import logging
-import resource
-import sys
-from collections.abc import Hashable
-from dataclasses import dataclass, field
+import time
 from typing import Any
 
 import torch
 
 from diffserve.acceleration.accelerator import Accelerator
 from diffserve.config import EngineConfig
-from diffserve.pipelines.base import PipelineAdapter, RequestState
+from diffserve.errors import NonFiniteOutputError
+from diffserve.executor.messages import (
+    Decoded,
+    ModelInfo,
+    NewRequest,
+    Prepared,
+    RequestPlan,
+    StepOutput,
+    WorkError,
+)
+from diffserve.pipelines.base import PipelineAdapter, RequestState, is_finite
 from diffserve.runner.loader import load_adapter
-from diffserve.runner.step_batch import StepBatch
-from diffserve.sampling_params import ModelSpec, SamplingParams
+from diffserve.runner.memory import peak_memory_bytes
+from diffserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepResult:
-    """Outcome of one denoising step over a batch.
-
-    Attributes:
-        num_rows: transformer rows in the forward (all requests, CFG rows included).
-        failures: request_id -> the exception that request raised; requests not listed took
-            their step.
-    """
-
-    num_rows: int
-    failures: dict[str, BaseException] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -43,92 +39,211 @@ class ModelRunner:
     Args:
         config: engine configuration (model folder, device, dtype, load format, threads,
             acceleration: prompt-embedding cache, cache backend, compile).
+        adapter: an already-built adapter to use instead of loading ``config.model``.
 
     Raises:
         UnsupportedModelError: the folder is not a diffusers folder or its pipeline class
-            has no adapter.
+            has no adapter, or a weight file is missing.
         InvalidRequestError: the configured cache backend does not support this model.
     """
 
-    def __init__(self, config: EngineConfig, adapter: PipelineAdapter | None = None):
+    def __init__(self, config: EngineConfig, adapter: PipelineAdapter | None = None, parallel=None):
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = config.torch_device
-        self.adapter = adapter or load_adapter(
-            config.model_path, self.device, config.torch_dtype, config.load_format
-        )
+        self.parallel = parallel
+        self.adapter = adapter or load_adapter(config.model_path, self.device, config.torch_dtype,
+                                               config.load_format,
+                                               config.context_folding and config.ulysses_degree == 1)
+        if parallel is not None and parallel.world_size > 1 and config.cache_backend != "none":
+            from diffserve.errors import InvalidRequestError
+
+            raise InvalidRequestError("cache_backend", config.cache_backend, "none with CFG / Ulysses "
+                                      "parallelism (its per-request decisions would differ between ranks)")
+        if parallel is not None and parallel.ulysses_degree > 1:
+            from diffserve.parallel.ulysses import enable_ulysses
+
+            enable_ulysses(self.adapter, parallel)
         self.accelerator = Accelerator(self.adapter, config)
+        self.states: dict[str, RequestState] = {}
+        self.nonfinite_count = 0
 
-    @property
-    def spec(self) -> ModelSpec:
-        """The loaded model's resolution factor, defaults and limits."""
-        return self.adapter.spec
+    # ------------------------------------------------------------------ model facts
+    def info(self) -> ModelInfo:
+        """The model's spec and pipeline class."""
+        return ModelInfo(spec=self.adapter.spec, pipeline=self.adapter.pipeline_class_name)
 
-    def batch_key(self, params: SamplingParams) -> Hashable:
-        """Batch key of a request with resolved `params` (equal keys can share a step)."""
-        return self.adapter.batch_key(params)
+    def plan(self, params: SamplingParams, inputs: Any = None) -> RequestPlan:
+        """Rows and batch key of a request with resolved `params`, after the family's own
+        checks.
 
-    def prompt_is_truncated(self, prompt: str) -> bool:
-        """Whether `prompt` exceeds the text encoder's token limit (engine thread only)."""
-        return self.adapter.prompt_is_truncated(prompt)
+        Raises:
+            InvalidRequestError: a field the family cannot honour.
+        """
+        self.adapter.check_params(params, inputs)
+        return RequestPlan(rows=self.adapter.rows(params), batch_key=self.adapter.batch_key(params, inputs))
+
+    # ------------------------------------------------------------------ work items
+    @torch.inference_mode()
+    def prepare(self, requests: list[NewRequest]) -> list[Prepared]:
+        """Encode prompts and create each request's latents, scheduler and timesteps; start its
+        caching state from scratch. A failure is that request's alone."""
+        results = []
+        for new in requests:
+            start = time.perf_counter()
+            state = RequestState(new.request_id, new.prompt, new.params, inputs=new.inputs)
+            try:
+                self.adapter.prepare(state)
+                self.accelerator.reset(state)
+            except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
+                logger.exception("prepare failed for %s", new.request_id)
+                state.release()
+                results.append(Prepared(new.request_id, error=WorkError.of(exc)))
+                continue
+            self.states[new.request_id] = state
+            results.append(Prepared(new.request_id, num_steps=state.num_steps,
+                                    prompt_truncated=state.prompt_truncated,
+                                    negative_prompt_truncated=state.negative_prompt_truncated,
+                                    seconds=time.perf_counter() - start))
+        return results
 
     @torch.inference_mode()
-    def prepare(self, state: RequestState) -> None:
-        """Encode the prompt and create the request's latents, scheduler and timesteps; start
-        the request's caching state from scratch."""
-        self.adapter.prepare(state)
-        self.accelerator.reset(state)
-
-    @torch.inference_mode()
-    def execute_step(self, states: list[RequestState]) -> StepResult:
-        """Run ONE denoising step for `states` (same batch key) in one denoiser forward.
+    def step(self, request_ids: list[str]) -> StepOutput:
+        """Run ONE denoising step for `request_ids` (same batch key) in one denoiser forward.
 
         If the batched forward raises, each request is retried alone so only the ones that
         fail on their own are reported; a failing diffusion-scheduler step fails only its
         own request. A cache backend that cannot share forwards (cache_dit) gets one forward
-        per request.
+        per request. Failed requests are freed.
         """
+        start = time.perf_counter()
+        states = [self.states[i] for i in request_ids]
         if len(states) > 1 and not self.accelerator.shares_forward:
-            return self._execute_alone(states)
+            out = self._step_alone(states)
+        else:
+            out = self._step(states)
+        for request_id in out.errors:
+            self.free([request_id])
+        out.seconds = time.perf_counter() - start
+        return out
+
+    def _step(self, states: list[RequestState]) -> StepOutput:
+        adapter = self.adapter
         try:
-            batch = StepBatch.gather(self.adapter, states)
-            rows = batch.scatter(self.accelerator.denoise(batch))
+            batch = adapter.collate(states)
+            guided = adapter.combine(batch, self._denoise(batch))
+            failures = adapter.step(batch, guided)
         except Exception as exc:  # noqa: BLE001 - isolate per request
             if len(states) == 1:
-                return StepResult(num_rows=states[0].rows, failures={states[0].request_id: exc})
+                logger.error("step failed for %s: %r", states[0].request_id, exc)
+                return StepOutput(num_rows=adapter.rows(states[0].params),
+                                  errors={states[0].request_id: WorkError.of(exc)})
             logger.warning("batched step failed (%s); retrying %d requests alone", exc, len(states))
-            return self._execute_alone(states)
-        result = StepResult(num_rows=batch.num_rows)
-        for state, noise_pred in zip(states, rows):
-            try:
-                self.adapter.step(state, noise_pred)
-            except Exception as exc:  # noqa: BLE001
-                result.failures[state.request_id] = exc
-        return result
-
-    def _execute_alone(self, states: list[RequestState]) -> StepResult:
-        """One `execute_step` per request; num_rows is the largest forward's."""
-        result = StepResult(num_rows=0)
+            return self._step_alone(states)
+        out = StepOutput(num_rows=batch.num_rows)
         for state in states:
-            single = self.execute_step([state])
-            result.num_rows = max(result.num_rows, single.num_rows)
-            result.failures.update(single.failures)
-        return result
+            if state.request_id in failures:
+                out.errors[state.request_id] = WorkError.of(failures[state.request_id])
+            else:
+                out.steps_done[state.request_id] = state.step_index
+        return out
 
+    def _denoise(self, batch):
+        """The batch's forward; with CFG parallelism each rank runs its share of the rows."""
+        p = self.parallel
+        if p is not None and p.cfg_parallel_size > 1:
+            from diffserve.parallel.cfg import cfg_parallel_denoise
+
+            return cfg_parallel_denoise(self.accelerator.denoise, batch, p.cfg_rank, p.cfg_parallel_size,
+                                        p.cfg_group)
+        return self.accelerator.denoise(batch)
+
+    def _step_alone(self, states: list[RequestState]) -> StepOutput:
+        """One forward per request; num_rows is the largest forward's."""
+        out = StepOutput()
+        for state in states:
+            single = self._step([state])
+            out.num_rows = max(out.num_rows, single.num_rows)
+            out.steps_done.update(single.steps_done)
+            out.errors.update(single.errors)
+        return out
+
+    def snapshot(self, request_ids: list[str]) -> dict[str, tuple[torch.Tensor, int]]:
+        """Each request's current (latents, steps done). Steps replace a request's latents
+        with a new tensor (never write in place), so the references stay valid snapshots while
+        the request keeps stepping: what a preview decoded later must use."""
+        return {i: (self.states[i].latents, self.states[i].step_index) for i in request_ids if i in self.states}
+
+    @torch.inference_mode()
+    def decode(self, request_ids: list[str], preview: bool = False,
+               snapshots: dict[str, tuple[torch.Tensor, int]] | None = None) -> list[Decoded]:
+        """Decode each request's latents (its `snapshot` when given, else its current ones)
+        into its output type. A final decode checks that the latents and the decoded pixels are
+        finite (NaN/inf, e.g. fp16 overflow, fail the request with `NonFiniteOutputError`
+        instead of a black image) and frees the request."""
+        results = []
+        for request_id in request_ids:
+            state = self.states.get(request_id)
+            if state is None:  # freed meanwhile (aborted)
+                continue
+            start = time.perf_counter()
+            if snapshots is not None and request_id in snapshots:
+                latents, step = snapshots[request_id]
+            else:
+                latents, step = state.latents, state.step_index
+            try:
+                if not preview and not is_finite(latents):
+                    raise NonFiniteOutputError(
+                        "the denoiser produced non-finite latents (NaN/inf; e.g. fp16 overflow: try "
+                        "--dtype bf16 or fp32, or a lower guidance_scale)")
+                output = self.adapter.decode(state, latents)
+                if not preview:
+                    _check_finite_output(output)
+            except Exception as exc:  # noqa: BLE001
+                if isinstance(exc, NonFiniteOutputError):
+                    self.nonfinite_count += 1
+                    logger.error("%s: %s", request_id, exc)
+                elif preview:
+                    logger.warning("preview failed for %s: %r", request_id, exc)
+                else:
+                    logger.exception("decode failed for %s", request_id)
+                results.append(Decoded(request_id, step=step, preview=preview, error=WorkError.of(exc)))
+            else:
+                results.append(Decoded(request_id, output=output, step=step, preview=preview,
+                                       seconds=time.perf_counter() - start))
+            if not preview:
+                self.free([request_id])
+        return results
+
+    def free(self, request_ids: list[str]) -> None:
+        """Drop the states of finished, failed or aborted requests (unknown ids are ignored)."""
+        for request_id in request_ids:
+            state = self.states.pop(request_id, None)
+            if state is not None:
+                state.release()
+
+    # ------------------------------------------------------------------ stats
     def acceleration_stats(self) -> dict[str, Any]:
         """Prompt-embedding cache, cache backend and compile counters (see
         `diffserve.acceleration.accelerator.Accelerator.stats`)."""
         return self.accelerator.stats()
 
-    @torch.inference_mode()
-    def decode(self, state: RequestState, latents: torch.Tensor | None = None) -> Any:
-        """Decode the request's latents (or `latents`) into its output type."""
-        return self.adapter.decode(state, latents)
-
     def peak_memory_bytes(self) -> int:
         """CUDA allocator peak (bytes) on GPU; process peak RSS (bytes) on CPU."""
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return int(rss if sys.platform == "darwin" else rss * 1024)
+        return peak_memory_bytes(self.device)
+
+
+def _check_finite_output(output: Any) -> None:
+    """Raise `NonFiniteOutputError` when a tensor / array output holds NaN or inf (PIL images
+    are checked by the adapters before conversion)."""
+    import numpy as np
+
+    if isinstance(output, torch.Tensor):
+        bad = output.is_floating_point() and not bool(torch.isfinite(output).all())
+    elif isinstance(output, np.ndarray):
+        bad = output.dtype.kind == "f" and not bool(np.isfinite(output).all())
+    else:
+        return
+    if bad:
+        raise NonFiniteOutputError("the VAE decode produced non-finite pixels (NaN/inf; e.g. fp16 overflow)")

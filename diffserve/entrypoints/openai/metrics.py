@@ -85,7 +85,7 @@ class ServerMetrics:
         self.running.set_function(lambda: len(sync_engine.scheduler.running))
         self.running_rows.set_function(lambda: sync_engine.num_running_rows)
         sync_engine.add_step_listener(self._observe_step)
-        self.registry.register(_AccelerationCollector(sync_engine.runner.acceleration_stats))
+        self.registry.register(_AccelerationCollector(lambda: sync_engine.stats()["acceleration"]))
 
     def _observe_step(self, num_rows: int, num_requests: int, seconds: float) -> None:
         self.step_seconds.observe(seconds)

@@ -208,7 +208,7 @@ class ImageGenerationService:
             raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
                                 f"'{self.model_name}' (GET /v1/models).", param="model", code="model_not_found")
         sync_engine = self.engine.engine
-        spec = sync_engine.runner.spec
+        spec = sync_engine.spec
         limits = sync_engine.config.limits
         n = 1 if body.n is None else body.n
         max_n = min(limits.max_num_images_per_prompt, sync_engine.config.max_waiting_requests)
@@ -286,7 +286,7 @@ class ImageGenerationService:
     def request_schema(self) -> dict:
         """JSON schema of the request body with this server's model and engine limits."""
         config = self.engine.engine.config
-        return request_json_schema(self.engine.engine.runner.spec, config.limits,
+        return request_json_schema(self.engine.engine.spec, config.limits,
                                    min(config.limits.max_num_images_per_prompt, config.max_waiting_requests))
 
     def _engine_alive(self) -> bool:

@@ -27,7 +27,7 @@ default arguments, exactly as at inference. With no T5, that appends ``max_seque
 (256) all-zero rows after the 16 CLIP rows. Those rows are identical at every layer of the
 MMDiT (all its context-side operations are per-token), so to train ~8x faster they are
 collapsed into ONE row whose attention logit gets ``+log(256)``
-(`diffserve.acceleration.context_folding`, which diffserve also uses to serve the model):
+(`diffserve.pipelines.sd3_context_folding`, which diffserve also uses to serve the model):
 mathematically the same function as attending to 256
 copies. ``tests/test_digits_model.py`` checks both forwards agree.
 """
@@ -57,9 +57,9 @@ from diffusers import (
 from diffusers.models.attention_processor import JointAttnProcessor2_0
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
-from diffserve.acceleration.context_folding import fold_placeholder_rows, install_folded_context_attention
+from diffserve.pipelines.sd3_context_folding import fold_placeholder_rows, install_folded_context_attention
 from diffserve.models.digits import data
-from diffserve.pipelines.sd3 import MAX_SEQUENCE_LENGTH
+from diffserve.pipelines.sd3 import DEFAULT_MAX_SEQUENCE_LENGTH
 from diffserve.models.digits.tokenizer import (
     MODEL_MAX_LENGTH,
     VOCABULARY_WORDS,
@@ -322,7 +322,7 @@ def train_denoiser(
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     generator = torch.Generator().manual_seed(config.seed + 1)
     prompt_rng = random.Random(config.seed + 2)
-    install_folded_context_attention(pipe.transformer, MAX_SEQUENCE_LENGTH)
+    install_folded_context_attention(pipe.transformer, DEFAULT_MAX_SEQUENCE_LENGTH)
     for m in modules:
         m.train()
 
@@ -445,7 +445,7 @@ torch {torch.__version__}, seed {config.seed}):
   `encode_prompt` with default arguments; the 256 identical zero rows are collapsed into one row
   with attention logit `+log 256` (an exact identity, checked in `tests/test_digits_model.py`),
   which makes training ~8x faster; diffserve serves the model the same way
-  (`diffserve.acceleration.context_folding`), the saved weights work unchanged in diffusers.
+  (`diffserve.pipelines.sd3_context_folding`), the saved weights work unchanged in diffusers.
 
 ### Loss curve (denoiser)
 

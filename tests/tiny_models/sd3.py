@@ -1,4 +1,4 @@
-"""Builders for tiny random-weight diffusers pipelines, made offline for the tests.
+"""Tiny random-weight ``StableDiffusion3Pipeline`` (SD3-medium layout), built offline.
 
 Every component is a real diffusers/transformers class with a small config; tokenizers are
 built from in-memory vocabularies (CLIP: the package's byte-level builder), so nothing is
@@ -17,22 +17,9 @@ from diffusers import (
     StableDiffusion3Pipeline,
 )
 from diffserve.models.digits.tokenizer import build_clip_tokenizer
-from transformers import (
-    CLIPTextConfig,
-    CLIPTextModelWithProjection,
-    T5Config,
-    T5EncoderModel,
-    T5Tokenizer,
-)
+from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-
-def t5_tokenizer() -> T5Tokenizer:
-    """A character unigram T5 tokenizer (pad=0, eos=1, unk=2 as in T5)."""
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
-    for c in "abcdefghijklmnopqrstuvwxyz0123456789.,!?'-":
-        pieces.append((c, -3.0))
-        pieces.append(("▁" + c, -3.5))
-    return T5Tokenizer(vocab=pieces, extra_ids=0)
+from .components import t5_tokenizer
 
 
 def build_tiny_sd3(

@@ -13,6 +13,10 @@ The bias is added in the attention dtype: in fp32 the result matches the full co
 ~1e-6; in bf16, log(256) = 5.545 rounds to 5.531, which scales the folded token's attention
 weight by ~1.4%, the same order as bf16's own rounding of the 256 separate keys.
 
+The fold count travels with each forward (``joint_attention_kwargs={"fold_count": k}``, k = the
+request's ``max_sequence_length``), so requests with different budgets stay exact; the SD3
+adapter keeps them in different batches (the budget is part of its batch key).
+
 The same identity is used to train the built-in model (`diffserve.models.digits.train`).
 """
 
@@ -22,7 +26,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0
+from diffusers.models.attention_processor import Attention, AttnProcessor2_0, JointAttnProcessor2_0
 
 
 class FoldedContextAttnProcessor(JointAttnProcessor2_0):
@@ -31,13 +35,16 @@ class FoldedContextAttnProcessor(JointAttnProcessor2_0):
 
     Tensors: hidden_states (B, N_img, D), encoder_hidden_states (B, N_ctx, D_ctx) with the
     folded token last; returns the pair with the same shapes, like `JointAttnProcessor2_0`.
+
+    Args:
+        fold_count: default count when a forward passes none (the pipeline default 256).
     """
 
-    def __init__(self, fold_count: int):
+    def __init__(self, fold_count: int = 256):
         super().__init__()
         if fold_count < 1:
             raise ValueError(f"fold_count must be >= 1, got {fold_count}")
-        self.log_fold_count = math.log(fold_count)
+        self.fold_count = fold_count
 
     def __call__(
         self,
@@ -45,9 +52,11 @@ class FoldedContextAttnProcessor(JointAttnProcessor2_0):
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        fold_count: int | None = None,
         *args,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        log_fold_count = math.log(fold_count or self.fold_count)
         batch_size, n_image = hidden_states.shape[:2]
 
         def heads(x: torch.Tensor) -> torch.Tensor:
@@ -72,7 +81,7 @@ class FoldedContextAttnProcessor(JointAttnProcessor2_0):
         value = torch.cat([value, context_value], dim=2)
 
         # additive bias (1, 1, 1, N_img + N_ctx): +log(k) on the folded (last) key
-        bias = F.pad(query.new_zeros(1, 1, 1, key.shape[2] - 1), (0, 1), value=self.log_fold_count)
+        bias = F.pad(query.new_zeros(1, 1, 1, key.shape[2] - 1), (0, 1), value=log_fold_count)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)
         out = out.transpose(1, 2).reshape(batch_size, -1, attn.heads * query.shape[-1]).to(query.dtype)
         hidden_states, encoder_hidden_states = out[:, :n_image], out[:, n_image:]
@@ -82,18 +91,32 @@ class FoldedContextAttnProcessor(JointAttnProcessor2_0):
         return hidden_states, encoder_hidden_states
 
 
-def install_folded_context_attention(transformer: torch.nn.Module, fold_count: int) -> int:
+class ImageOnlyAttnProcessor(AttnProcessor2_0):
+    """`AttnProcessor2_0` that accepts (and ignores) ``fold_count``, for SD3.5's image-only
+    dual attention, which receives the same ``joint_attention_kwargs``."""
+
+    def __call__(self, attn: Attention, hidden_states: torch.Tensor, encoder_hidden_states=None,
+                 attention_mask=None, temb=None, fold_count: int | None = None, *args, **kwargs):
+        return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, temb)
+
+
+def install_folded_context_attention(transformer: torch.nn.Module, fold_count: int = 256) -> int:
     """Give every joint (image + context) attention of an SD3 transformer a
-    `FoldedContextAttnProcessor`; image-only attentions (SD3.5's dual attention) keep theirs.
+    `FoldedContextAttnProcessor` (default count `fold_count`); image-only attentions (SD3.5's
+    dual attention) get an `ImageOnlyAttnProcessor`.
 
     Returns:
-        The number of attention modules changed.
+        The number of joint attention modules changed.
     """
     changed = 0
     for module in transformer.modules():
-        if isinstance(module, Attention) and getattr(module, "add_k_proj", None) is not None:
+        if not isinstance(module, Attention):
+            continue
+        if getattr(module, "add_k_proj", None) is not None:
             module.set_processor(FoldedContextAttnProcessor(fold_count))
             changed += 1
+        elif isinstance(module.processor, AttnProcessor2_0):
+            module.set_processor(ImageOnlyAttnProcessor())
     return changed
 
 

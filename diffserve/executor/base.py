@@ -1,0 +1,56 @@
+"""`Executor`: the interface between the engine and the workers that run the model."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from typing import Any
+
+from diffserve.executor.messages import Decoded, ModelInfo, NewRequest, Prepared, RequestPlan, StepOutput
+from diffserve.sampling_params import SamplingParams
+
+
+class Executor(ABC):
+    """Runs work items on the model. Denoising steps are synchronous (the engine's loop paces
+    them); prepare (prompt encoding, latents) and decode (VAE) are submitted and complete in
+    the background where the executor can overlap them with steps, so a long encode or video
+    decode does not stall every running request's step.
+
+    Threading: one engine thread calls `step` / `submit_*` / `free` at a time.
+    """
+
+    @abstractmethod
+    def info(self) -> ModelInfo:
+        """The loaded model's spec and pipeline class."""
+
+    @abstractmethod
+    def plan(self, params: SamplingParams, inputs: Any = None) -> RequestPlan:
+        """Rows and batch key of a request (raises InvalidRequestError for fields the family
+        cannot honour). Thread-safe."""
+
+    @abstractmethod
+    def submit_prepare(self, requests: list[NewRequest]) -> "Future[list[Prepared]]":
+        """Prepare requests (encode, latents, scheduler)."""
+
+    @abstractmethod
+    def step(self, request_ids: list[str]) -> StepOutput:
+        """One denoising step for requests sharing a batch key."""
+
+    @abstractmethod
+    def submit_decode(self, request_ids: list[str], preview: bool = False) -> "Future[list[Decoded]]":
+        """Decode requests whose denoising finished (frees them), or previews of running ones."""
+
+    @abstractmethod
+    def free(self, request_ids: list[str]) -> None:
+        """Drop requests' state (aborted / failed)."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Acceleration counters and worker health (see `InProcessExecutor.stats`)."""
+
+    @abstractmethod
+    def peak_memory_bytes(self) -> int:
+        """Device allocator peak (GPU) or process peak RSS (CPU), bytes."""
+
+    def shutdown(self) -> None:
+        """Stop background work (idempotent)."""

@@ -1,0 +1,97 @@
+"""Per-request diffusion schedulers and the batched denoising step (shared by every family).
+
+Every request gets its own diffusion-scheduler instance (built from the folder's scheduler
+config), so stateful multistep schedulers (DPM-Solver++, UniPC, PNDM) keep their history per
+request. For the flow-matching Euler scheduler (SD3, Flux, Qwen-Image) the update is stateless,
+``x_{i+1} = x_i + (sigma_{i+1} - sigma_i) * v`` (Lipman et al. 2023; Esser et al. 2024), so the
+whole batch steps in ONE tensor expression over per-row sigma differences instead of one
+``scheduler.step`` call per request; requests then record their sigma schedule in
+``RequestState.sigmas``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from diffserve.pipelines.base import RequestState
+    from diffserve.pipelines.step_batch import StepBatch
+
+
+def new_scheduler(template: Any) -> Any:
+    """A fresh instance of `template`'s class and config (one per request)."""
+    return type(template).from_config(template.config)
+
+
+def batchable_sigmas(scheduler: Any, num_steps: int, begin: int = 0) -> torch.Tensor | None:
+    """The (num_steps + 1,) float32 sigmas for the batched Euler step when `scheduler` is a plain
+    deterministic `FlowMatchEulerDiscreteScheduler` (no stochastic sampling), else None.
+
+    Args:
+        scheduler: a scheduler whose ``set_timesteps`` already ran.
+        num_steps: steps the request runs.
+        begin: index of its first step in the scheduler's schedule (image-to-image starts late).
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if type(scheduler) is not FlowMatchEulerDiscreteScheduler or scheduler.config.get("stochastic_sampling"):
+        return None
+    sigmas = scheduler.sigmas[begin: begin + num_steps + 1]
+    if len(sigmas) != num_steps + 1:
+        return None
+    return sigmas.to(torch.float32)
+
+
+def step_batch(batch: "StepBatch", guided: torch.Tensor) -> dict[str, BaseException]:
+    """One denoising step for every request of `batch`.
+
+    Args:
+        guided: (N, ...) guided predictions aligned with ``batch.latents``.
+
+    Returns:
+        request_id -> exception for requests whose step failed (per-request path only); the
+        others advanced by one step. The batched path is all-or-nothing: it raises before any
+        request's latents change.
+    """
+    states = batch.states
+    cache = batch.cache
+    if all(s.sigmas is not None for s in states):
+        if len(states) == 1 and (cache is None or cache.sigma_rows is None):
+            s = states[0]
+            dt = s.sigmas[s.step_index + 1] - s.sigmas[s.step_index]
+        elif cache is not None and cache.sigma_rows is not None:
+            dt = cache.sigma_deltas().view(-1, *([1] * (guided.dim() - 1)))
+        else:
+            dt = torch.stack([s.sigmas[s.step_index + 1] - s.sigmas[s.step_index] for s in states])
+            dt = dt.to(guided.device)
+            if any(n != 1 for n in batch.row_counts):
+                dt = dt.repeat_interleave(torch.tensor(batch.row_counts, device=dt.device))
+            dt = dt.view(-1, *([1] * (guided.dim() - 1)))
+        new = (batch.latents.to(torch.float32) + dt * guided).to(guided.dtype)
+        views = batch.split(new)
+        for state, latents in zip(states, views):
+            state.latents = latents
+            state.step_index += 1
+        if cache is not None:
+            cache.advance()
+            cache.latents, cache.views = new, views
+        return {}
+    failures: dict[str, BaseException] = {}
+    if cache is not None:
+        cache.latents, cache.views = None, []
+    for state, rows in zip(states, batch.split(guided)):
+        try:
+            state.latents = state.scheduler.step(rows, state.timestep, state.latents, **state.step_kwargs,
+                                                 return_dict=False)[0]
+            state.step_index += 1
+        except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
+            failures[state.request_id] = exc
+    if cache is not None:
+        if failures:
+            cache.clear()
+        else:
+            cache.advance()
+    return failures
+

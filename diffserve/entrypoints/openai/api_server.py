@@ -82,7 +82,6 @@ from diffserve.entrypoints.openai.protocol import (
 from diffserve.entrypoints.openai.serving_images import (
     CLIENT_DISCONNECTED_KEY,
     DEFAULT_HEARTBEAT_S,
-    ENGINE_DEAD_MESSAGE,
     ImageGenerationService,
 )
 from diffserve.errors import InvalidRequestError
@@ -190,7 +189,7 @@ class ServerState:
             if not self._engine_death_logged:
                 self._engine_death_logged = True
                 logger.error("the engine loop thread is no longer running: /health and new requests answer 503")
-            raise unavailable(ENGINE_DEAD_MESSAGE, "engine_dead")
+            raise unavailable(self.images.engine_dead_message(), "engine_dead")
         return self.images
 
     @property

@@ -66,7 +66,7 @@ from diffserve.entrypoints.openai.protocol import (
     preview_steps,
     request_json_schema,
 )
-from diffserve.errors import EngineOverloadedError, InvalidRequestError
+from diffserve.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from diffserve.outputs import EventType, GenerationOutput, RequestStatus, StreamEvent
 from diffserve.sampling_params import MAX_SEED, SamplingParams, validate_prompt
 
@@ -84,10 +84,6 @@ ENGINE_CHECK_INTERVAL_S = 0.5
 EOF_PROBE_INTERVAL_S = 0.25
 #: Message of requests failed because the engine loop died.
 ENGINE_DEAD_MESSAGE = "the engine loop stopped unexpectedly; the server cannot generate images (see the server log)"
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop thread stopped: nothing will be generated."""
 
 
 @dataclass
@@ -171,7 +167,7 @@ class ImageGenerationService:
                 raise unavailable("the server is shutting down and accepts no new requests", "shutting_down") from None
             raise overloaded(exc) from None
         except EngineDeadError:
-            raise unavailable(ENGINE_DEAD_MESSAGE, "engine_dead") from None
+            raise unavailable(self.engine_dead_message(), "engine_dead") from None
         watcher = _DisconnectWatcher(raw_request.receive, group.abort)
         watcher.start()
         if body.user or body.safety_identifier:
@@ -289,6 +285,11 @@ class ImageGenerationService:
         return request_json_schema(self.engine.engine.spec, config.limits,
                                    min(config.limits.max_num_images_per_prompt, config.max_waiting_requests))
 
+    def engine_dead_message(self) -> str:
+        """`ENGINE_DEAD_MESSAGE`, with the engine's reason when it gave one."""
+        reason = getattr(self.engine, "error", None)
+        return f"{ENGINE_DEAD_MESSAGE} ({reason})" if reason else ENGINE_DEAD_MESSAGE
+
     def _engine_alive(self) -> bool:
         return self.engine.is_running
 
@@ -336,8 +337,8 @@ class ImageGenerationService:
                     raise unavailable("the server is shutting down; the request was aborted", "shutting_down")
                 raise unavailable("the request was aborted", "request_aborted")
             message = output.error if output is not None else event.error
-            if message == ENGINE_DEAD_MESSAGE:
-                raise unavailable(message, "engine_dead")
+            if message == ENGINE_DEAD_MESSAGE or not self._engine_alive():
+                raise unavailable(self.engine_dead_message(), "engine_dead")
             raise APIError(500, f"image generation failed: {message}", type="server_error",
                            code="generation_failed")
 

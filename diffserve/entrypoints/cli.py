@@ -399,7 +399,8 @@ def png_metadata(prompt: str, params: "SamplingParams", seed: int, model: str) -
     Returns:
         ``{"parameters": A1111-style text, "diffserve": JSON}``; the JSON holds prompt,
         negative_prompt, num_inference_steps, guidance_scale, seed, width, height (pixels) and
-        model.
+        model, plus true_cfg_scale for models that use it (Qwen-Image, Flux). A guidance the
+        model does not use is null in the JSON and left out of ``parameters``.
     """
     fields = {
         "prompt": prompt,
@@ -411,11 +412,16 @@ def png_metadata(prompt: str, params: "SamplingParams", seed: int, model: str) -
         "height": params.height,
         "model": model,
     }
+    true_cfg = getattr(params, "true_cfg_scale", None)
+    if true_cfg is not None:
+        fields["true_cfg_scale"] = true_cfg
     lines = [prompt]
     if params.negative_prompt:
         lines.append(f"Negative prompt: {params.negative_prompt}")
-    lines.append(f"Steps: {params.num_inference_steps}, CFG scale: {params.guidance_scale:g}, Seed: {seed}, "
-                 f"Size: {params.width}x{params.height}, Model: {model}")
+    cfg = params.guidance_scale if params.guidance_scale is not None else true_cfg
+    settings = [f"Steps: {params.num_inference_steps}"] + ([f"CFG scale: {cfg:g}"] if cfg is not None else [])
+    settings += [f"Seed: {seed}", f"Size: {params.width}x{params.height}", f"Model: {model}"]
+    lines.append(", ".join(settings))
     return {"parameters": "\n".join(lines), "diffserve": json.dumps(fields, ensure_ascii=False)}
 
 

@@ -1,8 +1,8 @@
 """Serving benchmark: diffusers one-at-a-time vs diffserve `request` mode vs `step` mode.
 
 One process, one run, the same workload for every arm:
-  (a) baseline: diffusers' own `StableDiffusion3Pipeline` serving requests one at a time in
-      arrival order (built on the very same loaded components);
+  (a) baseline: diffusers' own pipeline (the class named in model_index.json) serving requests
+      one at a time in arrival order (built on the very same loaded components);
   (b) diffserve `request` mode: static batches run to completion;
   (c) diffserve `step` mode: continuous batching, one denoising step at a time.
 
@@ -19,13 +19,16 @@ Usage:
     python benchmarks/serving.py --concurrency 16 --steps 20              # built-in model
     python benchmarks/serving.py --request-rate auto --num-requests 64
     python benchmarks/serving.py --model DIR --load-format dummy --steps 4 --concurrency 4
-      (DIR: any StableDiffusion3Pipeline folder; with dummy only its configs and tokenizers
-      are read, so a weightless copy of a large model's folder benchmarks its architecture)
+      (DIR: any folder of a pipeline class diffserve serves; with dummy only its configs and
+      tokenizers are read, so a weightless copy of a large model's folder benchmarks its
+      architecture, e.g. benchmarks/sd3_config_folder.py, benchmarks/flux_config_folder.py,
+      benchmarks/wan_config_folder.py with --num-frames for a video model)
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import random
 import statistics
@@ -33,15 +36,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import diffusers
 import numpy as np
 import torch
-from diffusers import StableDiffusion3Pipeline
 
 from diffserve import DiffusionEngine, EngineConfig, SamplingParams
+from diffserve.entrypoints.cli import parse_size
 from diffserve.pipelines.registry import adapter_class
 from diffserve.runner.loader import load_components
 from diffserve.runner.model_runner import ModelRunner
-from diffserve.pipelines.base import RequestState
+from diffserve.pipelines.base import AdapterOptions, RequestState
 from diffserve.sampling_params import RequestLimits
 
 PROMPTS = [
@@ -59,6 +63,14 @@ class Job:
     params: SamplingParams
 
 
+def _size(text: str) -> tuple[int, int]:
+    """``--size``: ``WIDTHxHEIGHT`` or one square side -> (height, width) pixels."""
+    if "x" in text.lower():
+        width, height = parse_size(text)
+        return height, width
+    return int(text), int(text)
+
+
 def make_workload(args, spec) -> list[Job]:
     """Seeded workload: prompts, seeds, step counts, sizes and (open loop) Poisson arrivals."""
     rng = random.Random(args.seed)
@@ -68,15 +80,14 @@ def make_workload(args, spec) -> list[Job]:
         d = rng.randrange(10)
         prompt = rng.choice(PROMPTS).format(d=d, w=WORDS[d])
         steps = args.steps if not args.mixed_steps else rng.choice([args.steps // 2, args.steps, args.steps * 2])
-        h = w = args.size
-        if args.size is None:
-            h, w = spec.default_height, spec.default_width
+        h, w = args.size or (spec.default_height, spec.default_width)
         if args.mixed_sizes:  # smaller variants: always within the model's maximum size
             h, w = rng.choice([(h, w), (max(f, h - 2 * f), w), (h, max(f, w - 2 * f))])
         if args.request_rate:
             t += rng.expovariate(args.request_rate)
         jobs.append(Job(t, prompt, SamplingParams(num_inference_steps=steps, guidance_scale=args.guidance,
-                                                  seed=args.seed + i, height=h, width=w, output_type="np")))
+                                                  seed=args.seed + i, height=h, width=w, output_type="np",
+                                                  num_frames=args.num_frames)))
     return jobs
 
 
@@ -97,7 +108,7 @@ def _pct(values, q):
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def run_baseline(pipe: StableDiffusion3Pipeline, jobs: list[Job], concurrency: int | None) -> ArmResult:
+def run_baseline(pipe: diffusers.DiffusionPipeline, jobs: list[Job], concurrency: int | None) -> ArmResult:
     """diffusers, one request at a time in arrival order (open loop: waits for arrivals)."""
     start = time.perf_counter()
     latencies, finish_times, free_at = [], [], 0.0
@@ -110,8 +121,11 @@ def run_baseline(pipe: StableDiffusion3Pipeline, jobs: list[Job], concurrency: i
         if arrival > now:
             time.sleep(arrival - now)
         p = job.params
-        pipe(job.prompt, num_inference_steps=p.num_inference_steps, guidance_scale=p.guidance_scale,
-             height=p.height, width=p.width, generator=torch.Generator().manual_seed(p.seed), output_type="np")
+        extra = {} if p.guidance_scale is None else {"guidance_scale": p.guidance_scale}
+        if p.num_frames is not None:
+            extra["num_frames"] = p.num_frames
+        pipe(job.prompt, num_inference_steps=p.num_inference_steps, height=p.height, width=p.width,
+             generator=torch.Generator().manual_seed(p.seed), output_type="np", **extra)
         free_at = time.perf_counter() - start
         latencies.append(free_at - arrival)
         finish_times.append(free_at)
@@ -149,12 +163,14 @@ def run_engine(engine: DiffusionEngine, name: str, jobs: list[Job], concurrency:
     return ArmResult(name, latencies, max(finish.values()), len(jobs), rows_seen)
 
 
-def time_forward(runner: ModelRunner, rows: int, steps: int, size: tuple[int, int], repeats: int = 5) -> float:
+def time_forward(runner: ModelRunner, rows: int, steps: int, size: tuple[int, int], repeats: int = 5,
+                 num_frames: int | None = None) -> float:
     """Seconds per bare denoiser forward at `rows` rows of `size` (height, width) pixels
     (no engine, no scheduler step)."""
     adapter = runner.adapter
-    params = SamplingParams(num_inference_steps=steps, guidance_scale=1.0, seed=0, num_images_per_prompt=rows,
-                            height=size[0], width=size[1])
+    no_cfg = 1.0 if adapter.spec.default_guidance_scale is not None else None
+    params = SamplingParams(num_inference_steps=steps, guidance_scale=no_cfg, seed=0, num_images_per_prompt=rows,
+                            height=size[0], width=size[1], num_frames=num_frames)
     limits = RequestLimits(max_num_images_per_prompt=rows, max_pixels=runner.config.max_pixels,
                            max_num_inference_steps=runner.config.max_num_inference_steps)
     state = RequestState("bench", "a handwritten digit 3", params.resolve(adapter.spec, limits))
@@ -169,11 +185,11 @@ def time_forward(runner: ModelRunner, rows: int, steps: int, size: tuple[int, in
     return (time.perf_counter() - t) / repeats
 
 
-def engine_overhead(runner: ModelRunner, engine: DiffusionEngine, steps: int, guidance: float,
-                    size: tuple[int, int]) -> tuple[float, float]:
+def engine_overhead(runner: ModelRunner, engine: DiffusionEngine, steps: int, guidance: float | None,
+                    size: tuple[int, int], num_frames: int | None = None) -> tuple[float, float]:
     """(diffserve s/step, bare adapter forward+scheduler step s/step) at batch 1."""
     params = SamplingParams(num_inference_steps=steps, guidance_scale=guidance, seed=0, output_type="latent",
-                            height=size[0], width=size[1])
+                            height=size[0], width=size[1], num_frames=num_frames)
     bare = []
     for _ in range(3):
         adapter = runner.adapter
@@ -200,8 +216,10 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=None)
     ap.add_argument("--request-rate", default=None, help="requests/s (Poisson) or 'auto'")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--guidance", type=float, default=4.0)
-    ap.add_argument("--size", type=int, default=None, help="square image side in pixels (default: model's)")
+    ap.add_argument("--guidance", type=float, default=None, help="guidance_scale (default: the model's)")
+    ap.add_argument("--size", type=_size, default=None,
+                    help="WIDTHxHEIGHT or a square side in pixels (default: the model's)")
+    ap.add_argument("--num-frames", type=int, default=None, help="video models: frames (default: the model's)")
     ap.add_argument("--mixed-steps", action="store_true")
     ap.add_argument("--mixed-sizes", action="store_true")
     ap.add_argument("--max-batch-size", type=int, default=32, help="transformer rows per step")
@@ -225,10 +243,14 @@ def main() -> None:
     for module in components.values():
         if isinstance(module, torch.nn.Module):
             module.eval().requires_grad_(False)
-    adapter = adapter_class(class_name).from_components(components, config.torch_device, config.torch_dtype,
-                                                        Path(config.model_path))
+    options = AdapterOptions(context_folding=config.context_folding, model_dir=Path(config.model_path))
+    adapter = adapter_class(class_name).from_components(components, config.torch_device, config.torch_dtype, options)
     runner = ModelRunner(config, adapter=adapter)
-    pipe = StableDiffusion3Pipeline(**{k: v for k, v in components.items()})
+    pipe_class = getattr(diffusers, class_name)  # the folder's own diffusers pipeline class
+    index = json.loads((Path(config.model_path) / "model_index.json").read_text())
+    settings = {k: v for k, v in index.items()  # pipeline settings such as Wan 2.2's boundary_ratio
+                if not k.startswith("_") and k not in components and k in inspect.signature(pipe_class).parameters}
+    pipe = pipe_class(**components, **settings)
     pipe.set_progress_bar_config(disable=True)
 
     rate = args.request_rate
@@ -249,9 +271,11 @@ def main() -> None:
 
     # warm up every path once
     side_h, side_w = jobs[0].params.height, jobs[0].params.width
-    pipe("digit 1", num_inference_steps=2, height=side_h, width=side_w)
+    frames = {} if args.num_frames is None else {"num_frames": args.num_frames}
+    pipe("digit 1", num_inference_steps=2, height=side_h, width=side_w, **frames)
     DiffusionEngine(config, runner=runner).generate(["digit 1"] * 4, SamplingParams(num_inference_steps=2,
-                                                                                    height=side_h, width=side_w))
+                                                                                    height=side_h, width=side_w,
+                                                                                    num_frames=args.num_frames))
 
     results: list[ArmResult] = []
     if "baseline" in arms:
@@ -272,15 +296,16 @@ def main() -> None:
     step = next((r for r in results if r.name == "diffserve step mode"), None)
     if step is not None and step.batch_rows:
         rows = int(round(statistics.mean(step.batch_rows)))
-        cfg_rows = 2 if args.guidance > 1 else 1
+        cfg_rows = runner.adapter.rows(jobs[0].params)
         size = (side_h, side_w)
-        t1, tb = time_forward(runner, cfg_rows, args.steps, size), time_forward(runner, rows, args.steps, size)
+        t1 = time_forward(runner, cfg_rows, args.steps, size, num_frames=args.num_frames)
+        tb = time_forward(runner, rows, args.steps, size, num_frames=args.num_frames)
         ceiling = (rows / cfg_rows) / (args.steps * tb)
         print(f"\nceiling: bare forward {cfg_rows} rows {t1 * 1e3:.2f} ms, {rows} rows {tb * 1e3:.2f} ms "
               f"({tb / t1:.2f}x the cost for {rows / cfg_rows:.0f}x the images) -> {ceiling:.2f} img/s; "
               f"step mode reaches {step.throughput / ceiling:.0%} of it")
     served, bare = engine_overhead(runner, DiffusionEngine(config, runner=runner), args.steps, args.guidance,
-                                   (side_h, side_w))
+                                   (side_h, side_w), args.num_frames)
     print(f"engine overhead at batch 1: diffserve {served * 1e3:.3f} ms/step vs bare adapter "
           f"{bare * 1e3:.3f} ms/step -> {served / bare - 1:+.1%}")
 

@@ -38,6 +38,10 @@ class ModelSpec:
             guidance); None = not used by this model.
         default_true_cfg_scale: ``true_cfg_scale`` default (Flux / Qwen-Image true CFG with a
             negative prompt); None = not used.
+        default_guidance_scale_2: ``guidance_scale_2`` default (the CFG weight of the
+            low-noise expert of two-expert models, Wan 2.2); None = not used. A request that
+            sets ``guidance_scale`` but not ``guidance_scale_2`` gets its ``guidance_scale`` for
+            both experts, as diffusers' ``WanPipeline`` does.
         default_max_sequence_length / max_sequence_length_limit: text-encoder token budget
             (T5 / Qwen / UMT5) and its largest allowed value; None = not used.
         text_conditioned: whether an empty prompt is meaningless (rejected).
@@ -58,6 +62,7 @@ class ModelSpec:
     default_num_inference_steps: int
     default_guidance_scale: float | None
     default_true_cfg_scale: float | None = None
+    default_guidance_scale_2: float | None = None
     default_max_sequence_length: int | None = None
     max_sequence_length_limit: int | None = None
     text_conditioned: bool = True
@@ -103,6 +108,10 @@ class SamplingParams:
             / SD3 / Wan, the embedded guidance input for guidance-distilled Flux-dev.
         true_cfg_scale: true-CFG weight with a real negative branch (Flux, Qwen-Image; on when
             > 1 and a negative prompt is given, as in diffusers), in [0, 100].
+        guidance_scale_2: CFG weight of the low-noise expert of two-expert models (Wan 2.2:
+            steps with timestep below the boundary), in [0, 100]; default: this request's
+            ``guidance_scale`` when it sets one, else the model's default. Whether CFG runs at
+            all follows ``guidance_scale`` (diffusers' rule).
         max_sequence_length: token budget of the long text encoder (T5 / Qwen / UMT5).
         num_frames / fps: video length in frames and playback rate (video models only).
         strength: image-to-image strength in (0, 1]: the fraction of the schedule run on the
@@ -122,6 +131,7 @@ class SamplingParams:
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
     true_cfg_scale: float | None = None
+    guidance_scale_2: float | None = None
     max_sequence_length: int | None = None
     seed: int | None = None
     output_type: str = "pil"
@@ -144,7 +154,7 @@ class SamplingParams:
         for name in ("num_images_per_prompt", "height", "width", "num_inference_steps", "seed",
                      "max_sequence_length", "num_frames", "fps"):
             setattr(p, name, _as_int(getattr(p, name)))  # numpy / torch integer scalars welcome
-        for name in ("guidance_scale", "true_cfg_scale", "strength"):
+        for name in ("guidance_scale", "true_cfg_scale", "guidance_scale_2", "strength"):
             value = getattr(p, name)
             if isinstance(value, numbers.Real) and not isinstance(value, bool):
                 setattr(p, name, float(value))
@@ -156,8 +166,13 @@ class SamplingParams:
             p.num_inference_steps = min(spec.default_num_inference_steps, limits.max_num_inference_steps)
         if p.seed is None:
             p.seed = default_seed if default_seed is not None else secrets.randbelow(2**31)
+        if p.guidance_scale_2 is None and p.guidance_scale is not None \
+                and spec.default_guidance_scale_2 is not None:
+            p.guidance_scale_2 = p.guidance_scale  # diffusers: guidance_scale_2 follows guidance_scale
         p.guidance_scale = _default_or_refuse(spec, "guidance_scale", p.guidance_scale,
                                               spec.default_guidance_scale, "no guidance scale")
+        p.guidance_scale_2 = _default_or_refuse(spec, "guidance_scale_2", p.guidance_scale_2,
+                                                spec.default_guidance_scale_2, "no second (low-noise) expert")
         p.true_cfg_scale = _default_or_refuse(spec, "true_cfg_scale", p.true_cfg_scale,
                                               spec.default_true_cfg_scale, "no true CFG")
         p.max_sequence_length = _default_or_refuse(
@@ -186,7 +201,7 @@ class SamplingParams:
                 f"{p.width}x{p.height}",
                 f"at most {limits.max_pixels} pixels (width x height)",
             )
-        for name in ("guidance_scale", "true_cfg_scale"):
+        for name in ("guidance_scale", "true_cfg_scale", "guidance_scale_2"):
             g = getattr(p, name)
             if g is None:
                 continue

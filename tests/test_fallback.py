@@ -158,3 +158,23 @@ def test_bad_custom_pipeline_names(tiny_sd3_dir, target, fragment):
 
     with pytest.raises((UnsupportedModelError, InvalidRequestError), match=fragment):
         DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), custom_pipeline=target))
+
+
+def test_video_pipeline_through_the_fallback_keeps_folder_settings(tiny_wan22_dir):
+    """A Wan 2.2 folder served whole-request (custom class = diffusers' own WanPipeline): the
+    folder's pipeline settings (boundary_ratio) reach the pipeline, and frames come back as
+    uint8 (F, H, W, 3) like the step adapter's."""
+    from diffusers import WanPipeline
+
+    engine = DiffusionEngine(EngineConfig(model=str(tiny_wan22_dir), custom_pipeline="diffusers:WanPipeline"))
+    assert engine.model_info.step_batching is False and engine.spec.default_num_frames is not None
+    params = SamplingParams(seed=2, num_inference_steps=2, height=32, width=48, num_frames=5, output_type="np")
+    [out] = engine.generate("a red ball", params)
+    assert out.ok, out.error
+    [video] = out.videos
+    assert video.dtype == np.uint8 and video.shape == (5, 32, 48, 3)
+    pipe = WanPipeline.from_pretrained(tiny_wan22_dir)
+    pipe.set_progress_bar_config(disable=True)
+    ref = pipe("a red ball", num_inference_steps=2, height=32, width=48, num_frames=5,
+               generator=torch.Generator().manual_seed(2), output_type="np").frames[0]
+    assert np.abs(video.astype(np.float64) - (ref * 255).round()).max() <= 1

@@ -76,6 +76,19 @@ def test_scheduler_batches_oldest_key_and_admits_fifo():
     assert [r.request_id for r in s.select_batch()] == ["1"]  # "b" is now the oldest running
 
 
+def test_scheduler_batches_by_step_key_too():
+    """A request's step key (e.g. Wan 2.2's expert) changes while it runs; only requests of
+    the oldest's (batch key, step key) share a step."""
+    s = RequestScheduler(max_batch_size=8, max_waiting=10)
+    for i in range(3):
+        s.add(_req(i))
+    r0, r1, r2 = _admit(s)
+    r1.step_key = 1
+    assert s.select_batch() == [r0, r2]
+    r0.step_key = 1  # the oldest crossed to the other expert
+    assert s.select_batch() == [r0, r1]
+
+
 def test_scheduler_queue_bound():
     s = RequestScheduler(max_batch_size=2, max_waiting=2)
     s.add(_req(0))

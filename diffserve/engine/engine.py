@@ -293,6 +293,7 @@ class DiffusionEngine:
                     self._close(request, RequestStatus.FAILED, error=result.error)
                     continue
                 request.num_steps = result.num_steps
+                request.step_key = result.step_key
                 request.phase = Phase.DENOISING
                 if request.abort_requested:
                     self._apply_aborts()
@@ -340,6 +341,7 @@ class DiffusionEngine:
                 m.denoise_s = end - request.first_step_time
                 request.steps_done = out.steps_done.get(request.request_id, request.steps_done + 1)
                 request.num_steps = out.num_steps.get(request.request_id, request.num_steps)
+                request.step_key = out.step_keys.get(request.request_id, request.step_key)
                 self._emit([StreamEvent(request.request_id, EventType.PROGRESS,
                                         step=request.steps_done, total=request.num_steps)])
                 if request.steps_done >= request.num_steps:

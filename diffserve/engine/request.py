@@ -30,6 +30,8 @@ class Request:
         params: resolved (validated, defaults filled) sampling params.
         inputs: input images / mask (`diffserve.pipelines.base.RequestInputs`) or None.
         batch_key: the adapter's key; requests with equal keys can share a denoising step.
+        step_key: the part of the key that changes while the request runs (e.g. Wan 2.2's
+            expert), as the worker last reported it; batches also share it.
         rows: denoiser rows per step (images x guidance branches).
         seq: arrival sequence number (the request scheduler's age order).
         num_steps / steps_done: planned and completed denoising steps (known once prepared).
@@ -58,3 +60,4 @@ class Request:
     preview_steps: frozenset[int] = frozenset()
     listener: Callable[[StreamEvent], None] | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    step_key: Hashable = None

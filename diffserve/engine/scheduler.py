@@ -9,7 +9,9 @@ Fairness rule (step mode):
   while the running rows stay within `max_batch_size` (a request bigger than that runs alone
   when nothing else is running). Nobody is overtaken at admission, so no one starves there.
 - Each step runs the batch key of the OLDEST running request, with every other running
-  request of that key (oldest first, up to `max_batch_size` rows). The oldest request
+  request of that key (oldest first, up to `max_batch_size` rows). The key is the request's
+  static `batch_key` plus its current `step_key` (the part that changes while it runs, e.g.
+  Wan 2.2's expert). The oldest request
   advances every step until it finishes, so every request eventually becomes the oldest and
   runs: no starvation, and an incompatible request never stalls compatible ones for longer
   than its own remaining steps.
@@ -94,16 +96,16 @@ class RequestScheduler:
         return admitted
 
     def select_batch(self) -> list[Request]:
-        """Requests for the next denoising step: the oldest denoising request's batch key,
-        oldest first, up to `max_batch_size` rows (the oldest always included)."""
+        """Requests for the next denoising step: the oldest denoising request's (batch key,
+        step key), oldest first, up to `max_batch_size` rows (the oldest always included)."""
         ordered = sorted((r for r in self.running if r.phase is Phase.DENOISING), key=lambda r: r.seq)
         if not ordered:
             return []
-        key = ordered[0].batch_key
+        key = (ordered[0].batch_key, ordered[0].step_key)
         batch: list[Request] = []
         rows = 0
         for request in ordered:
-            if request.batch_key != key:
+            if (request.batch_key, request.step_key) != key:
                 continue
             if batch and rows + request.rows > self.max_batch_size:
                 continue

@@ -199,6 +199,9 @@ def build_parser() -> _ArgumentParser:
     gen.add_argument("--guidance", type=float, default=None, metavar="G",
                      help="guidance_scale in [0, 100], CFG on when > 1 (default: the model's; 4 for the "
                           "built-in model)")
+    gen.add_argument("--true-cfg-scale", type=float, default=None, metavar="G",
+                     help="true_cfg_scale in [0, 100] (Flux, Qwen-Image): true CFG against --negative-prompt "
+                          "when > 1 (default: the model's)")
     gen.add_argument("--size", default=None, metavar="WxH",
                      help="WIDTHxHEIGHT in pixels (default: the model's; 8x8 for the built-in model, which "
                           "supports at most 8x8)")
@@ -312,13 +315,14 @@ def check_generate_arguments(args: argparse.Namespace, parser: argparse.Argument
     params = [
         SamplingParams(negative_prompt=args.negative_prompt, height=height, width=width,
                        num_inference_steps=args.steps, guidance_scale=args.guidance,
+                       true_cfg_scale=args.true_cfg_scale,
                        seed=None if args.seed is None else (args.seed + i) % (MAX_SEED + 1))
         for i in range(n)
     ]
     # The model-independent range checks (steps, guidance, seed, negative prompt, size > 0);
     # the model's own rules (resolution multiple, maximum size) are checked once it is loaded.
     any_model = ModelSpec(resolution_factor=1, default_height=1, default_width=1,
-                          default_num_inference_steps=1, default_guidance_scale=0.0)
+                          default_num_inference_steps=1, default_guidance_scale=0.0, default_true_cfg_scale=1.0)
     for p in params:
         p.resolve(any_model, limits, default_seed=0)
     return prompt, params, _check_output_dir(args.output_dir)

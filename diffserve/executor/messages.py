@@ -58,6 +58,7 @@ class Prepared:
         num_steps: denoising steps it will run (its timesteps).
         seconds: wall-clock seconds of the encode + latent preparation.
         error: set when preparing failed (the request is gone from the worker).
+        step_key: the adapter's step key for its first step (`PipelineAdapter.step_key`).
     """
 
     request_id: str
@@ -66,6 +67,7 @@ class Prepared:
     negative_prompt_truncated: bool = False
     seconds: float = 0.0
     error: WorkError | None = None
+    step_key: Any = None
 
 
 @dataclass
@@ -80,6 +82,8 @@ class StepOutput:
         num_steps: request_id -> its total denoising steps, when the worker learned it only
             while running (whole-request pipelines: img2img strength shortens the schedule).
         seconds: wall-clock seconds of the step.
+        step_keys: request_id -> the adapter's step key for its next step (requests that
+            stepped; `PipelineAdapter.step_key`).
     """
 
     num_rows: int = 0
@@ -87,6 +91,7 @@ class StepOutput:
     num_steps: dict[str, int] = field(default_factory=dict)
     errors: dict[str, WorkError] = field(default_factory=dict)
     seconds: float = 0.0
+    step_keys: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -293,6 +293,15 @@ class PipelineAdapter(ABC):
         """Family-specific part of the batch key (e.g. a fixed text length); None = nothing."""
         return None
 
+    def step_key(self, state: RequestState) -> Hashable:
+        """The part of the batch key that may change while a request runs (plain, picklable
+        data): requests whose next steps have different step keys never share a forward. E.g.
+        Wan 2.2's two experts: the high-noise transformer runs the steps with timestep >= the
+        boundary, then the low-noise one. The runner reports it after `prepare` and after every
+        step (`Prepared.step_key`, `StepOutput.step_keys`); the request scheduler batches by
+        (`batch_key`, step key). Default None: constant."""
+        return None
+
     def prompt_is_truncated(self, prompt: str, max_sequence_length: int | None = None) -> bool:
         """Whether `prompt` exceeds a text encoder's token limit (it will be truncated)."""
         return self.text.is_truncated(prompt, max_sequence_length) if self.text is not None else False

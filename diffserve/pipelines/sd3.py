@@ -26,6 +26,7 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
 )
 
 from diffserve.errors import InvalidRequestError
+from diffserve.pipelines import teacache_coefficients
 from diffserve.pipelines.base import (
     AdapterOptions,
     Capabilities,
@@ -53,10 +54,6 @@ DEFAULT_MAX_SEQUENCE_LENGTH = 256
 DEFAULT_STRENGTH = 0.6
 #: T5's positional budget in SD3 (diffusers refuses more than 512).
 MAX_SEQUENCE_LENGTH_LIMIT = 512
-
-#: TeaCache4FLUX (github.com/ali-vilab/TeaCache) coefficients, reused by SD3 ports of TeaCache
-#: (e.g. PaddleMIX's): no calibration was published for SD3.
-FLUX_TEACACHE_COEFFICIENTS = (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01)
 
 
 class SD3TeaCacheSplit:
@@ -160,7 +157,7 @@ class StableDiffusion3Adapter(PipelineAdapter):
         self.capabilities = Capabilities(
             teacache=TeaCacheSupport(
                 split=SD3TeaCacheSplit,
-                coefficients=tuple(teacache.get("coefficients", FLUX_TEACACHE_COEFFICIENTS)),
+                coefficients=tuple(teacache.get("coefficients", teacache_coefficients.FLUX_DEV)),
                 rel_l1_thresh=float(teacache.get("rel_l1_thresh", 0.4)),
                 source=teacache.get("source", "TeaCache4FLUX coefficients (FLUX.1-dev), as reused by SD3 "
                                               "TeaCache ports; 0.25 ~1.5x, 0.4 ~1.8x on FLUX per the TeaCache README"),

@@ -145,6 +145,16 @@ def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "def
     return class_name, components
 
 
+def pipeline_config(model_dir: Path | None) -> dict[str, Any]:
+    """The pipeline's own settings in ``model_index.json`` (plain values such as Wan 2.2's
+    ``boundary_ratio``, SD's ``requires_safety_checker``, SDXL's
+    ``force_zeros_for_empty_prompt``; components and ``_``-keys left out); {} without a folder."""
+    if model_dir is None or not (Path(model_dir) / "model_index.json").is_file():
+        return {}
+    return {k: v for k, v in read_model_index(model_dir).items()
+            if not k.startswith("_") and not isinstance(v, list)}
+
+
 def _eval(components: dict[str, Any]) -> None:
     for module in components.values():
         if isinstance(module, torch.nn.Module):
@@ -210,8 +220,12 @@ def load_pipeline(model_dir: Path, device: torch.device, dtype: torch.dtype, loa
             raise UnsupportedModelError(
                 f"unsupported pipeline class {class_name!r}: diffusers {diffusers.__version__} has no such class "
                 "(pass --custom-pipeline module:Class); step adapters exist for: " + ", ".join(supported_pipelines()))
+    import inspect
+
+    accepted = inspect.signature(pipeline_cls.__init__).parameters
+    settings = {k: v for k, v in pipeline_config(model_dir).items() if k in accepted}
     try:
-        pipe = pipeline_cls(**components)
+        pipe = pipeline_cls(**components, **settings)
     except TypeError as exc:
         raise UnsupportedModelError(f"cannot build {pipeline_cls.__name__} from {model_dir}: {exc}") from exc
     if hasattr(pipe, "to"):

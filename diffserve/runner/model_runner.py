@@ -105,7 +105,8 @@ class ModelRunner:
             results.append(Prepared(new.request_id, num_steps=state.num_steps,
                                     prompt_truncated=state.prompt_truncated,
                                     negative_prompt_truncated=state.negative_prompt_truncated,
-                                    seconds=time.perf_counter() - start))
+                                    seconds=time.perf_counter() - start,
+                                    step_key=self.adapter.step_key(state)))
         return results
 
     @torch.inference_mode()
@@ -147,6 +148,7 @@ class ModelRunner:
                 out.errors[state.request_id] = WorkError.of(failures[state.request_id])
             else:
                 out.steps_done[state.request_id] = state.step_index
+                out.step_keys[state.request_id] = adapter.step_key(state)
         return out
 
     def _denoise(self, batch):
@@ -166,6 +168,7 @@ class ModelRunner:
             single = self._step([state])
             out.num_rows = max(out.num_rows, single.num_rows)
             out.steps_done.update(single.steps_done)
+            out.step_keys.update(single.step_keys)
             out.errors.update(single.errors)
         return out
 

@@ -70,6 +70,18 @@ def call_parameters(cls: type) -> dict[str, inspect.Parameter]:
     return params
 
 
+def _videos(frames: Any, output_type: str) -> Any:
+    """diffusers' video output as diffserve's: one entry per video, uint8 (F, H, W, 3) arrays
+    (``np``) / tensors (``pt``), PIL frame lists (``pil``), latents unchanged."""
+    import numpy as np
+
+    if output_type == "np":
+        return [(np.clip(v, 0, 1) * 255).round().astype(np.uint8) for v in np.asarray(frames)]
+    if output_type == "pt":  # (B, F, C, H, W) float in [0, 1]
+        return [(v.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1) for v in frames]
+    return frames
+
+
 class _Aborted(Exception):
     """Raised inside ``callback_on_step_end`` to stop an aborted request's pipeline call."""
 
@@ -288,8 +300,8 @@ class WholeRequestRunner:
                 continue
             output = job.output
             media = getattr(output, "images", None)
-            if media is None:
-                media = getattr(output, "frames", None)
+            if media is None and getattr(output, "frames", None) is not None:
+                media = _videos(output.frames, job.kwargs.get("output_type", "pil"))
             if media is None and isinstance(output, tuple):
                 media = output[0]
             results.append(Decoded(request_id, output=media, step=job.steps_done,

@@ -13,7 +13,7 @@ OpenAI fields (see OpenAI's ``POST /v1/images/generations``):
     (except ``background="transparent"``, rejected: the models output opaque RGB).
 
 diffserve extension fields (send them with the openai client's ``extra_body=``):
-    negative_prompt, num_inference_steps, guidance_scale, seed.
+    negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed.
 """
 
 from __future__ import annotations
@@ -126,6 +126,9 @@ class ImageGenerationRequest(_StrictRequest):
                                             json_schema_extra={"minimum": 1})
     guidance_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE_SCALE, allow_inf_nan=False,
                                          description="classifier-free guidance weight; CFG is on when > 1")
+    true_cfg_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE_SCALE, allow_inf_nan=False,
+                                         description="true-CFG weight (Flux, Qwen-Image): on when > 1 and a "
+                                                     "negative_prompt is given")
     seed: int | None = Field(
         None, ge=0, le=MAX_SEED,
         description="seed of the first image; image i uses (seed + i) mod 2**63, so each image is "

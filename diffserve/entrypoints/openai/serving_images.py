@@ -227,7 +227,8 @@ class ImageGenerationService:
             params = [
                 SamplingParams(negative_prompt=body.negative_prompt, num_images_per_prompt=1, height=height,
                                width=width, num_inference_steps=body.num_inference_steps,
-                               guidance_scale=body.guidance_scale, seed=(seed + i) % (MAX_SEED + 1),
+                               guidance_scale=body.guidance_scale, true_cfg_scale=body.true_cfg_scale,
+                               seed=(seed + i) % (MAX_SEED + 1),
                                output_type="pil")
                 for i in range(n)
             ]

@@ -243,25 +243,45 @@ def _default_or_refuse(spec: ModelSpec, field: str, value, default, what: str):
     return value
 
 
-def validate_prompt(prompt: object, spec: ModelSpec) -> str:
+def validate_prompt(prompt: object, spec: ModelSpec | None = None) -> str:
     """Check a prompt and return it.
 
+    Args:
+        prompt: the prompt.
+        spec: the model's spec; None (no model loaded yet) checks it as for a text-conditioned
+            model.
+
     Raises:
-        InvalidRequestError: not a string, or empty/whitespace for a text-conditioned model.
+        InvalidRequestError: not a string, not valid Unicode, containing NUL or another control
+            character (tab, newline and carriage return are allowed), or empty/whitespace for a
+            text-conditioned model.
     """
     _check_text("prompt", prompt, "a string")
-    if spec.text_conditioned and not prompt.strip():
+    if (spec is None or spec.text_conditioned) and not prompt.strip():
         raise InvalidRequestError("prompt", prompt, "a non-empty, non-whitespace string")
     return prompt
 
 
+#: Control characters allowed in prompts: ordinary whitespace.
+_ALLOWED_CONTROL_CHARS = frozenset("\t\n\r")
+
+
 def _check_text(field: str, value: object, allowed: str) -> None:
+    """Raise `InvalidRequestError` naming `field` unless `value` is a str of valid Unicode text
+    without NUL or other control characters (Unicode category Cc: U+0000-U+001F, U+007F-U+009F)
+    besides tab, newline and carriage return."""
     if not isinstance(value, str):
         raise InvalidRequestError(field, value, allowed)
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidRequestError(field, value, "valid Unicode text (no lone surrogates)") from None
+    for index, char in enumerate(value):
+        code = ord(char)
+        if (code < 0x20 or 0x7F <= code <= 0x9F) and char not in _ALLOWED_CONTROL_CHARS:
+            raise InvalidRequestError(field, value, "text without NUL or control characters (tab, newline "
+                                      "and carriage return are allowed)",
+                                      detail=f"U+{code:04X} at character {index}")
 
 
 def _as_int(value: object) -> object:

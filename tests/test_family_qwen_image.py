@@ -170,4 +170,4 @@ def test_cli_names_an_unused_field(tiny_qwen_image_dir, tmp_path, capsys):
     code = main(["generate", "--model", str(tiny_qwen_image_dir), "--prompt", "a red fox", "--guidance", "3",
                  "--steps", "2", "--size", "48x64", "-o", str(tmp_path)])
     assert code == 2
-    assert "guidance_scale" in capsys.readouterr().err
+    assert "argument --guidance: invalid value 3.0" in capsys.readouterr().err

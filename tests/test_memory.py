@@ -17,7 +17,6 @@ from diffserve import AsyncDiffusionEngine, DiffusionEngine, EngineConfig, Inval
 from diffserve.engine.memory_budget import parse_memory
 from diffserve.entrypoints.cli import build_parser, engine_config_from_args
 from diffserve.entrypoints.openai.api_server import create_app
-from diffserve.entrypoints.openai.sleep_routes import install_sleep_routes
 from diffserve.errors import EngineSleepingError
 from diffserve.runner.memory import release_host_memory, rss_bytes
 
@@ -211,8 +210,7 @@ def test_sleep_routes(tiny_sd3_dir):
     body = {"prompt": "a cat", "size": "64x64", "num_inference_steps": 2, "seed": 1}
     for wake_on_request in (False, True):
         engine = AsyncDiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), num_threads=1))
-        app = create_app(engine, "tiny")
-        install_sleep_routes(app, app.state.diffserve, wake_on_request=wake_on_request)
+        app = create_app(engine, "tiny", wake_on_request=wake_on_request)  # serve installs the routes
         with TestClient(app) as client:
             assert client.post("/v1/images/generations", json=body).status_code == 200
             assert client.get("/is_sleeping").json() == {"is_sleeping": False}

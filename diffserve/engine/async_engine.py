@@ -64,7 +64,10 @@ class AsyncDiffusionEngine:
 
     @property
     def is_running(self) -> bool:
-        """The loop thread was started, is alive and has not died of an error."""
+        """The loop thread was started, is alive and has not died of an error, and the
+        executor's workers are alive."""
+        if self.error is None and self.engine.executor.dead is not None:
+            self.error = self.engine.executor.dead
         return self.error is None and self._thread is not None and self._thread.is_alive()
 
     def _loop(self) -> None:

@@ -80,5 +80,10 @@ class Executor(ABC):
         """Restore the weights put to sleep (no-op while awake)."""
         raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
 
+    @property
+    def dead(self) -> str | None:
+        """Why the executor can no longer run work (a worker died), or None while healthy."""
+        return None
+
     def shutdown(self) -> None:
         """Stop background work (idempotent)."""

@@ -274,6 +274,10 @@ class MultiprocExecutor(Executor):
                     pass
 
     @property
+    def dead(self) -> str | None:
+        return self._dead
+
+    @property
     def workers_alive(self) -> int:
         """Worker processes still running."""
         return sum(p.is_alive() for p in self._procs)

@@ -167,7 +167,7 @@ class FluxAdapter(PipelineAdapter):
         for optional in ("image_encoder", "feature_extractor"):
             components.setdefault(optional, None)
         pipe = cls.pipeline_class(**components)
-        pipe.to(device)
+        pipe.to(device, silence_dtype_warnings=True)
         pipe.set_progress_bar_config(disable=True)
         return cls(pipe, device, dtype, options)
 

@@ -192,7 +192,7 @@ class QwenImageAdapter(PipelineAdapter):
     @classmethod
     def from_components(cls, components, device, dtype, options):
         pipe = cls.pipeline_class(**components)
-        pipe.to(device)
+        pipe.to(device, silence_dtype_warnings=True)
         pipe.set_progress_bar_config(disable=True)
         return cls(pipe, device, dtype, options)
 

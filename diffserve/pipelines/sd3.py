@@ -184,7 +184,7 @@ class StableDiffusion3Adapter(PipelineAdapter):
         for optional in ("text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor"):
             components.setdefault(optional, None)
         pipe = StableDiffusion3Pipeline(**components)
-        pipe.to(device)
+        pipe.to(device, silence_dtype_warnings=True)
         pipe.set_progress_bar_config(disable=True)
         return cls(pipe, device, dtype, options)
 

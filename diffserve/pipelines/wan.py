@@ -190,7 +190,7 @@ class WanAdapter(PipelineAdapter):
         index = pipeline_config(options.model_dir)
         pipe = WanPipeline(**components, boundary_ratio=index.get("boundary_ratio"),
                            expand_timesteps=bool(index.get("expand_timesteps", False)))
-        pipe.to(device)
+        pipe.to(device, silence_dtype_warnings=True)
         pipe.set_progress_bar_config(disable=True)
         return cls(pipe, device, dtype, options)
 

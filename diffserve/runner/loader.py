@@ -18,10 +18,12 @@ from typing import Any
 import torch
 
 from diffserve.errors import UnsupportedModelError
+from diffserve.runner.library_warnings import silence_inapplicable_library_warnings
 from diffserve.pipelines.base import AdapterOptions, PipelineAdapter
 from diffserve.pipelines.registry import adapter_class
 
 logger = logging.getLogger(__name__)
+silence_inapplicable_library_warnings()
 _LIBRARIES = ("diffusers", "transformers")
 
 

@@ -95,6 +95,9 @@ class PipelineAdapter(ABC):
     """
 
     pipeline_class_name: ClassVar[str]
+    #: What the model does, as listed in ``GET /v1/models``: ``text-to-image``, ``image-edit``
+    #: (an input image to edit), ``text-to-video``.
+    capabilities: ClassVar[tuple[str, ...]] = ("text-to-image",)
 
     device: torch.device
     dtype: torch.dtype

@@ -313,7 +313,8 @@ def create_app(
         return Response(image.data, media_type=image.media_type, headers={"Cache-Control": "private, max-age=60"})
 
     def model_card() -> ModelCard:
-        return ModelCard(id=state.model_name, created=state.created)
+        return ModelCard.describe(state.model_name, state.created,
+                                  state.engine.engine if state.engine is not None else None)
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:

@@ -12,18 +12,27 @@ OpenAI fields (see OpenAI's ``POST /v1/images/generations``):
     (except ``background="transparent"``, rejected: the models output opaque RGB).
 
 diffserve extension fields (send them with the openai client's ``extra_body=``):
-    negative_prompt, num_inference_steps, guidance_scale, seed.
+    negative_prompt, num_inference_steps, guidance_scale, seed; and stream_progress (with
+    stream=true: also send the ``diffserve.queued`` / ``diffserve.progress`` events of
+    `diffserve.entrypoints.openai.stream_progress`).
+
+``GET /v1/models`` cards carry two diffserve extensions (`ModelCard`): ``capabilities`` (what the
+model does, hence which endpoints serve it) and ``parameters`` (the request parameters it takes,
+with defaults and ranges), so a client such as the web playground can build its form from them.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from diffserve.errors import InvalidRequestError
-from diffserve.sampling_params import MAX_SEED
+from diffserve.sampling_params import MAX_GUIDANCE_SCALE, MAX_SEED
+
+if TYPE_CHECKING:
+    from diffserve.engine.engine import DiffusionEngine
 
 #: Longest accepted prompt / negative prompt, in characters (OpenAI's limit).
 MAX_PROMPT_CHARS = 32000
@@ -89,6 +98,9 @@ class ImageGenerationRequest(_StrictRequest):
     seed: int | None = Field(
         None, ge=0, le=MAX_SEED,
         description="seed of the first image; image i uses seed + i, so each image is reproducible alone")
+    stream_progress: bool | None = Field(
+        None, description="with stream=true: also send diffserve.queued (place in the waiting queue) and "
+                          "diffserve.progress (denoising steps done) events")
 
     @field_validator("background")
     @classmethod
@@ -231,13 +243,107 @@ class CompletedEvent(BaseModel):
     timings: dict[str, Any]
 
 
+#: The capabilities a model card may list, and the endpoint each one is served by.
+CAPABILITY_ENDPOINTS = {
+    "text-to-image": "POST /v1/images/generations",
+    "image-edit": "POST /v1/images/edits",
+    "text-to-video": "POST /v1/videos",
+}
+
+
+class ParameterInfo(BaseModel):
+    """A request parameter a model takes (model card extension), described like a JSON-schema
+    property.
+
+    Attributes:
+        type: ``integer``, ``number``, ``string`` or ``boolean``.
+        default: the value used when a request omits the parameter (None: none, or drawn at
+            random, e.g. ``seed``).
+        minimum / maximum: inclusive range of numeric parameters.
+        multiple_of / max_width / max_height / max_pixels: ``size`` only: width and height in
+            pixels are positive multiples of `multiple_of`, at most `max_width` x `max_height`
+            (None: no model limit), with width x height <= `max_pixels`.
+        capabilities: the capabilities whose requests take the parameter (e.g. ``strength``:
+            ``["image-edit"]``); None = every capability of the model.
+        description: one line for people.
+
+    Fields that are None are left out of the JSON.
+    """
+
+    type: Literal["integer", "number", "string", "boolean"]
+    default: int | float | str | bool | None = None
+    minimum: int | float | None = None
+    maximum: int | float | None = None
+    multiple_of: int | None = None
+    max_width: int | None = None
+    max_height: int | None = None
+    max_pixels: int | None = None
+    capabilities: list[str] | None = None
+    description: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nones(self, handler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
 class ModelCard(BaseModel):
-    """An entry of ``GET /v1/models``."""
+    """An entry of ``GET /v1/models``.
+
+    diffserve extensions (None while the model is still loading):
+        capabilities: what the model does, each served by one endpoint (`CAPABILITY_ENDPOINTS`):
+            ``text-to-image``, ``image-edit``, ``text-to-video``.
+        parameters: request parameter name -> `ParameterInfo`, for the parameters this model
+            takes beyond ``prompt`` and ``model`` (a parameter a model lacks, e.g.
+            ``true_cfg_scale`` without true CFG, is absent).
+    """
 
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "diffserve"
+    capabilities: list[str] | None = None
+    parameters: dict[str, ParameterInfo] | None = None
+
+    @classmethod
+    def describe(cls, model_id: str, created: int, engine: "DiffusionEngine | None") -> "ModelCard":
+        """The card of the model `engine` serves: its adapter's capabilities and the request
+        parameters with the model's defaults and the engine's limits. Without an engine (the
+        model is loading) only ``id``, ``created`` and ``owned_by`` are set.
+
+        Args:
+            model_id: the served model name.
+            created: Unix time in seconds.
+            engine: the loaded engine, or None.
+        """
+        if engine is None:
+            return cls(id=model_id, created=created)
+        spec = engine.runner.spec
+        config = engine.config
+        limits = config.limits
+        max_n = min(limits.max_num_images_per_prompt, config.max_waiting_requests)
+        images = ["text-to-image", "image-edit"]  # the Images API's parameters; videos have their own
+        parameters = {
+            "negative_prompt": ParameterInfo(type="string", description="text for the unconditional CFG branch"),
+            "n": ParameterInfo(type="integer", default=1, minimum=1, maximum=max_n,
+                               capabilities=images, description="images per request (image i uses seed + i)"),
+            "size": ParameterInfo(type="string", default=f"{spec.default_width}x{spec.default_height}",
+                                  multiple_of=spec.resolution_factor, max_width=spec.max_width,
+                                  max_height=spec.max_height, max_pixels=limits.max_pixels,
+                                  description='"WIDTHxHEIGHT" in pixels, or "auto"'),
+            "num_inference_steps": ParameterInfo(type="integer", default=spec.default_num_inference_steps,
+                                                 minimum=1, maximum=limits.max_num_inference_steps,
+                                                 description="denoising steps"),
+            "guidance_scale": ParameterInfo(type="number", default=spec.default_guidance_scale, minimum=0,
+                                            maximum=MAX_GUIDANCE_SCALE,
+                                            description="classifier-free guidance weight; CFG is on when > 1"),
+            "seed": ParameterInfo(type="integer", minimum=0, maximum=MAX_SEED,
+                                  description="seed of the first image (default: random, reported per image)"),
+            "partial_images": ParameterInfo(type="integer", default=0, minimum=0, maximum=MAX_PARTIAL_IMAGES,
+                                            capabilities=images,
+                                            description="with stream=true: previews sent before each image"),
+        }
+        return cls(id=model_id, created=created, capabilities=list(engine.runner.adapter.capabilities),
+                   parameters=parameters)
 
 
 class ModelList(BaseModel):

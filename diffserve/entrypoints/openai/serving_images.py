@@ -17,7 +17,9 @@ events become one JSON response or a stream of Server-Sent Events.
 - Streaming (``stream=true``) sends ``image_generation.partial_image`` events (previews decoded
   from the current latents after steps spread evenly over the run, ``partial_images`` per
   image), then one ``image_generation.completed`` event per image, as OpenAI's API does; images
-  are always base64 there. An engine failure mid-stream is sent as an ``error`` event.
+  are always base64 there. An engine failure mid-stream is sent as an ``error`` event. With
+  ``stream_progress=true`` the stream also carries diffserve's queue-place and step events
+  (`diffserve.entrypoints.openai.stream_progress`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from diffserve.entrypoints.openai.protocol import (
     parse_size,
     preview_steps,
 )
+from diffserve.entrypoints.openai.stream_progress import StreamProgress
 from diffserve.errors import EngineOverloadedError, InvalidRequestError
 from diffserve.outputs import EventType, GenerationOutput, RequestStatus, StreamEvent
 from diffserve.sampling_params import MAX_SEED, SamplingParams, validate_prompt
@@ -78,6 +81,7 @@ class _Plan:
     num_steps: int
     preview_steps: list[int]
     stream: bool
+    stream_progress: bool
     response_format: str
     output_format: str
     compression: int | None
@@ -210,6 +214,7 @@ class ImageGenerationService:
             num_steps=first.num_inference_steps,
             preview_steps=preview_steps(first.num_inference_steps, body.partial_images or 0) if stream else [],
             stream=stream,
+            stream_progress=stream and bool(body.stream_progress),
             response_format=body.response_format or "b64_json",
             output_format=body.output_format or "png",
             compression=body.output_compression,
@@ -291,8 +296,15 @@ class ImageGenerationService:
         partial_counts = [0] * len(plan.params)
         completed = False
         common = dict(size=plan.size, quality=plan.quality, background="opaque", output_format=plan.output_format)
+        progress = StreamProgress(self.engine.engine, group.ids) if plan.stream_progress else None
+        ticker = asyncio.create_task(progress.tick_while_waiting(group.tick)) if progress else None
         try:
             async for index, event in group.events():
+                if progress is not None:
+                    for payload in progress.on_tick() if event is None else progress.on_event(index, event):
+                        yield _sse(payload["type"], payload)
+                if event is None:
+                    continue
                 if event.type is EventType.PARTIAL and event.preview:
                     encoded = await asyncio.to_thread(encode_image, event.preview[0], plan.output_format,
                                                       plan.compression)
@@ -325,6 +337,8 @@ class ImageGenerationService:
         finally:
             if not completed:  # the client went away (Starlette cancelled the stream) or aborted
                 self._log_disconnect(plan, raw_request)
+            if ticker is not None:
+                ticker.cancel()
             with anyio.CancelScope(shield=True):  # cancellation is level-triggered in anyio
                 await watcher.stop()
                 await group.close()
@@ -410,11 +424,19 @@ class _RequestGroup:
             self._queue.put_nowait((index, StreamEvent(self.ids[index], EventType.FAILED,
                                                        error=f"{type(exc).__name__}: {exc}")))
 
-    async def events(self) -> AsyncIterator[tuple[int, StreamEvent]]:
-        """(image index, event) as they happen, until every request's final event."""
+    def tick(self) -> None:
+        """Make `events` yield ``(-1, None)`` (a wake-up for the stream, e.g. to check queue places)."""
+        self._queue.put_nowait((-1, None))
+
+    async def events(self) -> AsyncIterator[tuple[int, StreamEvent | None]]:
+        """(image index, event) as they happen, until every request's final event; ``(-1,
+        None)`` for each `tick`."""
         remaining = len(self.ids)
         while remaining:
             index, event = await self._queue.get()
+            if event is None:
+                yield index, None
+                continue
             if event.type.is_final:
                 remaining -= 1
                 self._unreported.discard(index)
@@ -428,7 +450,7 @@ class _RequestGroup:
         """The final event of every request, by image index."""
         finals: list[StreamEvent | None] = [None] * len(self.ids)
         async for index, event in self.events():
-            if event.type.is_final:
+            if event is not None and event.type.is_final:
                 finals[index] = event
         return finals  # type: ignore[return-value]
 

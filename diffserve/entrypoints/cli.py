@@ -49,6 +49,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most transformer rows per denoising step (CFG counts 2 rows per "
                              "image; a larger request runs alone) (default 16)")
     parser.add_argument("--execution-mode", default="step", choices=["step", "request"])
+    parser.add_argument("--max-num-inference-steps", type=int, default=200,
+                        help="most denoising steps a request may ask for (default 200)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--no-context-folding", dest="context_folding", action="store_false",
                         help="run SD3's 256 zero T5 placeholder tokens in full instead of as one "
@@ -87,6 +89,7 @@ def engine_config_from_args(args: argparse.Namespace):
         load_format=args.load_format,
         max_batch_size=args.max_batch_size,
         execution_mode=args.execution_mode,
+        max_num_inference_steps=args.max_num_inference_steps,
         num_threads=args.threads,
         prompt_embed_cache_size=args.prompt_embed_cache_size,
         context_folding=args.context_folding,

@@ -11,6 +11,7 @@ Endpoints:
     GET  /health                  200 once the model is loaded; 503 while loading, after a
                                   failed load and while shutting down
     GET  /metrics                 Prometheus metrics (see `metrics`)
+    GET  /                        the web playground (see `playground`)
 
 Lifecycle: ``run_server`` binds the address first (when it cannot, it prints one line
 ``diffserve: error: cannot listen on HOST:PORT: REASON`` and returns 2 without loading
@@ -54,6 +55,7 @@ from diffserve.entrypoints.openai.errors import (
 )
 from diffserve.entrypoints.openai.image_store import DEFAULT_MAX_IMAGES, DEFAULT_TTL_S, ImageStore
 from diffserve.entrypoints.openai.metrics import ServerMetrics
+from diffserve.entrypoints.openai.playground import install_playground
 from diffserve.entrypoints.openai.protocol import (
     ErrorResponse,
     ImageGenerationRequest,
@@ -340,6 +342,7 @@ def create_app(
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+    install_playground(app)
     return app
 
 

@@ -203,6 +203,16 @@ class DiffusionEngine(SleepMode):
             events, self._pending = self._pending, []
             return events
 
+    def queue_position(self, request_id: str) -> int | None:
+        """The 1-based place of a waiting request in the waiting queue (1 = admitted next;
+        admission is first-come-first-served), or None when it is not waiting (running,
+        finished or unknown). Thread-safe."""
+        with self._lock:
+            for position, request in enumerate(self.scheduler.waiting, start=1):
+                if request.request_id == request_id:
+                    return position
+        return None
+
     @property
     def num_waiting(self) -> int:
         """Requests in the waiting queue."""

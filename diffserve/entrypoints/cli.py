@@ -106,6 +106,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "static batches run to completion")
     parser.add_argument("--threads", type=int, default=None, metavar="N",
                         help="torch intra-op threads (default: torch's, one per core)")
+    parser.add_argument("--max-num-inference-steps", type=int, default=200, metavar="N",
+                        help="most denoising steps a request may ask for")
     parser.add_argument("--no-context-folding", dest="context_folding", action="store_false",
                         help="run SD3's 256 zero T5 placeholder tokens in full instead of as one folded token "
                              "(slower; same images within float rounding)")
@@ -157,6 +159,7 @@ def engine_config_from_args(args: argparse.Namespace):
         load_format=args.load_format,
         max_batch_size=args.max_batch_size,
         execution_mode=args.execution_mode,
+        max_num_inference_steps=args.max_num_inference_steps,
         num_threads=args.threads,
         prompt_embed_cache_size=args.prompt_embed_cache_size,
         context_folding=args.context_folding,

@@ -11,6 +11,7 @@ Endpoints:
     GET  /health                  200 once the model is loaded; 503 while loading, after a
                                   failed load, while shutting down and when the engine loop died
     GET  /metrics                 Prometheus metrics (see `metrics`)
+    GET  /                        the web playground (see `playground`)
 
 Security (see `server_options`): ``--api-key`` protects ``/v1/*`` with Bearer auth (401 in
 OpenAI's format); JSON routes take only ``Content-Type: application/json`` (415 otherwise);
@@ -71,6 +72,7 @@ from diffserve.entrypoints.openai.image_store import (
     ImageStore,
 )
 from diffserve.entrypoints.openai.metrics import ServerMetrics
+from diffserve.entrypoints.openai.playground import install_playground
 from diffserve.entrypoints.openai.protocol import (
     ErrorResponse,
     ImageGenerationRequest,
@@ -432,7 +434,8 @@ def create_app(
         return Response(image.data, media_type=image.media_type, headers={"Cache-Control": "private, max-age=60"})
 
     def model_card() -> ModelCard:
-        return ModelCard(id=state.model_name, created=state.created)
+        return ModelCard.describe(state.model_name, state.created,
+                                  state.engine.engine if state.engine is not None else None)
 
     @app.get("/v1/models", response_model=ModelList, responses=auth)
     async def list_models() -> ModelList:
@@ -474,6 +477,7 @@ def create_app(
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    install_playground(app)
     return app
 
 

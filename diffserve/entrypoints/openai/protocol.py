@@ -13,7 +13,13 @@ OpenAI fields (see OpenAI's ``POST /v1/images/generations``):
     (except ``background="transparent"``, rejected: the models output opaque RGB).
 
 diffserve extension fields (send them with the openai client's ``extra_body=``):
-    negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed.
+    negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed; and stream_progress
+    (with stream=true: also send the ``diffserve.queued`` / ``diffserve.progress`` events of
+    `diffserve.entrypoints.openai.stream_progress`).
+
+``GET /v1/models`` cards carry two diffserve extensions (`ModelCard`): ``capabilities`` (what the
+model does, hence which endpoints serve it) and ``parameters`` (the request parameters it takes,
+with defaults and ranges), so a client such as the web playground can build its form from them.
 """
 
 from __future__ import annotations
@@ -21,13 +27,14 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from diffserve.errors import InvalidRequestError
 from diffserve.sampling_params import MAX_GUIDANCE_SCALE, MAX_SEED
 
 if TYPE_CHECKING:
     from diffserve.sampling_params import ModelSpec, RequestLimits
+    from diffserve.engine.engine import DiffusionEngine
 
 #: Longest accepted prompt / negative prompt, in characters (OpenAI's limit).
 MAX_PROMPT_CHARS = 32000
@@ -133,6 +140,9 @@ class ImageGenerationRequest(_StrictRequest):
         None, ge=0, le=MAX_SEED,
         description="seed of the first image; image i uses (seed + i) mod 2**63, so each image is "
                     "reproducible alone")
+    stream_progress: bool | None = Field(
+        None, description="with stream=true: also send diffserve.queued (place in the waiting queue) and "
+                          "diffserve.progress (denoising steps done) events")
 
     @field_validator("n", "output_compression", "partial_images", "num_inference_steps", "seed", mode="before")
     @classmethod
@@ -329,13 +339,138 @@ class CompletedEvent(BaseModel):
     timings: dict[str, Any]
 
 
+#: The capabilities a model card may list, and the endpoint each one is served by.
+CAPABILITY_ENDPOINTS = {
+    "text-to-image": "POST /v1/images/generations",
+    "image-edit": "POST /v1/images/edits",
+    "text-to-video": "POST /v1/videos",
+}
+
+
+class ParameterInfo(BaseModel):
+    """A request parameter a model takes (model card extension), described like a JSON-schema
+    property.
+
+    Attributes:
+        type: ``integer``, ``number``, ``string`` or ``boolean``.
+        default: the value used when a request omits the parameter (None: none, or drawn at
+            random, e.g. ``seed``).
+        minimum / maximum: inclusive range of numeric parameters.
+        multiple_of / max_width / max_height / max_pixels: ``size`` only: width and height in
+            pixels are positive multiples of `multiple_of`, at most `max_width` x `max_height`
+            (None: no model limit), with width x height <= `max_pixels`.
+        capabilities: the capabilities whose requests take the parameter (e.g. ``strength``:
+            ``["image-edit"]``); None = every capability of the model.
+        description: one line for people.
+
+    Fields that are None are left out of the JSON.
+    """
+
+    type: Literal["integer", "number", "string", "boolean"]
+    default: int | float | str | bool | None = None
+    minimum: int | float | None = None
+    maximum: int | float | None = None
+    multiple_of: int | None = None
+    max_width: int | None = None
+    max_height: int | None = None
+    max_pixels: int | None = None
+    capabilities: list[str] | None = None
+    description: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nones(self, handler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
 class ModelCard(BaseModel):
-    """An entry of ``GET /v1/models``."""
+    """An entry of ``GET /v1/models``.
+
+    diffserve extensions (None while the model is still loading):
+        capabilities: what the model does, each served by one endpoint (`CAPABILITY_ENDPOINTS`):
+            ``text-to-image``, ``image-edit``, ``text-to-video``.
+        parameters: request parameter name -> `ParameterInfo`, for the parameters this model
+            takes beyond ``prompt`` and ``model`` (a parameter a model lacks, e.g.
+            ``true_cfg_scale`` without true CFG, is absent).
+        step_batching: False when the model's pipeline class has no step adapter and runs
+            whole requests without step batching (the whole-request fallback).
+    """
 
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "diffserve"
+    capabilities: list[str] | None = None
+    parameters: dict[str, ParameterInfo] | None = None
+    step_batching: bool | None = None
+
+    @classmethod
+    def describe(cls, model_id: str, created: int, engine: "DiffusionEngine | None") -> "ModelCard":
+        """The card of the model `engine` serves: its adapter's capabilities and the request
+        parameters with the model's defaults and the engine's limits. Without an engine (the
+        model is loading) only ``id``, ``created`` and ``owned_by`` are set.
+
+        Args:
+            model_id: the served model name.
+            created: Unix time in seconds.
+            engine: the loaded engine, or None.
+        """
+        if engine is None:
+            return cls(id=model_id, created=created)
+        spec = engine.spec
+        config = engine.config
+        limits = config.limits
+        max_n = min(limits.max_num_images_per_prompt, config.max_waiting_requests)
+        images = ["text-to-image", "image-edit"]  # the Images API's parameters; videos have their own
+        edit = ["image-edit"]
+        video = ["text-to-video"]
+        parameters = {
+            "negative_prompt": ParameterInfo(type="string", description="text for the unconditional CFG branch"),
+            "n": ParameterInfo(type="integer", default=1, minimum=1, maximum=max_n,
+                               capabilities=images, description="images per request (image i uses seed + i)"),
+            "size": ParameterInfo(type="string", default=f"{spec.default_width}x{spec.default_height}",
+                                  multiple_of=spec.resolution_factor, max_width=spec.max_width,
+                                  max_height=spec.max_height, max_pixels=limits.max_pixels,
+                                  description='"WIDTHxHEIGHT" in pixels, or "auto"'),
+            "num_inference_steps": ParameterInfo(type="integer", default=spec.default_num_inference_steps,
+                                                 minimum=1, maximum=limits.max_num_inference_steps,
+                                                 description="denoising steps"),
+            "guidance_scale": ParameterInfo(type="number", default=spec.default_guidance_scale, minimum=0,
+                                            maximum=MAX_GUIDANCE_SCALE,
+                                            description="guidance weight as the model's diffusers pipeline "
+                                                        "means it (CFG on when > 1; Flux-dev: embedded)"),
+            "true_cfg_scale": ParameterInfo(type="number", default=spec.default_true_cfg_scale, minimum=0,
+                                            maximum=MAX_GUIDANCE_SCALE,
+                                            description="true CFG weight with a negative prompt (on when > 1)"),
+            "strength": ParameterInfo(type="number", default=spec.default_strength, minimum=0, maximum=1,
+                                      capabilities=edit,
+                                      description="fraction of the schedule run on the noised input image"),
+            "num_frames": ParameterInfo(type="integer", default=spec.default_num_frames, minimum=1,
+                                        maximum=spec.max_num_frames or limits.max_num_frames, capabilities=video,
+                                        description=f"frames (of the form {spec.frame_factor}k+1)"),
+            "fps": ParameterInfo(type="integer", default=spec.default_fps, minimum=1, maximum=240,
+                                 capabilities=video, description="frames per second of the video"),
+            "seed": ParameterInfo(type="integer", minimum=0, maximum=MAX_SEED,
+                                  description="seed of the first image (default: random, reported per image)"),
+            "partial_images": ParameterInfo(type="integer", default=0, minimum=0, maximum=MAX_PARTIAL_IMAGES,
+                                            capabilities=images,
+                                            description="with stream=true: previews sent before each image"),
+        }
+        unused = {"guidance_scale": spec.default_guidance_scale, "true_cfg_scale": spec.default_true_cfg_scale,
+                  "strength": spec.default_strength if spec.accepts_images else None,
+                  "num_frames": spec.default_num_frames, "fps": spec.default_fps}
+        for name, default in unused.items():  # a parameter the model does not take is not listed
+            if default is None:
+                parameters.pop(name)
+        return cls(id=model_id, created=created, capabilities=model_tasks(spec), parameters=parameters,
+                   step_batching=engine.model_info.step_batching)
+
+
+def model_tasks(spec) -> list[str]:
+    """What a model does, from its spec: ``text-to-video`` (a video model), else
+    ``text-to-image``, plus ``image-edit`` when it takes input images."""
+    if spec.default_num_frames is not None:
+        return ["text-to-video"]
+    return ["text-to-image"] + (["image-edit"] if spec.accepts_images else [])
 
 
 class ModelList(BaseModel):

@@ -27,6 +27,8 @@ events become one JSON response or a stream of Server-Sent Events.
   X-Forwarded-* headers).
 - If the engine loop dies, requests waiting on it fail within `ENGINE_CHECK_INTERVAL_S`
   seconds with 503 ``engine_dead`` instead of waiting forever.
+- With ``stream_progress=true`` the stream also carries diffserve's queue-place and step
+  events (`diffserve.entrypoints.openai.stream_progress`), refreshed on every clock tick.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from diffserve.entrypoints.openai.protocol import (
     preview_steps,
     request_json_schema,
 )
+from diffserve.entrypoints.openai.stream_progress import StreamProgress
 from diffserve.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from diffserve.outputs import EventType, GenerationOutput, RequestStatus, StreamEvent
 from diffserve.sampling_params import MAX_SEED, SamplingParams, validate_prompt
@@ -99,6 +102,7 @@ class _Plan:
     num_steps: int
     preview_steps: list[int]
     stream: bool
+    stream_progress: bool
     response_format: str
     output_format: str
     compression: int | None
@@ -247,6 +251,7 @@ class ImageGenerationService:
             num_steps=first.num_inference_steps,
             preview_steps=preview_steps(first.num_inference_steps, body.partial_images or 0) if stream else [],
             stream=stream,
+            stream_progress=stream and bool(body.stream_progress),
             response_format=body.response_format or "b64_json",
             output_format=body.output_format or "png",
             compression=body.output_compression,
@@ -381,9 +386,14 @@ class ImageGenerationService:
         # EOF (a half-close, or a close), two comments right away probe whether it is still there.
         half = self.heartbeat_s / 2
         probes = 0
+        progress = StreamProgress(self.engine.engine, group.ids) if plan.stream_progress else None
         try:
             async for item in group.events(self._engine_alive, tick_s=min(half, EOF_PROBE_INTERVAL_S)):
                 if item is None:
+                    if progress is not None:
+                        for payload in progress.on_tick():
+                            yield _sse(payload["type"], payload)
+                            last_sent = loop.time()
                     probe = probes < 2 and raw_request.scope.get(CLIENT_EOF_KEY, False)
                     if probe or loop.time() - last_sent >= half:
                         probes += bool(probe)
@@ -391,6 +401,10 @@ class ImageGenerationService:
                         yield HEARTBEAT
                     continue
                 index, event = item
+                if progress is not None:
+                    for payload in progress.on_event(index, event):
+                        yield _sse(payload["type"], payload)
+                        last_sent = loop.time()
                 if event.type is EventType.PARTIAL and event.preview:
                     encoded = await asyncio.to_thread(encode_image, event.preview[0], plan.output_format,
                                                       plan.compression)

@@ -339,9 +339,12 @@ def sse_events(response: httpx.Response) -> Iterator[tuple[str, dict]]:
 def test_model_card_lists_capabilities_and_parameters(server):
     card = httpx.get(f"{server.base}/v1/models/{MODEL}", headers=server.headers, timeout=10).json()
     assert card["id"] == MODEL and card["object"] == "model"
-    assert card["capabilities"] == ["text-to-image"]  # the SD3 adapter: no edits, no video
+    assert card["capabilities"] == ["text-to-image", "image-edit"]  # SD3: text-to-image and img2img
+    assert card["step_batching"] is True
     p = card["parameters"]
-    assert set(p) == {"negative_prompt", "n", "size", "num_inference_steps", "guidance_scale", "seed", "partial_images"}
+    assert set(p) == {"negative_prompt", "n", "size", "num_inference_steps", "guidance_scale", "seed",
+                      "partial_images", "strength"}
+    assert p["strength"]["capabilities"] == ["image-edit"] and p["strength"]["default"] == 0.6
     assert "true_cfg_scale" not in p  # SD3 has CFG only
     assert {k: p["num_inference_steps"][k] for k in ("type", "default", "minimum", "maximum")} == {
         "type": "integer", "default": 20, "minimum": 1, "maximum": LONG_STEPS}  # model default, --max-num-... limit
@@ -379,8 +382,11 @@ def test_stream_progress_reports_queue_places_then_every_step(server):
         places = [data["queue_position"] for name, data in mine if name == "diffserve.queued"]
         assert places == sorted(places, reverse=True) and all(p < index + 1 for p in places)  # only moves up
         mine = [(name, data) for name, data in mine if name != "diffserve.queued"]
-        assert [name for name, _ in mine] == ["diffserve.progress"] * 3 + [
-            "image_generation.partial_image", "diffserve.progress", "image_generation.completed"]
+        names = [name for name, _ in mine]
+        # the preview of step 2 is decoded beside the next step: after step 2's progress, before
+        # the completed image (maybe after step 3's progress)
+        assert names[:3] == ["diffserve.progress"] * 3 and names[-1] == "image_generation.completed"
+        assert sorted(names[3:5]) == ["diffserve.progress", "image_generation.partial_image"]
         assert [data["step"] for name, data in mine if name == "diffserve.progress"] == [0, 1, 2, 3]
         assert mine[-1][1]["seed"] == 4 + index
     # Without stream_progress the stream holds OpenAI's events only.

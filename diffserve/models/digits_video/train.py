@@ -491,6 +491,20 @@ def _loss_table(curve: list[tuple[int, float]], rows: int = 15) -> str:
     return "\n".join(lines)
 
 
+def _resume_note(facts: dict) -> str:
+    """Card line saying which folder a ``--resume`` run continued from ("" for a fresh run)."""
+    if facts["resumed_from"] is None:
+        return ""
+    return (f"- Continued (`--resume`) from `{facts['resumed_from']}`: its VAE is kept as trained there (the VAE "
+            "line below describes that run's settings), the latent pool is re-encoded, and the denoiser is "
+            "trained further from its weights.\n")
+
+
+def _vae_final(facts: dict) -> str:
+    """Card text with the VAE's final training loss ("" when this run had no VAE phase)."""
+    return f"; final loss {facts['vae_curve'][-1][1]:.5f}" if facts["vae_curve"] else ""
+
+
 def write_model_card(path: Path, facts: dict) -> None:
     """Write the model card (markdown) to ``path`` from the facts gathered by :func:`main`.
 
@@ -577,11 +591,11 @@ was shared, so the wall time is an upper bound):
   positions (exact copies, no resampling) on a black canvas, moving {data.SPEED} pixel per frame in
   one of 4 directions from edge to edge; the position across the motion is uniform. Intensities
   0..16 scaled to [-1, 1], copied to 3 channels.
-- VAE: {facts["vae_steps"]} Adam steps on fresh random clips (lr {config.vae_lr}, batch {config.vae_batch_size}), MSE + {config.vae_kl_weight} x KL
+{_resume_note(facts)}- VAE: {facts["vae_steps"]} Adam steps on fresh random clips (lr {config.vae_lr}, batch {config.vae_batch_size}), MSE + {config.vae_kl_weight} x KL
   (summed over latent elements, divided by the number of pixel values), through the VAE's own
   chunked causal `encode` and its `decode` loop without the final clamp to [-1, 1] (the clamp
   has zero gradient below -1, and on mostly black clips a decoder that undershoots everywhere
-  then never recovers: the first attempt collapsed to black clips); final loss {facts["vae_curve"][-1][1]:.5f}.
+  then never recovers: the first attempt collapsed to black clips){_vae_final(facts)}.
 - Latent pool: {config.clips_per_digit} clips per training digit ({facts["pool_size"]:,} clips: each direction
   {config.clips_per_digit // 4} times at random positions), encoded once to posterior means; per-channel
   `latents_mean`/`latents_std` set from them.
@@ -644,6 +658,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"denoiser steps (default {TrainConfig.max_steps}); also sets the LR schedule")
     parser.add_argument("--threads", type=int, default=TrainConfig.threads, help="torch.set_num_threads")
     parser.add_argument("--device", default="cpu", help="torch device (the shipped model was trained on cpu)")
+    parser.add_argument("--resume", type=Path, default=None,
+                        help="continue from this trained folder: keep its VAE (no VAE phase), re-encode the "
+                        "same latent pool, and train its transformer and text encoder --max-steps more steps")
+    parser.add_argument("--lr", type=float, default=None, help=f"denoiser peak learning rate (default {TrainConfig.lr})")
     parser.add_argument("--tiny", action="store_true",
                         help="tiny architecture, short phases and a small latent pool, for smoke tests")
     parser.add_argument("--card", type=Path, default=None,
@@ -663,6 +681,8 @@ def main(argv: list[str] | None = None) -> Path:
         overrides.update(vae_steps=2, vae_batch_size=2, batch_size=4, clips_per_digit=1, log_every=1, max_steps=2)
     if args.vae_steps is not None:
         overrides["vae_steps"] = args.vae_steps
+    if args.lr is not None:
+        overrides["lr"] = args.lr
     if args.max_steps is not None:
         overrides["max_steps"] = args.max_steps
         overrides["warmup_steps"] = min(TrainConfig.warmup_steps, max(1, args.max_steps // 10))
@@ -673,9 +693,13 @@ def main(argv: list[str] | None = None) -> Path:
     np.random.seed(config.seed)
     torch.manual_seed(config.seed)
 
-    pipe = build_pipeline(size).to(args.device)
+    if args.resume is None:
+        pipe = build_pipeline(size).to(args.device)
+        vae_curve = train_vae(pipe.vae, ClipSampler(config.seed, args.device), config, deadline)
+    else:
+        pipe = WanPipeline.from_pretrained(args.resume).to(args.device)
+        vae_curve = []
     pipe.set_progress_bar_config(disable=True)
-    vae_curve = train_vae(pipe.vae, ClipSampler(config.seed, args.device), config, deadline)
     latents, specs = encode_latent_pool(pipe.vae, config)
     print(f"latent pool: {tuple(latents.shape)}", flush=True)
     curve, steps = train_denoiser(pipe, latents, specs, config, deadline)
@@ -700,7 +724,7 @@ def main(argv: list[str] | None = None) -> Path:
     facts = {
         "size": size, "config": config, "params": params, "command": command, "wall_s": wall_s,
         "cpu_s": cpu_s, "steps": steps, "curve": curve, "vae_curve": vae_curve,
-        "vae_steps": vae_curve[-1][0], "pool_size": len(latents), "vocab_size": len(pipe.tokenizer),
+        "vae_steps": vae_curve[-1][0] if vae_curve else 0, "resumed_from": args.resume, "pool_size": len(latents), "vocab_size": len(pipe.tokenizer),
         "folder_bytes": folder_bytes(out),
     }
     write_model_card(card_path, facts)

@@ -527,23 +527,28 @@ class DiffusionEngine(SleepMode):
                         outputs[event.request_id] = event.output
                 if len(outputs) == len(ids):
                     break
-                if self._step_lock.acquire(blocking=False):
-                    try:
-                        self._step_locked()
-                    finally:
-                        self._step_lock.release()
-                    with self._lock:
-                        self._mail.notify_all()
-                else:
-                    with self._lock:
-                        if not mailbox:
-                            self._mail.wait(timeout=_WAIT_S)
+                self._step_or_wait(lambda: not mailbox)
         except BaseException:
             for request_id in ids:
                 if request_id not in outputs:
                     self.abort(request_id)
             raise
         return [outputs[i] for i in ids]
+
+    def _step_or_wait(self, nothing_new: Callable[[], bool]) -> None:
+        """Step if no other thread is stepping; else wait (briefly) for the stepping thread's
+        events while `nothing_new()` holds (called with the lock held)."""
+        if self._step_lock.acquire(blocking=False):
+            try:
+                self._step_locked()
+            finally:
+                self._step_lock.release()
+            with self._lock:
+                self._mail.notify_all()
+        else:
+            with self._lock:
+                if nothing_new():
+                    self._mail.wait(timeout=_WAIT_S)
 
     def shutdown(self) -> None:
         """Stop the executor's background work."""

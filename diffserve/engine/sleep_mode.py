@@ -16,9 +16,6 @@ from diffserve.errors import EngineSleepingError
 
 logger = logging.getLogger(__name__)
 
-#: Longest a draining thread blocks waiting for another thread's step (seconds).
-_WAIT_S = 0.05
-
 
 class SleepMode:
     """Mixin of `DiffusionEngine`: sleep, wake up, and the admission check while asleep.
@@ -106,14 +103,4 @@ class SleepMode:
             with self._lock:
                 if not self._requests:
                     return
-            if self._step_lock.acquire(blocking=False):
-                try:
-                    self._step_locked()
-                finally:
-                    self._step_lock.release()
-                with self._lock:
-                    self._mail.notify_all()
-            else:
-                with self._lock:
-                    if self._requests:
-                        self._mail.wait(timeout=_WAIT_S)
+            self._step_or_wait(lambda: bool(self._requests))

@@ -49,10 +49,11 @@ def build_probe_folder(out: Path, vae_base_dim: int) -> Path:
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from wan_config_folder import SCHEDULER, umt5_tokenizer
+    from config_folder_tokenizers import t5_tokenizer
+    from wan_config_folder import SCHEDULER
 
     torch.manual_seed(0)
-    tokenizer = umt5_tokenizer(pieces=0, extra_ids=0)
+    tokenizer = t5_tokenizer(pieces=0, extra_ids=0)
     text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=256, d_ff=512, d_kv=32,
                                                num_layers=2, num_heads=8, pad_token_id=0, eos_token_id=1,
                                                decoder_start_token_id=0))

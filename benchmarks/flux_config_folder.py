@@ -34,9 +34,9 @@ from pathlib import Path
 import diffusers
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-from transformers import CLIPTextConfig, CLIPTokenizer, T5Config, T5Tokenizer
+from transformers import CLIPTextConfig, T5Config
 
-from diffserve.models.digits.tokenizer import build_clip_tokenizer
+from config_folder_tokenizers import clip_tokenizer, t5_tokenizer
 
 TRANSFORMER = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
                    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
@@ -57,31 +57,6 @@ T5_XXL = dict(vocab_size=32128, d_model=4096, d_ff=10240, d_kv=64, num_heads=64,
 T5_PIECES, T5_EXTRA_IDS = 32000, 100
 
 
-def clip_tokenizer(vocab_size: int = 49408) -> CLIPTokenizer:
-    """The package's byte-level CLIP tokenizer with its vocabulary filled up to ``vocab_size``
-    entries (``<|unused_N|>``: no merge produces them, so tokenization is unchanged)."""
-    small = build_clip_tokenizer(model_max_length=77)
-    model = json.loads(small.backend_tokenizer.to_str())["model"]
-    vocab = dict(model["vocab"])
-    for i in range(len(vocab), vocab_size):
-        vocab[f"<|unused_{i}|>"] = i
-    return CLIPTokenizer(vocab=vocab, merges=[tuple(m) for m in model["merges"]], model_max_length=77)
-
-
-def t5_tokenizer(pieces: int = T5_PIECES, extra_ids: int = T5_EXTRA_IDS) -> T5Tokenizer:
-    """A character unigram T5 tokenizer (pad 0, eos 1, unk 2) with ``pieces`` pieces -- filler
-    pieces of two private-use characters, which prompts never contain -- plus ``extra_ids``
-    sentinel tokens."""
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
-    for c in "abcdefghijklmnopqrstuvwxyz0123456789.,!?'-":
-        vocab += [(c, -3.0), ("▁" + c, -3.5)]
-    for i in range(pieces - len(vocab)):
-        vocab.append((chr(0xE000 + i // 6400) + chr(0xE000 + i % 6400), -30.0))
-    tokenizer = T5Tokenizer(vocab=vocab, extra_ids=extra_ids)
-    tokenizer.model_max_length = 512
-    return tokenizer
-
-
 def write_folder(out: Path) -> Path:
     """Write the folder (configs + tokenizers, ~4 MB) and return its path."""
     out = Path(out)
@@ -95,7 +70,7 @@ def write_folder(out: Path) -> Path:
                                  pad_token_id=clip.pad_token_id)
     clip_config.architectures = ["CLIPTextModel"]
     clip_config.save_pretrained(out / "text_encoder")
-    t5_tokenizer().save_pretrained(out / "tokenizer_2")
+    t5_tokenizer(T5_PIECES, T5_EXTRA_IDS).save_pretrained(out / "tokenizer_2")
     t5_config = T5Config(**T5_XXL)
     t5_config.tie_word_embeddings = False  # T5 v1.1 unties them (the constructor argument is overridden)
     t5_config.architectures = ["T5EncoderModel"]

@@ -32,9 +32,9 @@ from pathlib import Path
 import diffusers
 import torch
 from diffusers import AutoencoderKL, EulerDiscreteScheduler, UNet2DConditionModel
-from transformers import CLIPTextConfig, CLIPTokenizer
+from transformers import CLIPTextConfig
 
-from diffserve.models.digits.tokenizer import build_clip_tokenizer
+from config_folder_tokenizers import clip_tokenizer
 
 UNET = dict(sample_size=128, in_channels=4, out_channels=4, center_input_sample=False, flip_sin_to_cos=True,
             freq_shift=0, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
@@ -56,17 +56,6 @@ CLIP_L = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num
               projection_dim=768, hidden_act="quick_gelu")
 CLIP_G = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
               projection_dim=1280, hidden_act="gelu")
-
-
-def clip_tokenizer(vocab_size: int = 49408) -> CLIPTokenizer:
-    """The package's byte-level CLIP tokenizer with its vocabulary filled up to ``vocab_size``
-    entries (``<|unused_N|>``: no merge produces them, so tokenization is unchanged)."""
-    small = build_clip_tokenizer(model_max_length=77)
-    model = json.loads(small.backend_tokenizer.to_str())["model"]
-    vocab = dict(model["vocab"])
-    for i in range(len(vocab), vocab_size):
-        vocab[f"<|unused_{i}|>"] = i
-    return CLIPTokenizer(vocab=vocab, merges=[tuple(m) for m in model["merges"]], model_max_length=77)
 
 
 def write_folder(out: Path) -> Path:

@@ -1,10 +1,14 @@
-"""Serving benchmark: diffusers one-at-a-time vs diffserve `request` mode vs `step` mode.
+"""Serving benchmark: diffusers one at a time and with static batches vs diffserve `request` and
+`step` modes.
 
-One process, one run, the same workload for every arm:
-  (a) baseline: diffusers' own `StableDiffusion3Pipeline` serving requests one at a time in
-      arrival order (built on the very same loaded components);
-  (b) diffserve `request` mode: static batches run to completion;
-  (c) diffserve `step` mode: continuous batching, one denoising step at a time.
+One process, the same workload for every arm, arms interleaved (`--repeats R` runs them R times
+and reports medians with ranges; `--json` ends with a machine-readable line):
+  (a) baseline: diffusers' own pipeline (the class named in model_index.json) serving requests
+      one at a time in arrival order (built on the very same loaded components);
+  (b) diffusers with static batches: whenever idle, one pipeline call on every request that
+      has arrived (up to the concurrency), a list of prompts with one generator each;
+  (c) diffserve `request` mode: static batches run to completion;
+  (d) diffserve `step` mode: continuous batching, one denoising step at a time.
 
 Load: `--concurrency N` keeps N requests outstanding (closed loop), or `--request-rate R`
 sends Poisson arrivals at R requests/s (open loop; `--request-rate auto` = 80% of the step
@@ -19,13 +23,16 @@ Usage:
     python benchmarks/serving.py --concurrency 16 --steps 20              # built-in model
     python benchmarks/serving.py --request-rate auto --num-requests 64
     python benchmarks/serving.py --model DIR --load-format dummy --steps 4 --concurrency 4
-      (DIR: any StableDiffusion3Pipeline folder; with dummy only its configs and tokenizers
-      are read, so a weightless copy of a large model's folder benchmarks its architecture)
+      (DIR: any folder of a pipeline class diffserve serves; with dummy only its configs and
+      tokenizers are read, so a weightless copy of a large model's folder benchmarks its
+      architecture, e.g. benchmarks/sd3_config_folder.py, benchmarks/flux_config_folder.py,
+      benchmarks/wan_config_folder.py with --num-frames for a video model)
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import random
 import statistics
@@ -33,15 +40,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import diffusers
 import numpy as np
 import torch
-from diffusers import StableDiffusion3Pipeline
 
 from diffserve import DiffusionEngine, EngineConfig, SamplingParams
+from diffserve.entrypoints.cli import parse_size
 from diffserve.pipelines.registry import adapter_class
-from diffserve.runner.loader import load_components
+from diffserve.runner.loader import load_components, pipeline_config
 from diffserve.runner.model_runner import ModelRunner
-from diffserve.pipelines.base import RequestState
+from diffserve.pipelines.base import AdapterOptions, RequestState
 from diffserve.sampling_params import RequestLimits
 
 PROMPTS = [
@@ -59,6 +67,14 @@ class Job:
     params: SamplingParams
 
 
+def _size(text: str) -> tuple[int, int]:
+    """``--size``: ``WIDTHxHEIGHT`` or one square side -> (height, width) pixels."""
+    if "x" in text.lower():
+        width, height = parse_size(text)
+        return height, width
+    return int(text), int(text)
+
+
 def make_workload(args, spec) -> list[Job]:
     """Seeded workload: prompts, seeds, step counts, sizes and (open loop) Poisson arrivals."""
     rng = random.Random(args.seed)
@@ -68,15 +84,14 @@ def make_workload(args, spec) -> list[Job]:
         d = rng.randrange(10)
         prompt = rng.choice(PROMPTS).format(d=d, w=WORDS[d])
         steps = args.steps if not args.mixed_steps else rng.choice([args.steps // 2, args.steps, args.steps * 2])
-        h = w = args.size
-        if args.size is None:
-            h, w = spec.default_height, spec.default_width
+        h, w = args.size or (spec.default_height, spec.default_width)
         if args.mixed_sizes:  # smaller variants: always within the model's maximum size
             h, w = rng.choice([(h, w), (max(f, h - 2 * f), w), (h, max(f, w - 2 * f))])
         if args.request_rate:
             t += rng.expovariate(args.request_rate)
         jobs.append(Job(t, prompt, SamplingParams(num_inference_steps=steps, guidance_scale=args.guidance,
-                                                  seed=args.seed + i, height=h, width=w, output_type="np")))
+                                                  seed=args.seed + i, height=h, width=w, output_type="np",
+                                                  num_frames=args.num_frames)))
     return jobs
 
 
@@ -97,7 +112,7 @@ def _pct(values, q):
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def run_baseline(pipe: StableDiffusion3Pipeline, jobs: list[Job], concurrency: int | None) -> ArmResult:
+def run_baseline(pipe: diffusers.DiffusionPipeline, jobs: list[Job], concurrency: int | None) -> ArmResult:
     """diffusers, one request at a time in arrival order (open loop: waits for arrivals)."""
     start = time.perf_counter()
     latencies, finish_times, free_at = [], [], 0.0
@@ -110,12 +125,50 @@ def run_baseline(pipe: StableDiffusion3Pipeline, jobs: list[Job], concurrency: i
         if arrival > now:
             time.sleep(arrival - now)
         p = job.params
-        pipe(job.prompt, num_inference_steps=p.num_inference_steps, guidance_scale=p.guidance_scale,
-             height=p.height, width=p.width, generator=torch.Generator().manual_seed(p.seed), output_type="np")
+        extra = {} if p.guidance_scale is None else {"guidance_scale": p.guidance_scale}
+        if p.num_frames is not None:
+            extra["num_frames"] = p.num_frames
+        pipe(job.prompt, num_inference_steps=p.num_inference_steps, height=p.height, width=p.width,
+             generator=torch.Generator().manual_seed(p.seed), output_type="np", **extra)
         free_at = time.perf_counter() - start
         latencies.append(free_at - arrival)
         finish_times.append(free_at)
     return ArmResult("diffusers (one at a time)", latencies, free_at, len(jobs), [])
+
+
+def run_static_batches(pipe: diffusers.DiffusionPipeline, jobs: list[Job], concurrency: int | None,
+                       batch_size: int) -> ArmResult:
+    """diffusers with static batches: whenever idle, one pipeline call on every request that
+    has arrived (up to `batch_size`, a list of prompts with one generator each), run to
+    completion; the workload must share steps and size (a static batch has one of each)."""
+    start = time.perf_counter()
+    latencies, finish_times, free_at, i = [], [0.0] * len(jobs), 0.0, 0
+    arrivals = [0.0] * len(jobs)
+    while i < len(jobs):
+        if concurrency:  # closed loop: job j is sent when job j-concurrency finished
+            for j in range(i, min(len(jobs), i + batch_size)):
+                arrivals[j] = 0.0 if j < concurrency else finish_times[j - concurrency]
+        else:
+            for j in range(i, len(jobs)):
+                arrivals[j] = jobs[j].arrival_s
+        now = time.perf_counter() - start
+        if arrivals[i] > now:
+            time.sleep(arrivals[i] - now)
+            now = time.perf_counter() - start
+        batch = [j for j in range(i, min(len(jobs), i + batch_size)) if arrivals[j] <= now]
+        p = jobs[i].params
+        extra = {} if p.guidance_scale is None else {"guidance_scale": p.guidance_scale}
+        if p.num_frames is not None:
+            extra["num_frames"] = p.num_frames
+        pipe([jobs[j].prompt for j in batch], num_inference_steps=p.num_inference_steps, height=p.height,
+             width=p.width, generator=[torch.Generator().manual_seed(jobs[j].params.seed) for j in batch],
+             output_type="np", **extra)
+        free_at = time.perf_counter() - start
+        for j in batch:
+            finish_times[j] = free_at
+            latencies.append(free_at - arrivals[j])
+        i = batch[-1] + 1
+    return ArmResult("diffusers (static batches)", latencies, free_at, len(jobs), [])
 
 
 def run_engine(engine: DiffusionEngine, name: str, jobs: list[Job], concurrency: int | None) -> ArmResult:
@@ -149,34 +202,39 @@ def run_engine(engine: DiffusionEngine, name: str, jobs: list[Job], concurrency:
     return ArmResult(name, latencies, max(finish.values()), len(jobs), rows_seen)
 
 
-def time_forward(runner: ModelRunner, rows: int, steps: int, size: tuple[int, int], repeats: int = 5) -> float:
+def time_forward(runner: ModelRunner, rows: int, steps: int, size: tuple[int, int], repeats: int = 9,
+                 num_frames: int | None = None) -> float:
     """Seconds per bare denoiser forward at `rows` rows of `size` (height, width) pixels
-    (no engine, no scheduler step)."""
+    (no engine, no scheduler step): the median of `repeats` timed forwards after one warm-up."""
     adapter = runner.adapter
-    params = SamplingParams(num_inference_steps=steps, guidance_scale=1.0, seed=0, num_images_per_prompt=rows,
-                            height=size[0], width=size[1])
+    no_cfg = 1.0 if adapter.spec.default_guidance_scale is not None else None
+    params = SamplingParams(num_inference_steps=steps, guidance_scale=no_cfg, seed=0, num_images_per_prompt=rows,
+                            height=size[0], width=size[1], num_frames=num_frames)
     limits = RequestLimits(max_num_images_per_prompt=rows, max_pixels=runner.config.max_pixels,
                            max_num_inference_steps=runner.config.max_num_inference_steps)
     state = RequestState("bench", "a handwritten digit 3", params.resolve(adapter.spec, limits))
     with torch.inference_mode():
         adapter.prepare(state)
     batch = adapter.collate([state])
+    times = []
     with torch.inference_mode():
         adapter.denoise(batch)
-        t = time.perf_counter()
         for _ in range(repeats):
+            t = time.perf_counter()
             adapter.denoise(batch)
-    return (time.perf_counter() - t) / repeats
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
-def engine_overhead(runner: ModelRunner, engine: DiffusionEngine, steps: int, guidance: float,
-                    size: tuple[int, int]) -> tuple[float, float]:
-    """(diffserve s/step, bare adapter forward+scheduler step s/step) at batch 1."""
+def engine_overhead(runner: ModelRunner, engine: DiffusionEngine, steps: int, guidance: float | None,
+                    size: tuple[int, int], num_frames: int | None = None) -> tuple[float, float]:
+    """(diffserve s/step, bare adapter collate + forward + guidance + scheduler step s/step) at
+    batch 1: medians of 5 runs of each, interleaved."""
     params = SamplingParams(num_inference_steps=steps, guidance_scale=guidance, seed=0, output_type="latent",
-                            height=size[0], width=size[1])
-    bare = []
-    for _ in range(3):
-        adapter = runner.adapter
+                            height=size[0], width=size[1], num_frames=num_frames)
+    adapter = runner.adapter
+    bare, served = [], []
+    for _ in range(5):
         state = RequestState("bare", "digit 5", params.resolve(adapter.spec, runner.config.limits))
         with torch.inference_mode():
             adapter.prepare(state)
@@ -185,8 +243,6 @@ def engine_overhead(runner: ModelRunner, engine: DiffusionEngine, steps: int, gu
                 batch = adapter.collate([state])
                 adapter.step(batch, adapter.combine(batch, adapter.denoise(batch)))
             bare.append((time.perf_counter() - t) / steps)
-    served = []
-    for _ in range(3):
         [out] = engine.generate("digit 5", params)
         served.append(out.metrics.denoise_s / steps)
     return statistics.median(served), statistics.median(bare)
@@ -200,17 +256,24 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=None)
     ap.add_argument("--request-rate", default=None, help="requests/s (Poisson) or 'auto'")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--guidance", type=float, default=4.0)
-    ap.add_argument("--size", type=int, default=None, help="square image side in pixels (default: model's)")
+    ap.add_argument("--guidance", type=float, default=None, help="guidance_scale (default: the model's)")
+    ap.add_argument("--size", type=_size, default=None,
+                    help="WIDTHxHEIGHT or a square side in pixels (default: the model's)")
+    ap.add_argument("--num-frames", type=int, default=None, help="video models: frames (default: the model's)")
     ap.add_argument("--mixed-steps", action="store_true")
     ap.add_argument("--mixed-sizes", action="store_true")
     ap.add_argument("--max-batch-size", type=int, default=32, help="transformer rows per step")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--arms", default="baseline,request,step")
+    ap.add_argument("--arms", default="baseline,static,request,step",
+                    help="comma list of baseline (diffusers one at a time), static (diffusers static "
+                         "batches), request, step")
     ap.add_argument("--compile", action="store_true", help="regional torch.compile in the diffserve arms")
     ap.add_argument("--cache-backend", default="none", choices=["none", "teacache", "cache_dit"])
     ap.add_argument("--cache-config", default="{}", help="JSON options of the cache backend")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every arm this many times, interleaved; report medians and ranges")
+    ap.add_argument("--json", action="store_true", help="print a final machine-readable JSON line")
     args = ap.parse_args()
     if args.concurrency is None and args.request_rate is None:
         args.concurrency = 16
@@ -225,10 +288,13 @@ def main() -> None:
     for module in components.values():
         if isinstance(module, torch.nn.Module):
             module.eval().requires_grad_(False)
-    adapter = adapter_class(class_name).from_components(components, config.torch_device, config.torch_dtype,
-                                                        Path(config.model_path))
+    options = AdapterOptions(context_folding=config.context_folding, model_dir=Path(config.model_path))
+    adapter = adapter_class(class_name).from_components(components, config.torch_device, config.torch_dtype, options)
     runner = ModelRunner(config, adapter=adapter)
-    pipe = StableDiffusion3Pipeline(**{k: v for k, v in components.items()})
+    pipe_class = getattr(diffusers, class_name)  # the folder's own diffusers pipeline class
+    settings = {k: v for k, v in pipeline_config(config.model_path).items()  # e.g. Wan 2.2's boundary_ratio
+                if k in inspect.signature(pipe_class).parameters}
+    pipe = pipe_class(**components, **settings)
     pipe.set_progress_bar_config(disable=True)
 
     rate = args.request_rate
@@ -249,40 +315,76 @@ def main() -> None:
 
     # warm up every path once
     side_h, side_w = jobs[0].params.height, jobs[0].params.width
-    pipe("digit 1", num_inference_steps=2, height=side_h, width=side_w)
+    frames = {} if args.num_frames is None else {"num_frames": args.num_frames}
+    pipe("digit 1", num_inference_steps=2, height=side_h, width=side_w, **frames)
     DiffusionEngine(config, runner=runner).generate(["digit 1"] * 4, SamplingParams(num_inference_steps=2,
-                                                                                    height=side_h, width=side_w))
+                                                                                    height=side_h, width=side_w,
+                                                                                    num_frames=args.num_frames))
 
-    results: list[ArmResult] = []
-    if "baseline" in arms:
-        results.append(run_baseline(pipe, jobs, concurrency))
-    for mode in ("request", "step"):
-        if mode in arms:
-            cfg = EngineConfig(**{**vars(config), "execution_mode": mode})
-            results.append(run_engine(DiffusionEngine(cfg, runner=runner), f"diffserve {mode} mode", jobs, concurrency))
+    uniform = not (args.mixed_steps or args.mixed_sizes)
+    if "static" in arms and not uniform:
+        print("static-batch arm skipped: a static batch has one step count and size (mixed workload)")
+        arms.remove("static")
+    engines = {mode: DiffusionEngine(EngineConfig(**{**vars(config), "execution_mode": mode}), runner=runner)
+               for mode in ("request", "step") if mode in arms}
+    runs: dict[str, list[ArmResult]] = {}
+    for _ in range(args.repeats):  # arms interleaved within each repeat
+        if "baseline" in arms:
+            runs.setdefault("diffusers", []).append(run_baseline(pipe, jobs, concurrency))
+        if "static" in arms:
+            runs.setdefault("diffusers_static_batch", []).append(
+                run_static_batches(pipe, jobs, concurrency, concurrency or args.max_batch_size))
+        for mode, engine in engines.items():
+            runs.setdefault(mode, []).append(run_engine(engine, f"diffserve {mode} mode", jobs, concurrency))
 
-    base = results[0].throughput if "baseline" in arms else None
-    print(f"\n{'arm':28s} {'img/s':>8s} {'vs base':>8s} {'p50 s':>8s} {'p95 s':>8s} {'p99 s':>8s} {'mean rows':>9s}")
-    for r in results:
+    def median_run(results: list[ArmResult]) -> ArmResult:
+        return sorted(results, key=lambda r: r.throughput)[len(results) // 2]
+
+    names = {"diffusers": "diffusers (one at a time)", "diffusers_static_batch": "diffusers (static batches)",
+             "request": "diffserve request mode", "step": "diffserve step mode"}
+    base = median_run(runs["diffusers"]).throughput if "diffusers" in runs else None
+    print(f"\n{'arm':28s} {'img/s':>8s} {'range':>15s} {'vs base':>8s} {'p50 s':>8s} {'p95 s':>8s} "
+          f"{'p99 s':>8s} {'mean rows':>9s}   (median of {args.repeats})")
+    for key, results in runs.items():
+        r = median_run(results)
+        lo, hi = min(x.throughput for x in results), max(x.throughput for x in results)
         ratio = f"{r.throughput / base:7.2f}x" if base else "     n/a"
         rows = f"{statistics.mean(r.batch_rows):9.1f}" if r.batch_rows else "      n/a"
-        print(f"{r.name:28s} {r.throughput:8.2f} {ratio} {_pct(r.latencies, 50):8.2f} "
+        print(f"{names[key]:28s} {r.throughput:8.2f} {f'[{lo:.2f}, {hi:.2f}]':>15s} {ratio} {_pct(r.latencies, 50):8.2f} "
               f"{_pct(r.latencies, 95):8.2f} {_pct(r.latencies, 99):8.2f} {rows}")
+    if "diffusers_static_batch" in runs and "step" in runs:
+        print(f"step mode vs diffusers static batches: "
+              f"{median_run(runs['step']).throughput / median_run(runs['diffusers_static_batch']).throughput:.2f}x")
 
-    step = next((r for r in results if r.name == "diffserve step mode"), None)
+    step_vs_ceiling = None
+    step = median_run(runs["step"]) if "step" in runs else None
     if step is not None and step.batch_rows:
         rows = int(round(statistics.mean(step.batch_rows)))
-        cfg_rows = 2 if args.guidance > 1 else 1
+        cfg_rows = runner.adapter.rows(jobs[0].params.resolve(runner.adapter.spec, config.limits, 0))
         size = (side_h, side_w)
-        t1, tb = time_forward(runner, cfg_rows, args.steps, size), time_forward(runner, rows, args.steps, size)
+        t1 = time_forward(runner, cfg_rows, args.steps, size, num_frames=args.num_frames)
+        tb = time_forward(runner, rows, args.steps, size, num_frames=args.num_frames)
         ceiling = (rows / cfg_rows) / (args.steps * tb)
+        step_vs_ceiling = step.throughput / ceiling
         print(f"\nceiling: bare forward {cfg_rows} rows {t1 * 1e3:.2f} ms, {rows} rows {tb * 1e3:.2f} ms "
               f"({tb / t1:.2f}x the cost for {rows / cfg_rows:.0f}x the images) -> {ceiling:.2f} img/s; "
-              f"step mode reaches {step.throughput / ceiling:.0%} of it")
+              f"step mode reaches {step_vs_ceiling:.0%} of it")
     served, bare = engine_overhead(runner, DiffusionEngine(config, runner=runner), args.steps, args.guidance,
-                                   (side_h, side_w))
+                                   (side_h, side_w), args.num_frames)
+    overhead = served / bare - 1
     print(f"engine overhead at batch 1: diffserve {served * 1e3:.3f} ms/step vs bare adapter "
-          f"{bare * 1e3:.3f} ms/step -> {served / bare - 1:+.1%}")
+          f"{bare * 1e3:.3f} ms/step -> {overhead:+.1%}")
+    if args.json:
+        print(json.dumps({
+            "images_per_s": {k: median_run(v).throughput for k, v in runs.items()},
+            "images_per_s_range": {k: [min(x.throughput for x in v), max(x.throughput for x in v)]
+                                   for k, v in runs.items()},
+            "step_vs_ceiling": step_vs_ceiling,
+            "overhead_batch1": overhead,
+            "model": config.model_path.name, "device": str(config.torch_device), "threads": torch.get_num_threads(),
+            "concurrency": concurrency, "request_rate": args.request_rate, "steps": args.steps,
+            "repeats": args.repeats,
+        }))
 
 
 if __name__ == "__main__":

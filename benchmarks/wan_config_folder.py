@@ -33,7 +33,9 @@ from pathlib import Path
 import diffusers
 import torch
 from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
-from transformers import T5Tokenizer, UMT5Config
+from transformers import UMT5Config
+
+from config_folder_tokenizers import t5_tokenizer
 
 TRANSFORMER = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
                    out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
@@ -55,20 +57,6 @@ UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_ff=10240, d_kv=64, num_heads=
 UMT5_PIECES, UMT5_EXTRA_IDS = 256000, 300
 
 
-def umt5_tokenizer(pieces: int = UMT5_PIECES, extra_ids: int = UMT5_EXTRA_IDS) -> T5Tokenizer:
-    """A character unigram T5 tokenizer (pad 0, eos 1, unk 2) with ``pieces`` pieces -- filler
-    pieces of two private-use characters, which prompts never contain -- plus ``extra_ids``
-    sentinel tokens."""
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
-    for c in "abcdefghijklmnopqrstuvwxyz0123456789.,!?'-":
-        vocab += [(c, -3.0), ("▁" + c, -3.5)]
-    for i in range(pieces - len(vocab)):
-        vocab.append((chr(0xE000 + i // 6400) + chr(0xE000 + i % 6400), -30.0))
-    tokenizer = T5Tokenizer(vocab=vocab, extra_ids=extra_ids)
-    tokenizer.model_max_length = 512
-    return tokenizer
-
-
 def write_folder(out: Path) -> Path:
     """Write the folder (configs + tokenizer, ~13 MB, mostly the 256k-entry tokenizer) and return
     its path."""
@@ -77,7 +65,7 @@ def write_folder(out: Path) -> Path:
         WanTransformer3DModel(**TRANSFORMER).save_config(out / "transformer")
         AutoencoderKLWan(**VAE).save_config(out / "vae")
     UniPCMultistepScheduler(**SCHEDULER).save_config(out / "scheduler")
-    umt5_tokenizer().save_pretrained(out / "tokenizer")
+    t5_tokenizer(UMT5_PIECES, UMT5_EXTRA_IDS).save_pretrained(out / "tokenizer")
     config = UMT5Config(**UMT5_XXL)
     config.tie_word_embeddings = False  # umt5-xxl unties them (the constructor argument is overridden)
     config.architectures = ["UMT5EncoderModel"]

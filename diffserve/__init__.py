@@ -27,6 +27,7 @@ _EXPORTS = {
     "UnsupportedModelError": "diffserve.errors",
     "RequestFailedError": "diffserve.errors",
     "EngineDeadError": "diffserve.errors",
+    "EngineSleepingError": "diffserve.errors",
     "NonFiniteOutputError": "diffserve.errors",
     "RequestInputs": "diffserve.pipelines.base",
 }
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from diffserve.errors import (
         EngineDeadError,
         EngineOverloadedError,
+        EngineSleepingError,
         NonFiniteOutputError,
         InvalidRequestError,
         RequestFailedError,

@@ -12,7 +12,8 @@ from diffserve.errors import InvalidRequestError
 from diffserve.sampling_params import MAX_SEED, RequestLimits
 
 EXECUTION_MODES = ("step", "request")
-LOAD_FORMATS = ("default", "dummy")
+EXECUTORS = ("auto", "inprocess", "multiprocess")
+LOAD_FORMATS = ("default", "dummy", "custom_pipeline")
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
@@ -27,7 +28,11 @@ class EngineConfig:
         device: ``"auto"`` (cuda if available, else cpu), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
         dtype: ``"auto"`` (bf16 on cuda, fp32 on cpu), ``"fp32"``, ``"bf16"``, ``"fp16"``.
         load_format: ``"default"`` reads the weights; ``"dummy"`` builds every model from its
-            config with seeded random weights (no weight file read).
+            config with seeded random weights (no weight file read); ``"custom_pipeline"``
+            reads the weights into the class named by `custom_pipeline` (as vLLM-Omni's runner).
+        custom_pipeline: ``"package.module:ClassName"``: a `PipelineAdapter` subclass
+            (served with step batching) or a pipeline class with a diffusers-style ``__call__``
+            (served whole-request, one step at a time); None = the folder's own class.
         max_batch_size: most transformer rows in one denoising step (a request with CFG on
             takes 2 x num_images_per_prompt rows); also the most rows admitted at once.
         max_waiting_requests: bound of the waiting queue; past it `add_request` raises
@@ -51,15 +56,41 @@ class EngineConfig:
         compile: regional ``torch.compile`` of the denoiser's repeated blocks, warmed up at
             startup (falls back to eager with a warning if compiling fails).
         compile_vae: also compile the VAE decoder (only with ``compile``).
+        cfg_parallel_size: ranks splitting each forward's rows (2: one guidance branch each;
+            `diffserve.parallel.cfg`).
+        ulysses_degree: ranks splitting each forward's token sequence (Ulysses;
+            `diffserve.parallel.ulysses`). cfg_parallel_size x ulysses_degree worker processes.
+        executor: ``"auto"`` (in-process for one rank, multi-process otherwise),
+            ``"inprocess"`` or ``"multiprocess"`` (workers in child processes even for one rank).
+        cuda_graphs: replay the denoiser forward from CUDA graphs captured per row bucket
+            (`diffserve.acceleration.cuda_graphs`); CUDA devices only, not with a cache backend.
         context_folding: let a family run identical placeholder context tokens as one token
             (SD3 without T5: the 256 zero rows, with a +log(k) attention bias); same images
             within float rounding, far less compute.
+        cpu_offload: model CPU offload, serving-aware: components live on the CPU and move to
+            the device for their stage; the denoiser stays while any request is denoising (see
+            `diffserve.acceleration.offload`).
+        layerwise_offload: the denoiser's blocks stream to the device `offload_blocks` at a
+            time (diffusers group offloading; on a separate CUDA stream when the device has
+            one and ``offload_blocks == 1``).
+        offload_blocks: denoiser blocks per group with ``layerwise_offload`` (>= 1).
+        enable_sleep_mode: pack each component's weights into one block at load (the sleep
+            pool, as vLLM's flag of this name), so `DiffusionEngine.sleep` returns exactly
+            their memory; sleep works without it, returning what the allocator can give back
+            (see `diffserve.runner.sleep`).
+        max_memory: memory budget of the device for memory-aware admission, in bytes (an int,
+            or a string such as ``"24GiB"`` / ``"512MB"``), ``"auto"`` (the device's free
+            memory at startup plus what the engine holds), or None (admission by rows only).
+            Requests are admitted only while resident weights + the estimated memory of every
+            running request stay within it; a request that alone exceeds it is refused (see
+            `diffserve.engine.memory_budget`).
     """
 
     model: str | None = None
     device: str = "auto"
     dtype: str = "auto"
     load_format: str = "default"
+    custom_pipeline: str | None = None
     max_batch_size: int = 16
     max_waiting_requests: int = 1024
     execution_mode: str = "step"
@@ -75,18 +106,37 @@ class EngineConfig:
     cache_config: dict = field(default_factory=dict)
     compile: bool = False
     compile_vae: bool = False
+    cuda_graphs: bool = False
+    cfg_parallel_size: int = 1
+    ulysses_degree: int = 1
+    executor: str = "auto"
     context_folding: bool = True
+    cpu_offload: bool = False
+    layerwise_offload: bool = False
+    offload_blocks: int = 1
+    enable_sleep_mode: bool = False
+    max_memory: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.execution_mode not in EXECUTION_MODES:
             raise InvalidRequestError("execution_mode", self.execution_mode, f"one of {EXECUTION_MODES}")
         if self.load_format not in LOAD_FORMATS:
             raise InvalidRequestError("load_format", self.load_format, f"one of {LOAD_FORMATS}")
+        if self.custom_pipeline is not None and (not isinstance(self.custom_pipeline, str)
+                                                 or ":" not in self.custom_pipeline):
+            raise InvalidRequestError("custom_pipeline", self.custom_pipeline, "'package.module:ClassName' or None")
+        if self.load_format == "custom_pipeline" and self.custom_pipeline is None:
+            raise InvalidRequestError("custom_pipeline", None, "set when load_format is custom_pipeline")
         for name in ("max_batch_size", "max_waiting_requests", "max_num_inference_steps",
-                     "max_pixels", "max_num_images_per_prompt"):
+                     "max_pixels", "max_num_images_per_prompt", "cfg_parallel_size", "ulysses_degree"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidRequestError(name, value, "an integer >= 1")
+        if self.executor not in EXECUTORS:
+            raise InvalidRequestError("executor", self.executor, f"one of {EXECUTORS}")
+        if self.executor == "inprocess" and self.world_size > 1:
+            raise InvalidRequestError("executor", self.executor, "multiprocess or auto when cfg_parallel_size x "
+                                      "ulysses_degree > 1")
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise InvalidRequestError("model", self.model, "a path to a local diffusers folder, or None")
         if self.num_threads is not None and (not isinstance(self.num_threads, int)
@@ -105,7 +155,8 @@ class EngineConfig:
         nbytes = self.prompt_embed_cache_bytes
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1:
             raise InvalidRequestError("prompt_embed_cache_bytes", nbytes, "an integer >= 1 (bytes)")
-        for name in ("compile", "compile_vae", "context_folding", "overlap_stages"):
+        for name in ("compile", "compile_vae", "context_folding", "overlap_stages", "cuda_graphs", "cpu_offload",
+                     "layerwise_offload", "enable_sleep_mode"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(name, getattr(self, name), "true or false")
         if self.compile_vae and not self.compile:
@@ -113,6 +164,19 @@ class EngineConfig:
         from diffserve.acceleration import parse_cache_config
 
         parse_cache_config(self.cache_backend, self.cache_config)
+        blocks = self.offload_blocks
+        if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
+            raise InvalidRequestError("offload_blocks", blocks, "an integer >= 1 (denoiser blocks per group)")
+        if blocks != 1 and not self.layerwise_offload:
+            raise InvalidRequestError("offload_blocks", blocks, "1 unless layerwise_offload is true")
+        from diffserve.engine.memory_budget import parse_memory
+
+        parse_memory(self.max_memory)  # validates `max_memory`
+
+    @property
+    def world_size(self) -> int:
+        """Worker ranks: cfg_parallel_size x ulysses_degree."""
+        return self.cfg_parallel_size * self.ulysses_degree
 
     @property
     def model_path(self) -> Path:

@@ -28,7 +28,14 @@ class InvalidRequestError(ValueError):
         message = f"invalid {field}={shown}: must be {allowed}"
         if detail:
             message += f" ({detail})"
+        self.detail = detail
         super().__init__(message)
+
+    def __reduce__(self):
+        """Pickle by fields (errors cross process boundaries: the multi-process executor);
+        a value that is not plain data travels as its repr."""
+        value = self.value if isinstance(self.value, (str, int, float, bool, type(None))) else repr(self.value)
+        return (type(self), (self.field, value, self.allowed, self.detail))
 
 
 class EngineOverloadedError(RuntimeError):
@@ -47,6 +54,11 @@ class RequestFailedError(RuntimeError):
 class NonFiniteOutputError(RuntimeError):
     """A request's latents or decoded pixels hold NaN/inf (e.g. fp16 overflow); the request
     fails (HTTP 500 ``server_error``) instead of returning a black image."""
+
+
+class EngineSleepingError(RuntimeError):
+    """The engine is asleep (or going to sleep) and admits no requests until `wake_up`
+    (HTTP 503 with ``Retry-After``)."""
 
 
 class EngineDeadError(RuntimeError):

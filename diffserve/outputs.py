@@ -16,6 +16,15 @@ class RequestMetrics:
     on other batches). ``peak_memory_bytes`` is the CUDA allocator peak on GPU, and the
     process peak RSS on CPU, read when the request ends (a process-wide peak, not this
     request's share).
+
+    ``request_peak_memory_bytes`` is the request's own peak: the most memory any of its
+    denoising steps used above the resident model (CUDA: allocator peak during the step minus
+    the weights on the device; CPU: process RSS high-water mark during the step minus the RSS
+    of the idle loaded engine, page-granular, including what other threads allocated
+    meanwhile); None where it cannot be measured. Rows of other requests in the same step
+    count too: they share the forward. ``offload_loads`` counts the components moved onto the
+    device for the work items this request took part in (model CPU offload; one move can
+    serve many requests).
     """
 
     arrival_time: float = 0.0
@@ -27,6 +36,8 @@ class RequestMetrics:
     num_steps: int = 0
     batch_sizes: dict[int, int] = field(default_factory=dict)
     peak_memory_bytes: int = 0
+    request_peak_memory_bytes: int | None = None
+    offload_loads: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-serialisable) of the metrics."""
@@ -39,6 +50,8 @@ class RequestMetrics:
             "num_steps": self.num_steps,
             "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
             "peak_memory_bytes": self.peak_memory_bytes,
+            "request_peak_memory_bytes": self.request_peak_memory_bytes,
+            "offload_loads": self.offload_loads,
         }
 
 

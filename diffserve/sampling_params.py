@@ -38,6 +38,10 @@ class ModelSpec:
             guidance); None = not used by this model.
         default_true_cfg_scale: ``true_cfg_scale`` default (Flux / Qwen-Image true CFG with a
             negative prompt); None = not used.
+        default_guidance_scale_2: ``guidance_scale_2`` default (the CFG weight of the
+            low-noise expert of two-expert models, Wan 2.2); None = not used. A request that
+            sets ``guidance_scale`` but not ``guidance_scale_2`` gets its ``guidance_scale`` for
+            both experts, as diffusers' ``WanPipeline`` does.
         default_max_sequence_length / max_sequence_length_limit: text-encoder token budget
             (T5 / Qwen / UMT5) and its largest allowed value; None = not used.
         text_conditioned: whether an empty prompt is meaningless (rejected).
@@ -58,6 +62,7 @@ class ModelSpec:
     default_num_inference_steps: int
     default_guidance_scale: float | None
     default_true_cfg_scale: float | None = None
+    default_guidance_scale_2: float | None = None
     default_max_sequence_length: int | None = None
     max_sequence_length_limit: int | None = None
     text_conditioned: bool = True
@@ -103,10 +108,15 @@ class SamplingParams:
             / SD3 / Wan, the embedded guidance input for guidance-distilled Flux-dev.
         true_cfg_scale: true-CFG weight with a real negative branch (Flux, Qwen-Image; on when
             > 1 and a negative prompt is given, as in diffusers), in [0, 100].
+        guidance_scale_2: CFG weight of the low-noise expert of two-expert models (Wan 2.2:
+            steps with timestep below the boundary), in [0, 100]; default: this request's
+            ``guidance_scale`` when it sets one, else the model's default. Whether CFG runs at
+            all follows ``guidance_scale`` (diffusers' rule).
         max_sequence_length: token budget of the long text encoder (T5 / Qwen / UMT5).
         num_frames / fps: video length in frames and playback rate (video models only).
         strength: image-to-image strength in (0, 1]: the fraction of the schedule run on the
-            noised input image (models with image inputs only).
+            noised input image (requests with an input image only; None = the model's
+            default, e.g. diffusers' 0.6 for SD3 img2img).
         seed: integer in [0, 2**63-1]. The same seed gives byte-identical output on the same
             machine and thread count; None draws a random seed that is reported in the output.
         output_type: ``"pil"`` (list of PIL images), ``"np"`` (float32 array
@@ -121,6 +131,7 @@ class SamplingParams:
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
     true_cfg_scale: float | None = None
+    guidance_scale_2: float | None = None
     max_sequence_length: int | None = None
     seed: int | None = None
     output_type: str = "pil"
@@ -143,7 +154,7 @@ class SamplingParams:
         for name in ("num_images_per_prompt", "height", "width", "num_inference_steps", "seed",
                      "max_sequence_length", "num_frames", "fps"):
             setattr(p, name, _as_int(getattr(p, name)))  # numpy / torch integer scalars welcome
-        for name in ("guidance_scale", "true_cfg_scale", "strength"):
+        for name in ("guidance_scale", "true_cfg_scale", "guidance_scale_2", "strength"):
             value = getattr(p, name)
             if isinstance(value, numbers.Real) and not isinstance(value, bool):
                 setattr(p, name, float(value))
@@ -155,8 +166,13 @@ class SamplingParams:
             p.num_inference_steps = min(spec.default_num_inference_steps, limits.max_num_inference_steps)
         if p.seed is None:
             p.seed = default_seed if default_seed is not None else secrets.randbelow(2**31)
+        if p.guidance_scale_2 is None and p.guidance_scale is not None \
+                and spec.default_guidance_scale_2 is not None:
+            p.guidance_scale_2 = p.guidance_scale  # diffusers: guidance_scale_2 follows guidance_scale
         p.guidance_scale = _default_or_refuse(spec, "guidance_scale", p.guidance_scale,
                                               spec.default_guidance_scale, "no guidance scale")
+        p.guidance_scale_2 = _default_or_refuse(spec, "guidance_scale_2", p.guidance_scale_2,
+                                                spec.default_guidance_scale_2, "no second (low-noise) expert")
         p.true_cfg_scale = _default_or_refuse(spec, "true_cfg_scale", p.true_cfg_scale,
                                               spec.default_true_cfg_scale, "no true CFG")
         p.max_sequence_length = _default_or_refuse(
@@ -165,8 +181,8 @@ class SamplingParams:
         p.num_frames = _default_or_refuse(spec, "num_frames", p.num_frames, spec.default_num_frames,
                                           "an image model (no frames)")
         p.fps = _default_or_refuse(spec, "fps", p.fps, spec.default_fps, "an image model (no fps)")
-        p.strength = _default_or_refuse(spec, "strength", p.strength, spec.default_strength,
-                                        "no image inputs (no strength)")
+        if p.strength is not None:  # left None when absent: only image inputs use a default
+            _default_or_refuse(spec, "strength", p.strength, spec.default_strength, "no image inputs (no strength)")
 
         _check_int("num_inference_steps", p.num_inference_steps, 1, limits.max_num_inference_steps)
         _check_int("num_images_per_prompt", p.num_images_per_prompt, 1, limits.max_num_images_per_prompt)
@@ -185,7 +201,7 @@ class SamplingParams:
                 f"{p.width}x{p.height}",
                 f"at most {limits.max_pixels} pixels (width x height)",
             )
-        for name in ("guidance_scale", "true_cfg_scale"):
+        for name in ("guidance_scale", "true_cfg_scale", "guidance_scale_2"):
             g = getattr(p, name)
             if g is None:
                 continue
@@ -227,25 +243,45 @@ def _default_or_refuse(spec: ModelSpec, field: str, value, default, what: str):
     return value
 
 
-def validate_prompt(prompt: object, spec: ModelSpec) -> str:
+def validate_prompt(prompt: object, spec: ModelSpec | None = None) -> str:
     """Check a prompt and return it.
 
+    Args:
+        prompt: the prompt.
+        spec: the model's spec; None (no model loaded yet) checks it as for a text-conditioned
+            model.
+
     Raises:
-        InvalidRequestError: not a string, or empty/whitespace for a text-conditioned model.
+        InvalidRequestError: not a string, not valid Unicode, containing NUL or another control
+            character (tab, newline and carriage return are allowed), or empty/whitespace for a
+            text-conditioned model.
     """
     _check_text("prompt", prompt, "a string")
-    if spec.text_conditioned and not prompt.strip():
+    if (spec is None or spec.text_conditioned) and not prompt.strip():
         raise InvalidRequestError("prompt", prompt, "a non-empty, non-whitespace string")
     return prompt
 
 
+#: Control characters allowed in prompts: ordinary whitespace.
+_ALLOWED_CONTROL_CHARS = frozenset("\t\n\r")
+
+
 def _check_text(field: str, value: object, allowed: str) -> None:
+    """Raise `InvalidRequestError` naming `field` unless `value` is a str of valid Unicode text
+    without NUL or other control characters (Unicode category Cc: U+0000-U+001F, U+007F-U+009F)
+    besides tab, newline and carriage return."""
     if not isinstance(value, str):
         raise InvalidRequestError(field, value, allowed)
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidRequestError(field, value, "valid Unicode text (no lone surrogates)") from None
+    for index, char in enumerate(value):
+        code = ord(char)
+        if (code < 0x20 or 0x7F <= code <= 0x9F) and char not in _ALLOWED_CONTROL_CHARS:
+            raise InvalidRequestError(field, value, "text without NUL or control characters (tab, newline "
+                                      "and carriage return are allowed)",
+                                      detail=f"U+{code:04X} at character {index}")
 
 
 def _as_int(value: object) -> object:

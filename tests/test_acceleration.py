@@ -254,10 +254,10 @@ def test_cli_generate_with_each_backend(tiny_sd3_dir, tmp_path, name, capsys):
 
 @pytest.mark.parametrize("flags,fragment", [
     (["--cache-backend", "fastest"], "invalid choice"),
-    (["--cache-backend", "teacache", "--cache-config", "{bad json"], "cache_config"),
-    (["--cache-backend", "teacache", "--cache-config", '{"threshold": 1}'], "cache_config"),
+    (["--cache-backend", "teacache", "--cache-config", "{bad json"], "argument --cache-config: invalid value"),
+    (["--cache-backend", "teacache", "--cache-config", '{"threshold": 1}'], "argument --cache-config: invalid"),
     (["--compile", "--enforce-eager"], "not allowed with"),
-    (["--prompt-embed-cache-size", "-1"], "prompt_embed_cache_size"),
+    (["--prompt-embed-cache-size", "-1"], "argument --prompt-embed-cache-size: invalid value -1"),
 ])
 def test_cli_rejects_bad_acceleration_flags(tiny_sd3_dir, tmp_path, flags, fragment, capsys):
     try:

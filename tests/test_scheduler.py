@@ -76,6 +76,19 @@ def test_scheduler_batches_oldest_key_and_admits_fifo():
     assert [r.request_id for r in s.select_batch()] == ["1"]  # "b" is now the oldest running
 
 
+def test_scheduler_batches_by_step_key_too():
+    """A request's step key (e.g. Wan 2.2's expert) changes while it runs; only requests of
+    the oldest's (batch key, step key) share a step."""
+    s = RequestScheduler(max_batch_size=8, max_waiting=10)
+    for i in range(3):
+        s.add(_req(i))
+    r0, r1, r2 = _admit(s)
+    r1.step_key = 1
+    assert s.select_batch() == [r0, r2]
+    r0.step_key = 1  # the oldest crossed to the other expert
+    assert s.select_batch() == [r0, r1]
+
+
 def test_scheduler_queue_bound():
     s = RequestScheduler(max_batch_size=2, max_waiting=2)
     s.add(_req(0))
@@ -163,6 +176,11 @@ def test_failure_is_isolated_to_its_request(engine, monkeypatch, stage):
         return original(state_or_batch, *args)
 
     monkeypatch.setattr(adapter, stage, flaky)
+    if stage == "decode":  # route the batched decode through the per-request one being tested
+        from diffserve.pipelines.base import PipelineAdapter
+
+        monkeypatch.setattr(adapter, "decode_many", lambda states, latents: PipelineAdapter.decode_many(
+            adapter, states, latents))
     solo = [engine.generate(p, _p(s))[0].images for p, s in (("ok one", 1), ("ok two", 2))]
     for _ in range(3):  # repeated failures leave nothing behind
         outs = engine.generate(["ok one", "FAIL me", "ok two"], [_p(1), _p(3), _p(2)])
@@ -173,6 +191,25 @@ def test_failure_is_isolated_to_its_request(engine, monkeypatch, stage):
     gc.collect()
     assert seen and all(ref() is None or ref().latents is None for ref in seen)
     assert not engine.has_unfinished_requests() and not engine.scheduler.running
+
+
+def test_batched_decode_failure_decodes_requests_alone(engine, monkeypatch):
+    adapter = engine.runner.adapter
+    original = adapter._vae_decode
+    calls = []
+
+    def fragile(latents):
+        calls.append(latents.shape[0])
+        if latents.shape[0] > 1:
+            raise RuntimeError("injected batched VAE failure")
+        return original(latents)
+
+    solo = [engine.generate(p, _p(s))[0].images for p, s in (("one", 1), ("two", 2))]
+    monkeypatch.setattr(adapter, "_vae_decode", fragile)
+    outs = engine.generate(["one", "two"], [_p(1), _p(2)])
+    assert all(o.ok for o in outs) and 2 in calls and calls.count(1) >= 2
+    for out, ref in zip(outs, solo):
+        assert np.abs(out.images - ref).max() <= TOL
 
 
 def test_batched_forward_failure_retries_requests_alone(engine, monkeypatch):

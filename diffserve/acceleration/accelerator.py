@@ -6,6 +6,7 @@ The model runner builds one after loading the adapter and routes three calls thr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -51,14 +52,17 @@ class Accelerator:
             ``prompt_embed_cache`` is set, cache hooks and compiled blocks are installed).
         config: ``prompt_embed_cache_size`` / ``_bytes``, ``cache_backend``, ``cache_config``,
             ``compile``, ``compile_vae`` and ``max_batch_size`` (warm-up sizes) are read.
+        stage: ``stage(name)`` context that puts a work stage's components on the device
+            (`OffloadManager.stage`) around each warm-up call; None = all are resident.
 
     Raises:
         InvalidRequestError: a bad cache backend / options, or a backend or compile the model
             family does not support (the one-line message names both).
     """
 
-    def __init__(self, adapter: "PipelineAdapter", config: "EngineConfig"):
+    def __init__(self, adapter: "PipelineAdapter", config: "EngineConfig", stage=None):
         self.adapter = adapter
+        self._stage = stage or (lambda name, **kw: contextlib.nullcontext(0))
         model_path = config.model_path
         self.prompt_cache: PromptEmbedCache | None = None
         if config.prompt_embed_cache_size > 0:
@@ -67,6 +71,15 @@ class Accelerator:
                 max_bytes=config.prompt_embed_cache_bytes)
         adapter.prompt_embed_cache = self.prompt_cache
         self.backend = build_cache_backend(adapter, config.cache_backend, config.cache_config)
+        self.graphs = None
+        if config.cuda_graphs:
+            from diffserve.errors import InvalidRequestError
+
+            if config.torch_device.type != "cuda":
+                raise InvalidRequestError("cuda_graphs", True, "false: CUDA graphs need a CUDA device")
+            if config.cache_backend != "none":
+                raise InvalidRequestError("cuda_graphs", True, f"false with cache_backend={config.cache_backend} "
+                                          "(its per-request decisions run between the blocks)")
         self.compiler: RegionalCompiler | None = None
         if config.compile:
             from diffserve.errors import InvalidRequestError
@@ -81,6 +94,10 @@ class Accelerator:
             self.compiler = RegionalCompiler(adapter.denoiser, blocks, decoder)
             self.compiler.apply()
             self.compiler.warm_up(self._warmup_calls(config, decode=decoder is not None))
+        if config.cuda_graphs:  # after compile: the compiled kernels are what gets captured
+            from diffserve.acceleration.cuda_graphs import CudaGraphDenoiser
+
+            self.graphs = CudaGraphDenoiser(adapter.call_denoiser, config.max_batch_size)
 
     @property
     def shares_forward(self) -> bool:
@@ -92,37 +109,49 @@ class Accelerator:
         self.backend.reset(state)
 
     def denoise(self, batch: "StepBatch") -> torch.Tensor:
-        """The denoiser forward of a step batch through the cache backend."""
+        """The denoiser forward of a step batch through the cache backend (or CUDA graphs)."""
+        if self.graphs is not None:
+            out = self.adapter.denoise(batch, call=self.graphs)
+            self.backend.transformer_calls += len(batch.states)
+            return out
         return self.backend.denoise(self.adapter, batch)
 
     def _warmup_calls(self, config: "EngineConfig", decode: bool) -> list:
         """Denoiser forwards at 1, 2 and ``max_batch_size`` rows where the family's requests
         can form them (the default request, and a guidance-free one, repeated; default
-        resolution) and one decode, so compiled graphs exist before the first request."""
-        from diffserve.pipelines.base import RequestState
+        resolution; a gray input image for models that take images) and one decode, so
+        compiled graphs exist before the first request."""
+        from PIL import Image
+
+        from diffserve.pipelines.base import RequestInputs, RequestState
         from diffserve.sampling_params import SamplingParams
 
         adapter = self.adapter
-        variants = [SamplingParams(seed=0, num_inference_steps=1, output_type="np")]
-        if adapter.spec.default_guidance_scale is not None:
-            variants.append(SamplingParams(seed=0, num_inference_steps=1, output_type="np", guidance_scale=1.0))
+        spec = adapter.spec
+        inputs = None
+        if spec.accepts_images:
+            inputs = RequestInputs(images=[Image.new("RGB", (spec.default_width, spec.default_height), (128,) * 3)])
+        # 2 steps: a 1-step schedule is invalid for some schedulers (Qwen-Image's shift_terminal)
+        variants = [SamplingParams(seed=0, num_inference_steps=2, output_type="np")]
+        if spec.default_guidance_scale is not None:
+            variants.append(SamplingParams(seed=0, num_inference_steps=2, output_type="np", guidance_scale=1.0))
         states = []
         adapter.prompt_embed_cache = None  # warm-up prompts are not traffic
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._stage("encode"):
                 for params in variants:
-                    state = RequestState("warm-up", "warm-up", params.resolve(adapter.spec, config.limits, 0))
+                    state = RequestState("warm-up", "warm-up", params.resolve(spec, config.limits, 0), inputs=inputs)
                     adapter.prepare(state)
                     states.append(state)
         finally:
             adapter.prompt_embed_cache = self.prompt_cache
 
         def forward(state, copies: int):
-            with torch.inference_mode():
+            with torch.inference_mode(), self._stage("denoise"):
                 adapter.denoise(adapter.collate([state] * copies))
 
         def decode_once():
-            with torch.inference_mode():
+            with torch.inference_mode(), self._stage("decode"):
                 adapter.decode(states[0])
 
         plans = {}
@@ -146,4 +175,5 @@ class Accelerator:
             "cache_backend": self.backend.stats(),
             "compile": self.compiler.stats() if self.compiler is not None else {"enabled": False},
             "context_folding": {"enabled": bool(getattr(self.adapter, "context_folding", False))},
+            "cuda_graphs": self.graphs.stats() if self.graphs is not None else {"enabled": False},
         }

@@ -57,7 +57,9 @@ class CacheDiTConfig:
 
     Attributes:
         Fn_compute_blocks: leading blocks always computed (>= 1); None = min(8, blocks - 1 -
-            Bn_compute_blocks). Fn + Bn must be below the number of blocks.
+            Bn_compute_blocks). Fn + Bn must be below the number of blocks (of each block list,
+            for models whose blocks are cached as several lists, e.g. Flux's double and single
+            blocks).
         Bn_compute_blocks: trailing blocks always computed (>= 0).
         residual_diff_threshold: reuse the cache while the Fn residual's relative L1 change
             is below this (>= 0; 0 never reuses).
@@ -142,16 +144,17 @@ class CacheDiTBackend(CacheBackend):
                 "cache_backend", "cache_dit",
                 f"a backend {adapter.pipeline_class_name} supports (cache_dit has no block pattern for it)")
         block_lists = [getattr(model, name) for name in support.blocks]
-        blocks = block_lists[0] if len(block_lists) == 1 else torch.nn.ModuleList(
-            [b for lst in block_lists for b in lst])
+        # cache-dit applies Fn / Bn to each block list (one context each): every list needs
+        # blocks left to cache
+        num_blocks = min(len(blocks) for blocks in block_lists)
         fn = config.Fn_compute_blocks
         if fn is None:
-            fn = max(1, min(DEFAULT_FN_COMPUTE_BLOCKS, len(blocks) - 1 - config.Bn_compute_blocks))
-        if fn + config.Bn_compute_blocks >= len(blocks):
+            fn = max(1, min(DEFAULT_FN_COMPUTE_BLOCKS, num_blocks - 1 - config.Bn_compute_blocks))
+        if fn + config.Bn_compute_blocks >= num_blocks:
             raise InvalidRequestError(
                 "cache_config.Fn_compute_blocks", fn,
-                f"such that Fn + Bn_compute_blocks ({config.Bn_compute_blocks}) < {len(blocks)} "
-                "(the model's transformer blocks), so some blocks can be cached")
+                f"such that Fn + Bn_compute_blocks ({config.Bn_compute_blocks}) < {num_blocks} "
+                "(the model's transformer blocks per cached block list), so some blocks can be cached")
         self.config = config
         self.Fn_compute_blocks = fn
         cache_config = cache_dit.DBCacheConfig(

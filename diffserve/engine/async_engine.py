@@ -64,7 +64,11 @@ class AsyncDiffusionEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """The loop thread was started, is alive and has not died of an error, and the
+        executor's workers are alive."""
+        if self.error is None and self.engine.executor.dead is not None:
+            self.error = self.engine.executor.dead
+        return self.error is None and self._thread is not None and self._thread.is_alive()
 
     def _loop(self) -> None:
         try:
@@ -87,7 +91,6 @@ class AsyncDiffusionEngine:
                 self.engine.fail_unfinished(f"the engine loop died ({self.error})")
             except BaseException:  # noqa: BLE001
                 logger.exception("failing unfinished requests after the loop died")
-            raise
 
     # -------------------------------------------------------------------- public API
     async def generate(
@@ -148,6 +151,21 @@ class AsyncDiffusionEngine:
         aborted = self.engine.abort(request_id)
         self._wake.set()
         return aborted
+
+    # ------------------------------------------------------------------ sleep mode
+    @property
+    def is_sleeping(self) -> bool:
+        """See `DiffusionEngine.is_sleeping`."""
+        return self.engine.is_sleeping
+
+    def sleep(self, level: int = 1) -> None:
+        """`DiffusionEngine.sleep` (blocking: call it from a worker thread in async code)."""
+        self._wake.set()
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """`DiffusionEngine.wake_up` (blocking)."""
+        self.engine.wake_up()
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop admitting, let in-flight requests finish for up to `timeout_s` seconds, abort

@@ -8,6 +8,10 @@ the other requests' steps.
 
 The engine holds plain data only (`Request`); tensors live in the executor's workers.
 
+Memory: with ``EngineConfig.max_memory`` the request scheduler also admits by estimated
+memory (`diffserve.engine.memory_budget`); `sleep` / `wake_up` give the device's memory back
+between bursts (`diffserve.runner.sleep`, vLLM's levels 1 and 2).
+
 Threads: any number of threads may call `generate`, `add_request`, `abort` and `step` on one
 engine. One thread steps at a time; each request's events go to its owner (the `generate` call
 or async consumer that added it, via `Request.listener`) whichever thread stepped, and the
@@ -28,6 +32,7 @@ from typing import Any
 from diffserve.config import EngineConfig
 from diffserve.engine.request import Phase, Request
 from diffserve.engine.scheduler import RequestScheduler
+from diffserve.engine.sleep_mode import SleepMode
 from diffserve.errors import InvalidRequestError
 from diffserve.executor import Executor, InProcessExecutor, build_executor
 from diffserve.executor.messages import Decoded, NewRequest, Prepared, WorkError
@@ -41,7 +46,7 @@ logger = logging.getLogger(__name__)
 _WAIT_S = 0.05
 
 
-class DiffusionEngine:
+class DiffusionEngine(SleepMode):
     """Synchronous diffusion serving engine (offline API).
 
     Args:
@@ -61,9 +66,17 @@ class DiffusionEngine:
             executor = InProcessExecutor(self.config, runner) if runner is not None else build_executor(self.config)
         self.executor = executor
         self.model_info = executor.info()
+        #: memory-aware admission (None without ``max_memory``)
+        self.memory_budget = None
+        if self.config.max_memory is not None:
+            from diffserve.engine.memory_budget import MemoryBudget
+
+            self.memory_budget = MemoryBudget.from_config(self.config.max_memory, executor.memory_profile())
         self.scheduler = RequestScheduler(
-            self.config.max_batch_size, self.config.max_waiting_requests, self.config.execution_mode
+            self.config.max_batch_size, self.config.max_waiting_requests, self.config.execution_mode,
+            memory_limit=self.memory_budget.available if self.memory_budget is not None else None,
         )
+        self._init_sleep_mode()
         self._lock = threading.RLock()
         self._mail = threading.Condition(self._lock)
         self._step_lock = threading.Lock()
@@ -112,9 +125,12 @@ class DiffusionEngine:
                 of `step()` returning them.
 
         Raises:
-            InvalidRequestError: a field is invalid (named in the message).
+            InvalidRequestError: a field is invalid (named in the message), or the request
+                alone exceeds ``max_memory``.
             EngineOverloadedError: the waiting queue is full.
+            EngineSleepingError: the engine is asleep or going to sleep.
         """
+        self._check_awake()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params", params, "a SamplingParams")
@@ -123,6 +139,7 @@ class DiffusionEngine:
         inputs = make_inputs(inputs) if inputs is not None else None
         resolved = params.resolve(spec, self.config.limits, self.config.default_seed)
         plan = self.executor.plan(resolved, inputs)
+        memory_bytes = self.memory_budget.check(resolved, plan.rows) if self.memory_budget is not None else 0
         request = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt=prompt,
@@ -134,9 +151,11 @@ class DiffusionEngine:
             arrival_time=time.perf_counter(),
             preview_steps=frozenset(int(s) for s in preview_steps),
             listener=listener,
+            memory_bytes=memory_bytes,
         )
         request.metrics.arrival_time = time.time()
         with self._lock:
+            self._check_awake()
             if request.request_id in self._requests:
                 raise InvalidRequestError("request_id", request.request_id, "unique among live requests")
             self.scheduler.add(request)
@@ -184,6 +203,16 @@ class DiffusionEngine:
             events, self._pending = self._pending, []
             return events
 
+    def queue_position(self, request_id: str) -> int | None:
+        """The 1-based place of a waiting request in the waiting queue (1 = admitted next;
+        admission is first-come-first-served), or None when it is not waiting (running,
+        finished or unknown). Thread-safe."""
+        with self._lock:
+            for position, request in enumerate(self.scheduler.waiting, start=1):
+                if request.request_id == request_id:
+                    return position
+        return None
+
     @property
     def num_waiting(self) -> int:
         """Requests in the waiting queue."""
@@ -195,8 +224,13 @@ class DiffusionEngine:
         return self.scheduler.running_rows
 
     def stats(self) -> dict[str, Any]:
-        """Executor counters (acceleration, non-finite outputs, workers alive)."""
-        return self.executor.stats()
+        """Executor counters (acceleration, non-finite outputs, workers alive, offload), plus
+        ``memory_budget`` (`MemoryBudget.stats`) with ``max_memory`` and ``sleep_level``."""
+        stats = dict(self.executor.stats())
+        if self.memory_budget is not None:
+            stats["memory_budget"] = self.memory_budget.stats(self.scheduler.running_memory)
+        stats["sleep_level"] = self._sleep_level
+        return stats
 
     # ----------------------------------------------------------------------- one step
     def step(self) -> list[StreamEvent]:
@@ -286,6 +320,7 @@ class DiffusionEngine:
                     self.executor.free([result.request_id])
                     continue
                 request.metrics.encode_s = result.seconds
+                request.metrics.offload_loads += result.offload_loads
                 request.prompt_truncated = result.prompt_truncated
                 request.negative_prompt_truncated = result.negative_prompt_truncated
                 if result.error is not None:
@@ -293,6 +328,7 @@ class DiffusionEngine:
                     self._close(request, RequestStatus.FAILED, error=result.error)
                     continue
                 request.num_steps = result.num_steps
+                request.step_key = result.step_key
                 request.phase = Phase.DENOISING
                 if request.abort_requested:
                     self._apply_aborts()
@@ -303,6 +339,7 @@ class DiffusionEngine:
                 request = self._requests.get(result.request_id)
                 if request is None:
                     continue
+                request.metrics.offload_loads += result.offload_loads
                 if result.preview:
                     if result.error is None and not request.abort_requested:
                         self._emit([StreamEvent(request.request_id, EventType.PARTIAL, step=result.step,
@@ -336,9 +373,14 @@ class DiffusionEngine:
                     continue
                 m = request.metrics
                 m.num_steps += 1
+                m.offload_loads += out.offload_loads
+                if out.peak_memory_bytes is not None:
+                    m.request_peak_memory_bytes = max(m.request_peak_memory_bytes or 0, out.peak_memory_bytes)
                 m.batch_sizes[out.num_rows] = m.batch_sizes.get(out.num_rows, 0) + 1
                 m.denoise_s = end - request.first_step_time
                 request.steps_done = out.steps_done.get(request.request_id, request.steps_done + 1)
+                request.num_steps = out.num_steps.get(request.request_id, request.num_steps)
+                request.step_key = out.step_keys.get(request.request_id, request.step_key)
                 self._emit([StreamEvent(request.request_id, EventType.PROGRESS,
                                         step=request.steps_done, total=request.num_steps)])
                 if request.steps_done >= request.num_steps:
@@ -418,15 +460,20 @@ class DiffusionEngine:
             params: one `SamplingParams` for all, or one per prompt.
             on_event: called with every event of these requests (e.g. for a progress bar), on
                 the calling thread.
-            inputs: input images / mask (`RequestInputs`) for all prompts, or one per prompt.
+            inputs: input images for all prompts (one image, or a `RequestInputs` made with
+                `diffserve.inputs.make_inputs` for several images / a mask), or a list or tuple
+                with one such entry (or None) per prompt.
 
         Returns:
             One `GenerationOutput` per prompt, in order; a request that failed has
             ``status == "failed"`` and its `error` set (the others are unaffected).
 
         Raises:
-            InvalidRequestError: any prompt or params invalid (nothing is queued then).
+            InvalidRequestError: any prompt or params invalid, or a request alone exceeds
+                ``max_memory`` (nothing is queued then).
+            EngineSleepingError: the engine is asleep or going to sleep.
         """
+        self._check_awake()
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, Sequence) or not prompts:
@@ -450,7 +497,10 @@ class DiffusionEngine:
         inputs_list = [make_inputs(x) if x is not None else None for x in inputs_list]
         for prompt, p, x in zip(prompts, params_list, inputs_list):  # validate before queueing
             validate_prompt(prompt, spec)
-            self.executor.plan(p.resolve(spec, self.config.limits, 0), x)
+            resolved = p.resolve(spec, self.config.limits, 0)
+            plan = self.executor.plan(resolved, x)
+            if self.memory_budget is not None:
+                self.memory_budget.check(resolved, plan.rows)
         mailbox: list[StreamEvent] = []
 
         def deliver(event: StreamEvent) -> None:
@@ -477,23 +527,28 @@ class DiffusionEngine:
                         outputs[event.request_id] = event.output
                 if len(outputs) == len(ids):
                     break
-                if self._step_lock.acquire(blocking=False):
-                    try:
-                        self._step_locked()
-                    finally:
-                        self._step_lock.release()
-                    with self._lock:
-                        self._mail.notify_all()
-                else:
-                    with self._lock:
-                        if not mailbox:
-                            self._mail.wait(timeout=_WAIT_S)
+                self._step_or_wait(lambda: not mailbox)
         except BaseException:
             for request_id in ids:
                 if request_id not in outputs:
                     self.abort(request_id)
             raise
         return [outputs[i] for i in ids]
+
+    def _step_or_wait(self, nothing_new: Callable[[], bool]) -> None:
+        """Step if no other thread is stepping; else wait (briefly) for the stepping thread's
+        events while `nothing_new()` holds (called with the lock held)."""
+        if self._step_lock.acquire(blocking=False):
+            try:
+                self._step_locked()
+            finally:
+                self._step_lock.release()
+            with self._lock:
+                self._mail.notify_all()
+        else:
+            with self._lock:
+                if nothing_new():
+                    self._mail.wait(timeout=_WAIT_S)
 
     def shutdown(self) -> None:
         """Stop the executor's background work."""

@@ -30,10 +30,14 @@ class Request:
         params: resolved (validated, defaults filled) sampling params.
         inputs: input images / mask (`diffserve.pipelines.base.RequestInputs`) or None.
         batch_key: the adapter's key; requests with equal keys can share a denoising step.
+        step_key: the part of the key that changes while the request runs (e.g. Wan 2.2's
+            expert), as the worker last reported it; batches also share it.
         rows: denoiser rows per step (images x guidance branches).
         seq: arrival sequence number (the request scheduler's age order).
         num_steps / steps_done: planned and completed denoising steps (known once prepared).
         preview_steps: steps after which a decoded preview is streamed (partial events).
+        memory_bytes: estimated bytes the request needs while running (memory-aware
+            admission, `diffserve.engine.memory_budget`; 0 without a memory budget).
         listener: called with each of the request's events on the stepping thread (instead of
             returning them from `DiffusionEngine.step`); how `generate` and the async engine
             receive their events whichever thread steps.
@@ -57,4 +61,6 @@ class Request:
     first_step_time: float | None = None
     preview_steps: frozenset[int] = frozenset()
     listener: Callable[[StreamEvent], None] | None = None
+    memory_bytes: int = 0
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    step_key: Hashable = None

@@ -9,7 +9,9 @@ Fairness rule (step mode):
   while the running rows stay within `max_batch_size` (a request bigger than that runs alone
   when nothing else is running). Nobody is overtaken at admission, so no one starves there.
 - Each step runs the batch key of the OLDEST running request, with every other running
-  request of that key (oldest first, up to `max_batch_size` rows). The oldest request
+  request of that key (oldest first, up to `max_batch_size` rows). The key is the request's
+  static `batch_key` plus its current `step_key` (the part that changes while it runs, e.g.
+  Wan 2.2's expert). The oldest request
   advances every step until it finishes, so every request eventually becomes the oldest and
   runs: no starvation, and an incompatible request never stalls compatible ones for longer
   than its own remaining steps.
@@ -17,6 +19,11 @@ Fairness rule (step mode):
 Request mode (static batching, the baseline): when nothing runs, the head of the queue and
 every waiting request sharing its batch key (up to `max_batch_size` rows) are admitted
 together and run to completion before anything else is admitted.
+
+Memory (with a `memory_limit`, see `diffserve.engine.memory_budget`): in both modes a request
+is admitted only while the estimated bytes (`Request.memory_bytes`) of the running requests
+(decoding ones included) plus its own stay within the limit; like rows, a request that does
+not fit waits at the head of the queue.
 """
 
 from __future__ import annotations
@@ -34,12 +41,16 @@ class RequestScheduler:
         max_batch_size: most transformer rows per step (and admitted at once).
         max_waiting: bound on the waiting queue.
         mode: ``"step"`` or ``"request"``.
+        memory_limit: bytes the running requests' estimates may add up to (None = no memory
+            budget).
     """
 
-    def __init__(self, max_batch_size: int, max_waiting: int, mode: str = "step"):
+    def __init__(self, max_batch_size: int, max_waiting: int, mode: str = "step",
+                 memory_limit: int | None = None):
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
         self.mode = mode
+        self.memory_limit = memory_limit
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -47,6 +58,14 @@ class RequestScheduler:
     def running_rows(self) -> int:
         """Denoiser rows held by admitted requests that are preparing or denoising."""
         return sum(r.rows for r in self.running if r.phase is not Phase.DECODING)
+
+    @property
+    def running_memory(self) -> int:
+        """Estimated bytes of every admitted request (`Request.memory_bytes`)."""
+        return sum(r.memory_bytes for r in self.running)
+
+    def _fits_memory(self, used: int, request: Request) -> bool:
+        return self.memory_limit is None or used + request.memory_bytes <= self.memory_limit
 
     def add(self, request: Request) -> None:
         """Queue a request.
@@ -76,34 +95,38 @@ class RequestScheduler:
                 return admitted
             head = self.waiting.popleft()
             admitted.append(head)
-            rows = head.rows
+            rows, memory = head.rows, head.memory_bytes
             for request in list(self.waiting):
-                if request.batch_key == head.batch_key and rows + request.rows <= self.max_batch_size:
+                if request.batch_key == head.batch_key and rows + request.rows <= self.max_batch_size \
+                        and self._fits_memory(memory, request):
                     self.waiting.remove(request)
                     admitted.append(request)
                     rows += request.rows
+                    memory += request.memory_bytes
         else:
-            rows = self.running_rows
+            rows, memory = self.running_rows, self.running_memory
             while self.waiting:
                 head = self.waiting[0]
-                if (self.running or admitted) and rows + head.rows > self.max_batch_size:
+                if (self.running or admitted) and (rows + head.rows > self.max_batch_size
+                                                   or not self._fits_memory(memory, head)):
                     break
                 admitted.append(self.waiting.popleft())
                 rows += head.rows
+                memory += head.memory_bytes
         self.running.extend(admitted)
         return admitted
 
     def select_batch(self) -> list[Request]:
-        """Requests for the next denoising step: the oldest denoising request's batch key,
-        oldest first, up to `max_batch_size` rows (the oldest always included)."""
+        """Requests for the next denoising step: the oldest denoising request's (batch key,
+        step key), oldest first, up to `max_batch_size` rows (the oldest always included)."""
         ordered = sorted((r for r in self.running if r.phase is Phase.DENOISING), key=lambda r: r.seq)
         if not ordered:
             return []
-        key = ordered[0].batch_key
+        key = (ordered[0].batch_key, ordered[0].step_key)
         batch: list[Request] = []
         rows = 0
         for request in ordered:
-            if request.batch_key != key:
+            if (request.batch_key, request.step_key) != key:
                 continue
             if batch and rows + request.rows > self.max_batch_size:
                 continue

@@ -9,5 +9,10 @@ __all__ = ["Executor", "InProcessExecutor", "build_executor"]
 
 
 def build_executor(config) -> Executor:
-    """The executor `config` asks for (today: in-process)."""
+    """The executor `config` asks for: in-process for one rank (unless ``executor=
+    "multiprocess"``), else one worker process per rank (`multiproc.MultiprocExecutor`)."""
+    if config.executor == "multiprocess" or (config.executor == "auto" and config.world_size > 1):
+        from diffserve.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config)
     return InProcessExecutor(config)

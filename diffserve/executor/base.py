@@ -6,7 +6,15 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from typing import Any
 
-from diffserve.executor.messages import Decoded, ModelInfo, NewRequest, Prepared, RequestPlan, StepOutput
+from diffserve.executor.messages import (
+    Decoded,
+    MemoryProfile,
+    ModelInfo,
+    NewRequest,
+    Prepared,
+    RequestPlan,
+    StepOutput,
+)
 from diffserve.sampling_params import SamplingParams
 
 
@@ -51,6 +59,31 @@ class Executor(ABC):
     @abstractmethod
     def peak_memory_bytes(self) -> int:
         """Device allocator peak (GPU) or process peak RSS (CPU), bytes."""
+
+    # ------------------------------------------------------------------ memory
+    def memory_profile(self) -> MemoryProfile | None:
+        """The model's memory profile for memory-aware admission, measured on first call while
+        nothing runs (`diffserve.runner.memory_profile`); None if the workers cannot budget
+        memory."""
+        return None
+
+    def sleep(self, level: int) -> None:
+        """Sleep mode, with no request in flight: level 1 moves the weights off the device,
+        level 2 discards them (`diffserve.runner.sleep`).
+
+        Raises:
+            InvalidRequestError: `level` is not 1 or 2.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
+
+    def wake_up(self) -> None:
+        """Restore the weights put to sleep (no-op while awake)."""
+        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
+
+    @property
+    def dead(self) -> str | None:
+        """Why the executor can no longer run work (a worker died), or None while healthy."""
+        return None
 
     def shutdown(self) -> None:
         """Stop background work (idempotent)."""

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from diffserve.executor.base import Executor
 from diffserve.executor.messages import Decoded, ModelInfo, NewRequest, Prepared, RequestPlan, StepOutput
-from diffserve.runner.model_runner import ModelRunner
+from diffserve.runner import build_runner
 from diffserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from diffserve.runner.model_runner import ModelRunner
 
 
 class InProcessExecutor(Executor):
@@ -27,11 +30,12 @@ class InProcessExecutor(Executor):
 
     Args:
         config: engine configuration (``overlap_stages`` picks the side thread).
-        runner: an existing runner to drive instead of loading ``config.model``.
+        runner: an existing runner (`ModelRunner` or `WholeRequestRunner`) to drive instead of
+            loading ``config.model``.
     """
 
-    def __init__(self, config, runner: ModelRunner | None = None):
-        self.runner = runner or ModelRunner(config)
+    def __init__(self, config, runner: "ModelRunner | None" = None):
+        self.runner = runner or build_runner(config)
         self.overlap = config.overlap_stages
         self._side: ThreadPoolExecutor | None = None
         self._plan_lock = threading.Lock()
@@ -73,9 +77,23 @@ class InProcessExecutor(Executor):
 
     def stats(self) -> dict[str, Any]:
         """``acceleration`` (`ModelRunner.acceleration_stats`), ``nonfinite_outputs`` (requests
-        failed for NaN/inf) and ``workers_alive`` (1)."""
-        return {"acceleration": self.runner.acceleration_stats(),
-                "nonfinite_outputs": self.runner.nonfinite_count, "workers_alive": 1}
+        failed for NaN/inf), ``workers_alive`` (1) and ``offload`` (`ModelRunner.offload_stats`,
+        when the runner has one)."""
+        stats = {"acceleration": self.runner.acceleration_stats(),
+                 "nonfinite_outputs": self.runner.nonfinite_count, "workers_alive": 1}
+        if hasattr(self.runner, "offload_stats"):
+            stats["offload"] = self.runner.offload_stats()
+        return stats
+
+    def memory_profile(self):
+        profile = getattr(self.runner, "memory_profile", None)
+        return profile() if profile is not None else None
+
+    def sleep(self, level: int) -> None:
+        self.runner.sleep(level)
+
+    def wake_up(self) -> None:
+        self.runner.wake_up()
 
     def peak_memory_bytes(self) -> int:
         return self.runner.peak_memory_bytes()

@@ -58,6 +58,9 @@ class Prepared:
         num_steps: denoising steps it will run (its timesteps).
         seconds: wall-clock seconds of the encode + latent preparation.
         error: set when preparing failed (the request is gone from the worker).
+        step_key: the adapter's step key for its first step (`PipelineAdapter.step_key`).
+        offload_loads: components moved onto the device for the work item that prepared it
+            (model CPU offload; one move serves every request of the item).
     """
 
     request_id: str
@@ -66,6 +69,8 @@ class Prepared:
     negative_prompt_truncated: bool = False
     seconds: float = 0.0
     error: WorkError | None = None
+    step_key: Any = None
+    offload_loads: int = 0
 
 
 @dataclass
@@ -77,13 +82,24 @@ class StepOutput:
             largest forward's when requests had to run alone.
         steps_done: request_id -> denoising steps done after this step (requests that stepped).
         errors: request_id -> failure (those requests are gone from the worker).
+        num_steps: request_id -> its total denoising steps, when the worker learned it only
+            while running (whole-request pipelines: img2img strength shortens the schedule).
         seconds: wall-clock seconds of the step.
+        step_keys: request_id -> the adapter's step key for its next step (requests that
+            stepped; `PipelineAdapter.step_key`).
+        peak_memory_bytes: memory the step used at its peak above the resident model (see
+            `ModelRunner.step`), bytes; None where it cannot be measured.
+        offload_loads: components moved onto the device for this step (model CPU offload).
     """
 
     num_rows: int = 0
     steps_done: dict[str, int] = field(default_factory=dict)
+    num_steps: dict[str, int] = field(default_factory=dict)
     errors: dict[str, WorkError] = field(default_factory=dict)
     seconds: float = 0.0
+    step_keys: dict[str, Any] = field(default_factory=dict)
+    peak_memory_bytes: int | None = None
+    offload_loads: int = 0
 
 
 @dataclass
@@ -95,6 +111,7 @@ class Decoded:
         step: denoising steps done when the latents were taken (previews).
         preview: True for a preview (the request keeps running).
         seconds: wall-clock seconds of the decode.
+        offload_loads: components moved onto the device for the decode work item.
     """
 
     request_id: str
@@ -103,6 +120,7 @@ class Decoded:
     preview: bool = False
     seconds: float = 0.0
     error: WorkError | None = None
+    offload_loads: int = 0
 
 
 @dataclass(frozen=True)
@@ -127,3 +145,45 @@ class ModelInfo:
     spec: ModelSpec
     pipeline: str
     step_batching: bool = True
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """The loaded model's memory needs, measured once (see `diffserve.runner.memory_profile`),
+    for memory-aware admission. All sizes in bytes; pixels = height x width x frames.
+
+    Attributes:
+        weight_bytes: most bytes of weights the offload policy holds on the device.
+        reserve_bytes: a denoiser forward's fixed part plus one prompt encode (paid once,
+            whatever runs).
+        row_bytes_base / row_bytes_per_pixel: bytes of one denoiser row (one image of one
+            guidance branch) = base + per_pixel x pixels, fitted to the measurements.
+        row_floor_base / row_floor_per_pixel: the same for the row's own denoiser inputs and
+            output (exact; a row never counts less).
+        decode_bytes_per_pixel: VAE decode peak per output pixel of one image.
+        frames: frames the measurement used (1 for image models).
+        points: the measured (height, width, bytes per row).
+        method: how peaks were measured.
+        device_available_bytes: what the device could give the engine when measured (CUDA:
+            free + reserved by torch; CPU: MemAvailable + the process's RSS), None if unknown.
+    """
+
+    weight_bytes: int
+    reserve_bytes: int
+    row_bytes_base: float
+    row_bytes_per_pixel: float
+    decode_bytes_per_pixel: float
+    row_floor_base: float = 0.0
+    row_floor_per_pixel: float = 0.0
+    frames: int = 1
+    points: tuple[tuple[int, int, int], ...] = ()
+    method: str = ""
+    device_available_bytes: int | None = None
+
+    def request_bytes(self, height: int, width: int, rows: int, images: int, frames: int | None = None) -> int:
+        """Estimated bytes a request needs while it runs: its denoiser rows' activations,
+        or its decode if larger (a request decodes after its last step)."""
+        pixels = height * width * (frames or self.frames)
+        per_row = max(self.row_bytes_base + self.row_bytes_per_pixel * pixels,
+                      self.row_floor_base + self.row_floor_per_pixel * pixels, 0.0)
+        return int(max(rows * per_row, images * self.decode_bytes_per_pixel * pixels))

@@ -23,6 +23,7 @@ request path and the step path share one implementation.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,12 +33,16 @@ import torch
 
 from diffserve.errors import InvalidRequestError, NonFiniteOutputError
 from diffserve.pipelines import diffusion_scheduler, guidance
-from diffserve.pipelines.step_batch import StepBatch, collate_branches
+from diffserve.pipelines.step_batch import BatchCache, StepBatch, collate_branches
 from diffserve.sampling_params import ModelSpec, SamplingParams
 
 if TYPE_CHECKING:
     from diffserve.acceleration.prompt_embed_cache import PromptEmbedCache
     from diffserve.pipelines.text_encoding import TextEncoder
+
+#: Batch compositions whose `BatchCache` an adapter keeps (several interleave when a cache
+#: backend runs requests one per forward, or batch keys alternate).
+_BATCH_CACHES = 8
 
 #: ``call(batch, kwargs) -> output``: runs the denoiser module on prepared keyword inputs. Cache
 #: backends pass their own to `PipelineAdapter.denoise` (TeaCache splits the forward there).
@@ -181,11 +186,15 @@ class Capabilities:
         cache_dit: cache-dit block description, or None (backend refused).
         repeated_blocks: class names of the denoiser's repeated blocks for regional compile
             (default: the diffusers class's ``_repeated_blocks``), empty = refused.
+        context_parallel: ``prepare(denoiser) -> plan``: installs what Ulysses sequence
+            parallelism needs on the denoiser and returns its diffusers context-parallel plan;
+            None = the diffusers class's own ``_cp_plan`` (refused when it has none).
     """
 
     teacache: TeaCacheSupport | None = None
     cache_dit: CacheDiTSupport | None = None
     repeated_blocks: tuple[str, ...] = ()
+    context_parallel: Callable[[torch.nn.Module], dict] | None = None
 
 
 @dataclass
@@ -224,6 +233,13 @@ class PipelineAdapter(ABC):
     text: "TextEncoder | None" = None
 
     # ------------------------------------------------------------------ loading
+    @classmethod
+    def component_loaders(cls) -> dict[str, Callable[[Path], Any]]:
+        """Components this family loads itself, by their ``model_index.json`` name:
+        ``loader(folder) -> component`` replaces the library's ``from_pretrained`` (e.g. a
+        processor whose library class needs an optional dependency). Default: none."""
+        return {}
+
     @classmethod
     @abstractmethod
     def from_components(cls, components: dict[str, Any], device: torch.device, dtype: torch.dtype,
@@ -266,14 +282,24 @@ class PipelineAdapter(ABC):
         """Denoiser rows a request adds to a step batch: images x branches."""
         return params.num_images_per_prompt * self.branches(params)
 
-    def batch_key(self, params: SamplingParams) -> Hashable:
+    def batch_key(self, params: SamplingParams, inputs: RequestInputs | None = None) -> Hashable:
         """Requests with equal keys may share one denoise forward: (family, branches, latent
-        size, dtype, `extra_batch_key`)."""
+        size, dtype, `extra_batch_key`). Families whose sequence length depends on the input
+        images (edits) extend it with `inputs`."""
         return (self.pipeline_class_name, self.branches(params), params.height, params.width,
                 params.num_frames, self.dtype, self.extra_batch_key(params))
 
     def extra_batch_key(self, params: SamplingParams) -> Hashable:
         """Family-specific part of the batch key (e.g. a fixed text length); None = nothing."""
+        return None
+
+    def step_key(self, state: RequestState) -> Hashable:
+        """The part of the batch key that may change while a request runs (plain, picklable
+        data): requests whose next steps have different step keys never share a forward. E.g.
+        Wan 2.2's two experts: the high-noise transformer runs the steps with timestep >= the
+        boundary, then the low-noise one. The runner reports it after `prepare` and after every
+        step (`Prepared.step_key`, `StepOutput.step_keys`); the request scheduler batches by
+        (`batch_key`, step key). Default None: constant."""
         return None
 
     def prompt_is_truncated(self, prompt: str, max_sequence_length: int | None = None) -> bool:
@@ -298,21 +324,34 @@ class PipelineAdapter(ABC):
 
     # ------------------------------------------------------------------ per step
     def model_input(self, state: RequestState) -> torch.Tensor:
-        """This request's latent rows as the denoiser sees them (default: the latents;
-        Euler-type schedulers scale them)."""
+        """This request's latent rows as the denoiser sees them (default: the latents; Euler-type
+        schedulers scale them, edit families append reference latents). Not overriding it lets
+        a repeated batch feed the previous step's concatenated latents straight in."""
         return state.latents
 
     def collate(self, states: list[RequestState]) -> StepBatch:
         """Gather the requests' rows into one forward, branch-major: rows ``b * N + i`` hold
         branch ``b`` of latent row ``i`` (N = total images). ``batch.inputs`` holds the
         per-branch inputs concatenated (padded where `pad_keys` says), ``hidden_states`` (rows,
-        ...) and ``timestep`` (rows,), plus the shared inputs of the first request."""
-        return collate_branches(states, self.model_input, self.pad_keys())
+        ...) and ``timestep`` (rows,), plus the shared inputs of the first request. A batch of
+        the same requests as the previous step reuses all of it but latents and timesteps
+        (`step_batch.BatchCache`)."""
+        caches = self.__dict__.setdefault("_batch_caches", OrderedDict())
+        for old in [k for k, c in caches.items() if any(s.latents is None for s in c.states)]:
+            del caches[old]  # a request of that batch finished: drop its tensors now
+        key = tuple(id(s) for s in states)  # safe: a cache holds its states alive
+        cache = caches.pop(key, None) or BatchCache()
+        caches[key] = cache
+        while len(caches) > _BATCH_CACHES:
+            caches.popitem(last=False)
+        overridden = type(self).model_input is not PipelineAdapter.model_input
+        model_input = self.model_input if overridden else None
+        return collate_branches(states, model_input, self.pad_keys(), cache)
 
     def pad_keys(self) -> dict[str, tuple[str | None, float]]:
         """Per-branch inputs of variable length: ``{key: (mask_key or None, pad_value)}``;
         they are right-padded along dim 1 to the batch's longest and ``mask_key`` (rows, L)
-        bool marks the real tokens. Default: none."""
+        bool marks the real tokens (None when no row is padded). Default: none."""
         return {}
 
     def denoise(self, batch: StepBatch, call: DenoiserCall | None = None) -> torch.Tensor:
@@ -353,6 +392,17 @@ class PipelineAdapter(ABC):
     @abstractmethod
     def decode(self, state: RequestState, latents: torch.Tensor | None = None) -> Any:
         """Decode `latents` (default: the state's) into media of ``params.output_type``."""
+
+    def decode_many(self, states: list[RequestState], latents: list[torch.Tensor]) -> list[Any]:
+        """Decode several requests (each its own latents); one result or exception per request.
+        Default: one `decode` each; families override to run one VAE forward for all."""
+        results: list[Any] = []
+        for state, x in zip(states, latents):
+            try:
+                results.append(self.decode(state, x))
+            except Exception as exc:  # noqa: BLE001 - each request's failure stays its own
+                results.append(exc)
+        return results
 
 
 def checked_pixels(image: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,11 @@ if TYPE_CHECKING:
 #: pipeline class name -> "module:AdapterClass"
 _ADAPTERS: dict[str, str] = {
     "StableDiffusion3Pipeline": "diffserve.pipelines.sd3:StableDiffusion3Adapter",
+    "FluxPipeline": "diffserve.pipelines.flux:FluxAdapter",
+    "FluxKontextPipeline": "diffserve.pipelines.flux_kontext:FluxKontextAdapter",
+    "QwenImagePipeline": "diffserve.pipelines.qwen_image:QwenImageAdapter",
+    "QwenImageEditPipeline": "diffserve.pipelines.qwen_image_edit:QwenImageEditAdapter",
+    "WanPipeline": "diffserve.pipelines.wan:WanAdapter",
     "StableDiffusionPipeline": "diffserve.pipelines.stable_diffusion:StableDiffusionAdapter",
     "StableDiffusionXLPipeline": "diffserve.pipelines.stable_diffusion_xl:StableDiffusionXLAdapter",
 }

@@ -5,20 +5,28 @@ an MMDiT `SD3Transformer2DModel`, two CLIP text encoders plus an optional T5, an
 `AutoencoderKL` and a `FlowMatchEulerDiscreteScheduler`. Prompt encoding, latent preparation
 and timesteps reuse diffusers' own `StableDiffusion3Pipeline` methods on the same components,
 so an image equals diffusers' for the same seed (see tests/test_parity.py).
+
+A request with an input image runs `StableDiffusion3Img2ImgPipeline` semantics on the same
+folder (the image is VAE-encoded, noised to the strength's first timestep, and only the last
+``strength`` fraction of the schedule runs); such requests share forwards with text-to-image
+ones of the same size.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from typing import Any
 
 import torch
-from diffusers import StableDiffusion3Pipeline
+from diffusers import StableDiffusion3Img2ImgPipeline, StableDiffusion3Pipeline
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
     calculate_shift,
     retrieve_timesteps,
 )
 
+from diffserve.errors import InvalidRequestError
+from diffserve.pipelines import teacache_coefficients
 from diffserve.pipelines.base import (
     AdapterOptions,
     Capabilities,
@@ -42,12 +50,10 @@ logging.getLogger("diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffus
 DEFAULT_NUM_INFERENCE_STEPS = 28
 DEFAULT_GUIDANCE_SCALE = 7.0
 DEFAULT_MAX_SEQUENCE_LENGTH = 256
+#: StableDiffusion3Img2ImgPipeline.__call__'s default strength.
+DEFAULT_STRENGTH = 0.6
 #: T5's positional budget in SD3 (diffusers refuses more than 512).
 MAX_SEQUENCE_LENGTH_LIMIT = 512
-
-#: TeaCache4FLUX (github.com/ali-vilab/TeaCache) coefficients, reused by SD3 ports of TeaCache
-#: (e.g. PaddleMIX's): no calibration was published for SD3.
-FLUX_TEACACHE_COEFFICIENTS = (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01)
 
 
 class SD3TeaCacheSplit:
@@ -94,6 +100,12 @@ class SD3TeaCacheSplit:
         return hidden.reshape(hidden.shape[0], model.out_channels, h * p, w * p)
 
 
+def _sd3_context_parallel(transformer: torch.nn.Module) -> dict:
+    from diffserve.pipelines.sd3_context_parallel import prepare_sd3_context_parallel
+
+    return prepare_sd3_context_parallel(transformer)
+
+
 class StableDiffusion3Adapter(PipelineAdapter):
     """Step-contract adapter over a diffusers `StableDiffusion3Pipeline`.
 
@@ -107,6 +119,10 @@ class StableDiffusion3Adapter(PipelineAdapter):
     def __init__(self, pipe: StableDiffusion3Pipeline, device: torch.device, dtype: torch.dtype,
                  options: AdapterOptions):
         self.pipe = pipe
+        # the image-to-image pipeline on the very same modules (no copies)
+        self.img2img = StableDiffusion3Img2ImgPipeline(**{k: v for k, v in pipe.components.items()
+                                                          if k not in ("image_encoder", "feature_extractor")})
+        self.img2img.set_progress_bar_config(disable=True)
         self.device = device
         self.dtype = dtype
         config = read_generation_config(options.model_dir)
@@ -134,12 +150,14 @@ class StableDiffusion3Adapter(PipelineAdapter):
             # PatchEmbed crops a pos_embed_max_size^2 grid of positions: larger inputs fail
             max_height=max_side,
             max_width=max_side,
+            accepts_images=True,
+            default_strength=float(config.get("strength", DEFAULT_STRENGTH)),
         )
         teacache = config.get("teacache", {})
         self.capabilities = Capabilities(
             teacache=TeaCacheSupport(
                 split=SD3TeaCacheSplit,
-                coefficients=tuple(teacache.get("coefficients", FLUX_TEACACHE_COEFFICIENTS)),
+                coefficients=tuple(teacache.get("coefficients", teacache_coefficients.FLUX_DEV)),
                 rel_l1_thresh=float(teacache.get("rel_l1_thresh", 0.4)),
                 source=teacache.get("source", "TeaCache4FLUX coefficients (FLUX.1-dev), as reused by SD3 "
                                               "TeaCache ports; 0.25 ~1.5x, 0.4 ~1.8x on FLUX per the TeaCache README"),
@@ -151,6 +169,7 @@ class StableDiffusion3Adapter(PipelineAdapter):
                                       has_encoder_residual=False),
             # diffusers 0.42's SD3Transformer2DModel does not declare _repeated_blocks
             repeated_blocks=("JointTransformerBlock",),
+            context_parallel=_sd3_context_parallel,
         )
         self.text = TextEncoder(
             self, self._encode_text,
@@ -165,13 +184,35 @@ class StableDiffusion3Adapter(PipelineAdapter):
         for optional in ("text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor"):
             components.setdefault(optional, None)
         pipe = StableDiffusion3Pipeline(**components)
-        pipe.to(device)
+        pipe.to(device, silence_dtype_warnings=True)
         pipe.set_progress_bar_config(disable=True)
         return cls(pipe, device, dtype, options)
 
     @property
     def denoiser(self) -> torch.nn.Module:
         return self.pipe.transformer
+
+    def check_params(self, params: SamplingParams, inputs) -> None:
+        """Image-to-image takes exactly one input image and no mask; strength needs an image
+        and must leave at least one step."""
+        images = inputs.images if inputs is not None else []
+        if inputs is not None and inputs.mask is not None:
+            raise InvalidRequestError("mask", "<mask>", f"absent: {self.pipeline_class_name} image-to-image "
+                                      "does not inpaint")
+        if len(images) > 1:
+            raise InvalidRequestError("image", f"{len(images)} images", "one input image for image-to-image")
+        if not images:
+            if params.strength is not None:
+                raise InvalidRequestError("strength", params.strength, "unset without an input image")
+            return
+        strength = self._strength(params)
+        if int(params.num_inference_steps * strength) < 1:
+            raise InvalidRequestError(
+                "strength", strength, f"at least 1/num_inference_steps = {1 / params.num_inference_steps:g} "
+                "(strength x steps must leave at least one step)")
+
+    def _strength(self, params: SamplingParams) -> float:
+        return self.spec.default_strength if params.strength is None else params.strength
 
     def extra_batch_key(self, params: SamplingParams):
         """The T5 budget: it sets the text length (and the fold count with folding)."""
@@ -206,25 +247,56 @@ class StableDiffusion3Adapter(PipelineAdapter):
         if self.context_folding:
             state.shared = {"joint_attention_kwargs": {"fold_count": L}}
         pipe = self.pipe
-        state.latents = pipe.prepare_latents(n, pipe.transformer.config.in_channels, p.height, p.width,
-                                             branches[-1]["encoder_hidden_states"].dtype, self.device,
-                                             state.generator)
+        dtype = branches[-1]["encoder_hidden_states"].dtype
         scheduler = new_scheduler(pipe.scheduler)
         kwargs = {}
         if scheduler.config.get("use_dynamic_shifting", None):
-            patch = pipe.transformer.config.patch_size
-            _, _, h, w = state.latents.shape
+            patch, f = pipe.transformer.config.patch_size, pipe.vae_scale_factor
             kwargs["mu"] = calculate_shift(
-                (h // patch) * (w // patch),
+                (p.height // f // patch) * (p.width // f // patch),
                 scheduler.config.get("base_image_seq_len", 256),
                 scheduler.config.get("max_image_seq_len", 4096),
                 scheduler.config.get("base_shift", 0.5),
                 scheduler.config.get("max_shift", 1.16),
             )
-        timesteps, _ = retrieve_timesteps(scheduler, p.num_inference_steps, self.device, **kwargs)
+        if state.inputs is not None and state.inputs.images:
+            self._prepare_img2img(state, scheduler, kwargs, dtype)
+        else:
+            state.latents = pipe.prepare_latents(n, pipe.transformer.config.in_channels, p.height, p.width,
+                                                 dtype, self.device, state.generator)
+            timesteps, _ = retrieve_timesteps(scheduler, p.num_inference_steps, self.device, **kwargs)
+            state.timesteps = timesteps
+            state.sigmas = batchable_sigmas(scheduler, len(timesteps))
         state.scheduler = scheduler
+
+    @contextmanager
+    def _img2img_with(self, scheduler):
+        """The img2img pipeline with the request's own scheduler (prepare runs on one thread)."""
+        shared = self.img2img.scheduler
+        self.img2img.scheduler = scheduler
+        try:
+            yield self.img2img
+        finally:
+            self.img2img.scheduler = shared
+
+    def _prepare_img2img(self, state: RequestState, scheduler, kwargs: dict, dtype: torch.dtype) -> None:
+        """`StableDiffusion3Img2ImgPipeline`'s timesteps (the last ``strength`` of the schedule)
+        and latents (the VAE-encoded image noised to the first of them), drawn from the
+        request's generator in diffusers' order."""
+        p = state.params
+        image = state.inputs.images[0]
+        if self.pipe.vae.config.in_channels == 1:
+            image = image.convert("L")
+        with self._img2img_with(scheduler) as pipe:
+            pixels = pipe.image_processor.preprocess(image, height=p.height, width=p.width)
+            retrieve_timesteps(scheduler, p.num_inference_steps, self.device, **kwargs)
+            timesteps, num_steps = pipe.get_timesteps(p.num_inference_steps, self._strength(p), self.device)
+            latent_timestep = timesteps[:1].repeat(p.num_images_per_prompt)
+            state.latents = pipe.prepare_latents(pixels, latent_timestep, 1, p.num_images_per_prompt, dtype,
+                                                 self.device, state.generator)
+        begin = len(scheduler.timesteps) - len(timesteps)
         state.timesteps = timesteps
-        state.sigmas = batchable_sigmas(scheduler, len(timesteps))
+        state.sigmas = batchable_sigmas(scheduler, len(timesteps), begin=begin)
 
     def denoise_kwargs(self, batch: StepBatch) -> dict[str, Any]:
         return batch.inputs
@@ -233,10 +305,45 @@ class StableDiffusion3Adapter(PipelineAdapter):
         """Unscale (latents / scaling_factor + shift_factor), VAE-decode and post-process to
         the request's output_type (PIL list, float32 (N, H, W, C) array in [0, 1], ...)."""
         latents = state.latents if latents is None else latents
-        output_type = state.params.output_type
-        if output_type == "latent":
+        if state.params.output_type == "latent":
             return latents
+        return self._postprocess(state, self._vae_decode(latents))
+
+    def _vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipe.vae
         latents = latents / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-        image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
-        return self.pipe.image_processor.postprocess(checked_pixels(image), output_type=output_type)
+        return vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+
+    def _postprocess(self, state: RequestState, image: torch.Tensor) -> Any:
+        return self.pipe.image_processor.postprocess(checked_pixels(image), output_type=state.params.output_type)
+
+    def decode_many(self, states: list[RequestState], latents: list[torch.Tensor]) -> list[Any]:
+        """One VAE forward for all requests whose latents share a shape (the usual case when a
+        step batch finishes together); each request's pixels are checked and post-processed on
+        their own. A subclass that overrides `decode` keeps its own decode, one per request."""
+        if type(self).decode is not StableDiffusion3Adapter.decode:
+            return super().decode_many(states, latents)
+        groups: dict[tuple, list[int]] = {}
+        for i, (state, x) in enumerate(zip(states, latents)):
+            if state.params.output_type != "latent":
+                groups.setdefault(tuple(x.shape[1:]), []).append(i)
+        results: list[Any] = [x if s.params.output_type == "latent" else None for s, x in zip(states, latents)]
+        for members in groups.values():
+            try:
+                images = self._vae_decode(torch.cat([latents[i] for i in members]))
+            except Exception as exc:  # noqa: BLE001 - fall back to one decode each
+                if len(members) == 1:
+                    results[members[0]] = exc
+                    continue
+                for i in members:
+                    results[i] = self.decode_many([states[i]], [latents[i]])[0]
+                continue
+            at = 0
+            for i in members:
+                n = latents[i].shape[0]
+                try:
+                    results[i] = self._postprocess(states[i], images[at:at + n])
+                except Exception as exc:  # noqa: BLE001
+                    results[i] = exc
+                at += n
+        return results

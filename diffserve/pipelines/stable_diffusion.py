@@ -61,18 +61,6 @@ DEFAULT_GUIDANCE_SCALE = 7.5
 ETA = 0.0
 
 
-def pipeline_config(options: AdapterOptions) -> dict[str, Any]:
-    """The pipeline's own config entries of ``model_index.json`` (plain values such as
-    ``requires_safety_checker`` or SDXL's ``force_zeros_for_empty_prompt``; components and
-    ``_``-keys left out), {} without a folder."""
-    if options.model_dir is None:
-        return {}
-    from diffserve.runner.loader import read_model_index
-
-    return {k: v for k, v in read_model_index(options.model_dir).items()
-            if not k.startswith("_") and not isinstance(v, list)}
-
-
 class StableDiffusionAdapter(PipelineAdapter):
     """Step-contract adapter over a diffusers `StableDiffusionPipeline` (and the UNet base of
     the SDXL adapter).
@@ -118,7 +106,9 @@ class StableDiffusionAdapter(PipelineAdapter):
 
     @classmethod
     def from_components(cls, components, device, dtype, options):
-        extra = pipeline_config(options)
+        from diffserve.runner.loader import pipeline_config
+
+        extra = pipeline_config(options.model_dir)
         components = {**components}
         for optional in ("safety_checker", "feature_extractor", "image_encoder"):
             components.setdefault(optional, None)

@@ -26,7 +26,7 @@ import torch
 from diffusers import StableDiffusionXLPipeline
 
 from diffserve.pipelines.base import AdapterOptions, RequestState
-from diffserve.pipelines.stable_diffusion import StableDiffusionAdapter, pipeline_config
+from diffserve.pipelines.stable_diffusion import StableDiffusionAdapter
 from diffserve.pipelines.text_encoding import repeat_rows
 
 logging.getLogger("diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl").setLevel(logging.ERROR)
@@ -57,10 +57,12 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
 
     @classmethod
     def from_components(cls, components, device, dtype, options):
+        from diffserve.runner.loader import pipeline_config
+
         components = {**components}
         for optional in ("image_encoder", "feature_extractor"):
             components.setdefault(optional, None)
-        return cls.build(components, device, dtype, options, pipeline_config(options))
+        return cls.build(components, device, dtype, options, pipeline_config(options.model_dir))
 
     def tokenizers(self) -> list[Any]:
         return [t for t in (self.pipe.tokenizer, self.pipe.tokenizer_2) if t is not None]

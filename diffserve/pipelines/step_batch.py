@@ -6,6 +6,12 @@ Layout (branch-major): with ``B`` guidance branches (2 with CFG) and ``N`` laten
 and the requests' latent rows are consecutive in batch order. So ``out.chunk(B)`` gives per-branch
 (N, ...) tensors aligned with the concatenated latents, and CFG, the diffusion-scheduler step and
 the split back are each one tensor expression for the whole batch.
+
+Between steps the same requests usually step together until one joins or leaves. `BatchCache`
+keeps what does not change for such a run (the concatenated prompt embeddings and other
+per-branch inputs, per-row guidance weights, per-row timestep / sigma tables) and the previous
+step's concatenated latents, so a repeated batch costs a constant number of tensor operations
+whatever its number of requests, with no host-device synchronisation.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class StepBatch:
     inputs: dict[str, Any]
     latents: torch.Tensor
     timesteps: torch.Tensor
+    cache: "BatchCache | None" = field(default=None, repr=False)
     _offsets: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -62,7 +69,17 @@ class StepBatch:
         return self.branches * self.num_latent_rows
 
     def row_values(self, per_request: Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """(N,) tensor on the latents' device holding each request's value on its rows."""
+        """(N,) tensor on the latents' device holding each request's value on its rows (cached
+        for a repeated batch)."""
+        if self.cache is not None:
+            key = (tuple(per_request), dtype)
+            hit = self.cache.row_values.get(key)
+            if hit is None:
+                hit = self.cache.row_values[key] = self._row_values(per_request, dtype)
+            return hit
+        return self._row_values(per_request, dtype)
+
+    def _row_values(self, per_request: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
         values = torch.tensor(per_request, dtype=dtype)
         if len(per_request) > 1 or self.row_counts[0] > 1:
             values = values.repeat_interleave(torch.tensor(self.row_counts))
@@ -79,6 +96,79 @@ class StepBatch:
         n, start, total = self.row_counts[i], self._offsets[i], self.num_latent_rows
         return torch.cat([torch.arange(b * total + start, b * total + start + n)
                           for b in range(self.branches)])
+
+
+class BatchCache:
+    """What a batch of the same requests reuses from one step to the next (see the module
+    docstring). Holds references to the states of the last batch, so identity checks are safe.
+
+    Attributes:
+        states: the last batch's states, in order.
+        steps: each state's ``step_index`` when the cache was last valid.
+        inputs: the concatenated per-branch and shared inputs (everything but hidden_states
+            and timestep).
+        latents / views: the last step's concatenated latents (N, ...) and the per-request
+            views of it the states hold; reused as the next forward's input when every state
+            still holds its view.
+        t_rows / idx_rows: (N, L) per-row timestep table and (N, 1) long index of each row's
+            current step; sigma_rows: (N, L + 1) float32 sigmas (flow-matching), or None.
+        row_values: per-request value lists -> (N,) tensors (guidance weights).
+    """
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget everything (the next collate rebuilds)."""
+        self.states: list["RequestState"] = []
+        self.steps: list[int] = []
+        self.inputs: dict[str, Any] = {}
+        self.latents: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []
+        self.t_rows: torch.Tensor | None = None
+        self.sigma_rows: torch.Tensor | None = None
+        self.idx_rows: torch.Tensor | None = None
+        self.row_values: dict[Any, torch.Tensor] = {}
+
+    def matches(self, states: list["RequestState"]) -> bool:
+        """The same request states, in the same order, each exactly one step further."""
+        if len(states) != len(self.states) or not all(a is b for a, b in zip(states, self.states)):
+            return False
+        return all(s.step_index == k + 1 for s, k in zip(states, self.steps))
+
+    def reset(self, states: list["RequestState"], inputs: dict[str, Any]) -> None:
+        """Start caching a new batch composition."""
+        self.states = list(states)
+        self.steps = [s.step_index for s in states]
+        self.inputs = inputs
+        self.latents, self.views = None, []
+        self.row_values = {}
+        device = states[0].latents.device
+        counts = torch.tensor([s.num_images for s in states], device=device)
+        longest = max(len(s.timesteps) for s in states)
+        table = torch.stack([F.pad(s.timesteps.to(device, torch.float32), (0, longest - len(s.timesteps)))
+                             for s in states])
+        self.t_rows = table.repeat_interleave(counts, dim=0)
+        if all(s.sigmas is not None for s in states):
+            sig = torch.stack([F.pad(s.sigmas.to(device), (0, longest + 1 - len(s.sigmas))) for s in states])
+            self.sigma_rows = sig.repeat_interleave(counts, dim=0)
+        else:
+            self.sigma_rows = None
+        idx = torch.tensor([s.step_index for s in states], device=device).repeat_interleave(counts)
+        self.idx_rows = idx.view(-1, 1)
+
+    def advance(self) -> None:
+        """Record that every state of the batch took one step (after the step)."""
+        self.steps = [s.step_index - 1 for s in self.states]
+        self.idx_rows += 1
+
+    def timesteps(self, dtype: torch.dtype) -> torch.Tensor:
+        """(N,) each row's current timestep."""
+        return self.t_rows.gather(1, self.idx_rows).view(-1).to(dtype)
+
+    def sigma_deltas(self) -> torch.Tensor:
+        """(N,) float32 ``sigma_{i+1} - sigma_i`` of each row's current step."""
+        return (self.sigma_rows.gather(1, self.idx_rows + 1) - self.sigma_rows.gather(1, self.idx_rows)).view(-1)
 
 
 def _pad_to(tensors: list[torch.Tensor], value: float) -> list[torch.Tensor]:
@@ -113,37 +203,72 @@ def _concat(values: list[Any], pad_value: float | None) -> Any:
     raise TypeError(f"cannot batch a per-row input of type {type(first).__name__}")
 
 
-def collate_branches(states: list["RequestState"], model_input: Callable[["RequestState"], torch.Tensor],
-                     pad_values: dict[str, float]) -> StepBatch:
+def padding_mask(values: list[torch.Tensor]) -> torch.Tensor | None:
+    """(rows, L) bool mask of the real positions of (rows_i, L_i, ...) tensors right-padded
+    along dim 1 to the longest L, or None when none is padded (every L_i equal): the denoiser
+    then attends without a mask, as diffusers does for unpadded text."""
+    lengths = [v.shape[1] for v in values]
+    longest = max(lengths)
+    if all(n == longest for n in lengths):
+        return None
+    per_row = torch.tensor([n for v, n in zip(values, lengths) for _ in range(v.shape[0])])
+    return torch.arange(longest)[None, :] < per_row[:, None]
+
+
+def collate_branches(states: list["RequestState"], model_input: Callable[["RequestState"], torch.Tensor] | None,
+                     pad_keys: dict[str, tuple[str | None, float]], cache: BatchCache | None = None) -> StepBatch:
     """The default collation (see `PipelineAdapter.collate`).
 
     Args:
         states: requests sharing a batch key (same branch count and latent shape).
-        model_input: a request's latent rows as the denoiser sees them.
-        pad_values: per-branch keys of variable length (dim 1) -> their pad value.
+        model_input: a request's latent rows as the denoiser sees them; None = its latents.
+        pad_keys: per-branch keys of variable length (dim 1) -> (mask key or None, pad value);
+            a mask key receives the (B*N, L) bool `padding_mask` (None when nothing is padded).
+        cache: the adapter's `BatchCache`; a batch of the same requests as the previous step
+            reuses its inputs, latents and timestep tables.
 
     Returns:
         A `StepBatch` whose inputs hold ``hidden_states`` (B*N, ...), ``timestep`` (B*N,), every
-        per-branch key concatenated branch-major, and the first request's shared inputs.
+        per-branch key concatenated branch-major (plus its padding mask), and the first
+        request's shared inputs.
     """
     branches = len(states[0].branches)
     row_counts = [s.num_images for s in states]
-    if len(states) == 1:
-        s = states[0]
-        x = model_input(s)
-        latents = s.latents
-        t = s.timestep.expand(s.num_images)
+    hit = cache is not None and cache.matches(states)
+    if hit:
+        inputs = dict(cache.inputs)
+    else:
+        inputs = {}
+        if branches:
+            for key in states[0].branches[0]:
+                values = [s.branches[b][key] for b in range(branches) for s in states]
+                mask_key, pad_value = pad_keys.get(key, (None, None))
+                inputs[key] = _concat(values, pad_value)
+                if mask_key is not None:
+                    mask = padding_mask(values)
+                    inputs[mask_key] = None if mask is None else mask.to(inputs[key].device)
+        inputs.update(states[0].shared)
+        if cache is not None:
+            cache.reset(states, dict(inputs))
+    if hit and cache.latents is not None and all(v is s.latents for v, s in zip(cache.views, states)):
+        latents = cache.latents  # the previous step's output, already concatenated
+    elif len(states) == 1:
+        latents = states[0].latents
+    else:
+        latents = torch.cat([s.latents for s in states])
+    if model_input is None:
+        x = latents
+    elif len(states) == 1:
+        x = model_input(states[0])
     else:
         x = torch.cat([model_input(s) for s in states])
-        latents = torch.cat([s.latents for s in states])
+    if cache is not None:
+        t = cache.timesteps(states[0].timesteps.dtype)
+    elif len(states) == 1:
+        t = states[0].timestep.expand(states[0].num_images)
+    else:
         t = torch.cat([s.timestep.expand(s.num_images) for s in states])
-    inputs: dict[str, Any] = {}
-    if branches:
-        for key in states[0].branches[0]:
-            values = [s.branches[b][key] for b in range(branches) for s in states]
-            inputs[key] = _concat(values, pad_values.get(key))
     inputs["hidden_states"] = x if branches <= 1 else torch.cat([x] * branches)
     inputs["timestep"] = t if branches <= 1 else t.repeat(branches)
-    inputs.update(states[0].shared)
     return StepBatch(states=states, branches=max(branches, 1), row_counts=row_counts, inputs=inputs,
-                     latents=latents, timesteps=t)
+                     latents=latents, timesteps=t, cache=cache)

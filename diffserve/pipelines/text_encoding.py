@@ -31,8 +31,9 @@ class TextEncoder:
     Args:
         adapter: the owner (its ``prompt_embed_cache`` is looked up at every call, so the
             runner can install or remove the cache at any time).
-        encode: ``encode(text, max_sequence_length) -> tuple of tensors`` with one row each
-            (e.g. prompt_embeds (1, L, D), pooled (1, P)), the family's diffusers encoding.
+        encode: ``encode(text, max_sequence_length, **encode_inputs) -> tuple of tensors`` with
+            one row each (e.g. prompt_embeds (1, L, D), pooled (1, P)), the family's diffusers
+            encoding (`encode_inputs` only when a caller passes them, e.g. an input image).
         tokenizers: ``(tokenizer, limit)`` pairs whose token limits truncate the text; a limit
             of None means the request's ``max_sequence_length``.
         key: everything besides the text and max_sequence_length that changes the encoding
@@ -64,17 +65,27 @@ class TextEncoder:
                 return True
         return False
 
-    def encode(self, text: str, max_sequence_length: int | None = None) -> tuple[torch.Tensor, ...]:
-        """The encoding of `text` (tensors with one row, the caller owns them)."""
+    def encode(self, text: str, max_sequence_length: int | None = None, *, extra_key: Hashable = (),
+               **encode_inputs: Any) -> tuple[torch.Tensor, ...]:
+        """The encoding of `text` (tensors with one row, the caller owns them).
+
+        Args:
+            extra_key: identifies `encode_inputs` in the cache key (e.g. a digest of an input
+                image's pixels); required whenever `encode_inputs` are given.
+            encode_inputs: further keyword arguments of the family's ``encode`` (e.g. the
+                input image a vision-language encoder reads with the text).
+        """
+        if encode_inputs and extra_key == ():
+            raise ValueError("encode inputs need an extra_key that identifies them in the cache")
         text = self.cut(text, max_sequence_length)
         cache = self.adapter.prompt_embed_cache
 
         def run() -> tuple[torch.Tensor, ...]:
-            return tuple(self._encode(text, max_sequence_length))
+            return tuple(self._encode(text, max_sequence_length, **encode_inputs))
 
         if cache is None:
             return run()
-        key = (type(self.adapter).__name__, text, max_sequence_length, self.key,
+        key = (type(self.adapter).__name__, text, max_sequence_length, self.key, extra_key,
                str(self.adapter.dtype), str(self.adapter.device))
         return cache.get_or_encode(key, run)
 

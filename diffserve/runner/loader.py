@@ -18,10 +18,12 @@ from typing import Any
 import torch
 
 from diffserve.errors import UnsupportedModelError
+from diffserve.runner.library_warnings import silence_inapplicable_library_warnings
 from diffserve.pipelines.base import AdapterOptions, PipelineAdapter
 from diffserve.pipelines.registry import adapter_class
 
 logger = logging.getLogger(__name__)
+silence_inapplicable_library_warnings()
 _LIBRARIES = ("diffusers", "transformers")
 #: diffusers pipeline packages that folders name as a component's library for classes of their
 #: own (SD 1.x/2.x: ``"safety_checker": ["stable_diffusion", "StableDiffusionSafetyChecker"]``);
@@ -103,9 +105,9 @@ def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "def
         (pipeline class name, {component name: object or None}).
 
     Raises:
-        UnsupportedModelError: no such folder (or a Hub id), no/unreadable model_index.json, no
-            adapter for the pipeline class, a component folder missing, or a component that
-            cannot load (the message names the missing file).
+        UnsupportedModelError: no such folder (or a Hub id), no/unreadable model_index.json, a
+            component folder missing, or a component that cannot load (the message names the
+            missing file).
     """
     import diffusers.utils.logging as diffusers_logging
     import transformers.utils.logging as transformers_logging
@@ -117,7 +119,9 @@ def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "def
     class_name = index.get("_class_name")
     if not isinstance(class_name, str):
         raise UnsupportedModelError(f"{model_dir}/model_index.json has no _class_name")
-    adapter_class(class_name)  # fail fast, before loading weights
+    from diffserve.pipelines.registry import has_adapter
+
+    custom_loaders = adapter_class(class_name).component_loaders() if has_adapter(class_name) else {}
     if load_format == "dummy":
         torch.manual_seed(seed)
     components: dict[str, Any] = {}
@@ -135,8 +139,11 @@ def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "def
             raise UnsupportedModelError(f"{model_dir}: component folder {name!r} listed in model_index.json "
                                         "is missing")
         try:
-            components[name] = _load_component(library, cls_name, folder, dtype, load_format,
-                                               torch.device(device))
+            if name in custom_loaders:
+                components[name] = custom_loaders[name](folder)
+            else:
+                components[name] = _load_component(library, cls_name, folder, dtype, load_format,
+                                                   torch.device(device))
         except UnsupportedModelError:
             raise
         except (OSError, ValueError, KeyError) as exc:  # missing / corrupt weight or config files
@@ -145,18 +152,100 @@ def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "def
     return class_name, components
 
 
-def load_adapter(model_dir: Path, device: torch.device, dtype: torch.dtype,
-                 load_format: str = "default", context_folding: bool = True) -> PipelineAdapter:
-    """Load a model folder and wrap it in the adapter registered for its pipeline class.
+def pipeline_config(model_dir: Path | None) -> dict[str, Any]:
+    """The pipeline's own settings in ``model_index.json`` (plain values such as Wan 2.2's
+    ``boundary_ratio``, SD's ``requires_safety_checker``, SDXL's
+    ``force_zeros_for_empty_prompt``; components and ``_``-keys left out); {} without a folder."""
+    if model_dir is None or not (Path(model_dir) / "model_index.json").is_file():
+        return {}
+    return {k: v for k, v in read_model_index(model_dir).items()
+            if not k.startswith("_") and not isinstance(v, list)}
 
-    Raises:
-        UnsupportedModelError: see `load_components`.
-    """
-    class_name, components = load_components(model_dir, dtype, load_format, device=device)
+
+def _eval(components: dict[str, Any]) -> None:
     for module in components.values():
         if isinstance(module, torch.nn.Module):
             module.eval().requires_grad_(False)
+
+
+def import_class(target: str) -> type:
+    """Import ``"package.module:ClassName"``.
+
+    Raises:
+        UnsupportedModelError: malformed target, module not importable, or no such class.
+    """
+    module_name, sep, class_name = target.partition(":")
+    if not sep or not module_name or not class_name:
+        raise UnsupportedModelError(f"custom pipeline {target!r} must be 'package.module:ClassName'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UnsupportedModelError(f"cannot import custom pipeline module {module_name!r}: {exc}") from exc
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type):
+        raise UnsupportedModelError(f"module {module_name!r} has no class {class_name!r}")
+    return cls
+
+
+def load_adapter(model_dir: Path, device: torch.device, dtype: torch.dtype,
+                 load_format: str = "default", context_folding: bool = True,
+                 adapter_cls: type[PipelineAdapter] | None = None,
+                 load_device: torch.device | None = None) -> PipelineAdapter:
+    """Load a model folder and wrap it in the adapter registered for its pipeline class (or
+    `adapter_cls`, a custom adapter).
+
+    Args:
+        load_device: where the weights are loaded and the adapter's modules stay (default
+            `device`). With offload it is the CPU: the adapter computes on `device` (its
+            ``device`` attribute) and `diffserve.acceleration.offload` moves the modules there.
+
+    Raises:
+        UnsupportedModelError: see `load_components`; no adapter for the class.
+    """
+    if adapter_cls is None:
+        adapter_class(read_model_index(model_dir).get("_class_name", ""))  # fail fast, before loading
+    load_device = device if load_device is None else load_device
+    class_name, components = load_components(model_dir, dtype, load_format, device=load_device)
+    _eval(components)
     options = AdapterOptions(context_folding=context_folding, model_dir=Path(model_dir))
-    adapter = adapter_class(class_name).from_components(components, device, dtype, options)
+    adapter = (adapter_cls or adapter_class(class_name)).from_components(components, load_device, dtype, options)
+    adapter.device = device
     logger.info("loaded %s from %s on %s (%s)", class_name, model_dir, device, dtype)
     return adapter
+
+
+def load_pipeline(model_dir: Path, device: torch.device, dtype: torch.dtype, load_format: str = "default",
+                  pipeline_cls: type | None = None) -> Any:
+    """Load a model folder into a pipeline object of its own diffusers class (or
+    `pipeline_cls`) for whole-request serving.
+
+    Raises:
+        UnsupportedModelError: see `load_components`; diffusers has no such pipeline class, or
+            the class cannot be built from the folder's components.
+    """
+    class_name, components = load_components(model_dir, dtype, load_format, device=device)
+    _eval(components)
+    if pipeline_cls is None:
+        import diffusers
+
+        pipeline_cls = getattr(diffusers, class_name, None)
+        if pipeline_cls is None:
+            from diffserve.pipelines.registry import supported_pipelines
+
+            raise UnsupportedModelError(
+                f"unsupported pipeline class {class_name!r}: diffusers {diffusers.__version__} has no such class "
+                "(pass --custom-pipeline module:Class); step adapters exist for: " + ", ".join(supported_pipelines()))
+    import inspect
+
+    accepted = inspect.signature(pipeline_cls.__init__).parameters
+    settings = {k: v for k, v in pipeline_config(model_dir).items() if k in accepted}
+    try:
+        pipe = pipeline_cls(**components, **settings)
+    except TypeError as exc:
+        raise UnsupportedModelError(f"cannot build {pipeline_cls.__name__} from {model_dir}: {exc}") from exc
+    if hasattr(pipe, "to"):
+        pipe.to(device)
+    if hasattr(pipe, "set_progress_bar_config"):
+        pipe.set_progress_bar_config(disable=True)
+    logger.info("loaded %s from %s on %s (%s) for whole-request serving", class_name, model_dir, device, dtype)
+    return pipe

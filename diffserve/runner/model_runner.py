@@ -8,14 +8,13 @@ its batch.
 from __future__ import annotations
 
 import logging
-import resource
-import sys
 import time
 from typing import Any
 
 import torch
 
 from diffserve.acceleration.accelerator import Accelerator
+from diffserve.acceleration.offload import weights_device
 from diffserve.config import EngineConfig
 from diffserve.errors import NonFiniteOutputError
 from diffserve.executor.messages import (
@@ -29,6 +28,8 @@ from diffserve.executor.messages import (
 )
 from diffserve.pipelines.base import PipelineAdapter, RequestState, is_finite
 from diffserve.runner.loader import load_adapter
+from diffserve.runner.memory import peak_memory_bytes
+from diffserve.runner.model_memory import ModelMemory
 from diffserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -48,16 +49,32 @@ class ModelRunner:
         InvalidRequestError: the configured cache backend does not support this model.
     """
 
-    def __init__(self, config: EngineConfig, adapter: PipelineAdapter | None = None):
+    def __init__(self, config: EngineConfig, adapter: PipelineAdapter | None = None, parallel=None):
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = config.torch_device
+        self.parallel = parallel
         self.adapter = adapter or load_adapter(config.model_path, self.device, config.torch_dtype,
-                                               config.load_format, config.context_folding)
-        self.accelerator = Accelerator(self.adapter, config)
+                                               config.load_format,
+                                               config.context_folding and config.ulysses_degree == 1,
+                                               load_device=weights_device(config))
+        if parallel is not None and parallel.world_size > 1 and config.cache_backend != "none":
+            from diffserve.errors import InvalidRequestError
+
+            raise InvalidRequestError("cache_backend", config.cache_backend, "none with CFG / Ulysses "
+                                      "parallelism (its per-request decisions would differ between ranks)")
+        if parallel is not None and parallel.ulysses_degree > 1:
+            from diffserve.parallel.ulysses import enable_ulysses
+
+            enable_ulysses(self.adapter, parallel)
         self.states: dict[str, RequestState] = {}
         self.nonfinite_count = 0
+        # offload placement, sleep mode, memory profile, per-step peaks
+        self.memory = ModelMemory(self.adapter, config, self.device,
+                                  denoising=lambda: any(not s.done for s in list(self.states.values())))
+        self.accelerator = Accelerator(self.adapter, config, stage=self.memory.offload.stage)
+        self.memory.ready()
 
     # ------------------------------------------------------------------ model facts
     def info(self) -> ModelInfo:
@@ -72,13 +89,21 @@ class ModelRunner:
             InvalidRequestError: a field the family cannot honour.
         """
         self.adapter.check_params(params, inputs)
-        return RequestPlan(rows=self.adapter.rows(params), batch_key=self.adapter.batch_key(params))
+        return RequestPlan(rows=self.adapter.rows(params), batch_key=self.adapter.batch_key(params, inputs))
 
     # ------------------------------------------------------------------ work items
     @torch.inference_mode()
     def prepare(self, requests: list[NewRequest]) -> list[Prepared]:
         """Encode prompts and create each request's latents, scheduler and timesteps; start its
         caching state from scratch. A failure is that request's alone."""
+        with_images = any(n.inputs is not None and n.inputs.images for n in requests)
+        with self.memory.offload.stage("encode", with_images=with_images) as loads:
+            results = self._prepare(requests)
+        for result in results:
+            result.offload_loads = loads
+        return results
+
+    def _prepare(self, requests: list[NewRequest]) -> list[Prepared]:
         results = []
         for new in requests:
             start = time.perf_counter()
@@ -95,7 +120,8 @@ class ModelRunner:
             results.append(Prepared(new.request_id, num_steps=state.num_steps,
                                     prompt_truncated=state.prompt_truncated,
                                     negative_prompt_truncated=state.negative_prompt_truncated,
-                                    seconds=time.perf_counter() - start))
+                                    seconds=time.perf_counter() - start,
+                                    step_key=self.adapter.step_key(state)))
         return results
 
     @torch.inference_mode()
@@ -106,13 +132,19 @@ class ModelRunner:
         fail on their own are reported; a failing diffusion-scheduler step fails only its
         own request. A cache backend that cannot share forwards (cache_dit) gets one forward
         per request. Failed requests are freed.
+
+        The output's ``peak_memory_bytes`` is the step's peak above the resident model
+        (`ModelMemory.step_peak`).
         """
         start = time.perf_counter()
         states = [self.states[i] for i in request_ids]
-        if len(states) > 1 and not self.accelerator.shares_forward:
-            out = self._step_alone(states)
-        else:
-            out = self._step(states)
+        with self.memory.offload.stage("denoise") as loads, self.memory.window() as window:
+            if len(states) > 1 and not self.accelerator.shares_forward:
+                out = self._step_alone(states)
+            else:
+                out = self._step(states)
+        out.offload_loads = loads
+        out.peak_memory_bytes = self.memory.step_peak(window)
         for request_id in out.errors:
             self.free([request_id])
         out.seconds = time.perf_counter() - start
@@ -122,7 +154,7 @@ class ModelRunner:
         adapter = self.adapter
         try:
             batch = adapter.collate(states)
-            guided = adapter.combine(batch, self.accelerator.denoise(batch))
+            guided = adapter.combine(batch, self._denoise(batch))
             failures = adapter.step(batch, guided)
         except Exception as exc:  # noqa: BLE001 - isolate per request
             if len(states) == 1:
@@ -137,7 +169,18 @@ class ModelRunner:
                 out.errors[state.request_id] = WorkError.of(failures[state.request_id])
             else:
                 out.steps_done[state.request_id] = state.step_index
+                out.step_keys[state.request_id] = adapter.step_key(state)
         return out
+
+    def _denoise(self, batch):
+        """The batch's forward; with CFG parallelism each rank runs its share of the rows."""
+        p = self.parallel
+        if p is not None and p.cfg_parallel_size > 1:
+            from diffserve.parallel.cfg import cfg_parallel_denoise
+
+            return cfg_parallel_denoise(self.accelerator.denoise, batch, p.cfg_rank, p.cfg_parallel_size,
+                                        p.cfg_group)
+        return self.accelerator.denoise(batch)
 
     def _step_alone(self, states: list[RequestState]) -> StepOutput:
         """One forward per request; num_rows is the largest forward's."""
@@ -146,6 +189,7 @@ class ModelRunner:
             single = self._step([state])
             out.num_rows = max(out.num_rows, single.num_rows)
             out.steps_done.update(single.steps_done)
+            out.step_keys.update(single.step_keys)
             out.errors.update(single.errors)
         return out
 
@@ -162,36 +206,56 @@ class ModelRunner:
         into its output type. A final decode checks that the latents and the decoded pixels are
         finite (NaN/inf, e.g. fp16 overflow, fail the request with `NonFiniteOutputError`
         instead of a black image) and frees the request."""
-        results = []
+        with self.memory.offload.stage("decode") as loads:
+            results = self._decode(request_ids, preview, snapshots)
+        for result in results:
+            result.offload_loads = loads
+        return results
+
+    def _decode(self, request_ids: list[str], preview: bool,
+                snapshots: dict[str, tuple[torch.Tensor, int]] | None) -> list[Decoded]:
+        work = []
         for request_id in request_ids:
             state = self.states.get(request_id)
             if state is None:  # freed meanwhile (aborted)
                 continue
-            start = time.perf_counter()
             if snapshots is not None and request_id in snapshots:
                 latents, step = snapshots[request_id]
             else:
                 latents, step = state.latents, state.step_index
-            try:
-                if not preview and not is_finite(latents):
-                    raise NonFiniteOutputError(
-                        "the denoiser produced non-finite latents (NaN/inf; e.g. fp16 overflow: try "
-                        "--dtype bf16 or fp32, or a lower guidance_scale)")
-                output = self.adapter.decode(state, latents)
-                if not preview:
-                    _check_finite_output(output)
-            except Exception as exc:  # noqa: BLE001
-                if isinstance(exc, NonFiniteOutputError):
-                    self.nonfinite_count += 1
-                    logger.error("%s: %s", request_id, exc)
-                elif preview:
-                    logger.warning("preview failed for %s: %r", request_id, exc)
-                else:
-                    logger.exception("decode failed for %s", request_id)
-                results.append(Decoded(request_id, step=step, preview=preview, error=WorkError.of(exc)))
+            work.append((request_id, state, latents, step))
+        start = time.perf_counter()
+        ready, outputs = [], {}
+        for request_id, state, latents, step in work:
+            if not preview and not is_finite(latents):
+                outputs[request_id] = NonFiniteOutputError(
+                    "the denoiser produced non-finite latents (NaN/inf; e.g. fp16 overflow: try "
+                    "--dtype bf16 or fp32, or a lower guidance_scale)")
             else:
-                results.append(Decoded(request_id, output=output, step=step, preview=preview,
-                                       seconds=time.perf_counter() - start))
+                ready.append((request_id, state, latents))
+        if ready:
+            decoded = self.adapter.decode_many([w[1] for w in ready], [w[2] for w in ready])
+            outputs.update({w[0]: out for w, out in zip(ready, decoded)})
+        seconds = time.perf_counter() - start
+        results = []
+        for request_id, state, latents, step in work:
+            output = outputs[request_id]
+            if not isinstance(output, Exception) and not preview:
+                try:
+                    _check_finite_output(output)
+                except NonFiniteOutputError as exc:
+                    output = exc
+            if isinstance(output, Exception):
+                if isinstance(output, NonFiniteOutputError):
+                    self.nonfinite_count += 1
+                    logger.error("%s: %s", request_id, output)
+                elif preview:
+                    logger.warning("preview failed for %s: %r", request_id, output)
+                else:
+                    logger.error("decode failed for %s: %r", request_id, output)
+                results.append(Decoded(request_id, step=step, preview=preview, error=WorkError.of(output)))
+            else:
+                results.append(Decoded(request_id, output=output, step=step, preview=preview, seconds=seconds))
             if not preview:
                 self.free([request_id])
         return results
@@ -211,10 +275,24 @@ class ModelRunner:
 
     def peak_memory_bytes(self) -> int:
         """CUDA allocator peak (bytes) on GPU; process peak RSS (bytes) on CPU."""
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return int(rss if sys.platform == "darwin" else rss * 1024)
+        return peak_memory_bytes(self.device)
+
+    # ------------------------------------------------------------------ memory
+    def offload_stats(self) -> dict[str, Any]:
+        """See `ModelMemory.stats`."""
+        return self.memory.stats()
+
+    def memory_profile(self):
+        """The model's `MemoryProfile` (see `ModelMemory.profile`)."""
+        return self.memory.profile(self.config.limits)
+
+    def sleep(self, level: int) -> None:
+        """Sleep mode with no request held (see `ModelMemory.sleep`)."""
+        self.memory.sleep(level, len(self.states), self.accelerator.prompt_cache)
+
+    def wake_up(self) -> None:
+        """Restore the weights put to sleep (see `ModelMemory.wake_up`)."""
+        self.memory.wake_up()
 
 
 def _check_finite_output(output: Any) -> None:

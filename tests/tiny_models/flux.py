@@ -85,13 +85,13 @@ SCHEDULER_DEV = dict(shift=3.0, use_dynamic_shifting=True, base_image_seq_len=25
                      base_shift=0.5, max_shift=1.15)
 
 
-def _flux_components(*, guidance_embeds: bool, seed: int) -> dict:
+def _flux_components(*, guidance_embeds: bool, seed: int, num_layers: int = 1, num_single_layers: int = 1) -> dict:
     torch.manual_seed(seed)
     transformer = FluxTransformer2DModel(
         patch_size=1,
         in_channels=64,  # 16 latent channels x 2x2 packing, as in FLUX.1
-        num_layers=1,
-        num_single_layers=1,
+        num_layers=num_layers,
+        num_single_layers=num_single_layers,
         attention_head_dim=16,
         num_attention_heads=2,
         joint_attention_dim=32,  # = T5 d_model
@@ -112,7 +112,8 @@ def _flux_components(*, guidance_embeds: bool, seed: int) -> dict:
     )
 
 
-def build_tiny_flux(out: Path, *, variant: Literal["schnell", "dev"] = "schnell", seed: int = 0) -> Path:
+def build_tiny_flux(out: Path, *, variant: Literal["schnell", "dev"] = "schnell", seed: int = 0,
+                    num_layers: int = 1, num_single_layers: int = 1) -> Path:
     """Build a tiny random-weight ``FluxPipeline`` and ``save_pretrained`` it to ``out``.
 
     Args:
@@ -120,6 +121,8 @@ def build_tiny_flux(out: Path, *, variant: Literal["schnell", "dev"] = "schnell"
         variant: ``"schnell"`` (``guidance_embeds=False``, scheduler ``shift=1.0`` without dynamic
             shifting) or ``"dev"`` (``guidance_embeds=True``, dynamic shifting, ``shift=3.0``).
         seed: ``torch.manual_seed`` for the random weights (same seed -> same files).
+        num_layers / num_single_layers: double- / single-stream transformer blocks (caches
+            that skip middle blocks need several of each).
 
     Returns:
         ``out`` as a ``Path`` (~2 MB). Sizes must be multiples of 16 pixels; always pass
@@ -130,13 +133,14 @@ def build_tiny_flux(out: Path, *, variant: Literal["schnell", "dev"] = "schnell"
     """
     if variant not in ("schnell", "dev"):
         raise ValueError(f"variant must be 'schnell' or 'dev', got {variant!r}")
-    pipe = FluxPipeline(**_flux_components(guidance_embeds=variant == "dev", seed=seed))
+    pipe = FluxPipeline(**_flux_components(guidance_embeds=variant == "dev", seed=seed, num_layers=num_layers,
+                                           num_single_layers=num_single_layers))
     out = Path(out)
     pipe.save_pretrained(out)
     return out
 
 
-def build_tiny_flux_kontext(out: Path, *, seed: int = 0) -> Path:
+def build_tiny_flux_kontext(out: Path, *, seed: int = 0, num_layers: int = 1, num_single_layers: int = 1) -> Path:
     """Build a tiny random-weight ``FluxKontextPipeline`` (the Flux-dev components) into ``out``.
 
     Call it with ``max_area=height * width`` (and ``_auto_resize=False`` with an input image) for
@@ -145,7 +149,8 @@ def build_tiny_flux_kontext(out: Path, *, seed: int = 0) -> Path:
     Returns:
         ``out`` as a ``Path`` (~2 MB).
     """
-    pipe = FluxKontextPipeline(**_flux_components(guidance_embeds=True, seed=seed))
+    pipe = FluxKontextPipeline(**_flux_components(guidance_embeds=True, seed=seed, num_layers=num_layers,
+                                                  num_single_layers=num_single_layers))
     out = Path(out)
     pipe.save_pretrained(out)
     return out

@@ -15,7 +15,8 @@ The edit folder adds ``processor`` (``Qwen2VLProcessor``: the tokenizer plus a Q
 processor, 14-pixel patches merged 2x2). transformers 5.24 cannot build or load a
 ``Qwen2VLProcessor`` without torchvision (its video processor needs it, even for images only;
 huggingface/transformers#48558), so the folder's ``processor/`` holds the tokenizer and the
-image-processor config only, and :func:`load_qwen2vl_processor` builds an image-only
+image-processor config only, and :func:`load_qwen2vl_processor` (diffserve's own loader for
+edit folders, ``diffserve.pipelines.qwen_image_edit``, re-exported here) builds an image-only
 ``Qwen2VLProcessor`` (:class:`Qwen2VLImageOnlyProcessor`, PIL backend) from it -- pass it as
 ``QwenImageEditPipeline.from_pretrained(folder, processor=...)``. It also works on a real
 Qwen-Image-Edit folder's ``processor/``. The tiny image processor caps images at 112x112 pixels
@@ -89,16 +90,14 @@ from diffusers import (
     QwenImagePipeline,
     QwenImageTransformer2DModel,
 )
-from transformers import (
-    Qwen2_5_VLConfig,
-    Qwen2_5_VLForConditionalGeneration,
-    Qwen2Tokenizer,
-    Qwen2VLProcessor,
-)
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-from transformers.processing_utils import ProcessorMixin
+
+from diffserve.pipelines.qwen_image_edit import Qwen2VLImageOnlyProcessor, load_qwen2vl_processor
 
 from .components import qwen2_tokenizer
+
+__all__ = ["Qwen2VLImageOnlyProcessor", "build_tiny_qwen_image", "build_tiny_qwen_image_edit", "load_qwen2vl_processor"]
 
 #: ``scheduler/scheduler_config.json`` of Qwen/Qwen-Image (and Qwen-Image-Edit).
 QWEN_IMAGE_SCHEDULER = dict(
@@ -114,51 +113,6 @@ QWEN_IMAGE_SCHEDULER = dict(
 )
 
 TEXT_HIDDEN_SIZE = 32
-
-
-class Qwen2VLImageOnlyProcessor(Qwen2VLProcessor):
-    """A ``Qwen2VLProcessor`` for text and images only (no video processor).
-
-    transformers 5.24 requires a video processor (which needs torchvision) to construct or load a
-    ``Qwen2VLProcessor``, even though ``QwenImageEditPipeline`` never passes videos. This subclass
-    declares only ``image_processor`` and ``tokenizer``; text and image processing are the parent's
-    (``<|image_pad|>`` expansion, ``pixel_values``, ``image_grid_thw``). Passing ``videos`` raises.
-    """
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        self.image_token = getattr(tokenizer, "image_token", "<|image_pad|>")
-        self.video_token = getattr(tokenizer, "video_token", "<|video_pad|>")
-        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
-        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template, **kwargs)
-
-    def __call__(self, images=None, text=None, videos=None, **kwargs):
-        """Tokenize ``text`` and process ``images`` as ``Qwen2VLProcessor`` does.
-
-        Raises:
-            ValueError: ``videos`` given (this processor has no video processor).
-        """
-        if videos is not None:
-            raise ValueError("videos: this Qwen2-VL processor has no video processor (it needs torchvision)")
-        return super().__call__(images=images, text=text, **kwargs)
-
-
-def load_qwen2vl_processor(folder: Path) -> Qwen2VLImageOnlyProcessor:
-    """Load an image-only Qwen2-VL processor from a ``processor/`` folder (tiny or real).
-
-    Args:
-        folder: the pipeline folder's ``processor`` subfolder (tokenizer files plus
-            ``preprocessor_config.json`` or ``processor_config.json`` with the image processor).
-
-    Returns:
-        A :class:`Qwen2VLImageOnlyProcessor` with a ``Qwen2Tokenizer`` and a PIL-backend
-        ``Qwen2VLImageProcessorPil`` (no torchvision needed).
-    """
-    folder = Path(folder)
-    return Qwen2VLImageOnlyProcessor(
-        image_processor=Qwen2VLImageProcessorPil.from_pretrained(folder),
-        tokenizer=Qwen2Tokenizer.from_pretrained(folder),
-    )
 
 
 def _templates() -> list[tuple[str, int]]:

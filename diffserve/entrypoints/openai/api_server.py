@@ -3,14 +3,21 @@
 Endpoints:
     POST /v1/images/generations   OpenAI Images API (JSON or Server-Sent Events), see
                                   `serving_images` and `protocol` for fields and extensions
-    GET  /v1/images/files/{name}  images of ``response_format="url"`` responses, kept in memory
-                                  for ``--image-url-ttl`` seconds (default 3600; at most
-                                  ``--max-stored-images``, oldest evicted first)
+    GET  /v1/images/files/{name}  images of ``response_format="url"`` responses, kept for
+                                  ``--image-url-ttl`` seconds (default 3600) as promised by each
+                                  response's ``expires_at`` (see `image_store`)
     GET  /v1/models[/{id}]        the served model (``--served-model-name``; default: the model
                                   folder's name, or ``diffserve-digits`` for the built-in model)
     GET  /health                  200 once the model is loaded; 503 while loading, after a
-                                  failed load and while shutting down
+                                  failed load, while shutting down and when the engine loop died
     GET  /metrics                 Prometheus metrics (see `metrics`)
+    GET  /                        the web playground (see `playground`)
+
+Security (see `server_options`): ``--api-key`` protects ``/v1/*`` with Bearer auth (401 in
+OpenAI's format); JSON routes take only ``Content-Type: application/json`` (415 otherwise);
+CORS only for ``--allowed-origins``; ``url`` links from ``--public-url`` or the accepting
+socket's address. Connections (see `http_protocol`): header and body read timeouts (408), a
+connection limit (503), half-closed clients answered, rate-limited connection logging.
 
 Lifecycle: ``run_server`` binds the address first (when it cannot, it prints one line
 ``diffserve: error: cannot listen on HOST:PORT: REASON`` and returns 2 without loading
@@ -28,6 +35,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import secrets
 import signal
 import socket
 import sys
@@ -40,47 +48,61 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from diffserve.config import EngineConfig
 from diffserve.engine.async_engine import AsyncDiffusionEngine
+from diffserve.entrypoints.openai.sleep_routes import install_sleep_routes
 from diffserve.entrypoints.openai.errors import (
     CLIENT_CLOSED_REQUEST,
     APIError,
     install_error_handlers,
     unavailable,
 )
-from diffserve.entrypoints.openai.image_store import DEFAULT_MAX_IMAGES, DEFAULT_TTL_S, ImageStore
+from diffserve.entrypoints.model_name import DEFAULT_MODEL_NAME, model_name
+from diffserve.entrypoints.openai.http_protocol import BODY_TIMEOUT_KEY, ConnectionLimits, protocol_class
+from diffserve.entrypoints.openai.image_store import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_IMAGES,
+    DEFAULT_MAX_SPILL_BYTES,
+    DEFAULT_TTL_S,
+    ImageStore,
+)
 from diffserve.entrypoints.openai.metrics import ServerMetrics
+from diffserve.entrypoints.openai.playground import install_playground
 from diffserve.entrypoints.openai.protocol import (
     ErrorResponse,
     ImageGenerationRequest,
     ImagesResponse,
     ModelCard,
+    SSE_EVENT_SCHEMA,
     ModelList,
+    request_json_schema,
 )
-from diffserve.entrypoints.openai.serving_images import CLIENT_DISCONNECTED_KEY, ImageGenerationService
+from diffserve.entrypoints.openai.serving_images import (
+    CLIENT_DISCONNECTED_KEY,
+    DEFAULT_HEARTBEAT_S,
+    ImageGenerationService,
+)
 from diffserve.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-#: Name served for the built-in default model.
-DEFAULT_MODEL_NAME = "diffserve-digits"
 #: Largest accepted request body, bytes.
 MAX_BODY_BYTES = 1 << 20
 #: Default bound on finishing in-flight requests at shutdown, seconds.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 GENERATIONS_PATH = "/v1/images/generations"
+FILES_PATH_PREFIX = "/v1/images/files/"
 
 
 def default_served_model_name(config: EngineConfig) -> str:
-    """The model name clients use: the model folder's name, or ``diffserve-digits`` for the
-    built-in default model."""
-    if config.model is None:
-        return DEFAULT_MODEL_NAME
-    return Path(config.model).expanduser().resolve().name or str(config.model)
+    """The model name clients use: the model folder's name, or ``diffserve-digits`` (the
+    `DEFAULT_MODEL_NAME`) for the built-in default model."""
+    return model_name(config.model)
 
 
 class ServerState:
@@ -92,11 +114,15 @@ class ServerState:
         shutdown_timeout_s: how long in-flight requests may run once shutdown begins.
     """
 
-    def __init__(self, model_name: str, store: ImageStore, metrics: ServerMetrics, shutdown_timeout_s: float):
+    def __init__(self, model_name: str, store: ImageStore, metrics: ServerMetrics, shutdown_timeout_s: float,
+                 public_url: str | None = None, heartbeat_s: float = DEFAULT_HEARTBEAT_S):
         self.model_name = model_name
         self.store = store
         self.metrics = metrics
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.public_url = public_url
+        self.heartbeat_s = heartbeat_s
+        self._engine_death_logged = False
         self.created = int(time.time())
         self.engine: AsyncDiffusionEngine | None = None
         self.images: ImageGenerationService | None = None
@@ -116,7 +142,8 @@ class ServerState:
         engine.start()
         self.engine = engine
         self.images = ImageGenerationService(engine, self.model_name, self.store, self.metrics,
-                                             lambda: self.draining)
+                                             lambda: self.draining, public_url=self.public_url,
+                                             heartbeat_s=self.heartbeat_s)
         if self.draining:  # a shutdown began while the model was loading
             self.stop_engine()
 
@@ -152,7 +179,8 @@ class ServerState:
         """The generation service.
 
         Raises:
-            APIError: 503 while loading, after a failed load, or when shutting down.
+            APIError: 503 while loading, after a failed load, when shutting down, or when the
+                engine loop died (``engine_dead``).
         """
         if self.draining:
             raise unavailable("the server is shutting down and accepts no new requests", "shutting_down")
@@ -160,7 +188,17 @@ class ServerState:
             if self.load_error is not None:
                 raise unavailable(f"the model failed to load: {self.load_error}", "model_load_failed")
             raise unavailable("the model is still loading; retry shortly", "model_loading")
+        if self.engine_dead:
+            if not self._engine_death_logged:
+                self._engine_death_logged = True
+                logger.error("the engine loop thread is no longer running: /health and new requests answer 503")
+            raise unavailable(self.images.engine_dead_message(), "engine_dead")
         return self.images
+
+    @property
+    def engine_dead(self) -> bool:
+        """The engine was started and its loop thread stopped without a shutdown."""
+        return self.engine is not None and not self._engine_stopped and not self.engine.is_running
 
 
 class _StatusCounter:
@@ -189,18 +227,59 @@ class _StatusCounter:
             status = status or 500
             raise
         finally:
-            if scope.get(CLIENT_DISCONNECTED_KEY) or status is None:
+            if scope.get(BODY_TIMEOUT_KEY):
+                status = 408
+            elif scope.get(CLIENT_DISCONNECTED_KEY) or status is None:
                 status = CLIENT_CLOSED_REQUEST
             self.metrics.observe_status(status)
+
+
+class _ApiKeyAuth:
+    """ASGI middleware: ``Authorization: Bearer KEY`` on ``/v1/*`` (every path when
+    `protect_all`), except the capability links ``/v1/images/files/*`` unless `protect_all`;
+    401 in OpenAI's format otherwise. CORS preflights (OPTIONS) pass (the CORS middleware,
+    outside this one, answers them)."""
+
+    def __init__(self, app, api_key: str, protect_all: bool = False):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+        self.protect_all = protect_all
+
+    def _protected(self, path: str) -> bool:
+        if self.protect_all:
+            return True
+        return (path == "/v1" or path.startswith("/v1/")) and not path.startswith(FILES_PATH_PREFIX)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not self._protected(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        given = next((value for name, value in scope["headers"] if name == b"authorization"), None)
+        if given is not None and secrets.compare_digest(given, self._expected):
+            await self.app(scope, receive, send)
+            return
+        if given is None:
+            message = ("You didn't provide an API key. You need to provide your API key in an Authorization "
+                       "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+        else:
+            message = "Incorrect API key provided."
+        error = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await error.to_response()(scope, receive, send)
 
 
 async def _read_json_body(request: Request) -> ImageGenerationRequest:
     """Read, size-check, parse and validate the body.
 
     Raises:
-        APIError: 413 over `MAX_BODY_BYTES`; 400 malformed JSON (including nesting too deep).
+        APIError: 415 unless ``Content-Type: application/json``; 413 over `MAX_BODY_BYTES`; 400
+            malformed JSON (including nesting too deep).
         RequestValidationError: schema violations (mapped to 400 with ``param``).
     """
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        shown = f"'{media_type}'" if media_type else "none"
+        raise APIError(415, f"Unsupported Content-Type {shown}: send the request body as JSON with "
+                            "'Content-Type: application/json'.", code="unsupported_media_type")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", code="request_too_large")
@@ -225,12 +304,16 @@ async def _read_json_body(request: Request) -> ImageGenerationRequest:
 
 
 def _log_body_disconnect(request: Request) -> None:
-    """Log (one line) and mark for the metrics a client that disconnected mid-body."""
+    """Log (one line) and mark for the metrics a client that disconnected mid-body (or whose
+    body timed out: the connection layer answered 408 and closed it)."""
     request.scope[CLIENT_DISCONNECTED_KEY] = True
     client = request.client
-    logger.info('%s:%s - "%s %s" %d client disconnected while sending the request body',
-                client.host if client else "-", client.port if client else "-", request.method,
-                request.url.path, CLIENT_CLOSED_REQUEST)
+    if request.scope.get(BODY_TIMEOUT_KEY):
+        status, what = 408, "request body timed out"
+    else:
+        status, what = CLIENT_CLOSED_REQUEST, "client disconnected while sending the request body"
+    logger.info('%s:%s - "%s %s" %d %s', client.host if client else "-", client.port if client else "-",
+                request.method, request.url.path, status, what)
 
 
 def create_app(
@@ -240,7 +323,16 @@ def create_app(
     engine_loader: Callable[[], AsyncDiffusionEngine] | None = None,
     image_url_ttl_s: float = DEFAULT_TTL_S,
     max_stored_images: int = DEFAULT_MAX_IMAGES,
+    max_stored_bytes: int = DEFAULT_MAX_BYTES,
+    image_store_dir: str | Path | None = None,
+    image_store_dir_bytes: int = DEFAULT_MAX_SPILL_BYTES,
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    api_key: str | None = None,
+    api_key_protect_all: bool = False,
+    allowed_origins: list[str] | None = None,
+    public_url: str | None = None,
+    sse_heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+    wake_on_request: bool = False,
 ) -> FastAPI:
     """Build the FastAPI app serving `engine` under the name `served_model_name`.
 
@@ -254,8 +346,19 @@ def create_app(
         served_model_name: the model's name in ``/v1/models`` and the only accepted ``model``.
         engine_loader: builds the engine (loading the model); used when `engine` is None.
         image_url_ttl_s: seconds a ``response_format="url"`` image stays downloadable.
-        max_stored_images: most images kept for URLs (oldest evicted first).
+        max_stored_images: most images kept for URLs (url requests get 503 when full).
+        max_stored_bytes: most bytes of url images kept in memory.
+        image_store_dir / image_store_dir_bytes: folder (and its cap in bytes) for url images
+            beyond `max_stored_bytes`; None keeps them in memory only.
         shutdown_timeout_s: bound on finishing in-flight requests at shutdown, seconds.
+        api_key: when given, ``Authorization: Bearer api_key`` is required on ``/v1/*``.
+        api_key_protect_all: require it on every path (``/health``, ``/metrics``, docs, links).
+        allowed_origins: browser origins allowed by CORS (``["*"]`` for any); None/empty = no
+            CORS headers.
+        public_url: base of ``url`` links; None = the accepting socket's address.
+        sse_heartbeat_s: seconds between ``: keep-alive`` comments on a quiet event stream.
+        wake_on_request: a generation request wakes a sleeping engine instead of a 503
+            (`diffserve.entrypoints.openai.sleep_routes`).
 
     Raises:
         ValueError: neither or both of `engine` and `engine_loader` given, or a non-positive
@@ -265,9 +368,12 @@ def create_app(
         raise ValueError("give exactly one of engine and engine_loader")
     if shutdown_timeout_s < 0:
         raise ValueError("shutdown_timeout_s must be >= 0")
+    if not sse_heartbeat_s > 0:
+        raise ValueError("sse_heartbeat_s must be > 0")
     metrics = ServerMetrics()
-    state = ServerState(served_model_name, ImageStore(image_url_ttl_s, max_stored_images), metrics,
-                        shutdown_timeout_s)
+    store = ImageStore(image_url_ttl_s, max_stored_images, max_stored_bytes, image_store_dir, image_store_dir_bytes)
+    state = ServerState(served_model_name, store, metrics, shutdown_timeout_s, public_url=public_url,
+                        heartbeat_s=sse_heartbeat_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -279,19 +385,30 @@ def create_app(
         yield
         state.draining = True
         await asyncio.get_running_loop().run_in_executor(None, state.stop_engine)
+        store.close()
 
     app = FastAPI(title="diffserve", summary="OpenAI-compatible image generation server", lifespan=lifespan)
     app.state.diffserve = state
     install_error_handlers(app)
+    install_sleep_routes(app, state, wake_on_request=wake_on_request)
     app.add_middleware(_StatusCounter, metrics=metrics)
-    errors = {code: {"model": ErrorResponse} for code in (400, 404, 413, 429, 500, 503)}
+    if api_key is not None:
+        app.add_middleware(_ApiKeyAuth, api_key=api_key, protect_all=api_key_protect_all)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"],
+                           expose_headers=["X-Request-Id", "Retry-After"])
+    auth = {401: {"model": ErrorResponse, "description": "Missing or wrong API key (with --api-key)"}}
+    errors = {code: {"model": ErrorResponse} for code in (400, 404, 408, 413, 415, 429, 500, 503)}
+    sse = {"schema": SSE_EVENT_SCHEMA}
 
     @app.post(
         GENERATIONS_PATH,
         response_model=ImagesResponse,
-        responses={**errors, 200: {"description": "An ImagesResponse, or a text/event-stream when stream=true"}},
+        responses={**errors, **auth, 200: {"description": "An ImagesResponse, or a text/event-stream when "
+                                                          "stream=true", "content": {"text/event-stream": sse}}},
         openapi_extra={"requestBody": {"required": True, "content": {
-            "application/json": {"schema": ImageGenerationRequest.model_json_schema()}}}},
+            "application/json": {"schema": request_json_schema()}}}},
     )
     async def create_image(raw_request: Request) -> Response:
         """Generate images (OpenAI Images API, plus diffserve's extension fields)."""
@@ -303,7 +420,11 @@ def create_app(
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return await service.create(body, raw_request)
 
-    @app.get("/v1/images/files/{name}", responses={404: {"model": ErrorResponse}})
+    images = {"content": {media: {"schema": {"type": "string", "format": "binary"}}
+                          for media in ("image/png", "image/jpeg", "image/webp")}, "description": "The image"}
+
+    @app.get("/v1/images/files/{name}", response_class=Response,
+             responses={200: images, 404: {"model": ErrorResponse}, **(auth if api_key_protect_all else {})})
     async def get_image_file(name: str) -> Response:
         """An image of a ``response_format="url"`` response, until it expires."""
         image = state.store.get(name)
@@ -313,32 +434,50 @@ def create_app(
         return Response(image.data, media_type=image.media_type, headers={"Cache-Control": "private, max-age=60"})
 
     def model_card() -> ModelCard:
-        return ModelCard(id=state.model_name, created=state.created)
+        return ModelCard.describe(state.model_name, state.created,
+                                  state.engine.engine if state.engine is not None else None)
 
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList, responses=auth)
     async def list_models() -> ModelList:
         """The served model."""
         return ModelList(data=[model_card()])
 
-    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}, **auth})
     async def get_model(model_id: str) -> ModelCard:
         """The served model by name; 404 for any other name."""
         if model_id != state.model_name:
             raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
         return model_card()
 
-    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    open_routes_auth = auth if api_key_protect_all else {}
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}, **open_routes_auth})
     async def health() -> JSONResponse:
         """200 when the model is loaded and requests are admitted; 503 otherwise."""
         state.require_service()
         return JSONResponse({"status": "ok", "model": state.model_name})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"description": "Prometheus text exposition format",
+              "content": {"text/plain": {"schema": {"type": "string"}}}}, **open_routes_auth})
     async def prometheus_metrics() -> Response:
         """Prometheus exposition of the server's metrics."""
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+    default_openapi = app.openapi
+
+    def openapi() -> dict:
+        """The OpenAPI schema, with the loaded model's limits in the request body schema."""
+        app.openapi_schema = None  # rebuilt on each request: the limits are known once loaded
+        schema = default_openapi()
+        if state.images is not None:
+            body = schema["paths"][GENERATIONS_PATH]["post"]["requestBody"]["content"]["application/json"]
+            body["schema"] = state.images.request_schema()
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    install_playground(app)
     return app
 
 
@@ -384,6 +523,16 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *,
+                   limits: ConnectionLimits = ConnectionLimits(), log_level: str = "info",
+                   shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> uvicorn.Config:
+    """The uvicorn configuration ``diffserve serve`` runs `app` with: the guarded h11 protocol
+    of `http_protocol` with `limits` (timeouts, connection cap, half-close), lifespan on."""
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                          http=protocol_class(limits), timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]
+                          timeout_graceful_shutdown=int(shutdown_timeout_s) + 10)
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Run ``diffserve serve`` until SIGTERM/SIGINT.
 
@@ -391,9 +540,8 @@ def run_server(args: argparse.Namespace) -> int:
     ``diffserve: error: cannot listen on HOST:PORT: REASON`` goes to stderr and nothing loads.
 
     Args:
-        args: parsed ``serve`` arguments: the engine options plus host, port,
-            served_model_name, max_waiting_requests, image_url_ttl, max_stored_images,
-            shutdown_timeout and log_level.
+        args: parsed ``serve`` arguments (`diffserve.entrypoints.cli.build_parser`): the engine
+            options plus those of `server_options.add_server_arguments`.
 
     Returns:
         0 after a graceful shutdown; 1 when the model failed to load with an unexpected error;
@@ -403,16 +551,15 @@ def run_server(args: argparse.Namespace) -> int:
         InvalidRequestError: an invalid option (the CLI prints it and exits 2).
         UnsupportedModelError: the model folder cannot be served (the CLI exits 2).
     """
-    from diffserve.entrypoints.cli import EXIT_USAGE, engine_config_from_args
+    from diffserve.entrypoints.cli import EXIT_USAGE, check_engine_arguments, engine_config_from_args
+    from diffserve.runner.library_warnings import silence_inapplicable_library_warnings
+    from diffserve.entrypoints.openai.server_options import check_server_arguments
 
-    if not 0 <= args.port <= 65535:
-        raise InvalidRequestError("port", args.port, "an integer in [0, 65535]")
-    if not args.image_url_ttl > 0:
-        raise InvalidRequestError("image_url_ttl", args.image_url_ttl, "a number of seconds > 0")
-    if args.max_stored_images < 1:
-        raise InvalidRequestError("max_stored_images", args.max_stored_images, "an integer >= 1")
-    if not args.shutdown_timeout >= 0:
-        raise InvalidRequestError("shutdown_timeout", args.shutdown_timeout, "a number of seconds >= 0")
+    check_engine_arguments(args)
+    check_server_arguments(args)
+    limits = ConnectionLimits(max_connections=args.max_connections, header_timeout_s=args.header_timeout,
+                              body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout)
+    silence_inapplicable_library_warnings()
     config = dataclasses.replace(engine_config_from_args(args), max_waiting_requests=args.max_waiting_requests)
     name = args.served_model_name or default_served_model_name(config)
     logging.getLogger("diffserve").setLevel(args.log_level.upper())
@@ -423,13 +570,16 @@ def run_server(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     try:
-        return _serve(args, config, name, sock)
+        return _serve(args, config, name, sock, limits)
     finally:
         sock.close()  # uvicorn closes it at shutdown; this covers a failed start
 
 
-def _serve(args: argparse.Namespace, config: EngineConfig, name: str, sock: socket.socket) -> int:
+def _serve(args: argparse.Namespace, config: EngineConfig, name: str, sock: socket.socket,
+           limits: ConnectionLimits) -> int:
     """`run_server` once the listening socket is bound."""
+    from diffserve.entrypoints.openai.server_options import allowed_origins
+
     server = None
 
     def load_engine() -> AsyncDiffusionEngine:
@@ -441,10 +591,15 @@ def _serve(args: argparse.Namespace, config: EngineConfig, name: str, sock: sock
             raise
 
     app = create_app(None, name, engine_loader=load_engine, image_url_ttl_s=args.image_url_ttl,
-                     max_stored_images=args.max_stored_images, shutdown_timeout_s=args.shutdown_timeout)
+                     max_stored_images=args.max_stored_images, max_stored_bytes=args.max_stored_bytes,
+                     image_store_dir=args.image_store_dir, image_store_dir_bytes=args.image_store_dir_bytes,
+                     shutdown_timeout_s=args.shutdown_timeout, api_key=args.api_key,
+                     api_key_protect_all=args.api_key_protect_all,
+                     allowed_origins=allowed_origins(args.allowed_origins), public_url=args.public_url,
+                     sse_heartbeat_s=args.sse_heartbeat, wake_on_request=args.wake_on_request)
     state: ServerState = app.state.diffserve
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
-                               timeout_graceful_shutdown=int(args.shutdown_timeout) + 10)
+    uv_config = uvicorn_config(app, args.host, args.port, limits=limits, log_level=args.log_level,
+                               shutdown_timeout_s=args.shutdown_timeout)
     server = _GracefulServer(uv_config, state.begin_shutdown)
     logger.info("serving %r on http://%s", name, _address(args.host, sock.getsockname()[1]))
     server.run(sockets=[sock])

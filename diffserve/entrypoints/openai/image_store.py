@@ -1,44 +1,100 @@
-"""In-memory store of encoded images behind ``response_format="url"``.
+"""Store of encoded images behind ``response_format="url"``.
 
-Each image is kept for `ImageStore.ttl_s` seconds after it was generated, then forgotten; the
-store also holds at most `max_images` images and `max_bytes` bytes, evicting the oldest first,
-so a URL may stop working before its expiry under heavy use. Nothing is written to disk and a
-restart forgets everything. File names are random (128 bits), so they act as capabilities: the
-files endpoint needs no other authorisation.
+Promise: an image stays downloadable until the ``expires_at`` its response stated (``ttl_s``
+seconds after it was stored), as long as the server runs. Nothing is ever evicted early to make
+room. Instead a ``url`` request first *reserves* room for its images (`ImageStore.reserve`, an
+upper bound of their encoded size); when the store is full it is refused before any compute
+(`StoreFullError`, HTTP 503 with ``Retry-After`` = seconds until the oldest image expires),
+and the client can retry or use ``b64_json``.
+
+Bounds: at most `max_images` images; at most `max_memory_bytes` bytes in memory, the oldest
+images beyond that spilled to files in `spill_dir` (when given) up to `max_spill_bytes`. A
+restart forgets everything; spilled files are deleted when they expire and at `close`. File
+names are random (128 bits), so they act as capabilities.
 """
 
 from __future__ import annotations
 
+import math
 import secrets
+import shutil
+import tempfile
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 #: Default lifetime of a stored image, seconds.
 DEFAULT_TTL_S = 3600.0
 #: Default cap on stored images.
-DEFAULT_MAX_IMAGES = 256
-#: Default cap on stored bytes (256 MiB).
+DEFAULT_MAX_IMAGES = 4096
+#: Default cap on bytes kept in memory (256 MiB).
 DEFAULT_MAX_BYTES = 256 * 2**20
+#: Default cap on bytes spilled to disk (4 GiB).
+DEFAULT_MAX_SPILL_BYTES = 4 * 2**30
+
+
+def encoded_size_bound(width: int, height: int) -> int:
+    """Upper bound in bytes of one encoded ``width`` x ``height`` RGB image (PNG, JPEG or WebP
+    at any quality): the raw pixels plus 10% and 4 KiB of headers."""
+    return math.ceil(width * height * 3 * 1.1) + 4096
+
+
+class StoreFullError(Exception):
+    """No room for the images of a request without breaking an earlier promise.
+
+    Attributes:
+        retry_after_s: whole seconds until the oldest stored image expires (>= 1).
+    """
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)
 class StoredImage:
-    """An encoded image and its media type; `expires_at` is on the store's clock (seconds)."""
+    """An encoded image and its media type; `expires_at` is on the store's monotonic clock."""
 
     data: bytes
     media_type: str
     expires_at: float
 
 
+@dataclass
+class _Entry:
+    media_type: str
+    size: int
+    expires_at: float
+    data: bytes | None = None  # None when spilled
+    path: Path | None = None
+
+
+class Reservation:
+    """Room held for up to `count` images and `nbytes` bytes; `ImageStore.put` uses it up and
+    `release` returns what is left (idempotent)."""
+
+    def __init__(self, store: "ImageStore", count: int, nbytes: int):
+        self._store = store
+        self.count = count
+        self.nbytes = nbytes
+
+    def release(self) -> None:
+        self._store._release(self)
+
+
 class ImageStore:
-    """Encoded images by file name, with a TTL and caps.
+    """Encoded images by file name (see the module docstring).
 
     Args:
         ttl_s: seconds each image stays available (> 0).
-        max_images / max_bytes: caps; the oldest images are evicted to stay within them.
+        max_images: cap on stored images.
+        max_memory_bytes: cap on bytes kept in memory.
+        spill_dir: folder for images beyond `max_memory_bytes` (created if missing; removed at
+            `close` if this store created it); None keeps everything in memory.
+        max_spill_bytes: cap on bytes in `spill_dir`.
         clock: monotonic clock in seconds (injectable for tests).
 
     Raises:
@@ -46,47 +102,160 @@ class ImageStore:
     """
 
     def __init__(self, ttl_s: float = DEFAULT_TTL_S, max_images: int = DEFAULT_MAX_IMAGES,
-                 max_bytes: int = DEFAULT_MAX_BYTES, clock: Callable[[], float] = time.monotonic):
-        if ttl_s <= 0 or max_images < 1 or max_bytes < 1:
-            raise ValueError("ttl_s, max_images and max_bytes must be positive")
+                 max_memory_bytes: int = DEFAULT_MAX_BYTES, spill_dir: str | Path | None = None,
+                 max_spill_bytes: int = DEFAULT_MAX_SPILL_BYTES, clock: Callable[[], float] = time.monotonic):
+        if not ttl_s > 0 or max_images < 1 or max_memory_bytes < 1 or max_spill_bytes < 1:
+            raise ValueError("ttl_s, max_images, max_memory_bytes and max_spill_bytes must be positive")
         self.ttl_s = float(ttl_s)
         self.max_images = max_images
-        self.max_bytes = max_bytes
+        self.max_memory_bytes = max_memory_bytes
+        self.max_spill_bytes = max_spill_bytes if spill_dir is not None else 0
         self._clock = clock
-        self._images: OrderedDict[str, StoredImage] = OrderedDict()
-        self._bytes = 0
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # oldest first
+        self._memory_bytes = 0
+        self._spill_bytes = 0
+        self._reserved_count = 0
+        self._reserved_bytes = 0
         self._lock = threading.Lock()
+        self._spill_dir: Path | None = None
+        self._created_dir = False
+        if spill_dir is not None:
+            path = Path(spill_dir).expanduser()
+            self._created_dir = not path.exists()
+            path.mkdir(parents=True, exist_ok=True)
+            self._spill_dir = Path(tempfile.mkdtemp(prefix="diffserve-images-", dir=path))
 
-    def put(self, data: bytes, media_type: str, extension: str) -> str:
-        """Store `data`; returns its new file name ``<random>.<extension>``."""
-        name = f"{secrets.token_urlsafe(16)}.{extension}"
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes the store can hold in all (memory plus spill folder)."""
+        return self.max_memory_bytes + self.max_spill_bytes
+
+    def reserve(self, count: int, nbytes: int) -> Reservation:
+        """Hold room for `count` images of at most `nbytes` bytes in all.
+
+        Raises:
+            StoreFullError: not enough room until some stored images expire (or ever, when
+                the request is larger than the store).
+        """
         with self._lock:
             self._evict_expired()
-            self._images[name] = StoredImage(data, media_type, self._clock() + self.ttl_s)
-            self._bytes += len(data)
-            while self._images and (len(self._images) > self.max_images or self._bytes > self.max_bytes):
-                self._drop_oldest()
-        return name
+            used_count = len(self._entries) + self._reserved_count
+            used_bytes = self._memory_bytes + self._spill_bytes + self._reserved_bytes
+            if count > self.max_images or nbytes > self.capacity_bytes:
+                raise StoreFullError(
+                    f"{count} url image(s) of up to {nbytes} bytes do not fit the server's url image store "
+                    f"({self.max_images} images, {self.capacity_bytes} bytes); use response_format=b64_json",
+                    retry_after_s=1)
+            if used_count + count > self.max_images or used_bytes + nbytes > self.capacity_bytes:
+                retry = 1
+                if self._entries:
+                    oldest = next(iter(self._entries.values()))
+                    retry = max(1, math.ceil(oldest.expires_at - self._clock()))
+                raise StoreFullError(
+                    "the url image store is full until earlier images expire; retry later or use "
+                    "response_format=b64_json", retry_after_s=retry)
+            self._reserved_count += count
+            self._reserved_bytes += nbytes
+            return Reservation(self, count, nbytes)
+
+    def put(self, data: bytes, media_type: str, extension: str, reservation: Reservation) -> tuple[str, float]:
+        """Store `data` in room held by `reservation`.
+
+        Returns:
+            (file name ``<random>.<extension>``, seconds from now until it expires).
+
+        Raises:
+            ValueError: the reservation has no image or not enough bytes left.
+        """
+        size = len(data)
+        with self._lock:
+            if reservation.count < 1 or size > reservation.nbytes:
+                raise ValueError("image larger than its reservation")
+            reservation.count -= 1
+            reservation.nbytes -= size
+            self._reserved_count -= 1
+            self._reserved_bytes -= size
+            self._evict_expired()
+            name = f"{secrets.token_urlsafe(16)}.{extension}"
+            self._entries[name] = _Entry(media_type, size, self._clock() + self.ttl_s, data=data)
+            self._memory_bytes += size
+            self._spill_oldest()
+            return name, self.ttl_s
 
     def get(self, name: str) -> StoredImage | None:
-        """The image stored under `name`, or None if unknown, expired or evicted."""
+        """The image stored under `name`, or None if unknown or expired."""
         with self._lock:
             self._evict_expired()
-            return self._images.get(name)
+            entry = self._entries.get(name)
+            if entry is None:
+                return None
+            data = entry.data
+            if data is None:
+                try:
+                    data = entry.path.read_bytes()  # type: ignore[union-attr]
+                except OSError:
+                    return None
+            return StoredImage(data, entry.media_type, entry.expires_at)
 
     def __len__(self) -> int:
         with self._lock:
             self._evict_expired()
-            return len(self._images)
+            return len(self._entries)
 
-    def _drop_oldest(self) -> None:
-        _, image = self._images.popitem(last=False)
-        self._bytes -= len(image.data)
+    def stats(self) -> dict[str, int]:
+        """Counts: images, memory_bytes, spilled_bytes, reserved_images, reserved_bytes."""
+        with self._lock:
+            self._evict_expired()
+            return {"images": len(self._entries), "memory_bytes": self._memory_bytes,
+                    "spilled_bytes": self._spill_bytes, "reserved_images": self._reserved_count,
+                    "reserved_bytes": self._reserved_bytes}
+
+    def close(self) -> None:
+        """Forget every image and delete the spill folder's files."""
+        with self._lock:
+            self._entries.clear()
+            self._memory_bytes = self._spill_bytes = 0
+            if self._spill_dir is not None:
+                shutil.rmtree(self._spill_dir, ignore_errors=True)
+                if self._created_dir:
+                    try:
+                        self._spill_dir.parent.rmdir()
+                    except OSError:
+                        pass
+
+    # ------------------------------------------------------------------------- internals
+    def _release(self, reservation: Reservation) -> None:
+        with self._lock:
+            self._reserved_count -= reservation.count
+            self._reserved_bytes -= reservation.nbytes
+            reservation.count = reservation.nbytes = 0
+
+    def _spill_oldest(self) -> None:
+        """Move the oldest in-memory images to the spill folder while memory is over its cap
+        (room there is guaranteed by the reservations)."""
+        if self._memory_bytes <= self.max_memory_bytes or self._spill_dir is None:
+            return
+        for name, entry in self._entries.items():
+            if self._memory_bytes <= self.max_memory_bytes:
+                break
+            if entry.data is None:
+                continue
+            path = self._spill_dir / name
+            path.write_bytes(entry.data)
+            entry.path, entry.data = path, None
+            self._memory_bytes -= entry.size
+            self._spill_bytes += entry.size
 
     def _evict_expired(self) -> None:
         now = self._clock()
-        while self._images:
-            image = next(iter(self._images.values()))
-            if image.expires_at > now:
+        while self._entries:
+            name, entry = next(iter(self._entries.items()))
+            if entry.expires_at > now:
                 break
-            self._drop_oldest()
+            del self._entries[name]
+            if entry.data is None:
+                self._spill_bytes -= entry.size
+                if entry.path is not None:
+                    entry.path.unlink(missing_ok=True)
+            else:
+                self._memory_bytes -= entry.size

@@ -1,7 +1,8 @@
 """Schemas of the OpenAI-compatible Images API, plus diffserve's extension fields.
 
 Requests are validated strictly: unknown fields are rejected (``extra="forbid"``) and types are
-not coerced (``"n": "3"`` or ``"n": 1.0`` is a 400, not 3 or 1). Ranges that depend on the
+not coerced (``"n": "3"`` or ``"n": 1.5`` is a 400); as in JSON Schema, an integral number such
+as ``2.0`` is the integer 2. Ranges that depend on the
 loaded model or the engine's limits (``n``, ``size``, ``num_inference_steps``) are checked when
 the request is turned into `SamplingParams`, before anything is queued.
 
@@ -12,18 +13,28 @@ OpenAI fields (see OpenAI's ``POST /v1/images/generations``):
     (except ``background="transparent"``, rejected: the models output opaque RGB).
 
 diffserve extension fields (send them with the openai client's ``extra_body=``):
-    negative_prompt, num_inference_steps, guidance_scale, seed.
+    negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed; and stream_progress
+    (with stream=true: also send the ``diffserve.queued`` / ``diffserve.progress`` events of
+    `diffserve.entrypoints.openai.stream_progress`).
+
+``GET /v1/models`` cards carry two diffserve extensions (`ModelCard`): ``capabilities`` (what the
+model does, hence which endpoints serve it) and ``parameters`` (the request parameters it takes,
+with defaults and ranges), so a client such as the web playground can build its form from them.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from diffserve.errors import InvalidRequestError
-from diffserve.sampling_params import MAX_SEED
+from diffserve.sampling_params import MAX_GUIDANCE_SCALE, MAX_SEED
+
+if TYPE_CHECKING:
+    from diffserve.sampling_params import ModelSpec, RequestLimits
+    from diffserve.engine.engine import DiffusionEngine
 
 #: Longest accepted prompt / negative prompt, in characters (OpenAI's limit).
 MAX_PROMPT_CHARS = 32000
@@ -33,6 +44,32 @@ OUTPUT_FORMATS = ("png", "jpeg", "webp")
 MAX_PARTIAL_IMAGES = 3
 
 _SIZE_RE = re.compile(r"([0-9]{1,6})[xX]([0-9]{1,6})")
+#: The ``size`` field's syntax (the loaded model's sizes are in the served OpenAPI schema).
+SIZE_PATTERN = r"^(auto|[0-9]{1,6}[xX][0-9]{1,6})$"
+#: Prompt text as enforced: at least one non-whitespace character, no control characters other
+#: than tab, newline and carriage return (see `diffserve.sampling_params.validate_prompt`).
+PROMPT_PATTERN = (r"^[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]*[^\s\x00-\x1f\x7f-\x9f]"
+                  r"[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]*$")
+#: Negative prompt text as enforced (may be empty or blank).
+TEXT_PATTERN = r"^[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]*$"
+#: Largest number of size alternatives spelled out in the served schema's ``size`` pattern.
+MAX_SCHEMA_SIDES = 512
+
+
+def _schema_null_only(schema: dict[str, Any]) -> None:
+    """Schema of a field that must be null (accepted for compatibility, not supported)."""
+    for key in ("anyOf", "type", "additionalProperties"):
+        schema.pop(key, None)
+    schema["type"] = "null"
+
+
+def _schema_enum(*values: str):
+    """Schema edit: the field's string branch allows only `values`."""
+    def edit(schema: dict[str, Any]) -> None:
+        for branch in schema.get("anyOf", [schema]):
+            if "enum" in branch:
+                branch["enum"] = list(values)
+    return edit
 
 
 class _StrictRequest(BaseModel):
@@ -49,11 +86,14 @@ class ImageGenerationRequest(_StrictRequest):
     a random one (reported back per image).
     """
 
-    prompt: str = Field(max_length=MAX_PROMPT_CHARS, description="text description of the image")
+    prompt: str = Field(max_length=MAX_PROMPT_CHARS, description="text description of the image: at least one "
+                        "non-whitespace character; no control characters but tab, newline, carriage return",
+                        json_schema_extra={"minLength": 1, "pattern": PROMPT_PATTERN})
     model: str | None = Field(None, description="the served model's name (GET /v1/models); optional")
     n: int | None = Field(None, ge=1, description="images to generate, 1..the engine's limit (10 by default; "
                                                    "at most the server's waiting-queue bound)")
-    size: str | None = Field(None, description='"WIDTHxHEIGHT" in pixels, or "auto" (the model default)')
+    size: str | None = Field(None, description='"WIDTHxHEIGHT" in pixels, or "auto" (the model default)',
+                             json_schema_extra={"pattern": SIZE_PATTERN})
     response_format: Literal["b64_json", "url"] | None = Field(
         None, description='"b64_json" (default) or "url": a link served by this server for a limited time')
     output_format: Literal["png", "jpeg", "webp"] | None = None
@@ -65,7 +105,8 @@ class ImageGenerationRequest(_StrictRequest):
         None, description="accepted for compatibility and ignored: use num_inference_steps")
     style: Literal["vivid", "natural"] | None = Field(None, description="accepted for compatibility and ignored")
     background: Literal["auto", "opaque", "transparent"] | None = Field(
-        None, description='"auto" or "opaque"; "transparent" is rejected (the models output RGB)')
+        None, description='"auto" or "opaque"; "transparent" is rejected (the models output RGB)',
+        json_schema_extra=_schema_enum("auto", "opaque"))
     moderation: Literal["low", "auto"] | None = Field(
         None, description="accepted for compatibility and ignored (this server does no moderation)")
     complexity: Literal["low", "medium", "high"] | None = Field(
@@ -77,18 +118,38 @@ class ImageGenerationRequest(_StrictRequest):
         None, ge=0, le=MAX_PARTIAL_IMAGES,
         description="with stream=true: previews of the current latents sent before the final image (0-3)")
     # OpenAI fields that only apply to output formats this server does not write.
-    frame_count: int | None = Field(None, description="GIF only: not supported (must be null)")
-    frame_duration_ms: int | None = Field(None, description="GIF only: not supported (must be null)")
-    svg: dict[str, Any] | None = Field(None, description="SVG only: not supported (must be null)")
+    frame_count: int | None = Field(None, description="GIF only: not supported (must be null)",
+                                    json_schema_extra=_schema_null_only)
+    frame_duration_ms: int | None = Field(None, description="GIF only: not supported (must be null)",
+                                          json_schema_extra=_schema_null_only)
+    svg: dict[str, Any] | None = Field(None, description="SVG only: not supported (must be null)",
+                                       json_schema_extra=_schema_null_only)
     # diffserve extensions.
     negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS,
-                                        description="text for the unconditional CFG branch")
-    num_inference_steps: int | None = Field(None, description="denoising steps, 1..the engine's limit")
-    guidance_scale: float | None = Field(None, ge=0, allow_inf_nan=False,
+                                        description="text for the unconditional CFG branch (no control "
+                                                    "characters but tab, newline, carriage return)",
+                                        json_schema_extra={"pattern": TEXT_PATTERN})
+    num_inference_steps: int | None = Field(None, description="denoising steps, 1..the engine's limit",
+                                            json_schema_extra={"minimum": 1})
+    guidance_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE_SCALE, allow_inf_nan=False,
                                          description="classifier-free guidance weight; CFG is on when > 1")
+    true_cfg_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE_SCALE, allow_inf_nan=False,
+                                         description="true-CFG weight (Flux, Qwen-Image): on when > 1 and a "
+                                                     "negative_prompt is given")
     seed: int | None = Field(
         None, ge=0, le=MAX_SEED,
-        description="seed of the first image; image i uses seed + i, so each image is reproducible alone")
+        description="seed of the first image; image i uses (seed + i) mod 2**63, so each image is "
+                    "reproducible alone")
+    stream_progress: bool | None = Field(
+        None, description="with stream=true: also send diffserve.queued (place in the waiting queue) and "
+                          "diffserve.progress (denoising steps done) events")
+
+    @field_validator("n", "output_compression", "partial_images", "num_inference_steps", "seed", mode="before")
+    @classmethod
+    def _integral_numbers_are_integers(cls, value: Any) -> Any:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)  # JSON Schema's "integer" is any number without a fraction
+        return value
 
     @field_validator("background")
     @classmethod
@@ -122,6 +183,53 @@ def parse_size(size: str | None) -> tuple[int, int] | None:
     if match is None:
         raise InvalidRequestError("size", size, '"auto" or "WIDTHxHEIGHT" in pixels, e.g. "512x512"')
     return int(match.group(1)), int(match.group(2))
+
+
+#: Schema of one event of the ``text/event-stream`` response (OpenAPI 3.1: ``schema`` of an
+#: event-stream media type describes each event).
+SSE_EVENT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "One Server-Sent Event; the stream also carries ': keep-alive' comments",
+    "properties": {
+        "event": {"type": "string",
+                  "enum": ["image_generation.partial_image", "image_generation.completed", "error"]},
+        "data": {"type": "string", "contentMediaType": "application/json",
+                 "description": "JSON: a PartialImageEvent, a CompletedEvent, or {type: error, error: {...}}"},
+    },
+    "required": ["event", "data"],
+}
+
+
+def request_json_schema(spec: "ModelSpec | None" = None, limits: "RequestLimits | None" = None,
+                        max_n: int | None = None) -> dict[str, Any]:
+    """JSON schema of `ImageGenerationRequest`, with the loaded model's and engine's limits
+    when given: ``n`` in [1, max_n], ``num_inference_steps`` in [1, limit], and ``size`` spelled
+    out as the allowed ``WxH`` values (multiples of the model's resolution factor up to its
+    maximum) when there are at most `MAX_SCHEMA_SIDES` per side."""
+    schema = ImageGenerationRequest.model_json_schema()
+    props = schema["properties"]
+    if max_n is not None:
+        _constrain(props["n"], minimum=1, maximum=max_n)
+    if limits is not None:
+        _constrain(props["num_inference_steps"], minimum=1, maximum=limits.max_num_inference_steps)
+    if spec is not None and limits is not None:
+        f = spec.resolution_factor
+        sides = []
+        for side_max in (spec.max_width, spec.max_height):
+            top = min(side_max if side_max is not None else limits.max_pixels // f, limits.max_pixels // f)
+            sides.append([str(v) for v in range(f, top + 1, f)])
+        widths, heights = sides
+        fits = int(widths[-1]) * int(heights[-1]) <= limits.max_pixels if widths and heights else False
+        if fits and max(len(widths), len(heights)) <= MAX_SCHEMA_SIDES:
+            _constrain(props["size"], pattern=f"^(auto|({'|'.join(widths)})[xX]({'|'.join(heights)}))$")
+    return schema
+
+
+def _constrain(prop: dict[str, Any], **keywords: Any) -> None:
+    """Add `keywords` to a property schema (to its non-null branch when it is ``X | None``)."""
+    for branch in prop.get("anyOf", [prop]):
+        if branch.get("type") != "null":
+            branch.update(keywords)
 
 
 def preview_steps(num_inference_steps: int, partial_images: int) -> list[int]:
@@ -231,13 +339,138 @@ class CompletedEvent(BaseModel):
     timings: dict[str, Any]
 
 
+#: The capabilities a model card may list, and the endpoint each one is served by.
+CAPABILITY_ENDPOINTS = {
+    "text-to-image": "POST /v1/images/generations",
+    "image-edit": "POST /v1/images/edits",
+    "text-to-video": "POST /v1/videos",
+}
+
+
+class ParameterInfo(BaseModel):
+    """A request parameter a model takes (model card extension), described like a JSON-schema
+    property.
+
+    Attributes:
+        type: ``integer``, ``number``, ``string`` or ``boolean``.
+        default: the value used when a request omits the parameter (None: none, or drawn at
+            random, e.g. ``seed``).
+        minimum / maximum: inclusive range of numeric parameters.
+        multiple_of / max_width / max_height / max_pixels: ``size`` only: width and height in
+            pixels are positive multiples of `multiple_of`, at most `max_width` x `max_height`
+            (None: no model limit), with width x height <= `max_pixels`.
+        capabilities: the capabilities whose requests take the parameter (e.g. ``strength``:
+            ``["image-edit"]``); None = every capability of the model.
+        description: one line for people.
+
+    Fields that are None are left out of the JSON.
+    """
+
+    type: Literal["integer", "number", "string", "boolean"]
+    default: int | float | str | bool | None = None
+    minimum: int | float | None = None
+    maximum: int | float | None = None
+    multiple_of: int | None = None
+    max_width: int | None = None
+    max_height: int | None = None
+    max_pixels: int | None = None
+    capabilities: list[str] | None = None
+    description: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nones(self, handler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
 class ModelCard(BaseModel):
-    """An entry of ``GET /v1/models``."""
+    """An entry of ``GET /v1/models``.
+
+    diffserve extensions (None while the model is still loading):
+        capabilities: what the model does, each served by one endpoint (`CAPABILITY_ENDPOINTS`):
+            ``text-to-image``, ``image-edit``, ``text-to-video``.
+        parameters: request parameter name -> `ParameterInfo`, for the parameters this model
+            takes beyond ``prompt`` and ``model`` (a parameter a model lacks, e.g.
+            ``true_cfg_scale`` without true CFG, is absent).
+        step_batching: False when the model's pipeline class has no step adapter and runs
+            whole requests without step batching (the whole-request fallback).
+    """
 
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "diffserve"
+    capabilities: list[str] | None = None
+    parameters: dict[str, ParameterInfo] | None = None
+    step_batching: bool | None = None
+
+    @classmethod
+    def describe(cls, model_id: str, created: int, engine: "DiffusionEngine | None") -> "ModelCard":
+        """The card of the model `engine` serves: its adapter's capabilities and the request
+        parameters with the model's defaults and the engine's limits. Without an engine (the
+        model is loading) only ``id``, ``created`` and ``owned_by`` are set.
+
+        Args:
+            model_id: the served model name.
+            created: Unix time in seconds.
+            engine: the loaded engine, or None.
+        """
+        if engine is None:
+            return cls(id=model_id, created=created)
+        spec = engine.spec
+        config = engine.config
+        limits = config.limits
+        max_n = min(limits.max_num_images_per_prompt, config.max_waiting_requests)
+        images = ["text-to-image", "image-edit"]  # the Images API's parameters; videos have their own
+        edit = ["image-edit"]
+        video = ["text-to-video"]
+        parameters = {
+            "negative_prompt": ParameterInfo(type="string", description="text for the unconditional CFG branch"),
+            "n": ParameterInfo(type="integer", default=1, minimum=1, maximum=max_n,
+                               capabilities=images, description="images per request (image i uses seed + i)"),
+            "size": ParameterInfo(type="string", default=f"{spec.default_width}x{spec.default_height}",
+                                  multiple_of=spec.resolution_factor, max_width=spec.max_width,
+                                  max_height=spec.max_height, max_pixels=limits.max_pixels,
+                                  description='"WIDTHxHEIGHT" in pixels, or "auto"'),
+            "num_inference_steps": ParameterInfo(type="integer", default=spec.default_num_inference_steps,
+                                                 minimum=1, maximum=limits.max_num_inference_steps,
+                                                 description="denoising steps"),
+            "guidance_scale": ParameterInfo(type="number", default=spec.default_guidance_scale, minimum=0,
+                                            maximum=MAX_GUIDANCE_SCALE,
+                                            description="guidance weight as the model's diffusers pipeline "
+                                                        "means it (CFG on when > 1; Flux-dev: embedded)"),
+            "true_cfg_scale": ParameterInfo(type="number", default=spec.default_true_cfg_scale, minimum=0,
+                                            maximum=MAX_GUIDANCE_SCALE,
+                                            description="true CFG weight with a negative prompt (on when > 1)"),
+            "strength": ParameterInfo(type="number", default=spec.default_strength, minimum=0, maximum=1,
+                                      capabilities=edit,
+                                      description="fraction of the schedule run on the noised input image"),
+            "num_frames": ParameterInfo(type="integer", default=spec.default_num_frames, minimum=1,
+                                        maximum=spec.max_num_frames or limits.max_num_frames, capabilities=video,
+                                        description=f"frames (of the form {spec.frame_factor}k+1)"),
+            "fps": ParameterInfo(type="integer", default=spec.default_fps, minimum=1, maximum=240,
+                                 capabilities=video, description="frames per second of the video"),
+            "seed": ParameterInfo(type="integer", minimum=0, maximum=MAX_SEED,
+                                  description="seed of the first image (default: random, reported per image)"),
+            "partial_images": ParameterInfo(type="integer", default=0, minimum=0, maximum=MAX_PARTIAL_IMAGES,
+                                            capabilities=images,
+                                            description="with stream=true: previews sent before each image"),
+        }
+        unused = {"guidance_scale": spec.default_guidance_scale, "true_cfg_scale": spec.default_true_cfg_scale,
+                  "strength": spec.default_strength if spec.accepts_images else None,
+                  "num_frames": spec.default_num_frames, "fps": spec.default_fps}
+        for name, default in unused.items():  # a parameter the model does not take is not listed
+            if default is None:
+                parameters.pop(name)
+        return cls(id=model_id, created=created, capabilities=model_tasks(spec), parameters=parameters,
+                   step_batching=engine.model_info.step_batching)
+
+
+def model_tasks(spec) -> list[str]:
+    """What a model does, from its spec: ``text-to-video`` (a video model), else
+    ``text-to-image``, plus ``image-edit`` when it takes input images."""
+    if spec.default_num_frames is not None:
+        return ["text-to-video"]
+    return ["text-to-image"] + (["image-edit"] if spec.accepts_images else [])
 
 
 class ModelList(BaseModel):

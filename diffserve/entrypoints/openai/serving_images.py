@@ -1,7 +1,7 @@
 """``POST /v1/images/generations``: a validated request becomes ``n`` engine requests, whose
 events become one JSON response or a stream of Server-Sent Events.
 
-- Image ``i`` of a request is its own engine request with seed ``seed + i`` (``seed`` drawn at
+- Image ``i`` of a request is its own engine request with seed ``(seed + i) mod 2**63`` (``seed`` drawn at
   random when not given), so each image is reproducible alone with ``n=1`` and its seed. The
   ``n`` requests are submitted together and share denoising steps (same batch key).
 - Everything a client can get wrong is checked before anything is queued (400), ``n`` included:
@@ -17,7 +17,18 @@ events become one JSON response or a stream of Server-Sent Events.
 - Streaming (``stream=true``) sends ``image_generation.partial_image`` events (previews decoded
   from the current latents after steps spread evenly over the run, ``partial_images`` per
   image), then one ``image_generation.completed`` event per image, as OpenAI's API does; images
-  are always base64 there. An engine failure mid-stream is sent as an ``error`` event.
+  are always base64 there. An engine failure mid-stream is sent as an ``error`` event. A quiet
+  stream gets an SSE comment ``: keep-alive`` every ``heartbeat_s`` seconds (15 by default), so
+  proxies do not cut it.
+- ``response_format="url"``: room in the image store is reserved for all ``n`` images before
+  anything is queued (503 with ``Retry-After`` when it is full; see `image_store`), so the
+  stated ``expires_at`` always holds. Links start with the configured public URL, else with
+  the address the connection was accepted on (never with client-supplied Host or
+  X-Forwarded-* headers).
+- If the engine loop dies, requests waiting on it fail within `ENGINE_CHECK_INTERVAL_S`
+  seconds with 503 ``engine_dead`` instead of waiting forever.
+- With ``stream_progress=true`` the stream also carries diffserve's queue-place and step
+  events (`diffserve.entrypoints.openai.stream_progress`), refreshed on every clock tick.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from diffserve.engine.async_engine import AsyncDiffusionEngine
+from diffserve.entrypoints.openai.http_protocol import CLIENT_EOF_KEY
 from diffserve.entrypoints.openai.errors import (
     CLIENT_CLOSED_REQUEST,
     APIError,
@@ -44,7 +56,7 @@ from diffserve.entrypoints.openai.errors import (
     unavailable,
 )
 from diffserve.entrypoints.openai.image_encoding import MEDIA_TYPES, encode_image, to_base64
-from diffserve.entrypoints.openai.image_store import ImageStore
+from diffserve.entrypoints.openai.image_store import ImageStore, Reservation, StoreFullError, encoded_size_bound
 from diffserve.entrypoints.openai.metrics import ServerMetrics
 from diffserve.entrypoints.openai.protocol import (
     CompletedEvent,
@@ -54,8 +66,10 @@ from diffserve.entrypoints.openai.protocol import (
     PartialImageEvent,
     parse_size,
     preview_steps,
+    request_json_schema,
 )
-from diffserve.errors import EngineOverloadedError, InvalidRequestError
+from diffserve.entrypoints.openai.stream_progress import StreamProgress
+from diffserve.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from diffserve.outputs import EventType, GenerationOutput, RequestStatus, StreamEvent
 from diffserve.sampling_params import MAX_SEED, SamplingParams, validate_prompt
 
@@ -63,6 +77,16 @@ logger = logging.getLogger(__name__)
 
 #: ASGI scope key the status-counting middleware reads: True when the client went away first.
 CLIENT_DISCONNECTED_KEY = "diffserve.client_disconnected"
+#: Default seconds between SSE keep-alive comments on a quiet stream.
+DEFAULT_HEARTBEAT_S = 15.0
+#: The SSE keep-alive comment (ignored by SSE clients).
+HEARTBEAT = ": keep-alive\n\n"
+#: Seconds between checks that the engine loop is alive while a request waits on it.
+ENGINE_CHECK_INTERVAL_S = 0.5
+#: Seconds between the keep-alive comments probing a streaming client after its EOF.
+EOF_PROBE_INTERVAL_S = 0.25
+#: Message of requests failed because the engine loop died.
+ENGINE_DEAD_MESSAGE = "the engine loop stopped unexpectedly; the server cannot generate images (see the server log)"
 
 
 @dataclass
@@ -78,6 +102,7 @@ class _Plan:
     num_steps: int
     preview_steps: list[int]
     stream: bool
+    stream_progress: bool
     response_format: str
     output_format: str
     compression: int | None
@@ -97,15 +122,21 @@ class ImageGenerationService:
         store: where ``response_format="url"`` images are kept.
         metrics: the server's Prometheus metrics.
         is_draining: returns True once the server is shutting down (requests get 503 then).
+        public_url: base of ``url`` links (e.g. ``https://images.example.com``); None = the
+            address the connection was accepted on.
+        heartbeat_s: seconds between SSE keep-alive comments on a quiet stream.
     """
 
     def __init__(self, engine: AsyncDiffusionEngine, model_name: str, store: ImageStore,
-                 metrics: ServerMetrics, is_draining: Callable[[], bool]):
+                 metrics: ServerMetrics, is_draining: Callable[[], bool], public_url: str | None = None,
+                 heartbeat_s: float = DEFAULT_HEARTBEAT_S):
         self.engine = engine
         self.model_name = model_name
         self.store = store
         self.metrics = metrics
         self._is_draining = is_draining
+        self.public_url = public_url.rstrip("/") if public_url else None
+        self.heartbeat_s = heartbeat_s
         #: Engine requests of HTTP requests that passed the queue-room check but are not queued yet.
         self._reserved = 0
 
@@ -118,9 +149,18 @@ class ImageGenerationService:
 
         Raises:
             APIError: 400 invalid field, 404 unknown model, 429 queue full, 500 an engine
-                failure, 503 shutting down.
+                failure, 503 shutting down, url image store full, or engine loop dead.
         """
         plan = self._plan(body)
+        reservation = self._reserve_urls(plan)
+        try:
+            return await self._create(plan, body, raw_request, reservation)
+        finally:
+            if reservation is not None:
+                reservation.release()
+
+    async def _create(self, plan: "_Plan", body: ImageGenerationRequest, raw_request: Request,
+                      reservation: Reservation | None) -> Response:
         group = _RequestGroup(self.engine, plan, self.metrics)
         try:
             await self._submit(group, len(plan.params))
@@ -130,6 +170,8 @@ class ImageGenerationService:
             if self._is_draining():
                 raise unavailable("the server is shutting down and accepts no new requests", "shutting_down") from None
             raise overloaded(exc) from None
+        except EngineDeadError:
+            raise unavailable(self.engine_dead_message(), "engine_dead") from None
         watcher = _DisconnectWatcher(raw_request.receive, group.abort)
         watcher.start()
         if body.user or body.safety_identifier:
@@ -141,7 +183,7 @@ class ImageGenerationService:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": plan.request_id},
             )
         try:
-            finals = await group.wait_all()
+            finals = await group.wait_all(self._engine_alive)
         finally:
             with anyio.CancelScope(shield=True):
                 await watcher.stop()
@@ -151,7 +193,7 @@ class ImageGenerationService:
             self._log_disconnect(plan, raw_request)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         self._raise_if_not_finished(finals)
-        data = await asyncio.to_thread(self._encode_all, plan, outputs, str(raw_request.base_url))
+        data = await asyncio.to_thread(self._encode_all, plan, outputs, self._link_base(raw_request), reservation)
         self.metrics.observe_images(len(data))
         response = ImagesResponse(id=plan.request_id, created=plan.created, data=data, size=plan.size,
                                   output_format=plan.output_format,
@@ -185,14 +227,13 @@ class ImageGenerationService:
                 seed = sync_engine.config.default_seed
             else:
                 seed = secrets.randbelow(2**31)
-            if seed + n - 1 > MAX_SEED:
-                raise InvalidRequestError("seed", seed, f"an integer in [0, {MAX_SEED - n + 1}] when n={n} "
-                                                        "(image i uses seed + i)")
             prompt = validate_prompt(body.prompt, spec)
             params = [
                 SamplingParams(negative_prompt=body.negative_prompt, num_images_per_prompt=1, height=height,
                                width=width, num_inference_steps=body.num_inference_steps,
-                               guidance_scale=body.guidance_scale, seed=seed + i, output_type="pil")
+                               guidance_scale=body.guidance_scale, true_cfg_scale=body.true_cfg_scale,
+                               seed=(seed + i) % (MAX_SEED + 1),
+                               output_type="pil")
                 for i in range(n)
             ]
             resolved = [p.resolve(spec, limits) for p in params]  # every check, before any allocation
@@ -210,11 +251,53 @@ class ImageGenerationService:
             num_steps=first.num_inference_steps,
             preview_steps=preview_steps(first.num_inference_steps, body.partial_images or 0) if stream else [],
             stream=stream,
+            stream_progress=stream and bool(body.stream_progress),
             response_format=body.response_format or "b64_json",
             output_format=body.output_format or "png",
             compression=body.output_compression,
             quality=body.quality or "auto",
         )
+
+    def _reserve_urls(self, plan: "_Plan") -> Reservation | None:
+        """Hold room in the image store for the ``url`` images of `plan` (None otherwise).
+
+        Raises:
+            APIError: 503 ``image_store_full`` with ``Retry-After``.
+        """
+        if plan.response_format != "url" or plan.stream:  # streamed images are always base64
+            return None
+        n = len(plan.params)
+        try:
+            return self.store.reserve(n, n * encoded_size_bound(plan.width, plan.height))
+        except StoreFullError as exc:
+            error = unavailable(str(exc), "image_store_full")
+            error.headers = {"Retry-After": str(exc.retry_after_s)}
+            raise error from None
+
+    def _link_base(self, raw_request: Request) -> str:
+        """Base of ``url`` links: the public URL, else ``http://ADDRESS:PORT`` of the socket the
+        connection was accepted on (not the client's Host / X-Forwarded-* headers)."""
+        if self.public_url:
+            return self.public_url
+        server = raw_request.scope.get("server")
+        if not server or server[1] is None:
+            return ""
+        host, port = server
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    def request_schema(self) -> dict:
+        """JSON schema of the request body with this server's model and engine limits."""
+        config = self.engine.engine.config
+        return request_json_schema(self.engine.engine.spec, config.limits,
+                                   min(config.limits.max_num_images_per_prompt, config.max_waiting_requests))
+
+    def engine_dead_message(self) -> str:
+        """`ENGINE_DEAD_MESSAGE`, with the engine's reason when it gave one."""
+        reason = getattr(self.engine, "error", None)
+        return f"{ENGINE_DEAD_MESSAGE} ({reason})" if reason else ENGINE_DEAD_MESSAGE
+
+    def _engine_alive(self) -> bool:
+        return self.engine.is_running
 
     def _check_queue_room(self, n: int) -> None:
         """Raise `EngineOverloadedError` unless the waiting queue has room for `n` more requests
@@ -245,7 +328,7 @@ class ImageGenerationService:
                 self._reserved -= n
 
         try:
-            await group.submit(on_queued=release)
+            await group.submit(on_queued=release, engine_alive=self._engine_alive)
         finally:
             release()
 
@@ -260,19 +343,24 @@ class ImageGenerationService:
                     raise unavailable("the server is shutting down; the request was aborted", "shutting_down")
                 raise unavailable("the request was aborted", "request_aborted")
             message = output.error if output is not None else event.error
+            if message == ENGINE_DEAD_MESSAGE or not self._engine_alive():
+                raise unavailable(self.engine_dead_message(), "engine_dead")
             raise APIError(500, f"image generation failed: {message}", type="server_error",
                            code="generation_failed")
 
-    def _encode_all(self, plan: _Plan, outputs: Sequence[GenerationOutput], base_url: str) -> list[ImageObject]:
+    def _encode_all(self, plan: _Plan, outputs: Sequence[GenerationOutput], base_url: str,
+                    reservation: Reservation | None) -> list[ImageObject]:
         data = []
         for output in outputs:
             encoded = encode_image(output.images[0], plan.output_format, plan.compression)
             item = ImageObject(seed=output.seed, prompt_truncated=output.prompt_truncated,
                                timings=output.metrics.as_dict())
-            if plan.response_format == "url":
-                name = self.store.put(encoded, MEDIA_TYPES[plan.output_format], plan.output_format)
-                item.url = f"{base_url.rstrip('/')}/v1/images/files/{name}"
-                item.expires_at = int(time.time() + self.store.ttl_s)
+            if reservation is not None:
+                now = time.time()
+                name, ttl_s = self.store.put(encoded, MEDIA_TYPES[plan.output_format], plan.output_format,
+                                             reservation)
+                item.url = f"{base_url}/v1/images/files/{name}"
+                item.expires_at = int(now + ttl_s)  # rounded down: the image outlives it
             else:
                 item.b64_json = to_base64(encoded)
             data.append(item)
@@ -291,8 +379,32 @@ class ImageGenerationService:
         partial_counts = [0] * len(plan.params)
         completed = False
         common = dict(size=plan.size, quality=plan.quality, background="opaque", output_format=plan.output_format)
+        loop = asyncio.get_running_loop()
+        last_sent = loop.time()
+        # A comment once heartbeat_s / 2 passed without a write (ticks come at least that
+        # often): never more than heartbeat_s seconds between two writes. After the client's
+        # EOF (a half-close, or a close), two comments right away probe whether it is still there.
+        half = self.heartbeat_s / 2
+        probes = 0
+        progress = StreamProgress(self.engine.engine, group.ids) if plan.stream_progress else None
         try:
-            async for index, event in group.events():
+            async for item in group.events(self._engine_alive, tick_s=min(half, EOF_PROBE_INTERVAL_S)):
+                if item is None:
+                    if progress is not None:
+                        for payload in progress.on_tick():
+                            yield _sse(payload["type"], payload)
+                            last_sent = loop.time()
+                    probe = probes < 2 and raw_request.scope.get(CLIENT_EOF_KEY, False)
+                    if probe or loop.time() - last_sent >= half:
+                        probes += bool(probe)
+                        last_sent = loop.time()
+                        yield HEARTBEAT
+                    continue
+                index, event = item
+                if progress is not None:
+                    for payload in progress.on_event(index, event):
+                        yield _sse(payload["type"], payload)
+                        last_sent = loop.time()
                 if event.type is EventType.PARTIAL and event.preview:
                     encoded = await asyncio.to_thread(encode_image, event.preview[0], plan.output_format,
                                                       plan.compression)
@@ -301,6 +413,7 @@ class ImageGenerationService:
                                                 **common)
                     partial_counts[index] += 1
                     yield _sse(partial.type, partial.model_dump())
+                    last_sent = loop.time()
                 elif event.type.is_final:
                     output = event.output
                     if output is not None and output.status is RequestStatus.FINISHED:
@@ -311,6 +424,7 @@ class ImageGenerationService:
                                               timings=output.metrics.as_dict(), **common)
                         self.metrics.observe_images(1)
                         yield _sse(done.type, done.model_dump())
+                        last_sent = loop.time()
                         continue
                     if watcher.disconnected:
                         return
@@ -363,17 +477,21 @@ class _RequestGroup:
         self._queue: asyncio.Queue[tuple[int, StreamEvent]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
 
-    async def submit(self, on_queued: Callable[[], None] | None = None) -> None:
+    async def submit(self, on_queued: Callable[[], None] | None = None,
+                     engine_alive: Callable[[], bool] = lambda: True) -> None:
         """Queue every request in the engine, one right after the other on the event loop.
 
         Args:
             on_queued: called (on the event loop) once every request was handed to the engine,
                 before their first events arrive.
+            engine_alive: checked every `ENGINE_CHECK_INTERVAL_S` seconds while waiting for the
+                first events.
 
         Raises:
             InvalidRequestError / EngineOverloadedError: from the engine; then none of the
                 requests stays queued (those already queued are aborted; the engine drops them
                 at its next step) and none is counted in the metrics.
+            EngineDeadError: the engine loop stopped before the first events came.
         """
         plan = self._plan
         gens = [self._engine.generate(plan.prompt, params, request_id=rid, preview_steps=plan.preview_steps)
@@ -388,7 +506,13 @@ class _RequestGroup:
         gathered = asyncio.gather(*(first_event(g) for g in gens), return_exceptions=True)
         if on_queued is not None:
             asyncio.get_running_loop().call_soon(on_queued)
-        results = await gathered
+        while not (await asyncio.wait({gathered}, timeout=ENGINE_CHECK_INTERVAL_S))[0]:
+            if not engine_alive():
+                gathered.cancel()  # the generators' cleanup aborts their requests
+                await asyncio.gather(gathered, return_exceptions=True)
+                self._unreported.clear()
+                raise EngineDeadError(ENGINE_DEAD_MESSAGE)
+        results = gathered.result()
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             for gen, result in zip(gens, results):
@@ -410,12 +534,41 @@ class _RequestGroup:
             self._queue.put_nowait((index, StreamEvent(self.ids[index], EventType.FAILED,
                                                        error=f"{type(exc).__name__}: {exc}")))
 
-    async def events(self) -> AsyncIterator[tuple[int, StreamEvent]]:
-        """(image index, event) as they happen, until every request's final event."""
+    async def events(self, engine_alive: Callable[[], bool] = lambda: True,
+                     tick_s: float | None = None) -> AsyncIterator[tuple[int, StreamEvent] | None]:
+        """(image index, event) as they happen, until every request's final event.
+
+        Args:
+            engine_alive: checked every `ENGINE_CHECK_INTERVAL_S` seconds while waiting; once
+                it returns False, every unfinished request gets a failed event
+                (`ENGINE_DEAD_MESSAGE`).
+            tick_s: when given, also yields None every `tick_s` seconds (a clock tick for
+                keep-alive comments), whether or not events came.
+        """
         remaining = len(self.ids)
+        finished: set[int] = set()
+        loop = asyncio.get_running_loop()
+        next_tick = loop.time() + tick_s if tick_s is not None else float("inf")
         while remaining:
-            index, event = await self._queue.get()
+            timeout = min(ENGINE_CHECK_INTERVAL_S, max(0.0, next_tick - loop.time()))
+            try:
+                item: tuple[int, StreamEvent] | None = await asyncio.wait_for(self._queue.get(), timeout)
+            except asyncio.TimeoutError:
+                item = None
+                if not engine_alive() and self._queue.empty():
+                    for index in range(len(self.ids)):
+                        if index not in finished:
+                            self._queue.put_nowait((index, StreamEvent(self.ids[index], EventType.FAILED,
+                                                                       error=ENGINE_DEAD_MESSAGE)))
+                            finished.add(index)
+            if tick_s is not None and loop.time() >= next_tick:
+                next_tick = loop.time() + tick_s
+                yield None
+            if item is None:
+                continue
+            index, event = item
             if event.type.is_final:
+                finished.add(index)
                 remaining -= 1
                 self._unreported.discard(index)
                 if event.output is not None:
@@ -424,10 +577,11 @@ class _RequestGroup:
                     self._metrics.observe_abandoned(1, outcome="failed")
             yield index, event
 
-    async def wait_all(self) -> list[StreamEvent]:
-        """The final event of every request, by image index."""
+    async def wait_all(self, engine_alive: Callable[[], bool] = lambda: True) -> list[StreamEvent]:
+        """The final event of every request, by image index (see `events`)."""
         finals: list[StreamEvent | None] = [None] * len(self.ids)
-        async for index, event in self.events():
+        async for item in self.events(engine_alive):
+            index, event = item  # type: ignore[misc]
             if event.type.is_final:
                 finals[index] = event
         return finals  # type: ignore[return-value]

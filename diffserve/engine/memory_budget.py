@@ -1,0 +1,143 @@
+"""Memory-aware admission: the memory side of the request scheduler's budget.
+
+With ``EngineConfig.max_memory`` set, the engine asks the executor for the model's
+`MemoryProfile` (measured once at startup, `diffserve.runner.memory_profile`) and splits the
+limit into:
+
+    max_memory = weights on the device (at the offload policy's peak)
+               + reserve (a denoiser forward's fixed part + one prompt encode)
+               + available  (what running requests may use)
+
+Each request costs `MemoryProfile.request_bytes` (its denoiser rows' activations at its
+resolution, or its VAE decode if larger). The request scheduler admits a waiting request only
+while the running requests' costs plus its own stay within ``available`` (FIFO: a request
+that does not fit yet waits, and nobody overtakes it); a request whose cost alone exceeds
+``available`` can never run and is refused when added (`InvalidRequestError`, HTTP 400) naming
+the limit, instead of failing later with an out-of-memory error.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from diffserve.errors import InvalidRequestError
+from diffserve.executor.messages import MemoryProfile
+from diffserve.sampling_params import SamplingParams
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:e[0-9]+)?)\s*([a-z]*)\s*$")
+_ALLOWED = "a number of bytes >= 1, a size such as '24GiB' or '512MB', 'auto' (the device's free memory), or None"
+
+
+def parse_memory(value: Any) -> int | str | None:
+    """``EngineConfig.max_memory`` as bytes, ``"auto"`` or None.
+
+    Raises:
+        InvalidRequestError: not a positive size (field ``max_memory``).
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise InvalidRequestError("max_memory", value, _ALLOWED)
+    if isinstance(value, (int, float)):
+        if value >= 1:
+            return int(value)
+        raise InvalidRequestError("max_memory", value, _ALLOWED)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return "auto"
+        match = _SIZE.match(text)
+        if match and match.group(2) in _UNITS:
+            nbytes = int(float(match.group(1)) * _UNITS[match.group(2)])
+            if nbytes >= 1:
+                return nbytes
+    raise InvalidRequestError("max_memory", value, _ALLOWED)
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes as a short human-readable size (``"1.50 GiB"``)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+class MemoryBudget:
+    """The bytes running requests may use, and each request's cost.
+
+    Args:
+        limit: ``max_memory`` in bytes.
+        profile: the model's measured `MemoryProfile`.
+
+    Attributes:
+        available: bytes left for requests after the weights and the reserve.
+    """
+
+    def __init__(self, limit: int, profile: MemoryProfile):
+        self.limit = limit
+        self.profile = profile
+        self.available = limit - profile.weight_bytes - profile.reserve_bytes
+
+    @classmethod
+    def from_config(cls, max_memory: Any, profile: MemoryProfile | None) -> "MemoryBudget":
+        """Build the budget of ``EngineConfig.max_memory``.
+
+        Raises:
+            InvalidRequestError: ``max_memory`` is malformed, ``"auto"`` where the device's
+                free memory is unknown, no profile exists (the model runs whole requests),
+                or the limit does not even hold the weights and the reserve.
+        """
+        limit = parse_memory(max_memory)
+        if profile is None:
+            raise InvalidRequestError("max_memory", max_memory, "None: this model runs whole requests through its "
+                                      "own pipeline call, whose memory diffserve cannot budget")
+        if limit == "auto":
+            if profile.device_available_bytes is None:
+                raise InvalidRequestError("max_memory", max_memory, "a size: the device's free memory is unknown here")
+            limit = profile.device_available_bytes
+        budget = cls(int(limit), profile)
+        if budget.available <= 0:
+            need = profile.weight_bytes + profile.reserve_bytes
+            raise InvalidRequestError(
+                "max_memory", max_memory,
+                f"more than {need} bytes ({format_bytes(need)}): the weights on the device "
+                f"({format_bytes(profile.weight_bytes)}) plus a forward's fixed part and a prompt encode "
+                f"({format_bytes(profile.reserve_bytes)}), measured by {profile.method}")
+        return budget
+
+    def request_bytes(self, params: SamplingParams, rows: int) -> int:
+        """Estimated bytes of a request with resolved `params` and `rows` denoiser rows."""
+        return self.profile.request_bytes(params.height, params.width, rows, params.num_images_per_prompt,
+                                          params.num_frames)
+
+    def check(self, params: SamplingParams, rows: int) -> int:
+        """The request's cost in bytes, if it can ever run.
+
+        Raises:
+            InvalidRequestError: it alone needs more than `available` (field
+                ``num_images_per_prompt`` when fewer images would fit, else ``size``), naming
+                ``max_memory``.
+        """
+        cost = self.request_bytes(params, rows)
+        if cost <= self.available:
+            return cost
+        images = params.num_images_per_prompt
+        per_image = cost / max(images, 1)
+        why = (f"within max_memory={self.limit} bytes ({format_bytes(self.limit)}): it needs ~{format_bytes(cost)} "
+               f"while {format_bytes(self.available)} remain beside the weights "
+               f"({format_bytes(self.profile.weight_bytes)}) and the reserve "
+               f"({format_bytes(self.profile.reserve_bytes)})")
+        if images > 1 and per_image <= self.available:
+            fit = int(self.available // per_image)
+            raise InvalidRequestError("num_images_per_prompt", images, f"at most {fit} at this size to fit {why}")
+        raise InvalidRequestError("size", f"{params.width}x{params.height}", f"a smaller size to fit {why}")
+
+    def stats(self, in_use: int) -> dict[str, Any]:
+        """``max_memory``, ``weight_bytes``, ``reserve_bytes``, ``available`` and ``in_use``
+        (estimated bytes of the running requests), all bytes, plus the profile's ``method``."""
+        return {"max_memory": self.limit, "weight_bytes": self.profile.weight_bytes,
+                "reserve_bytes": self.profile.reserve_bytes, "available": self.available, "in_use": in_use,
+                "method": self.profile.method}

@@ -1,0 +1,313 @@
+"""Adapter for Wan text-to-video (`WanPipeline` folders: Wan 2.1 T2V, Wan 2.2 T2V / TI2V).
+
+Wan (Wan team 2025, "Wan: Open and Advanced Large-Scale Video Generative Models",
+arXiv:2503.20314): a UMT5 text encoder, a `WanTransformer3DModel` DiT with 3-D RoPE over
+(frames, height, width) patches, the causal 3-D VAE `AutoencoderKLWan` (8x spatial, 4x
+temporal down-sampling: F = 4k + 1 frames -> k + 1 latent frames) and a flow-matching
+scheduler (the folders ship `UniPCMultistepScheduler` with flow sigmas and ``flow_shift``).
+Wan 2.2 A14B (``boundary_ratio`` in ``model_index.json``) has two experts: ``transformer``
+denoises the steps with timestep >= ``boundary_ratio * num_train_timesteps`` (high noise) with
+``guidance_scale``, ``transformer_2`` the rest with ``guidance_scale_2``; requests on different
+experts never share a forward (`step_key`). Prompt encoding, latents, timesteps and video
+post-processing reuse diffusers' `WanPipeline` methods on the same components, so a video
+equals diffusers' for the same seed (tests/test_family_wan.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import WanPipeline
+from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+from diffserve.errors import UnsupportedModelError
+from diffserve.pipelines import guidance
+from diffserve.pipelines.base import (
+    AdapterOptions,
+    Capabilities,
+    CacheDiTSupport,
+    PipelineAdapter,
+    RequestState,
+    StepBatch,
+    TeaCacheSupport,
+    checked_pixels,
+)
+from diffserve.pipelines.diffusion_scheduler import batchable_sigmas, new_scheduler
+from diffserve.pipelines.generation_config import read_generation_config
+from diffserve.pipelines.text_encoding import TextEncoder, repeat_rows
+from diffserve.sampling_params import ModelSpec, SamplingParams
+
+logging.getLogger("diffusers.pipelines.wan.pipeline_wan").setLevel(logging.ERROR)
+
+# diffusers' WanPipeline.__call__ defaults (480x832, 81 frames, 50 steps, CFG 5, 512 tokens)
+# and Wan 2.1's 16 frames per second (the Wan repository's sample_fps).
+DEFAULT_HEIGHT, DEFAULT_WIDTH, DEFAULT_NUM_FRAMES = 480, 832, 81
+DEFAULT_NUM_INFERENCE_STEPS = 50
+DEFAULT_GUIDANCE_SCALE = 5.0
+DEFAULT_MAX_SEQUENCE_LENGTH = 512
+DEFAULT_FPS = 16
+#: Wan's UMT5 context length (``text_len`` in the Wan repository).
+MAX_SEQUENCE_LENGTH_LIMIT = 512
+
+#: TeaCache4Wan2.1 (github.com/ali-vilab/TeaCache, TeaCache4Wan2.1/teacache_generate.py, T2V,
+#: modulated input = the time embedding ``e``, first and last step computed): rescaling
+#: coefficients and the threshold of its README's ~2x row, by transformer width.
+WAN21_TEACACHE = {
+    1536: ((2.39676752e03, -1.31110545e03, 2.01331979e02, -8.29855975e00, 1.37887774e-01), 0.08, "1.3B"),
+    5120: ((-5784.54975374, 5449.50911966, -1811.16591783, 256.27178429, -13.02252404), 0.2, "14B"),
+}
+
+
+class WanTeaCacheSplit:
+    """`WanTransformer3DModel.forward` (diffusers 0.42) in three parts around the blocks, for
+    TeaCache; text-to-video with one timestep per row (no image embeddings, no per-token
+    timesteps).
+
+    Tensors: hidden (rows, N_patches, D); context = dict(encoder (rows, L, D), temb (rows, D),
+    proj (rows, 6, D), rotary (cos, sin), each (1, N_patches, 1, head_dim), shape of the
+    latent input (rows, C, F, h, w)); modulated = temb (TeaCache4Wan2.1's ``e``); output
+    (rows, C_out, F, h, w).
+    """
+
+    @staticmethod
+    def embed(model, kwargs: dict[str, Any]):
+        x = kwargs["hidden_states"]
+        rotary = model.rope(x)
+        hidden = model.patch_embedding(x).flatten(2).transpose(1, 2).contiguous()
+        temb, proj, encoder, _ = model.condition_embedder(kwargs["timestep"], kwargs["encoder_hidden_states"])
+        context = {"encoder": encoder, "temb": temb, "proj": proj.unflatten(1, (6, -1)), "rotary": rotary,
+                   "shape": tuple(x.shape)}
+        return hidden, context, temb
+
+    @staticmethod
+    def select_rows(context: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
+        return {**context, "encoder": context["encoder"][index], "temb": context["temb"][index],
+                "proj": context["proj"][index]}
+
+    @staticmethod
+    def blocks(model, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
+        for block in model.blocks:
+            hidden = block(hidden, context["encoder"], context["proj"], context["rotary"])
+        return hidden
+
+    @staticmethod
+    def head(model, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
+        """Output norm, projection and unpatchify to (rows, C_out, F, h, w)."""
+        temb = context["temb"]
+        shift, scale = (model.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
+        hidden = (model.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
+        hidden = model.proj_out(hidden)
+        _, _, f, h, w = context["shape"]
+        p_t, p_h, p_w = model.config.patch_size
+        hidden = hidden.reshape(hidden.shape[0], f // p_t, h // p_h, w // p_w, p_t, p_h, p_w, -1)
+        return hidden.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+
+class WanAdapter(PipelineAdapter):
+    """Step-contract adapter over a diffusers `WanPipeline`.
+
+    Tensors: latents (N, C, F_lat, H/8, W/8) float32 as diffusers keeps them (cast to the
+    transformer dtype per forward); per branch encoder_hidden_states (N, max_sequence_length,
+    text_dim) zero-padded UMT5 states in the model dtype. CFG branches: [negative, positive],
+    one forward for both (diffusers runs two). Timestep: the scheduler's raw timestep (0..1000)
+    per row, or per patch token with ``expand_timesteps`` (Wan 2.2 TI2V).
+    """
+
+    pipeline_class_name = "WanPipeline"
+
+    def __init__(self, pipe: WanPipeline, device: torch.device, dtype: torch.dtype, options: AdapterOptions):
+        self.pipe = pipe
+        self.device = device
+        self.dtype = dtype
+        config = read_generation_config(options.model_dir)
+        transformer = pipe.transformer
+        self.experts = [transformer] if pipe.transformer_2 is None else [transformer, pipe.transformer_2]
+        ratio = pipe.config.boundary_ratio
+        if len(self.experts) == 2 and ratio is None:
+            raise UnsupportedModelError(f"{options.model_dir}: a WanPipeline with transformer_2 needs "
+                                        "boundary_ratio in model_index.json")
+        self._denoiser = transformer if len(self.experts) == 1 else torch.nn.ModuleList(self.experts)
+        #: timestep at and above which the high-noise expert runs (None: one expert)
+        self.boundary = None if ratio is None else ratio * pipe.scheduler.config.num_train_timesteps
+        self.expand_timesteps = bool(pipe.config.expand_timesteps)
+        p_t, p_h, _ = transformer.config.patch_size
+        spatial, temporal = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
+        rope = transformer.config.rope_max_seq_len  # RoPE positions per axis, in patches
+        guidance_scale = float(config.get("guidance_scale", DEFAULT_GUIDANCE_SCALE))
+        self.spec = ModelSpec(
+            pipeline=self.pipeline_class_name,
+            resolution_factor=spatial * p_h,
+            default_height=int(config.get("height", DEFAULT_HEIGHT)),
+            default_width=int(config.get("width", DEFAULT_WIDTH)),
+            default_num_inference_steps=int(config.get("num_inference_steps", DEFAULT_NUM_INFERENCE_STEPS)),
+            default_guidance_scale=guidance_scale,
+            default_guidance_scale_2=(float(config.get("guidance_scale_2", guidance_scale))
+                                      if self.boundary is not None else None),
+            default_max_sequence_length=int(config.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)),
+            max_sequence_length_limit=MAX_SEQUENCE_LENGTH_LIMIT,
+            text_conditioned=True,
+            max_height=rope * p_h * spatial,
+            max_width=rope * p_h * spatial,
+            default_num_frames=int(config.get("num_frames", DEFAULT_NUM_FRAMES)),
+            frame_factor=temporal,
+            max_num_frames=(rope * p_t - 1) * temporal + 1,
+            default_fps=int(config.get("fps", DEFAULT_FPS)),
+        )
+        self.capabilities = self._capabilities(config.get("teacache", {}))
+        self.text = TextEncoder(self, self._encode_text, [(pipe.tokenizer, None)])
+
+    def _capabilities(self, teacache: dict[str, Any]) -> Capabilities:
+        """TeaCache and cache-dit for one expert with one timestep per row (Wan 2.1 layout:
+        the TeaCache4Wan2.1 coefficients, cache-dit's own Wan pattern); compile everywhere."""
+        transformer = self.experts[0]
+        if len(self.experts) > 1 or self.expand_timesteps or transformer.config.image_dim is not None:
+            return Capabilities(repeated_blocks=("WanTransformerBlock",))
+        width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
+        coefficients, thresh, size = WAN21_TEACACHE.get(width, WAN21_TEACACHE[1536])
+        source = (f"TeaCache4Wan2.1 T2V-{size} coefficients (github.com/ali-vilab/TeaCache)"
+                  + ("" if width in WAN21_TEACACHE else f"; no calibration for width {width}, the 1.3B one"))
+        return Capabilities(
+            teacache=TeaCacheSupport(
+                split=WanTeaCacheSplit,
+                coefficients=tuple(teacache.get("coefficients", coefficients)),
+                rel_l1_thresh=float(teacache.get("rel_l1_thresh", thresh)),
+                source=teacache.get("source", source)),
+            # WanTransformerBlock(hidden_states, encoder_hidden_states, ...) -> hidden_states:
+            # cache-dit's Pattern_2, as its own Wan adapter declares
+            cache_dit=CacheDiTSupport(blocks=("blocks",), patterns=("Pattern_2",), has_encoder_residual=False),
+            repeated_blocks=("WanTransformerBlock",),
+        )
+
+    @classmethod
+    def from_components(cls, components, device, dtype, options):
+        components = {**components}
+        components.setdefault("transformer_2", None)
+        from diffserve.runner.loader import pipeline_config
+
+        index = pipeline_config(options.model_dir)
+        pipe = WanPipeline(**components, boundary_ratio=index.get("boundary_ratio"),
+                           expand_timesteps=bool(index.get("expand_timesteps", False)))
+        pipe.to(device, silence_dtype_warnings=True)
+        pipe.set_progress_bar_config(disable=True)
+        return cls(pipe, device, dtype, options)
+
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        """The transformer; with two experts both (``nn.ModuleList`` [high-noise, low-noise]:
+        what regional compile wraps; the per-step choice is `call_denoiser`'s)."""
+        return self._denoiser
+
+    # --------------------------------------------------------------- per request
+    def extra_batch_key(self, params: SamplingParams):
+        """The UMT5 length: prompts are zero-padded to it and attended without a mask."""
+        return params.max_sequence_length
+
+    def prompt_is_truncated(self, prompt: str, max_sequence_length: int | None = None) -> bool:
+        return super().prompt_is_truncated(prompt_clean(prompt), max_sequence_length)
+
+    def _encode_text(self, text: str, max_sequence_length: int | None):
+        """diffusers' Wan encoding of one text: (1, max_sequence_length, text_dim), the UMT5
+        states of its tokens then zeros, in the transformer dtype."""
+        pe, _ = self.pipe.encode_prompt(prompt=text, do_classifier_free_guidance=False, num_videos_per_prompt=1,
+                                        max_sequence_length=max_sequence_length, device=self.device)
+        return (pe.to(self.experts[0].dtype),)
+
+    def prepare_request(self, state: RequestState) -> None:
+        """Encode prompt (and negative prompt under CFG) through the cache, draw float32 latents
+        (N, C, F_lat, h, w) exactly as diffusers does, and create the request's own scheduler."""
+        p = state.params
+        pipe, n = self.pipe, p.num_images_per_prompt
+        texts = [p.negative_prompt or "", state.prompt] if self.branches(p) == 2 else [state.prompt]
+        state.branches = [{"encoder_hidden_states": repeat_rows(self.text.encode(text, p.max_sequence_length)[0], n)}
+                          for text in texts]
+        state.guidance_scale = p.guidance_scale
+        state.latents = pipe.prepare_latents(n, self.experts[0].config.in_channels, p.height, p.width, p.num_frames,
+                                             torch.float32, self.device, state.generator)
+        scheduler = new_scheduler(pipe.scheduler)
+        scheduler.set_timesteps(p.num_inference_steps, device=self.device)
+        scheduler.set_begin_index(0)
+        state.scheduler = scheduler
+        state.timesteps = scheduler.timesteps
+        state.sigmas = batchable_sigmas(scheduler, len(state.timesteps))
+
+    def step_key(self, state: RequestState):
+        """The expert of the request's next step (0 high-noise, 1 low-noise); None with one
+        expert or when done."""
+        if self.boundary is None or state.done:
+            return None
+        return self._expert(state)
+
+    def _expert(self, state: RequestState) -> int:
+        return 0 if self.boundary is None or float(state.timestep) >= self.boundary else 1
+
+    # ------------------------------------------------------------------ per step
+    def denoise_kwargs(self, batch: StepBatch) -> dict[str, Any]:
+        """The batch's inputs (latents cast to the transformer dtype, as diffusers does per
+        call); with two experts also ``expert`` (its index: an input of the call, so a captured
+        CUDA graph is one expert's).
+
+        Raises:
+            ValueError: the batch mixes experts (the request scheduler keeps them apart).
+        """
+        inputs = dict(batch.inputs)
+        inputs["hidden_states"] = inputs["hidden_states"].to(self.experts[0].dtype)  # float32 latents
+        if self.expand_timesteps:  # one timestep per patch token (Wan 2.2 TI2V), float as diffusers'
+            _, _, f, h, w = inputs["hidden_states"].shape
+            p_t, p_h, p_w = self.experts[0].config.patch_size
+            tokens = (f // p_t) * (h // p_h) * (w // p_w)
+            inputs["timestep"] = inputs["timestep"].float()[:, None].expand(-1, tokens)
+        if len(self.experts) > 1:
+            experts = {self._expert(s) for s in batch.states}
+            if len(experts) > 1:
+                raise ValueError("requests on different Wan 2.2 experts cannot share a forward")
+            inputs["expert"] = experts.pop()
+        return inputs
+
+    def call_denoiser(self, batch: StepBatch, kwargs: dict[str, Any]) -> torch.Tensor:
+        """The expert ``kwargs["expert"]`` (default the only one) on the other inputs."""
+        kwargs = dict(kwargs)
+        return self.experts[kwargs.pop("expert", 0)](**kwargs, return_dict=False)[0]
+
+    def combine(self, batch: StepBatch, out: torch.Tensor) -> torch.Tensor:
+        """CFG with each request's weight for its expert (guidance_scale, or guidance_scale_2
+        on the low-noise expert)."""
+        if batch.branches == 1:
+            return out
+        uncond, cond = out.chunk(2)
+        weights = [s.params.guidance_scale if self._expert(s) == 0 else s.params.guidance_scale_2
+                   for s in batch.states]
+        return guidance.cfg(uncond, cond, guidance.uniform_or_rows(weights, batch.row_values))
+
+    # ------------------------------------------------------------------ decode
+    def decode(self, state: RequestState, latents: torch.Tensor | None = None) -> list[Any]:
+        """Denormalise (``latents * std + mean`` as diffusers writes it), VAE-decode each video
+        and post-process with diffusers' `VideoProcessor`. Returns one entry per video: a uint8
+        array (F, H, W, 3) for ``"np"``, a uint8 tensor (F, H, W, 3) for ``"pt"``, a list of
+        PIL frames for ``"pil"``, the latents (C, F_lat, h, w) for ``"latent"``.
+
+        Raises:
+            NonFiniteOutputError: the decoded pixels hold NaN/inf.
+        """
+        latents = state.latents if latents is None else latents
+        output_type = state.params.output_type
+        if output_type == "latent":
+            return list(latents)
+        vae = self.pipe.vae
+        latents = latents.to(vae.dtype)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
+        latents = latents / inv_std + mean
+        videos = []
+        for row in latents.split(1):  # one video at a time bounds the decoder's activations
+            video = checked_pixels(vae.decode(row, return_dict=False)[0])
+            if output_type == "pil":
+                videos.extend(self.pipe.video_processor.postprocess_video(video, output_type="pil"))
+                continue
+            frames = self.pipe.video_processor.postprocess_video(video, output_type="np")[0]
+            frames = (frames * 255).round().astype(np.uint8)  # as diffusers' numpy_to_pil
+            videos.append(torch.from_numpy(frames) if output_type == "pt" else frames)
+        return videos

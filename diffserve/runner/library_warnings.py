@@ -1,0 +1,41 @@
+"""Hide diffusers/transformers warnings that do not apply to how diffserve runs models.
+
+- diffusers' ``Pipelines loaded with dtype=torch.float16 cannot run with cpu device``: torch
+  runs float16 on CPU (slowly, but correctly), and diffserve never moves whole pipelines; the
+  message repeats once per component.
+- transformers' ``XImageProcessor requires torchvision (not installed); falling back to
+  XImageProcessorPil``: diffserve installs no torchvision (its PyPI build does not import beside
+  the CPU torch), and the PIL image processors are what its image-input families use.
+
+Only these messages are dropped (logger filters on the exact loggers that emit them), so every
+other library warning still shows. Installing the filters imports neither library; the loader
+installs them before it imports either, so library users get them too.
+"""
+
+from __future__ import annotations
+
+import logging
+
+#: (logger name, text identifying a message that does not apply).
+INAPPLICABLE_WARNINGS: tuple[tuple[str, str], ...] = (
+    ("diffusers.pipelines.pipeline_utils", "cannot run with `cpu` device"),
+    ("diffusers.modular_pipelines.modular_pipeline", "cannot run with `cpu` device"),
+    ("transformers.utils.import_utils", "requires torchvision (not installed)"),
+)
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, fragment: str):
+        super().__init__()
+        self.fragment = fragment
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.fragment not in record.getMessage()
+
+
+def silence_inapplicable_library_warnings() -> None:
+    """Install the filters (idempotent)."""
+    for name, fragment in INAPPLICABLE_WARNINGS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) and f.fragment == fragment for f in logger.filters):
+            logger.addFilter(_DropMessages(fragment))

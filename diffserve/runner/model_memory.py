@@ -1,0 +1,132 @@
+"""`ModelMemory`: the memory side of one loaded model, owned by its `ModelRunner`.
+
+It places the weights (`diffserve.acceleration.offload`: model CPU offload, layerwise offload,
+or everything on the device), puts them to sleep and wakes them (`diffserve.runner.sleep`),
+measures the model's memory profile for admission (`diffserve.runner.memory_profile`) and
+turns a step's measured peak into the step's own peak above the resident model
+(`diffserve.runner.memory`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from diffserve.acceleration.offload import OffloadManager, weights_device
+from diffserve.runner.memory import PeakWindow, release_host_memory, rss_bytes
+from diffserve.runner.sleep import WeightSleeper, check_level
+
+if TYPE_CHECKING:
+    from diffserve.acceleration.prompt_embed_cache import PromptEmbedCache
+    from diffserve.config import EngineConfig
+    from diffserve.executor.messages import MemoryProfile
+    from diffserve.pipelines.base import PipelineAdapter
+
+
+class ModelMemory:
+    """Weights placement, sleep mode, memory profile and per-step peaks of one model.
+
+    Args:
+        adapter: the loaded adapter.
+        config: ``cpu_offload``, ``layerwise_offload``, ``offload_blocks``,
+            ``enable_sleep_mode`` and, for level-2 wake, the model folder and load format.
+        device: the compute device.
+        denoising: says whether any request still has denoising steps to run.
+
+    Call `ready` once the rest of the runner is set up (after compile warm-up).
+    """
+
+    def __init__(self, adapter: "PipelineAdapter", config: "EngineConfig", device: torch.device,
+                 denoising: Callable[[], bool]):
+        self.adapter = adapter
+        self.config = config
+        self.device = device
+        self.offload = OffloadManager(adapter, device, config.cpu_offload, config.layerwise_offload,
+                                      config.offload_blocks)
+        self.offload.set_denoising(denoising)
+        self.sleeper = WeightSleeper(adapter.modules, self._reload_components, device,
+                                     pool=self.offload.fixed_components if config.enable_sleep_mode else None)
+        self._profile: "MemoryProfile | None" = None
+        self._idle_baseline: int | None = None
+
+    def ready(self) -> None:
+        """Pack the sleep pool (``enable_sleep_mode``) and record what the idle engine holds:
+        the resident weights on CUDA, the trimmed process RSS on CPU (per-step peaks are
+        reported above it)."""
+        self.sleeper.pack()
+        if self.device.type == "cuda":
+            self._idle_baseline = self.offload.resident_weight_bytes()
+        else:
+            release_host_memory()
+            self._idle_baseline = rss_bytes()
+
+    # ------------------------------------------------------------------ per-step peaks
+    def window(self) -> PeakWindow:
+        """A peak-measurement window for one denoising step."""
+        return PeakWindow(self.device)
+
+    def step_peak(self, window: PeakWindow) -> int | None:
+        """The step's peak above the resident model, bytes: on CUDA the allocator peak minus
+        the weights on the device; on CPU the RSS high-water mark minus the idle engine's RSS.
+        None when not measurable."""
+        if window.peak is None:
+            return None
+        baseline = self.offload.resident_weight_bytes() if self.device.type == "cuda" else self._idle_baseline
+        return max(0, window.peak - (baseline or 0))
+
+    # ------------------------------------------------------------------ admission
+    def profile(self, limits) -> "MemoryProfile":
+        """The `MemoryProfile`, measured on first call (while no request runs)."""
+        if self._profile is None:
+            from diffserve.runner.memory_profile import measure_memory_profile
+
+            self._profile = measure_memory_profile(self.adapter, self.offload, limits, self.device)
+        return self._profile
+
+    # ------------------------------------------------------------------ sleep mode
+    @property
+    def sleep_level(self) -> int | None:
+        """1 or 2 while asleep, None while awake."""
+        return self.sleeper.level
+
+    def sleep(self, level: int, held: int, prompt_cache: "PromptEmbedCache | None") -> None:
+        """Level 1 moves the weights off the device, level 2 discards them; both drop the
+        prompt-embedding cache (see `diffserve.runner.sleep`).
+
+        Args:
+            held: requests the runner still holds (must be 0).
+
+        Raises:
+            InvalidRequestError: `level` is not 1 or 2.
+            RuntimeError: requests are still held.
+        """
+        level = check_level(level)
+        if held:
+            raise RuntimeError(f"cannot sleep with {held} requests in the runner")
+        if prompt_cache is not None:
+            prompt_cache.clear()
+        if self.sleeper.level is None:
+            self.offload.detach()
+        self.sleeper.sleep(level)
+
+    def wake_up(self) -> None:
+        """Restore the weights (reloaded from the model folder after level 2) and their
+        placement; no-op while awake."""
+        if self.sleeper.level is None:
+            return
+        self.sleeper.wake_up()
+        self.offload.attach()
+
+    def _reload_components(self) -> dict[str, Any]:
+        """The folder's components loaded again as at startup (level-2 wake)."""
+        from diffserve.runner.loader import load_components
+
+        config = self.config
+        load_format = "default" if config.load_format == "custom_pipeline" else config.load_format
+        return load_components(config.model_path, config.torch_dtype, load_format, device=weights_device(config))[1]
+
+    def stats(self) -> dict[str, Any]:
+        """`OffloadManager.stats` plus ``sleeping`` (the sleep level, or None)."""
+        return {**self.offload.stats(), "sleeping": self.sleeper.level}

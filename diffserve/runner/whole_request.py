@@ -1,0 +1,356 @@
+"""`WholeRequestRunner`: serve any diffusers pipeline class without a step adapter.
+
+Coverage is never zero: a folder whose pipeline class has no adapter (PixArt, SANA, AuraFlow, SD
+img2img / inpaint, a user's own pipeline class, ...) is loaded with its own class and each
+request runs the pipeline's own ``__call__``. It still goes through the engine's queue, limits,
+metrics, events and abort, one denoising step at a time:
+
+- each request gets a shallow copy of the pipeline with its own diffusion-scheduler instance
+  (the modules are shared, the per-call state is not), and its ``__call__`` runs on a thread of
+  its own that pauses in ``callback_on_step_end`` after every step until the engine asks for the
+  next one, so a progress event follows every step and the engine stays in control between
+  steps (the request scheduler runs the oldest request first: with no forward to share, requests
+  run in arrival order, each to its end);
+- an abort raises out of that callback at the next step boundary (diffusers' ``interrupt`` flag
+  would still run the remaining loop and the VAE decode), which frees the request at once;
+- requests never share a forward (each has its own batch key): there is no step batching, and
+  the server says so in ``/v1/models`` and the log.
+
+Outputs are the pipeline's own, so parity with diffusers holds by construction.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import itertools
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from diffserve.errors import InvalidRequestError
+from diffserve.executor.messages import Decoded, ModelInfo, NewRequest, Prepared, RequestPlan, StepOutput, WorkError
+from diffserve.pipelines.diffusion_scheduler import new_scheduler
+from diffserve.runner.memory import peak_memory_bytes
+from diffserve.runner.sleep import WeightSleeper, check_level
+from diffserve.sampling_params import ModelSpec, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+#: SamplingParams field -> the ``__call__`` argument that takes it (when it has one).
+_CALL_ARGUMENTS = {
+    "negative_prompt": "negative_prompt",
+    "num_images_per_prompt": "num_images_per_prompt",
+    "height": "height",
+    "width": "width",
+    "num_inference_steps": "num_inference_steps",
+    "guidance_scale": "guidance_scale",
+    "true_cfg_scale": "true_cfg_scale",
+    "max_sequence_length": "max_sequence_length",
+    "num_frames": "num_frames",
+    "strength": "strength",
+}
+
+
+def call_parameters(cls: type) -> dict[str, inspect.Parameter]:
+    """The named parameters of ``cls.__call__``, looking through wrappers that take
+    ``*args, **kwargs`` to the first class in the MRO that names its parameters."""
+    params: dict[str, inspect.Parameter] = {}
+    for klass in cls.__mro__:
+        call = klass.__dict__.get("__call__")
+        if call is None:
+            continue
+        for name, p in inspect.signature(call).parameters.items():
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and name != "self":
+                params.setdefault(name, p)
+        if not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(call).parameters.values()):
+            break
+    return params
+
+
+def _videos(frames: Any, output_type: str) -> Any:
+    """diffusers' video output as diffserve's: one entry per video, uint8 (F, H, W, 3) arrays
+    (``np``) / tensors (``pt``), PIL frame lists (``pil``), latents unchanged."""
+    import numpy as np
+
+    if output_type == "np":
+        return [(np.clip(v, 0, 1) * 255).round().astype(np.uint8) for v in np.asarray(frames)]
+    if output_type == "pt":  # (B, F, C, H, W) float in [0, 1]
+        return [(v.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1) for v in frames]
+    return frames
+
+
+class _Aborted(Exception):
+    """Raised inside ``callback_on_step_end`` to stop an aborted request's pipeline call."""
+
+
+class _Job:
+    """One request's pipeline call on its own thread, advanced one denoising step at a time.
+
+    Args:
+        pipe: the request's own pipeline copy.
+        kwargs: ``__call__`` arguments (callback excluded).
+        guess_steps: steps reported until the pipeline says how many it runs.
+    """
+
+    def __init__(self, request_id: str, pipe: Any, kwargs: dict[str, Any], guess_steps: int):
+        self.pipe = pipe
+        self.kwargs = kwargs
+        self.steps_done = 0
+        self.num_steps = guess_steps
+        self.output: Any = None
+        self.error: BaseException | None = None
+        self.finished = False
+        self.aborted = False
+        self._go = threading.Semaphore(0)
+        self._reached = threading.Semaphore(0)
+        self._thread = threading.Thread(target=self._run, name=f"diffserve-call-{request_id[:8]}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self._go.acquire()
+        try:
+            if not self.aborted:
+                with torch.inference_mode():
+                    self.output = self.pipe(**self.kwargs, callback_on_step_end=self._callback)
+        except _Aborted:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - reported as the request's failure
+            self.error = exc
+        finally:
+            self.finished = True
+            self.steps_done = max(self.steps_done, self.num_steps)
+            self._reached.release()
+
+    def _callback(self, pipe, i: int, t, callback_kwargs: dict) -> dict:
+        self.steps_done = i + 1
+        self.num_steps = int(getattr(pipe, "_num_timesteps", None) or self.num_steps)
+        self._reached.release()
+        self._go.acquire()
+        if self.aborted:
+            raise _Aborted()
+        return {}
+
+    def advance(self) -> None:
+        """Let the call run to its next step boundary (or its end) and wait for it."""
+        if self.finished:
+            return
+        self._go.release()
+        self._reached.acquire()
+
+    def abort(self) -> None:
+        """Stop the call at its next step boundary (does not wait)."""
+        self.aborted = True
+        if not self.finished:
+            self._go.release()
+
+
+class WholeRequestRunner:
+    """Runs requests through a diffusers pipeline's own ``__call__`` (see the module docstring).
+
+    Args:
+        pipe: the loaded pipeline (any `DiffusionPipeline` subclass, or a user class with a
+            diffusers-style ``__call__`` taking ``prompt``, ``generator``, ``output_type`` and
+            ``callback_on_step_end``).
+        config: the engine configuration (device, num_threads).
+    """
+
+    def __init__(self, pipe: Any, config):
+        if config.cache_backend != "none" or config.compile:
+            feature = f"cache_backend={config.cache_backend}" if config.cache_backend != "none" else "compile"
+            raise InvalidRequestError(feature.split("=")[0], config.cache_backend if config.cache_backend != "none"
+                                      else True, f"off: {type(pipe).__name__} has no step adapter (it runs "
+                                      "whole requests through diffusers' own pipeline call)")
+        for name in ("cpu_offload", "layerwise_offload"):
+            if getattr(config, name, False):
+                raise InvalidRequestError(name, True, f"false: {type(pipe).__name__} has no step adapter (its own "
+                                          "pipeline call moves the components, not diffserve's stages)")
+        self.config = config
+        self.pipe = pipe
+        self.device = config.torch_device
+        self.class_name = type(pipe).__name__
+        self.signature = call_parameters(type(pipe))
+        self.spec = self._spec()
+        self.states: dict[str, _Job] = {}
+        self.nonfinite_count = 0
+        self._keys = itertools.count()
+        self.sleeper = WeightSleeper(self._modules, self._reload_components, self.device)
+        logger.warning("%s has no step adapter: requests run whole through diffusers' own pipeline call, "
+                       "one step at a time, without step batching", self.class_name)
+
+    def _default(self, name: str) -> Any:
+        p = self.signature.get(name)
+        return None if p is None or p.default is inspect.Parameter.empty else p.default
+
+    def _spec(self) -> ModelSpec:
+        pipe = self.pipe
+        vae_factor = int(getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", 8))
+        denoiser = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
+        patch = getattr(getattr(denoiser, "config", None), "patch_size", None) or 1
+        patch = patch[-1] if isinstance(patch, (tuple, list)) else patch
+        sample = getattr(pipe, "default_sample_size", None) or getattr(getattr(denoiser, "config", None),
+                                                                     "sample_size", None) or 64
+        sample = sample[-1] if isinstance(sample, (tuple, list)) else sample
+        has = self.signature.__contains__
+        guidance = self._default("guidance_scale")
+        return ModelSpec(
+            pipeline=self.class_name,
+            resolution_factor=vae_factor * int(patch),
+            default_height=int(self._default("height") or sample * vae_factor),
+            default_width=int(self._default("width") or sample * vae_factor),
+            default_num_inference_steps=int(self._default("num_inference_steps") or 50),
+            default_guidance_scale=float(guidance if guidance is not None else 1.0) if has("guidance_scale") else None,
+            default_true_cfg_scale=float(self._default("true_cfg_scale") or 1.0) if has("true_cfg_scale") else None,
+            default_max_sequence_length=(int(self._default("max_sequence_length") or 512)
+                                         if has("max_sequence_length") else None),
+            max_sequence_length_limit=4096 if has("max_sequence_length") else None,
+            text_conditioned=has("prompt"),
+            default_num_frames=int(self._default("num_frames")) if has("num_frames") and self._default("num_frames")
+            else None,
+            accepts_images=has("image"),
+            default_strength=float(self._default("strength")) if has("strength") and self._default("strength")
+            else None,
+        )
+
+    # ------------------------------------------------------------------ model facts
+    def info(self) -> ModelInfo:
+        return ModelInfo(spec=self.spec, pipeline=self.class_name, step_batching=False)
+
+    def plan(self, params: SamplingParams, inputs: Any = None) -> RequestPlan:
+        """One row, and a batch key of its own (never batched).
+
+        Raises:
+            InvalidRequestError: an input the pipeline's ``__call__`` does not take.
+        """
+        if inputs is not None:
+            if inputs.images and "image" not in self.signature:
+                raise InvalidRequestError("image", "<image>", f"absent: {self.class_name} takes no input image")
+            if inputs.mask is not None and "mask_image" not in self.signature:
+                raise InvalidRequestError("mask", "<mask>", f"absent: {self.class_name} takes no mask")
+        return RequestPlan(rows=params.num_images_per_prompt, batch_key=("whole-request", next(self._keys)))
+
+    # ------------------------------------------------------------------ work items
+    def _kwargs(self, new: NewRequest) -> dict[str, Any]:
+        p = new.params
+        kwargs: dict[str, Any] = {"prompt": new.prompt}
+        for field, argument in _CALL_ARGUMENTS.items():
+            value = getattr(p, field)
+            if value is not None and argument in self.signature:
+                kwargs[argument] = value
+        kwargs["generator"] = torch.Generator(device="cpu").manual_seed(p.seed)
+        if "output_type" in self.signature:
+            kwargs["output_type"] = p.output_type
+        inputs = new.inputs
+        if inputs is not None and inputs.images:
+            kwargs["image"] = inputs.images[0] if len(inputs.images) == 1 else list(inputs.images)
+            if inputs.mask is not None:
+                kwargs["mask_image"] = inputs.mask
+        return kwargs
+
+    def prepare(self, requests: list[NewRequest]) -> list[Prepared]:
+        """Give each request its own pipeline copy (own diffusion scheduler) and a paused
+        call thread; the prompt is encoded inside the call, during its first step."""
+        results = []
+        for new in requests:
+            start = time.perf_counter()
+            try:
+                pipe = copy.copy(self.pipe)
+                if getattr(self.pipe, "scheduler", None) is not None:
+                    vars(pipe)["scheduler"] = new_scheduler(self.pipe.scheduler)
+                job = _Job(new.request_id, pipe, self._kwargs(new), new.params.num_inference_steps)
+            except Exception as exc:  # noqa: BLE001
+                results.append(Prepared(new.request_id, error=WorkError.of(exc)))
+                continue
+            self.states[new.request_id] = job
+            results.append(Prepared(new.request_id, num_steps=job.num_steps, seconds=time.perf_counter() - start))
+        return results
+
+    def snapshot(self, request_ids: list[str]) -> dict:
+        """Previews are not available without a step adapter (nothing to snapshot)."""
+        return {}
+
+    def step(self, request_ids: list[str]) -> StepOutput:
+        """Advance each request's call by one denoising step (one request per forward)."""
+        start = time.perf_counter()
+        out = StepOutput(num_rows=0)
+        for request_id in request_ids:
+            job = self.states[request_id]
+            job.advance()
+            if job.error is not None:
+                out.errors[request_id] = WorkError.of(job.error)
+                self.free([request_id])
+                continue
+            out.num_rows = max(out.num_rows, job.kwargs.get("num_images_per_prompt", 1))
+            out.steps_done[request_id] = job.steps_done
+            out.num_steps[request_id] = job.num_steps
+        out.seconds = time.perf_counter() - start
+        return out
+
+    def decode(self, request_ids: list[str], preview: bool = False, snapshots: dict | None = None) -> list[Decoded]:
+        """Let each finished request's call return (its pipeline decodes) and take its output."""
+        if preview:
+            return []
+        results = []
+        for request_id in request_ids:
+            job = self.states.pop(request_id, None)
+            if job is None:
+                continue
+            start = time.perf_counter()
+            while not job.finished:
+                job.advance()
+            if job.error is not None:
+                results.append(Decoded(request_id, error=WorkError.of(job.error)))
+                continue
+            output = job.output
+            media = getattr(output, "images", None)
+            if media is None and getattr(output, "frames", None) is not None:
+                media = _videos(output.frames, job.kwargs.get("output_type", "pil"))
+            if media is None and isinstance(output, tuple):
+                media = output[0]
+            results.append(Decoded(request_id, output=media, step=job.steps_done,
+                                   seconds=time.perf_counter() - start))
+        return results
+
+    def free(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            job = self.states.pop(request_id, None)
+            if job is not None:
+                job.abort()
+
+    # ------------------------------------------------------------------ stats
+    def acceleration_stats(self) -> dict[str, Any]:
+        """No acceleration backends without a step adapter."""
+        return {"prompt_embed_cache": {"enabled": False}, "cache_backend": {"name": "none"},
+                "compile": {"enabled": False}, "context_folding": {"enabled": False}}
+
+    def peak_memory_bytes(self) -> int:
+        return peak_memory_bytes(self.device)
+
+    # ------------------------------------------------------------------ sleep mode
+    def _modules(self) -> dict[str, torch.nn.Module]:
+        return {n: m for n, m in getattr(self.pipe, "components", {}).items() if isinstance(m, torch.nn.Module)}
+
+    def _reload_components(self) -> dict[str, Any]:
+        from diffserve.runner.loader import load_components
+
+        load_format = "default" if self.config.load_format == "custom_pipeline" else self.config.load_format
+        return load_components(self.config.model_path, self.config.torch_dtype, load_format, device=self.device)[1]
+
+    def sleep(self, level: int) -> None:
+        """Sleep mode (see `diffserve.runner.sleep`); no request may be held.
+
+        Raises:
+            InvalidRequestError: `level` is not 1 or 2.
+            RuntimeError: requests are still held.
+        """
+        level = check_level(level)
+        if self.states:
+            raise RuntimeError(f"cannot sleep with {len(self.states)} requests in the runner")
+        self.sleeper.sleep(level)
+
+    def wake_up(self) -> None:
+        """Restore the weights (no-op while awake)."""
+        self.sleeper.wake_up()

@@ -1,0 +1,53 @@
+"""Running the real server in tests: uvicorn with diffserve's connection protocol on a free
+127.0.0.1 port, in a thread."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import uvicorn
+
+from diffserve.entrypoints.openai.api_server import uvicorn_config
+from diffserve.entrypoints.openai.http_protocol import ConnectionLimits
+
+
+@contextmanager
+def serve(app, limits: ConnectionLimits = ConnectionLimits(), log_level: str = "warning"):
+    """Run `app` as ``diffserve serve`` does (same uvicorn configuration and protocol) on a free
+    127.0.0.1 port in a thread; yields the base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, limits=limits, log_level=log_level))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+def wait_until(predicate, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def assert_openai_error(resp: httpx.Response, status: int, param=None, code=None):
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err

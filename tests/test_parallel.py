@@ -1,0 +1,101 @@
+"""Scale-out inside one engine: the multi-process executor, CFG parallelism and Ulysses sequence
+parallelism over torch.distributed (gloo, CPU), worker death."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from diffserve import (
+    DiffusionEngine,
+    EngineConfig,
+    EngineDeadError,
+    InvalidRequestError,
+    RequestStatus,
+    SamplingParams,
+)
+
+TOL = 1e-5
+PROMPTS = ["a cat", "a dog", "a boat"]
+
+
+def _params():
+    # mixed CFG on/off, seeds, step counts: two batch keys, batching inside each
+    return [SamplingParams(seed=1, num_inference_steps=3, guidance_scale=4.0, output_type="np"),
+            SamplingParams(seed=2, num_inference_steps=2, guidance_scale=1.0, output_type="np"),
+            SamplingParams(seed=3, num_inference_steps=4, guidance_scale=6.0, num_images_per_prompt=2,
+                           output_type="np")]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_sd3_dir):
+    """Single-process outputs without context folding (parallel SD3 runs unfolded)."""
+    engine = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), context_folding=False))
+    return engine.generate(PROMPTS, _params())
+
+
+@pytest.mark.parametrize("layout", [{"cfg_parallel_size": 2}, {"cfg_parallel_size": 2, "ulysses_degree": 2}],
+                         ids=["cfg2", "cfg2-ulysses2"])
+def test_parallel_engine_equals_single_process(tiny_sd3_dir, reference, layout):
+    engine = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), num_threads=1, **layout))
+    try:
+        outs = engine.generate(PROMPTS, _params())
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert stats["world_size"] == layout.get("cfg_parallel_size", 1) * layout.get("ulysses_degree", 1)
+    for out, ref in zip(outs, reference):
+        assert out.ok, out.error
+        assert np.abs(out.images - ref.images).max() <= TOL
+    assert max(outs[0].metrics.batch_sizes) >= 2  # still step-batched across requests
+
+
+def test_ulysses_alone_equals_single_process(tiny_sd3_dir, reference):
+    engine = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), num_threads=1, ulysses_degree=2))
+    try:
+        outs = engine.generate(PROMPTS, _params())
+    finally:
+        engine.shutdown()
+    for out, ref in zip(outs, reference):
+        assert np.abs(out.images - ref.images).max() <= TOL
+
+
+def test_worker_death_fails_requests_and_is_reported(tiny_sd3_dir):
+    engine = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), executor="multiprocess", num_threads=1,
+                                          overlap_stages=False))
+    executor = engine.executor
+    try:
+        [ok] = engine.generate("before", SamplingParams(seed=1, num_inference_steps=2, output_type="np"))
+        assert ok.ok and executor.stats()["workers_alive"] == 1
+        request_id = engine.add_request("doomed", SamplingParams(seed=2, num_inference_steps=200))
+        engine.step()
+        os.kill(executor._procs[0].pid, signal.SIGKILL)
+        start = time.perf_counter()
+        finals = {}
+        while engine.has_unfinished_requests() and time.perf_counter() - start < 30:
+            try:
+                events = engine.step()
+            except EngineDeadError:
+                events = engine.fail_unfinished("worker died")
+            finals.update({e.request_id: e for e in events if e.type.is_final})
+        assert finals[request_id].output.status is RequestStatus.FAILED
+        assert time.perf_counter() - start < 30  # failed fast, no hang
+        stats = executor.stats()
+        assert stats["workers_alive"] == 0 and "exited with code" in stats["dead"]
+        with pytest.raises(EngineDeadError, match="worker 0"):
+            engine.add_request("after", SamplingParams(seed=3))
+    finally:
+        engine.shutdown()
+
+
+def test_parallel_refuses_cache_backends_and_fallback_classes(tiny_sd3_dir):
+    with pytest.raises(InvalidRequestError) as info:
+        EngineConfig(model=str(tiny_sd3_dir), cfg_parallel_size=2, executor="inprocess")
+    assert info.value.field == "executor"
+    with pytest.raises(InvalidRequestError) as info:
+        EngineConfig(model=str(tiny_sd3_dir), ulysses_degree=0)
+    assert info.value.field == "ulysses_degree"

@@ -339,9 +339,11 @@ def sse_events(response: httpx.Response) -> Iterator[tuple[str, dict]]:
 def test_model_card_lists_capabilities_and_parameters(server):
     card = httpx.get(f"{server.base}/v1/models/{MODEL}", headers=server.headers, timeout=10).json()
     assert card["id"] == MODEL and card["object"] == "model"
-    assert card["capabilities"] == ["text-to-image"]  # the SD3 adapter: no edits, no video
+    assert card["capabilities"] == ["text-to-image", "image-edit"]  # SD3 text-to-image and image-to-image
     p = card["parameters"]
-    assert set(p) == {"negative_prompt", "n", "size", "num_inference_steps", "guidance_scale", "seed", "partial_images"}
+    assert set(p) == {"negative_prompt", "n", "size", "num_inference_steps", "guidance_scale", "seed", "partial_images",
+                      "strength"}
+    assert p["strength"]["capabilities"] == ["image-edit"] and p["strength"]["default"] == 0.6
     assert "true_cfg_scale" not in p  # SD3 has CFG only
     assert {k: p["num_inference_steps"][k] for k in ("type", "default", "minimum", "maximum")} == {
         "type": "integer", "default": 20, "minimum": 1, "maximum": LONG_STEPS}  # model default, --max-num-... limit

@@ -220,3 +220,10 @@ def test_unsupported_endpoints_answer_an_openai_404(server):
     with pytest.raises(openai.NotFoundError, match="image variations"):
         server.client.images.create_variation(image=("x.png", encoded(np.zeros((8, 8))), "image/png"))
     assert json.loads(httpx.get(server.base + "/v1/nothing-here").text)["error"]["code"] == "not_found"
+    # an image model serves no video jobs: 405, saying so (the listing still answers)
+    resp = httpx.post(server.base + "/v1/videos", json={"prompt": "a digit"}, timeout=10)
+    assert_openai_error(resp, 405, code="method_not_allowed")
+    assert resp.headers["allow"] == "GET" and "generates images" in resp.json()["error"]["message"]
+    assert httpx.get(server.base + "/v1/videos", timeout=10).json()["data"] == []
+    assert "/v1/videos" not in httpx.get(server.base + "/openapi.json").json()["paths"] or \
+        "post" not in httpx.get(server.base + "/openapi.json").json()["paths"]["/v1/videos"]

@@ -10,7 +10,7 @@ Endpoints:
                                   ``--image-url-ttl`` seconds (default 3600) as promised by each
                                   response's ``expires_at`` (see `image_store`)
     GET  /v1/models[/{id}]        the served model (``--served-model-name``; default: the model
-                                  folder's name, or ``diffserve-digits`` for the built-in model)
+                                  folder's name, or ``diffserve-<name>`` for a built-in model)
     GET  /health                  200 once the model is loaded; 503 while loading, after a
                                   failed load, while shutting down and when the engine loop died
     GET  /metrics                 Prometheus metrics (see `metrics`)
@@ -77,12 +77,14 @@ from diffserve.entrypoints.openai.image_store import (
 from diffserve.entrypoints.openai.metrics import ServerMetrics
 from diffserve.entrypoints.openai.playground import install_playground
 from diffserve.entrypoints.openai.protocol import (
+    CAPABILITY_ENDPOINTS,
     ErrorResponse,
     ImageGenerationRequest,
     ImagesResponse,
     ModelCard,
     SSE_EVENT_SCHEMA,
     ModelList,
+    model_tasks,
     request_json_schema,
 )
 from diffserve.entrypoints.openai.request_body import CLIENT_DISCONNECTED_KEY, log_body_disconnect, read_json
@@ -448,12 +450,19 @@ def create_app(
     default_openapi = app.openapi
 
     def openapi() -> dict:
-        """The OpenAPI schema, with the loaded model's limits in the request body schema."""
+        """The OpenAPI schema, with the loaded model's limits in the request body schema; once
+        the model is loaded, the generation routes it cannot serve (its capabilities decide:
+        edits need image inputs, videos a video model) are left out."""
         app.openapi_schema = None  # rebuilt on each request: the limits are known once loaded
         schema = default_openapi()
         if state.images is not None:
             body = schema["paths"][GENERATIONS_PATH]["post"]["requestBody"]["content"]["application/json"]
             body["schema"] = state.images.request_schema()
+            served = {CAPABILITY_ENDPOINTS[task].split()[1] for task in model_tasks(state.images.engine.engine.spec)}
+            for path in GENERATION_PATHS - served:
+                schema["paths"].get(path, {}).pop("post", None)
+                if not schema["paths"].get(path):
+                    schema["paths"].pop(path, None)
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]

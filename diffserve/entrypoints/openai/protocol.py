@@ -306,7 +306,7 @@ class ImageObject(BaseModel):
 
 
 class ImagesResponse(BaseModel):
-    """Response of ``POST /v1/images/generations`` (non-streamed).
+    """Response of ``POST /v1/images/generations`` and ``POST /v1/images/edits`` (non-streamed).
 
     ``id`` (diffserve extension) is unique per HTTP request; the engine requests of its images
     are ``{id}-{i}``. ``created`` is a Unix time in seconds; ``size`` is the actual ``WxH``.

@@ -10,8 +10,9 @@ Rules:
     - Forms follow the ``openai`` client's conventions: a list is sent as repeated ``name[]``
       parts (read back under ``name``), a None value is simply absent, booleans are ``true`` /
       ``false``. Text values are validated with type coercion (``"2"`` is the integer 2); the
-      same field given twice, a file where text is expected or text where a file is expected is
-      a 400 naming the field.
+      same field given twice, or a file where text is expected, is a 400 naming the field. A
+      file field whose part has no ``filename`` (some form encoders omit it) is read as the
+      part's bytes.
     - Cross-site form posts: browsers send forms cross-origin without a CORS preflight, so a
       form route refuses a request whose ``Origin`` header names another site (403), unless
       that origin is in ``--allowed-origins``. JSON routes need no such check: their
@@ -20,10 +21,11 @@ Rules:
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from fastapi import Request
@@ -44,8 +46,6 @@ MAX_FORM_BYTES = 64 << 20
 #: Most file parts and text parts of a form.
 MAX_FORM_FILES = 32
 MAX_FORM_FIELDS = 128
-#: Largest text part of a form, bytes (a prompt is at most 32000 characters).
-MAX_FORM_TEXT_BYTES = 256 << 10
 #: ASGI scope key the status-counting middleware reads: True when the client went away first.
 CLIENT_DISCONNECTED_KEY = "diffserve.client_disconnected"
 
@@ -173,15 +173,13 @@ async def read_form(request: Request, file_fields: frozenset[str] | set[str],
         max_bytes: body size limit.
 
     Raises:
-        APIError: 413 over `max_bytes`; 400 malformed multipart, too many parts, a text part
-            over `MAX_FORM_TEXT_BYTES`, a field given twice, a file for a text field or text for
-            a file field (``param`` names the field).
+        APIError: 413 over `max_bytes`; 400 malformed multipart, too many parts, a text field
+            given twice or a file for a text field (``param`` names the field).
         starlette.requests.ClientDisconnect: the client went away mid-body.
     """
     request._body = await read_limited(request, max_bytes)  # Request.form() parses the cached body
     try:
-        form = await request.form(max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS,
-                                  max_part_size=MAX_FORM_TEXT_BYTES)
+        form = await request.form(max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS, max_part_size=max_bytes)
     except MultiPartException as exc:
         raise APIError(400, f"We could not parse the multipart/form-data body of your request: {exc.message}",
                        code="invalid_multipart") from None
@@ -196,9 +194,9 @@ async def read_form(request: Request, file_fields: frozenset[str] | set[str],
                 body.files.setdefault(name, []).append(
                     UploadedFile(name, value.filename, value.content_type, await value.read()))
                 continue
-            if name in file_fields:
-                raise APIError(400, f"Invalid value for '{name}': expected a file upload, got text.", param=name,
-                               code="invalid_type")
+            if name in file_fields:  # a file part without a filename
+                body.files.setdefault(name, []).append(UploadedFile(name, None, None, _part_bytes(value)))
+                continue
             if name in body.fields:
                 raise APIError(400, f"Invalid value for '{name}': given more than once.", param=name,
                                code="invalid_value")
@@ -206,6 +204,40 @@ async def read_form(request: Request, file_fields: frozenset[str] | set[str],
     finally:
         await form.close()
     return body
+
+
+def _part_bytes(text: str) -> bytes:
+    """The bytes of a part Starlette decoded as text: UTF-8, or Latin-1 when the bytes are not
+    valid UTF-8 (always the case for PNG, JPEG and WebP files)."""
+    try:
+        raw = text.encode("latin-1")
+        raw.decode("utf-8")
+    except UnicodeEncodeError:  # a character over U+00FF: it was UTF-8
+        return text.encode("utf-8")
+    except UnicodeDecodeError:  # not UTF-8: Starlette fell back to Latin-1, which is reversible
+        return raw
+    return text.encode("utf-8")
+
+
+def form_schema(schema: dict[str, Any], files: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The OpenAPI schema of a ``multipart/form-data`` body from a request model's JSON schema:
+    forms cannot send null, so the null branches and the null-only fields are left out; `files`
+    (field -> schema) are added.
+    """
+    schema = copy.deepcopy(schema)
+    properties = {}
+    for name, prop in schema["properties"].items():
+        if prop.get("type") == "null":
+            continue
+        branches = [b for b in prop.get("anyOf", []) if b.get("type") != "null"]
+        if "anyOf" in prop and len(branches) == 1:
+            prop = {**{k: v for k, v in prop.items() if k not in ("anyOf", "default")}, **branches[0]}
+        elif "anyOf" in prop:
+            prop = {**prop, "anyOf": branches}
+            prop.pop("default", None)
+        properties[name] = prop
+    schema["properties"] = {**properties, **files}
+    return schema
 
 
 def check_form_origin(request: Request, allowed_origins: list[str] | None, public_url: str | None) -> None:

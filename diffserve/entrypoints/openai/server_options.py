@@ -34,7 +34,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (0 = any free port)")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="model name in /v1/models and requests (default: the model folder's name, or "
-                             "diffserve-digits for the built-in model)")
+                             "diffserve-NAME for a built-in model: diffserve-digits, diffserve-digits-video)")
     parser.add_argument("--max-waiting-requests", type=int, default=1024, metavar="N",
                         help="waiting-queue bound (one request per image); past it requests get 429")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",

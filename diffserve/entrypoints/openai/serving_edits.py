@@ -24,7 +24,6 @@ Streaming sends ``image_edit.partial_image`` / ``image_edit.completed`` events.
 from __future__ import annotations
 
 import asyncio
-import copy
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -36,12 +35,13 @@ from diffserve.entrypoints.openai.request_body import (
     MULTIPART,
     FormBody,
     check_form_origin,
+    form_schema,
     log_body_disconnect,
     read_form,
     require_media_type,
 )
 from diffserve.errors import InvalidRequestError
-from diffserve.inputs import make_inputs, mask_from_image, read_image
+from diffserve.inputs import MAX_INPUT_IMAGES, make_inputs, mask_from_image, read_image
 
 EDITS_PATH = "/v1/images/edits"
 #: Form fields that carry files.
@@ -81,11 +81,12 @@ def parse_edit_form(form: FormBody):
 
 def edit_form_schema() -> dict:
     """OpenAPI schema of the ``multipart/form-data`` body (the text fields and the files)."""
-    schema = copy.deepcopy(ImageEditRequest.model_json_schema())
     binary = {"type": "string", "format": "binary"}
-    schema["properties"]["image"] = {"anyOf": [binary, {"type": "array", "items": binary, "maxItems": 16}],
-                                     "description": "input image(s): PNG, JPEG or WebP (several as image[])"}
-    schema["properties"]["mask"] = {**binary, "description": "mask of the first image's size (transparent = edit)"}
+    schema = form_schema(ImageEditRequest.model_json_schema(), {
+        "image": {"anyOf": [binary, {"type": "array", "items": binary, "minItems": 1, "maxItems": MAX_INPUT_IMAGES}],
+                  "description": "input image(s): PNG, JPEG or WebP (several as image[])"},
+        "mask": {**binary, "description": "mask of the first image's size (transparent pixels are edited)"},
+    })
     schema["required"] = sorted({*schema.get("required", []), "image"})
     return schema
 

@@ -22,7 +22,8 @@ seconds x fps (Wan: 4k + 1 frames: 4 s at 16 fps -> 65 frames); ``num_frames`` (
 exactly; the job's ``seconds`` is the actual num_frames / fps. Other extensions: ``fps``,
 ``seed``, ``negative_prompt``, ``num_inference_steps``, ``guidance_scale``, ``guidance_scale_2``,
 ``true_cfg_scale``. Errors as for images: 400 naming the field, 404 unknown model or video, 429
-queue full, 503 loading / shutting down / video store full (with ``Retry-After``).
+queue full, 503 loading / shutting down / video store full (with ``Retry-After``); on an image
+model ``POST /v1/videos`` answers 405 (saying so; the served OpenAPI schema leaves it out).
 
 Jobs live in a `VideoStore` (bounded count, bytes and time; a job's stated ``expires_at`` always
 holds): any replica sharing the store answers the GET and DELETE routes, and a job deleted
@@ -36,9 +37,9 @@ import logging
 import secrets
 import time
 from collections.abc import Iterator
-from typing import Any, BinaryIO
+from typing import BinaryIO, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
@@ -58,6 +59,7 @@ from diffserve.entrypoints.openai.request_body import (
     JSON,
     MULTIPART,
     check_form_origin,
+    form_schema,
     log_body_disconnect,
     read_form,
     read_json,
@@ -119,6 +121,7 @@ class VideoService:
         self.store = store
         self.model_name = model_name
         self.metrics = metrics
+        #: the loaded engine's `ImageGenerationService` (None until `attach`)
         self.images = None
         #: engine requests of this replica's unfinished jobs, by job id
         self._running: dict[str, RequestGroup] = {}
@@ -133,8 +136,8 @@ class VideoService:
         """Validate `body`, store a queued job and queue its engine request.
 
         Raises:
-            APIError: 400 invalid field (also: an image model), 404 unknown model, 429 queue
-                full, 503 video store full (``Retry-After``), shutting down or engine dead.
+            APIError: 400 invalid field, 404 unknown model, 429 queue full, 503 video store full
+                (``Retry-After``), shutting down or engine dead.
         """
         images = self.images
         engine = images.engine
@@ -143,9 +146,6 @@ class VideoService:
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
                                 f"'{self.model_name}' (GET /v1/models).", param="model", code="model_not_found")
-        if spec.default_num_frames is None:
-            raise APIError(400, f"The model '{self.model_name}' generates images, not videos: use POST "
-                                "/v1/images/generations.", param="model", code="invalid_value")
         try:
             prompt = validate_prompt(body.prompt, spec)
             size = parse_size(body.size)
@@ -172,7 +172,7 @@ class VideoService:
             error = invalid_request(exc)
             if exc.field == "num_frames" and body.seconds is not None:
                 error.param = "seconds"
-                error.message += f" (from seconds={body.seconds:g} at {resolved_fps(body, spec)} fps)"
+                error.message += f" (from seconds={body.seconds:g} at {fps} fps)"
             raise error from None
         now = time.time()
         job = VideoJob(id=new_video_id(now), created_at=now, model=self.model_name, prompt=prompt,
@@ -352,30 +352,12 @@ class VideoService:
                              "ended).", param="video_id", code="video_not_found")
 
 
-def resolved_fps(body: VideoCreateRequest, spec: Any) -> int:
-    """The fps a request runs with (its own, else the model's)."""
-    return body.fps if body.fps is not None else spec.default_fps
-
-
 def _chunks(handle: BinaryIO) -> Iterator[bytes]:
     try:
         while chunk := handle.read(CHUNK_BYTES):
             yield chunk
     finally:
         handle.close()
-
-
-def _query_int(value: str | None, name: str, low: int, high: int, default: int) -> int:
-    if value is None:
-        return default
-    try:
-        number = int(value)
-    except ValueError:
-        number = low - 1
-    if not low <= number <= high:
-        raise APIError(400, f"Invalid value for '{name}': must be an integer in [{low}, {high}], got {value!r}.",
-                       param=name, code="invalid_value")
-    return number
 
 
 def install_video_routes(app: FastAPI, state, allowed_origins: list[str] | None = None,
@@ -393,14 +375,19 @@ def install_video_routes(app: FastAPI, state, allowed_origins: list[str] | None 
     mp4 = {200: {"content": {"video/mp4": {"schema": {"type": "string", "format": "binary"}}},
                  "description": "The MP4 video"}}
     create_schema = VideoCreateRequest.model_json_schema()
+    create_form = form_schema(create_schema, {})
 
     @app.post(VIDEOS_PATH, response_model=VideoObject,
               responses={**errors, **{c: {"model": ErrorResponse} for c in (403, 408, 413, 415, 429)}},
               openapi_extra={"requestBody": {"required": True, "content": {
-                  JSON: {"schema": create_schema}, MULTIPART: {"schema": create_schema}}}})
+                  JSON: {"schema": create_schema}, MULTIPART: {"schema": create_form}}}})
     async def create_video(raw_request: Request) -> Response:
         """Create a video job (OpenAI Videos API, plus diffserve's extension fields)."""
-        state.require_service()
+        images = state.require_service()
+        if images.engine.engine.spec.default_num_frames is None:  # not in the served schema either
+            raise APIError(405, f"The model '{images.model_name}' generates images, not videos: POST /v1/videos "
+                                "is not served (use POST /v1/images/generations).", code="method_not_allowed",
+                           headers={"Allow": "GET"})
         kind = require_media_type(raw_request, (JSON, MULTIPART))
         try:
             if kind == JSON:
@@ -420,12 +407,10 @@ def install_video_routes(app: FastAPI, state, allowed_origins: list[str] | None 
         return JSONResponse(video.model_dump(), headers={"X-Request-Id": video.id})
 
     @app.get(VIDEOS_PATH, response_model=VideoList, responses=errors)
-    async def list_videos(after: str | None = None, limit: str | None = None, order: str | None = None) -> VideoList:
+    async def list_videos(after: str | None = None, limit: int = Query(20, ge=1, le=MAX_LIST_LIMIT),
+                          order: Literal["asc", "desc"] = "desc") -> VideoList:
         """Video jobs, newest first (``order=asc``: oldest first), ``limit`` per page after ``after``."""
-        if order not in (None, "asc", "desc"):
-            raise APIError(400, f"Invalid value for 'order': must be 'asc' or 'desc', got {order!r}.", param="order",
-                           code="invalid_value")
-        return await state.videos.list(after, _query_int(limit, "limit", 1, MAX_LIST_LIMIT, 20), order or "desc")
+        return await state.videos.list(after, limit, order)
 
     @app.get(VIDEOS_PATH + "/{video_id}", response_model=VideoObject, responses=errors)
     async def retrieve_video(video_id: str) -> VideoObject:
@@ -434,11 +419,8 @@ def install_video_routes(app: FastAPI, state, allowed_origins: list[str] | None 
 
     @app.get(VIDEOS_PATH + "/{video_id}/content", response_class=Response,
              responses={**errors, **mp4, 409: {"model": ErrorResponse}})
-    async def video_content(video_id: str, variant: str | None = None) -> Response:
-        """The MP4 of a completed job."""
-        if variant not in (None, "video"):
-            raise APIError(400, f"Invalid value for 'variant': only 'video' is available, got {variant!r}.",
-                           param="variant", code="invalid_value")
+    async def video_content(video_id: str, variant: Literal["video"] = "video") -> Response:
+        """The MP4 of a completed job (``variant``: only ``video``; no thumbnail or spritesheet)."""
         job, handle = await state.videos.content(video_id)
         return StreamingResponse(_chunks(handle), media_type=job.media_type, headers={
             "Content-Length": str(job.content_bytes), "Content-Disposition": f'inline; filename="{job.id}.mp4"',

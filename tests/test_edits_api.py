@@ -140,6 +140,17 @@ def test_size_auto_is_the_input_size_within_the_model_limits(server):
     assert resp.status_code == 200 and resp.json()["size"] == "4x8"
 
 
+def test_file_parts_without_a_filename_and_the_form_schema(server):
+    png = encoded(threes(1)[0])
+    resp = post_edit(server, {"image": (None, png)}, {"num_inference_steps": "2", "seed": "1"})  # no filename
+    named = post_edit(server, {"image": ("x.png", png, "image/png")}, {"num_inference_steps": "2", "seed": "1"})
+    assert resp.status_code == 200 and resp.json()["data"][0]["b64_json"] == named.json()["data"][0]["b64_json"]
+    schema = httpx.get(server.base + "/openapi.json").json()["paths"]["/v1/images/edits"]["post"]
+    form = schema["requestBody"]["content"]["multipart/form-data"]["schema"]
+    assert form["required"] == ["image", "prompt"] and "strength" in form["properties"]
+    assert not any(b.get("type") == "null" for p in form["properties"].values() for b in p.get("anyOf", [p]))
+
+
 # -------------------------------------------------------------------------------- errors
 def test_image_errors_name_the_field(server):
     good = encoded(threes(1)[0])

@@ -118,10 +118,16 @@ class VideoJob:
         return self.reserved_bytes if self.active else 0
 
     def to_json(self) -> str:
+        """The job as one line of JSON (what the store writes)."""
         return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> "VideoJob":
+        """A job from `to_json`'s text; unknown keys (written by a newer replica) are ignored.
+
+        Raises:
+            ValueError / TypeError: not a job's JSON.
+        """
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in json.loads(text).items() if k in known})
 

@@ -23,8 +23,10 @@ class EngineConfig:
     """Engine configuration.
 
     Attributes:
-        model: path to a local diffusers folder (with ``model_index.json``); None = the
-            built-in default model (`diffserve.models.digits`).
+        model: path to a local diffusers folder (with ``model_index.json``), or the name of a
+            built-in model: ``"digits"`` (text-to-image, the default) or ``"digits-video"``
+            (text-to-video); None = ``"digits"``. An existing folder wins over a built-in name
+            (see `diffserve.models.resolve_model`).
         device: ``"auto"`` (cuda if available, else cpu), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
         dtype: ``"auto"`` (bf16 on cuda, fp32 on cpu), ``"fp32"``, ``"bf16"``, ``"fp16"``.
         load_format: ``"default"`` reads the weights; ``"dummy"`` builds every model from its
@@ -138,7 +140,8 @@ class EngineConfig:
             raise InvalidRequestError("executor", self.executor, "multiprocess or auto when cfg_parallel_size x "
                                       "ulysses_degree > 1")
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
-            raise InvalidRequestError("model", self.model, "a path to a local diffusers folder, or None")
+            raise InvalidRequestError("model", self.model, "a path to a local diffusers folder, a built-in model "
+                                      "name (digits, digits-video), or None")
         if self.num_threads is not None and (not isinstance(self.num_threads, int)
                                              or isinstance(self.num_threads, bool) or self.num_threads < 1):
             raise InvalidRequestError("num_threads", self.num_threads, "an integer >= 1, or None")
@@ -180,12 +183,11 @@ class EngineConfig:
 
     @property
     def model_path(self) -> Path:
-        """The model folder to load (the built-in default when `model` is None)."""
-        if self.model is None:
-            from diffserve.models.digits import DEFAULT_MODEL_PATH
+        """The model folder to load: `model` resolved by `diffserve.models.resolve_model` (the
+        built-in default when None, a built-in model's folder for its name)."""
+        from diffserve.models import resolve_model
 
-            return Path(DEFAULT_MODEL_PATH)
-        return Path(self.model).expanduser()
+        return resolve_model(self.model)
 
     @property
     def torch_device(self) -> torch.device:

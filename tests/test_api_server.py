@@ -31,7 +31,7 @@ from diffserve.entrypoints.openai.api_server import create_app
 from diffserve.entrypoints.openai.image_store import ImageStore
 from diffserve.entrypoints.openai.metrics import ServerMetrics
 from diffserve.entrypoints.openai.protocol import ImageGenerationRequest
-from diffserve.entrypoints.openai.serving_images import ImageGenerationService, _RequestGroup
+from diffserve.entrypoints.openai.serving_images import ImageGenerationService
 from diffserve.errors import EngineOverloadedError
 from server_helpers import assert_openai_error, serve, wait_until
 
@@ -307,7 +307,7 @@ def test_concurrent_groups_cannot_overfill_the_queue(tiny_sd3_dir):
     service = ImageGenerationService(engine, MODEL, ImageStore(60, 10), metrics, lambda: False)
 
     def group(**body):
-        return _RequestGroup(engine, service._plan(ImageGenerationRequest(**body)), metrics)
+        return service._group(service._plan(ImageGenerationRequest(**body)))
 
     async def main():
         blocker = group(prompt="slow", num_inference_steps=LONG_STEPS)

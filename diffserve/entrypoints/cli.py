@@ -1,5 +1,5 @@
-"""The ``diffserve`` command line: ``diffserve generate`` (offline) and ``diffserve serve``
-(OpenAI-compatible HTTP server).
+"""The ``diffserve`` command line: ``diffserve generate`` and ``diffserve edit`` (offline) and
+``diffserve serve`` (OpenAI-compatible HTTP server).
 
 Start-up: arguments are parsed and every check that needs no model (ranges of ``--steps``,
 ``-n``, ``--guidance``, ``--seed``, ``--size`` syntax, the prompt's text, the output folder) is
@@ -7,31 +7,36 @@ done before torch, diffusers or transformers are imported, so ``--help`` and a m
 answer at once. Bad arguments print one line ``diffserve: error: argument FLAG: ...`` naming the
 flag as typed (``-n`` or ``--num-images``) and exit with status 2, never a traceback.
 
-Output files (``generate``): ``NNNN_seedS.png`` in the output folder, numbered after the highest
+Output files (``generate``, ``edit``): ``NNNN_seedS.png`` in the output folder (``.mp4``, or
+``.webp`` / ``.gif`` with ``--video-format``, for video models), numbered after the highest
 number already there (so names sort in generation order across runs), each carrying its
-generation parameters as PNG text chunks: ``parameters`` in the AUTOMATIC1111 layout (read by
-A1111, ComfyUI and image sites) and ``diffserve`` as JSON. The folder is created only when
-there is an image to write.
+generation parameters (see `diffserve.entrypoints.output_files`). The folder is created only
+when there is something to write.
+
+``--model`` takes a local diffusers folder or a built-in model name (``digits``, the default;
+``digits-video``), see `diffserve.models`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diffserve import __version__
+from diffserve.entrypoints.model_name import model_name
+from diffserve.entrypoints.output_files import OutputWriter, png_metadata, video_metadata
 from diffserve.errors import EngineOverloadedError, InvalidRequestError, UnsupportedModelError
+from diffserve.models import builtin_name
 
 if TYPE_CHECKING:
-    from PIL import Image
-
-    from diffserve.outputs import GenerationOutput
     from diffserve.sampling_params import SamplingParams
 
 EXIT_USAGE = 2
@@ -49,6 +54,8 @@ _FIELD_TO_DEST = {
     "width": "size",
     "num_threads": "threads",
 }
+#: Output formats of video models (``--video-format``).
+VIDEO_FORMAT_CHOICES = ("mp4", "webp", "gif")
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -90,8 +97,9 @@ def parse_size(text: str) -> tuple[int, int]:
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine options shared by ``generate`` and ``serve``."""
-    parser.add_argument("--model", default=None, metavar="DIR",
-                        help="local diffusers folder (model_index.json) (default: the built-in digits model)")
+    parser.add_argument("--model", default=None, metavar="DIR|NAME",
+                        help="a local diffusers folder (model_index.json), or a built-in model: digits "
+                             "(text-to-image and image-to-image; the default) or digits-video (text-to-video)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                         help="weights and activations dtype; auto = bf16 on cuda, fp32 on cpu")
@@ -209,42 +217,68 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
             raise InvalidRequestError(name, getattr(args, name), "an integer >= 1")
 
 
+def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
+    """The prompt, sampling and output options shared by ``generate`` and ``edit``."""
+    parser.add_argument("prompt", nargs="?", default=None, metavar="PROMPT",
+                        help='text description of the output, e.g. "a handwritten digit 7" (or --prompt)')
+    parser.add_argument("--prompt", dest="prompt_option", default=None, metavar="TEXT",
+                        help="the prompt, as an option instead of the positional PROMPT (default: none)")
+    parser.add_argument("--negative-prompt", default=None, metavar="TEXT",
+                        help="text for the unconditional CFG branch (default: empty)")
+    parser.add_argument("-n", "--num-images", type=int, default=1, metavar="N",
+                        help="outputs to generate, 1-10; output i uses seed SEED+i (mod 2**63)")
+    parser.add_argument("--steps", type=int, default=None, metavar="S",
+                        help="num_inference_steps, 1-200 (default: the model's; 20 for the built-in models)")
+    parser.add_argument("--guidance", type=float, default=None, metavar="G",
+                        help="guidance_scale in [0, 100], CFG on when > 1 (default: the model's; 4 for the "
+                             "built-in models)")
+    parser.add_argument("--true-cfg-scale", type=float, default=None, metavar="G",
+                        help="true_cfg_scale in [0, 100] (Flux, Qwen-Image): true CFG against --negative-prompt "
+                             "when > 1 (default: the model's)")
+    parser.add_argument("--size", default=None, metavar="WxH",
+                        help="WIDTHxHEIGHT in pixels (default: the model's; 8x8 for the built-in digits model, "
+                             "which supports at most 8x8)")
+    parser.add_argument("--seed", type=int, default=None, metavar="S",
+                        help="seed of the first output (default: random, printed)")
+    parser.add_argument("--display-size", type=int, default=None, metavar="PX",
+                        help="also upscale outputs (nearest neighbour) to this many pixels on the long side for "
+                             "viewing; the raw output is kept as *_raw.EXT (default: no upscaling)")
+    parser.add_argument("-o", "--output-dir", default=DEFAULT_OUTPUT_DIR, metavar="DIR",
+                        help="folder for the output files, created when the first one is written")
+
+
 def build_parser() -> _ArgumentParser:
-    """The ``diffserve`` argument parser (``generate`` and ``serve`` sub-commands)."""
+    """The ``diffserve`` argument parser (``generate``, ``edit`` and ``serve`` sub-commands)."""
     parser = _ArgumentParser(prog="diffserve", description="Serve diffusion models fast.")
     parser.add_argument("--version", action="version", version=f"diffserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser, metavar="COMMAND")
-    gen = sub.add_parser("generate", help="generate images offline and write PNG files",
-                         description="Generate images offline and write PNG files (NNNN_seedS.png, with the "
-                                     "generation parameters as PNG text chunks).")
-    gen.add_argument("prompt", nargs="?", default=None, metavar="PROMPT",
-                     help='text description of the image, e.g. "a handwritten digit 7" (or --prompt)')
-    gen.add_argument("--prompt", dest="prompt_option", default=None, metavar="TEXT",
-                     help="the prompt, as an option instead of the positional PROMPT (default: none)")
-    gen.add_argument("--negative-prompt", default=None, metavar="TEXT",
-                     help="text for the unconditional CFG branch (default: empty)")
-    gen.add_argument("-n", "--num-images", type=int, default=1, metavar="N",
-                     help="images to generate, 1-10; image i uses seed SEED+i (mod 2**63)")
-    gen.add_argument("--steps", type=int, default=None, metavar="S",
-                     help="num_inference_steps, 1-200 (default: the model's; 20 for the built-in model)")
-    gen.add_argument("--guidance", type=float, default=None, metavar="G",
-                     help="guidance_scale in [0, 100], CFG on when > 1 (default: the model's; 4 for the "
-                          "built-in model)")
-    gen.add_argument("--true-cfg-scale", type=float, default=None, metavar="G",
-                     help="true_cfg_scale in [0, 100] (Flux, Qwen-Image): true CFG against --negative-prompt "
-                          "when > 1 (default: the model's)")
-    gen.add_argument("--size", default=None, metavar="WxH",
-                     help="WIDTHxHEIGHT in pixels (default: the model's; 8x8 for the built-in model, which "
-                          "supports at most 8x8)")
-    gen.add_argument("--seed", type=int, default=None, metavar="S",
-                     help="seed of the first image (default: random, printed)")
-    gen.add_argument("--display-size", type=int, default=None, metavar="PX",
-                     help="also upscale images (nearest neighbour) to this many pixels on the long side for "
-                          "viewing; the raw output is kept as *_raw.png (default: no upscaling)")
-    gen.add_argument("-o", "--output-dir", default=DEFAULT_OUTPUT_DIR, metavar="DIR",
-                     help="folder for the PNG files, created when the first image is written")
+    gen = sub.add_parser("generate", help="generate images (PNG) or videos (MP4) offline",
+                         description="Generate images (NNNN_seedS.png) or, with a video model, videos "
+                                     "(NNNN_seedS.mp4) offline, with the generation parameters as metadata.")
+    add_generation_arguments(gen)
+    video = gen.add_argument_group("video models")
+    video.add_argument("--num-frames", type=int, default=None, metavar="F",
+                       help="frames per video (the model's rule, e.g. 4k+1 for Wan) (default: the model's)")
+    video.add_argument("--fps", type=int, default=None, metavar="R",
+                       help="frames per second of the video, 1-240 (default: the model's)")
+    video.add_argument("--video-format", default=None, choices=VIDEO_FORMAT_CHOICES,
+                       help="file format: mp4 (H.264, metadata as container tags), webp or gif (animated, "
+                            "metadata in a sidecar .json) (default: mp4)")
     add_engine_arguments(gen)
-    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server (POST /v1/images/generations)",
+    edit = sub.add_parser("edit", help="edit images offline (image-to-image) and write PNG files",
+                          description="Edit images offline: the model redraws --image following PROMPT "
+                                      "(NNNN_seedS.png, with the generation parameters as PNG text chunks).")
+    edit.add_argument("--image", action="append", required=True, metavar="PATH",
+                      help="input image (PNG, JPEG or WebP); repeat for models that take several")
+    edit.add_argument("--mask", default=None, metavar="PATH",
+                      help="mask of the first image's size (models that inpaint): transparent pixels (or, "
+                           "without transparency, white ones) are repainted (default: none)")
+    edit.add_argument("--strength", type=float, default=None, metavar="S",
+                      help="fraction of the denoising schedule run on the noised input, in (0, 1]: low keeps "
+                           "the input, 1 redraws it (default: the model's; 0.6 for the built-in model)")
+    add_generation_arguments(edit)
+    add_engine_arguments(edit)
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server (images, edits, videos)",
                          description="Run the OpenAI-compatible HTTP server.")
     add_engine_arguments(srv)
     from diffserve.entrypoints.openai.server_options import add_server_arguments
@@ -254,7 +288,7 @@ def build_parser() -> _ArgumentParser:
     from diffserve.entrypoints.memory_options import add_sleep_server_arguments
 
     add_sleep_server_arguments(srv)
-    parser.commands = {"generate": gen, "serve": srv}
+    parser.commands = {"generate": gen, "edit": edit, "serve": srv}
     return parser
 
 
@@ -295,7 +329,7 @@ def _prompt(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
     if args.prompt is not None and args.prompt_option is not None:
         parser.error("give the prompt once: as PROMPT or as --prompt, not both")
     if args.prompt is None and args.prompt_option is None:
-        parser.error('a prompt is required: diffserve generate "a handwritten digit 7" (or --prompt TEXT)')
+        parser.error(f"a prompt is required: diffserve {args.command} \"a handwritten digit 7\" (or --prompt TEXT)")
     parser._prompt_from_option = args.prompt_option is not None  # type: ignore[attr-defined]
     return args.prompt if args.prompt is not None else args.prompt_option
 
@@ -320,12 +354,24 @@ def _check_output_dir(path: str) -> Path:
     return out_dir
 
 
-def check_generate_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser
-                             ) -> tuple[str, list["SamplingParams"], Path]:
-    """Every ``generate`` check that needs no model, before anything heavy is imported.
+@dataclass
+class _Job:
+    """A checked ``generate`` / ``edit`` command, before the model loads."""
+
+    prompt: str
+    params: list["SamplingParams"]
+    out_dir: Path
+    images: list[Any] | None = None  # PIL images (edit)
+    mask: Any = None
+
+
+def check_generate_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> _Job:
+    """Every ``generate`` / ``edit`` check that needs no model, before anything heavy is imported
+    (input images are read and decoded here too).
 
     Returns:
-        (prompt, one `SamplingParams` per image with seeds seed, seed+1, ..., output folder).
+        The prompt, one `SamplingParams` per output with seeds seed, seed+1, ..., the output
+        folder, and for ``edit`` the input images and mask.
 
     Raises:
         InvalidRequestError: naming the field (mapped to its flag by `usage_error_message`).
@@ -345,26 +391,58 @@ def check_generate_arguments(args: argparse.Namespace, parser: argparse.Argument
         raise InvalidRequestError("num_images", n, f"an integer in [1, {limits.max_num_images_per_prompt}]")
     if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
         raise InvalidRequestError("seed", args.seed, f"an integer in [0, {MAX_SEED}]")
-    # one request per image, seeds seed, seed+1, ... (mod 2**63): every file reproduces alone from its seed
+    # one request per output, seeds seed, seed+1, ... (mod 2**63): every file reproduces alone from its seed
     # (the HTTP server's `n` does the same); the engine batches them.
     params = [
         SamplingParams(negative_prompt=args.negative_prompt, height=height, width=width,
                        num_inference_steps=args.steps, guidance_scale=args.guidance,
-                       true_cfg_scale=args.true_cfg_scale,
+                       true_cfg_scale=args.true_cfg_scale, strength=getattr(args, "strength", None),
+                       num_frames=getattr(args, "num_frames", None), fps=getattr(args, "fps", None),
                        seed=None if args.seed is None else (args.seed + i) % (MAX_SEED + 1))
         for i in range(n)
     ]
-    # The model-independent range checks (steps, guidance, seed, negative prompt, size > 0);
-    # the model's own rules (resolution multiple, maximum size) are checked once it is loaded.
-    any_model = ModelSpec(resolution_factor=1, default_height=1, default_width=1,
-                          default_num_inference_steps=1, default_guidance_scale=0.0, default_true_cfg_scale=1.0)
+    # The model-independent range checks (steps, guidance, seed, negative prompt, size > 0, strength,
+    # frames, fps); the model's own rules (resolution multiple, maximum size, frame rule) are checked
+    # once it is loaded.
+    any_model = ModelSpec(resolution_factor=1, default_height=1, default_width=1, default_num_inference_steps=1,
+                          default_guidance_scale=0.0, default_true_cfg_scale=1.0, default_num_frames=1,
+                          default_fps=1, accepts_images=True, default_strength=1.0)
     for p in params:
         p.resolve(any_model, limits, default_seed=0)
-    return prompt, params, _check_output_dir(args.output_dir)
+    job = _Job(prompt, params, _check_output_dir(args.output_dir))
+    if args.command == "edit":
+        job.images = [_read_image_file(path, "image") for path in args.image]
+        if args.mask is not None:
+            from diffserve.inputs import check_mask_size, mask_from_image
+
+            job.mask = mask_from_image(_read_image_file(args.mask, "mask"))
+            check_mask_size(job.images[0].size, job.mask.size)
+    return job
+
+
+def _read_image_file(path: str, field: str):
+    """The image in the file `path` (see `diffserve.inputs.read_image`).
+
+    Raises:
+        InvalidRequestError: naming `field`: unreadable file, or not a valid image.
+    """
+    from diffserve.inputs import read_image
+
+    try:
+        data = Path(path).expanduser().read_bytes()
+    except OSError as exc:
+        raise InvalidRequestError(field, path, "a readable PNG, JPEG or WebP file", detail=exc.strerror) from None
+    try:
+        return read_image(data, field)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(field, path, exc.allowed, detail=f"{exc.value}" + (
+            f": {exc.detail}" if exc.detail else "")) from None
 
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    prompt, params, out_dir = check_generate_arguments(args, parser)
+    """``diffserve generate`` and ``diffserve edit``."""
+    job = check_generate_arguments(args, parser)
+    prompt, params = job.prompt, job.params
     from diffserve.runner.library_warnings import silence_inapplicable_library_warnings
 
     silence_inapplicable_library_warnings()
@@ -376,15 +454,36 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     engine = DiffusionEngine(config)
     spec, limits = engine.spec, config.limits
+    is_video = spec.default_num_frames is not None
+    if args.command == "generate" and args.video_format is not None and not is_video:
+        raise InvalidRequestError("video_format", args.video_format, f"unset: {spec.pipeline} makes images")
+    inputs = None
+    if job.images is not None:
+        if not spec.accepts_images:
+            raise InvalidRequestError("image", args.image[0], f"unset: {spec.pipeline} takes no input images")
+        from diffserve.inputs import auto_size, make_inputs
+
+        inputs = make_inputs(job.images, job.mask)
+        if args.size is None:  # an edit keeps the input's size (rounded to the model's multiple)
+            width, height = auto_size(job.images[0].size, spec, limits)
+            params = [dataclasses.replace(p, width=width, height=height) for p in params]
+    if is_video:
+        params = [dataclasses.replace(p, output_type="np") for p in params]
     resolved = [p.resolve(spec, limits, 0) for p in params]  # the model's rules, before any compute
-    if args.model is None:
+    for p in resolved:
+        engine.executor.plan(p, inputs)  # the family's own rules (input images, mask, strength)
+    if builtin_name(args.model) == "digits":
         _warn_out_of_vocabulary(prompt)
-    ids = [engine.add_request(prompt, p) for p in params]
-    bar = tqdm(total=sum(r.num_inference_steps for r in resolved), desc="denoising", unit="step", file=sys.stderr)
+    ids = [engine.add_request(prompt, p, inputs=inputs) for p in params]
+    totals = {request_id: p.num_inference_steps for request_id, p in zip(ids, resolved)}
+    bar = tqdm(total=sum(totals.values()), desc="denoising", unit="step", file=sys.stderr)
     outputs = {}
     while len(outputs) < len(ids):
         for event in engine.step():
             if event.type is EventType.PROGRESS:
+                if event.total is not None and totals[event.request_id] != event.total:  # img2img: strength x steps
+                    totals[event.request_id] = event.total
+                    bar.total = sum(totals.values())
                 bar.update(1)
             elif event.type.is_final:
                 outputs[event.request_id] = event.output
@@ -395,10 +494,9 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"diffserve: warning: the prompt is longer than the text encoder's limit{limit} and was truncated",
               file=sys.stderr)
     status = 0
-    writer = _OutputWriter(out_dir, args.display_size)
-    from diffserve.entrypoints.model_name import model_name
-
+    writer = OutputWriter(job.out_dir, args.display_size)
     name = model_name(args.model)
+    video_format = getattr(args, "video_format", None) or "mp4"
     try:
         for output, p in zip(ordered, params):
             if not output.ok:
@@ -406,8 +504,13 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 status = 1
                 continue
             used = p.resolve(spec, limits, default_seed=output.seed)
-            path = writer.write(output.images[0], output.seed,
-                                png_metadata(prompt, used, output.seed, name))
+            if inputs is not None and used.strength is None:
+                used.strength = spec.default_strength  # the strength the edit ran with
+            if is_video:
+                path = writer.write_video(output.videos[0], output.seed, used.fps, video_format,
+                                          video_metadata(prompt, used, output.seed, name))
+            else:
+                path = writer.write(output.images[0], output.seed, png_metadata(prompt, used, output.seed, name))
             print(path)
             m = output.metrics
             print(f"seed={output.seed} encode={m.encode_s:.3f}s denoise={m.denoise_s:.3f}s "
@@ -432,93 +535,6 @@ def _warn_out_of_vocabulary(prompt: str) -> None:
               f"and mostly ignored: {', '.join(unknown)}", file=sys.stderr)
 
 
-def png_metadata(prompt: str, params: "SamplingParams", seed: int, model: str) -> dict[str, str]:
-    """PNG text chunks describing one generated image.
-
-    Returns:
-        ``{"parameters": A1111-style text, "diffserve": JSON}``; the JSON holds prompt,
-        negative_prompt, num_inference_steps, guidance_scale, seed, width, height (pixels) and
-        model, plus true_cfg_scale for models that use it (Qwen-Image, Flux). A guidance the
-        model does not use is null in the JSON and left out of ``parameters``.
-    """
-    fields = {
-        "prompt": prompt,
-        "negative_prompt": params.negative_prompt or "",
-        "num_inference_steps": params.num_inference_steps,
-        "guidance_scale": params.guidance_scale,
-        "seed": seed,
-        "width": params.width,
-        "height": params.height,
-        "model": model,
-    }
-    true_cfg = getattr(params, "true_cfg_scale", None)
-    if true_cfg is not None:
-        fields["true_cfg_scale"] = true_cfg
-    lines = [prompt]
-    if params.negative_prompt:
-        lines.append(f"Negative prompt: {params.negative_prompt}")
-    cfg = params.guidance_scale if params.guidance_scale is not None else true_cfg
-    settings = [f"Steps: {params.num_inference_steps}"] + ([f"CFG scale: {cfg:g}"] if cfg is not None else [])
-    settings += [f"Seed: {seed}", f"Size: {params.width}x{params.height}", f"Model: {model}"]
-    lines.append(", ".join(settings))
-    return {"parameters": "\n".join(lines), "diffserve": json.dumps(fields, ensure_ascii=False)}
-
-
-class _OutputWriter:
-    """Writes ``NNNN_seedS.png`` files, numbering after the highest ``NNNN_`` already in the
-    folder; creates the folder at the first write (and `remove_if_empty` undoes that)."""
-
-    _NUMBERED = re.compile(r"([0-9]{4,})_")
-
-    def __init__(self, out_dir: Path, display_size: int | None):
-        self.out_dir = out_dir
-        self.display_size = display_size
-        self._created: list[Path] = []
-        self._next: int | None = None
-
-    def write(self, image: "Image.Image", seed: int, text: dict[str, str]) -> Path:
-        from PIL import Image, PngImagePlugin
-
-        if self._next is None:
-            self._make_dir()
-            numbers = [int(m.group(1)) for p in self.out_dir.iterdir() if (m := self._NUMBERED.match(p.name))]
-            self._next = max(numbers, default=0) + 1
-        stem = f"{self._next:04d}_seed{seed}"
-        self._next += 1
-        info = PngImagePlugin.PngInfo()
-        for key, value in text.items():
-            info.add_text(key, value)  # iTXt (UTF-8) when the text is not Latin-1
-        if self.display_size:
-            image.save(self.out_dir / f"{stem}_raw.png", pnginfo=info)
-            scale = self.display_size / max(image.size)
-            size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
-            image = image.resize(size, Image.Resampling.NEAREST)
-        path = self.out_dir / f"{stem}.png"
-        image.save(path, pnginfo=info)
-        return path
-
-    def _make_dir(self) -> None:
-        missing = []
-        probe = self.out_dir
-        while not probe.exists() and probe.parent != probe:
-            missing.append(probe)
-            probe = probe.parent
-        try:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise InvalidRequestError("output_dir", str(self.out_dir), "a writable folder",
-                                      detail=exc.strerror) from None
-        self._created = missing
-
-    def remove_if_empty(self) -> None:
-        """Remove the folders this writer created, if they hold nothing."""
-        for folder in self._created:  # deepest first
-            try:
-                folder.rmdir()
-            except OSError:
-                return
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``diffserve`` command; returns the process exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -527,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     command = parser.commands[args.command]
     try:
-        if args.command == "generate":
+        if args.command in ("generate", "edit"):
             return _generate(args, command)
         if args.command == "serve":
             from diffserve.runner.library_warnings import silence_inapplicable_library_warnings

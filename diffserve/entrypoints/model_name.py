@@ -1,16 +1,16 @@
-"""The name a served or generated-with model goes by (``/v1/models``, PNG metadata)."""
+"""The name a served or generated-with model goes by (``/v1/models``, file metadata)."""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
+
+from diffserve.models import SERVED_NAME_PREFIX, DEFAULT_MODEL, served_name
 
 #: Name of the built-in default model (`diffserve.models.digits`).
-DEFAULT_MODEL_NAME = "diffserve-digits"
+DEFAULT_MODEL_NAME = SERVED_NAME_PREFIX + DEFAULT_MODEL
 
 
 def model_name(model: str | os.PathLike | None) -> str:
-    """``diffserve-digits`` for the built-in model (None), else the model folder's name."""
-    if model is None:
-        return DEFAULT_MODEL_NAME
-    return Path(model).expanduser().resolve().name or str(model)
+    """``diffserve-<name>`` for a built-in model (None is ``digits``), else the model folder's
+    name (see `diffserve.models.served_name`)."""
+    return served_name(model)

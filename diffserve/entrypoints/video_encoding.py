@@ -4,7 +4,9 @@ Every encoder takes frames as a uint8 array (F, H, W, 3) RGB (what
 `GenerationOutput.videos` holds for ``output_type="np"``; a uint8 tensor (F, H, W, 3) or a list
 of PIL frames is accepted too) and the playback rate in frames per second, and returns the
 file's bytes. MP4 uses FFmpeg's libx264 through PyAV (``av``, whose wheels bundle FFmpeg) into
-an in-memory buffer; WebP and GIF use Pillow.
+an in-memory buffer, optionally with metadata tags in the container (FFmpeg's ``movflags=
+use_metadata_tags``: any key, read back by ``ffprobe`` or `read_mp4_metadata`); WebP and GIF use
+Pillow.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def _check_fps(fps: float) -> float:
     return fps
 
 
-def encode_mp4(video: Any, fps: float, crf: int = 18, preset: str = "medium") -> bytes:
+def encode_mp4(video: Any, fps: float, crf: int = 18, preset: str = "medium",
+               metadata: dict[str, str] | None = None) -> bytes:
     """H.264 MP4 (yuv420p, playable in browsers) of the frames.
 
     Args:
@@ -58,6 +61,7 @@ def encode_mp4(video: Any, fps: float, crf: int = 18, preset: str = "medium") ->
         fps: frames per second, in (0, 240].
         crf: x264 constant rate factor, 0 (lossless luma) .. 51; 18 is visually lossless.
         preset: x264 speed/size preset (``ultrafast`` .. ``veryslow``).
+        metadata: container tags (key -> text), e.g. ``comment``; any key is kept.
 
     Returns:
         The MP4 file's bytes.
@@ -75,7 +79,10 @@ def encode_mp4(video: Any, fps: float, crf: int = 18, preset: str = "medium") ->
     if isinstance(crf, bool) or not isinstance(crf, int) or not 0 <= crf <= 51:
         raise ValueError(f"crf must be an integer in [0, 51], got {crf!r}")
     buffer = io.BytesIO()
-    with av.open(buffer, mode="w", format="mp4") as container:
+    options = {"movflags": "use_metadata_tags"} if metadata else {}
+    with av.open(buffer, mode="w", format="mp4", options=options) as container:
+        for key, value in (metadata or {}).items():
+            container.metadata[key] = value
         stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
         stream.width, stream.height = width, height
         stream.pix_fmt = "yuv420p"
@@ -104,6 +111,14 @@ def decode_mp4(data: bytes) -> tuple[np.ndarray, float]:
         frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
         rate = float(stream.average_rate or stream.base_rate or 0)
     return np.stack(frames), rate
+
+
+def read_mp4_metadata(data: bytes) -> dict[str, str]:
+    """The container tags of a video file (those of `encode_mp4`'s `metadata` included)."""
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        return dict(container.metadata)
 
 
 def _pil_frames(frames: np.ndarray) -> list:

@@ -1,1 +1,70 @@
-"""Models that ship with diffserve (see `diffserve.models.digits`, the built-in default)."""
+"""Models that ship with diffserve, addressed by name (no download).
+
+==================  =================================  ===========================================
+name                folder (in this package)           what
+==================  =================================  ===========================================
+``digits``          ``digits/weights``                 text-to-image (and image-to-image) of 8x8
+                                                       handwritten digits; the default model
+``digits-video``    ``digits_video/weights``           text-to-video (Wan 2.1 layout) of moving
+                                                       digits
+==================  =================================  ===========================================
+
+A model argument (``EngineConfig.model``, ``--model``) is resolved by `resolve_model`: None is
+the default (``digits``); an existing folder is used as given (so a local folder that happens
+to be called ``digits`` wins); otherwise a built-in name maps to its folder; anything else is
+returned as a path for the loader to report (``model folder ... does not exist``, listing the
+built-in names). Served under ``diffserve-<name>`` (`served_name`).
+
+This module imports nothing heavy (no torch): the CLI resolves names before loading anything.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+
+#: Built-in model name -> its diffusers folder.
+BUILTIN_MODELS: dict[str, Path] = {
+    "digits": _HERE / "digits" / "weights",
+    "digits-video": _HERE / "digits_video" / "weights",
+}
+#: The model used when none is given.
+DEFAULT_MODEL = "digits"
+#: Prefix of the served names of built-in models (``diffserve-digits``).
+SERVED_NAME_PREFIX = "diffserve-"
+
+
+def resolve_model(model: str | os.PathLike | None) -> Path:
+    """The folder `model` refers to.
+
+    Args:
+        model: None (the default model), a path, or a built-in name (`BUILTIN_MODELS`).
+
+    Returns:
+        An existing folder given as a path as is (``~`` expanded); else the built-in folder of
+        that name; else the path as given (it does not exist: the loader says so).
+    """
+    if model is None:
+        return BUILTIN_MODELS[DEFAULT_MODEL]
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    return BUILTIN_MODELS.get(str(model), path)
+
+
+def builtin_name(model: str | os.PathLike | None) -> str | None:
+    """The built-in model `model` refers to (None, a built-in name, or the path of a built-in
+    folder), else None."""
+    folder = resolve_model(model).resolve()
+    return next((name for name, path in BUILTIN_MODELS.items() if path == folder), None)
+
+
+def served_name(model: str | os.PathLike | None) -> str:
+    """The name a model goes by in ``/v1/models`` and in file metadata: ``diffserve-<name>``
+    for a built-in model, else the model folder's name."""
+    name = builtin_name(model)
+    if name is not None:
+        return SERVED_NAME_PREFIX + name
+    return resolve_model(model).resolve().name or str(model)

@@ -38,18 +38,25 @@ def read_model_index(model_dir: Path) -> dict[str, Any]:
     """Parse ``model_dir/model_index.json``.
 
     Raises:
-        UnsupportedModelError: the folder does not exist (a Hugging Face Hub id gets its own
-            message: diffserve serves local folders), or its model_index.json is missing or
-            unreadable.
+        UnsupportedModelError: the folder does not exist (the message lists the built-in model
+            names; a missing built-in folder and a Hugging Face Hub id get their own messages:
+            diffserve serves local folders), or its model_index.json is missing or unreadable.
     """
     model_dir = Path(model_dir)
     index_path = model_dir / "model_index.json"
     if not model_dir.exists():
+        from diffserve.models import BUILTIN_MODELS, builtin_name
+
+        builtin = builtin_name(model_dir)
+        if builtin is not None:
+            raise UnsupportedModelError(f"the built-in model {builtin!r} is not part of this installation (its "
+                                        f"folder {model_dir} does not exist)")
         if _HUB_ID.match(str(model_dir)):
             raise UnsupportedModelError(
                 f"{model_dir} looks like a Hugging Face Hub id, but diffserve serves local folders only: "
                 f"download it first (huggingface-cli download {model_dir} --local-dir DIR) and pass that DIR")
-        raise UnsupportedModelError(f"model folder {model_dir} does not exist")
+        raise UnsupportedModelError(f"model folder {model_dir} does not exist, and {str(model_dir)!r} is not a "
+                                    f"built-in model name ({', '.join(BUILTIN_MODELS)})")
     if not index_path.is_file():
         raise UnsupportedModelError(
             f"{model_dir} is not a diffusers model folder (no model_index.json); pass a local "

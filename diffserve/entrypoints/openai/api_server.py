@@ -3,19 +3,25 @@
 Endpoints:
     POST /v1/images/generations   OpenAI Images API (JSON or Server-Sent Events), see
                                   `serving_images` and `protocol` for fields and extensions
+    POST /v1/images/edits         OpenAI image edits (multipart/form-data), see `serving_edits`
+    /v1/videos[/{id}[/content]]   OpenAI Videos API (jobs in a `video_store`), see
+                                  `serving_videos`
     GET  /v1/images/files/{name}  images of ``response_format="url"`` responses, kept for
                                   ``--image-url-ttl`` seconds (default 3600) as promised by each
                                   response's ``expires_at`` (see `image_store`)
     GET  /v1/models[/{id}]        the served model (``--served-model-name``; default: the model
-                                  folder's name, or ``diffserve-digits`` for the built-in model)
+                                  folder's name, or ``diffserve-<name>`` for a built-in model)
     GET  /health                  200 once the model is loaded; 503 while loading, after a
                                   failed load, while shutting down and when the engine loop died
     GET  /metrics                 Prometheus metrics (see `metrics`)
     GET  /                        the web playground (see `playground`)
+    /v1/chat/completions, ...     OpenAI endpoints not served: a 404 saying so (see
+                                  `unsupported_routes`)
 
 Security (see `server_options`): ``--api-key`` protects ``/v1/*`` with Bearer auth (401 in
-OpenAI's format); JSON routes take only ``Content-Type: application/json`` (415 otherwise);
-CORS only for ``--allowed-origins``; ``url`` links from ``--public-url`` or the accepting
+OpenAI's format); JSON routes take only ``Content-Type: application/json`` (415 otherwise),
+form routes only ``multipart/form-data`` and no cross-site browser posts (403, see
+`request_body`); CORS only for ``--allowed-origins``; ``url`` links from ``--public-url`` or the accepting
 socket's address. Connections (see `http_protocol`): header and body read timeouts (408), a
 connection limit (503), half-closed clients answered, rate-limited connection logging.
 
@@ -33,7 +39,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import logging
 import secrets
 import signal
@@ -47,10 +52,8 @@ from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from diffserve.config import EngineConfig
@@ -62,7 +65,7 @@ from diffserve.entrypoints.openai.errors import (
     install_error_handlers,
     unavailable,
 )
-from diffserve.entrypoints.model_name import DEFAULT_MODEL_NAME, model_name
+from diffserve.entrypoints.model_name import model_name
 from diffserve.entrypoints.openai.http_protocol import BODY_TIMEOUT_KEY, ConnectionLimits, protocol_class
 from diffserve.entrypoints.openai.image_store import (
     DEFAULT_MAX_BYTES,
@@ -74,50 +77,65 @@ from diffserve.entrypoints.openai.image_store import (
 from diffserve.entrypoints.openai.metrics import ServerMetrics
 from diffserve.entrypoints.openai.playground import install_playground
 from diffserve.entrypoints.openai.protocol import (
+    CAPABILITY_ENDPOINTS,
     ErrorResponse,
     ImageGenerationRequest,
     ImagesResponse,
     ModelCard,
     SSE_EVENT_SCHEMA,
     ModelList,
+    model_tasks,
     request_json_schema,
 )
-from diffserve.entrypoints.openai.serving_images import (
-    CLIENT_DISCONNECTED_KEY,
-    DEFAULT_HEARTBEAT_S,
-    ImageGenerationService,
+from diffserve.entrypoints.openai.request_body import CLIENT_DISCONNECTED_KEY, log_body_disconnect, read_json
+from diffserve.entrypoints.openai.serving_edits import EDITS_PATH, install_edit_routes
+from diffserve.entrypoints.openai.serving_images import DEFAULT_HEARTBEAT_S, ImageGenerationService
+from diffserve.entrypoints.openai.serving_videos import VIDEOS_PATH, VideoService, install_video_routes
+from diffserve.entrypoints.openai.unsupported_routes import install_unsupported_routes
+from diffserve.entrypoints.openai.video_store import (
+    DEFAULT_MAX_BYTES as DEFAULT_MAX_VIDEO_BYTES,
+    DEFAULT_MAX_JOBS as DEFAULT_MAX_VIDEO_JOBS,
+    DEFAULT_TTL_S as DEFAULT_VIDEO_TTL_S,
+    LocalVideoStore,
+    VideoStore,
 )
 from diffserve.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-#: Largest accepted request body, bytes.
-MAX_BODY_BYTES = 1 << 20
 #: Default bound on finishing in-flight requests at shutdown, seconds.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 GENERATIONS_PATH = "/v1/images/generations"
 FILES_PATH_PREFIX = "/v1/images/files/"
+#: The POST routes that start generations (counted by status in the metrics).
+GENERATION_PATHS = frozenset({GENERATIONS_PATH, EDITS_PATH, VIDEOS_PATH})
 
 
 def default_served_model_name(config: EngineConfig) -> str:
-    """The model name clients use: the model folder's name, or ``diffserve-digits`` (the
-    `DEFAULT_MODEL_NAME`) for the built-in default model."""
+    """The model name clients use: the model folder's name, or ``diffserve-<name>`` for a
+    built-in model (``diffserve-digits``, ``diffserve-digits-video``)."""
     return model_name(config.model)
 
 
 class ServerState:
-    """What the routes share: the engine once loaded, the drain flag, metrics and image store.
+    """What the routes share: the engine once loaded, the drain flag, metrics, the image store
+    and the video jobs.
 
     Args:
         model_name: served model name.
         store / metrics: the app's image store and metrics.
         shutdown_timeout_s: how long in-flight requests may run once shutdown begins.
+        video_store: where video jobs live.
     """
 
     def __init__(self, model_name: str, store: ImageStore, metrics: ServerMetrics, shutdown_timeout_s: float,
-                 public_url: str | None = None, heartbeat_s: float = DEFAULT_HEARTBEAT_S):
+                 public_url: str | None = None, heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+                 video_store: VideoStore | None = None):
         self.model_name = model_name
         self.store = store
+        self.video_store = video_store if video_store is not None else LocalVideoStore()
+        #: video jobs (reads work from the store while the model loads; creating needs the engine)
+        self.videos = VideoService(self.video_store, model_name, metrics)
         self.metrics = metrics
         self.shutdown_timeout_s = shutdown_timeout_s
         self.public_url = public_url
@@ -144,6 +162,7 @@ class ServerState:
         self.images = ImageGenerationService(engine, self.model_name, self.store, self.metrics,
                                              lambda: self.draining, public_url=self.public_url,
                                              heartbeat_s=self.heartbeat_s)
+        self.videos.attach(self.images)
         if self.draining:  # a shutdown began while the model was loading
             self.stop_engine()
 
@@ -202,15 +221,15 @@ class ServerState:
 
 
 class _StatusCounter:
-    """ASGI middleware counting image-generation requests by final status (499 when the client
-    disconnected before its response)."""
+    """ASGI middleware counting generation requests (``POST`` to `GENERATION_PATHS`) by final
+    status (499 when the client disconnected before its response)."""
 
     def __init__(self, app, metrics: ServerMetrics):
         self.app = app
         self.metrics = metrics
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] != GENERATIONS_PATH:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
             await self.app(scope, receive, send)
             return
         status: int | None = None
@@ -267,55 +286,6 @@ class _ApiKeyAuth:
         await error.to_response()(scope, receive, send)
 
 
-async def _read_json_body(request: Request) -> ImageGenerationRequest:
-    """Read, size-check, parse and validate the body.
-
-    Raises:
-        APIError: 415 unless ``Content-Type: application/json``; 413 over `MAX_BODY_BYTES`; 400
-            malformed JSON (including nesting too deep).
-        RequestValidationError: schema violations (mapped to 400 with ``param``).
-    """
-    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if media_type != "application/json":
-        shown = f"'{media_type}'" if media_type else "none"
-        raise APIError(415, f"Unsupported Content-Type {shown}: send the request body as JSON with "
-                            "'Content-Type: application/json'.", code="unsupported_media_type")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", code="request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", code="request_too_large")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        raise APIError(400, "The request body is required: a JSON object.", code="invalid_json")
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise APIError(400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from None
-    try:
-        return ImageGenerationRequest.model_validate(data)
-    except ValidationError as exc:
-        errors = [{**err, "loc": ("body", *err["loc"])} for err in exc.errors(include_url=False)]
-        raise RequestValidationError(errors) from None
-
-
-def _log_body_disconnect(request: Request) -> None:
-    """Log (one line) and mark for the metrics a client that disconnected mid-body (or whose
-    body timed out: the connection layer answered 408 and closed it)."""
-    request.scope[CLIENT_DISCONNECTED_KEY] = True
-    client = request.client
-    if request.scope.get(BODY_TIMEOUT_KEY):
-        status, what = 408, "request body timed out"
-    else:
-        status, what = CLIENT_CLOSED_REQUEST, "client disconnected while sending the request body"
-    logger.info('%s:%s - "%s %s" %d %s', client.host if client else "-", client.port if client else "-",
-                request.method, request.url.path, status, what)
-
-
 def create_app(
     engine: AsyncDiffusionEngine | None,
     served_model_name: str,
@@ -333,6 +303,11 @@ def create_app(
     public_url: str | None = None,
     sse_heartbeat_s: float = DEFAULT_HEARTBEAT_S,
     wake_on_request: bool = False,
+    video_store: VideoStore | None = None,
+    video_store_dir: str | Path | None = None,
+    video_ttl_s: float = DEFAULT_VIDEO_TTL_S,
+    max_video_jobs: int = DEFAULT_MAX_VIDEO_JOBS,
+    max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES,
 ) -> FastAPI:
     """Build the FastAPI app serving `engine` under the name `served_model_name`.
 
@@ -359,6 +334,9 @@ def create_app(
         sse_heartbeat_s: seconds between ``: keep-alive`` comments on a quiet event stream.
         wake_on_request: a generation request wakes a sleeping engine instead of a 503
             (`diffserve.entrypoints.openai.sleep_routes`).
+        video_store: where video jobs live (e.g. a store shared between replicas); None = a
+            `LocalVideoStore` in `video_store_dir` (None: a private temporary folder) with
+            `video_ttl_s`, `max_video_jobs` and `max_video_bytes`. The app closes it at exit.
 
     Raises:
         ValueError: neither or both of `engine` and `engine_loader` given, or a non-positive
@@ -372,8 +350,10 @@ def create_app(
         raise ValueError("sse_heartbeat_s must be > 0")
     metrics = ServerMetrics()
     store = ImageStore(image_url_ttl_s, max_stored_images, max_stored_bytes, image_store_dir, image_store_dir_bytes)
+    if video_store is None:
+        video_store = LocalVideoStore(video_store_dir, video_ttl_s, max_video_jobs, max_video_bytes)
     state = ServerState(served_model_name, store, metrics, shutdown_timeout_s, public_url=public_url,
-                        heartbeat_s=sse_heartbeat_s)
+                        heartbeat_s=sse_heartbeat_s, video_store=video_store)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -385,7 +365,9 @@ def create_app(
         yield
         state.draining = True
         await asyncio.get_running_loop().run_in_executor(None, state.stop_engine)
+        await state.videos.close()  # unfinished jobs were aborted: let them write their outcome
         store.close()
+        video_store.close()
 
     app = FastAPI(title="diffserve", summary="OpenAI-compatible image generation server", lifespan=lifespan)
     app.state.diffserve = state
@@ -395,7 +377,7 @@ def create_app(
     if api_key is not None:
         app.add_middleware(_ApiKeyAuth, api_key=api_key, protect_all=api_key_protect_all)
     if allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["Authorization", "Content-Type"],
                            expose_headers=["X-Request-Id", "Retry-After"])
     auth = {401: {"model": ErrorResponse, "description": "Missing or wrong API key (with --api-key)"}}
@@ -414,9 +396,9 @@ def create_app(
         """Generate images (OpenAI Images API, plus diffserve's extension fields)."""
         service = state.require_service()
         try:
-            body = await _read_json_body(raw_request)
+            body = await read_json(raw_request, ImageGenerationRequest)
         except ClientDisconnect:  # the client went away while sending the body: nobody to answer
-            _log_body_disconnect(raw_request)
+            log_body_disconnect(raw_request)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return await service.create(body, raw_request)
 
@@ -468,15 +450,25 @@ def create_app(
     default_openapi = app.openapi
 
     def openapi() -> dict:
-        """The OpenAPI schema, with the loaded model's limits in the request body schema."""
+        """The OpenAPI schema, with the loaded model's limits in the request body schema; once
+        the model is loaded, the generation routes it cannot serve (its capabilities decide:
+        edits need image inputs, videos a video model) are left out."""
         app.openapi_schema = None  # rebuilt on each request: the limits are known once loaded
         schema = default_openapi()
         if state.images is not None:
             body = schema["paths"][GENERATIONS_PATH]["post"]["requestBody"]["content"]["application/json"]
             body["schema"] = state.images.request_schema()
+            served = {CAPABILITY_ENDPOINTS[task].split()[1] for task in model_tasks(state.images.engine.engine.spec)}
+            for path in GENERATION_PATHS - served:
+                schema["paths"].get(path, {}).pop("post", None)
+                if not schema["paths"].get(path):
+                    schema["paths"].pop(path, None)
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    install_edit_routes(app, state, allowed_origins, public_url)
+    install_video_routes(app, state, allowed_origins, public_url)
+    install_unsupported_routes(app)
     install_playground(app)
     return app
 
@@ -596,7 +588,9 @@ def _serve(args: argparse.Namespace, config: EngineConfig, name: str, sock: sock
                      shutdown_timeout_s=args.shutdown_timeout, api_key=args.api_key,
                      api_key_protect_all=args.api_key_protect_all,
                      allowed_origins=allowed_origins(args.allowed_origins), public_url=args.public_url,
-                     sse_heartbeat_s=args.sse_heartbeat, wake_on_request=args.wake_on_request)
+                     sse_heartbeat_s=args.sse_heartbeat, wake_on_request=args.wake_on_request,
+                     video_store_dir=args.video_store_dir, video_ttl_s=args.video_ttl,
+                     max_video_jobs=args.max_video_jobs, max_video_bytes=args.max_video_bytes)
     state: ServerState = app.state.diffserve
     uv_config = uvicorn_config(app, args.host, args.port, limits=limits, log_level=args.log_level,
                                shutdown_timeout_s=args.shutdown_timeout)

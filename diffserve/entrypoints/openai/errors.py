@@ -95,13 +95,16 @@ def unavailable(message: str, code: str) -> APIError:
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
     """400 for pydantic/FastAPI validation errors; reports the first one.
 
-    ``param`` is the top-level body field (``None`` for malformed JSON or a non-object body).
+    ``param`` is the top-level body field, or the query / path parameter (``None`` for
+    malformed JSON or a non-object body).
     """
     if not errors:
         return APIError(400, "invalid request", code="invalid_value")
     err = errors[0]
     kind = str(err.get("type", ""))
-    loc = [part for part in err.get("loc", ()) if part != "body"]
+    loc = list(err.get("loc", ()))
+    if loc and loc[0] in ("body", "query", "path"):
+        loc = loc[1:]
     field = loc[0] if loc and isinstance(loc[0], str) else None
     msg = str(err.get("msg", "invalid value"))
     if kind == "json_invalid":
@@ -119,6 +122,26 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
                         code="missing_required_parameter")
     code = "invalid_type" if kind.endswith("_type") else "invalid_value"
     return APIError(400, f"Invalid value for '{field}': {msg}", param=field, code=code)
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """The methods of all the app's routes whose path matches the request's, less the
+    operations the served OpenAPI schema leaves out (routes of capabilities the loaded model
+    lacks)."""
+    from starlette.routing import Match
+
+    paths = request.app.openapi().get("paths", {})
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match is Match.NONE:
+            continue
+        for method in getattr(route, "methods", None) or ():
+            served = paths.get(route.path, {})
+            if not getattr(route, "include_in_schema", False) or method.lower() in served \
+                    or (method == "HEAD" and "get" in served):
+                methods.add(method)
+    return sorted(methods)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -144,8 +167,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return APIError(exc.status_code, str(exc.detail), type=kind, code=code,
-                        headers=getattr(exc, "headers", None)).to_response()
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:  # every method of the path (Starlette names only its first route's)
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
+        return APIError(exc.status_code, str(exc.detail), type=kind, code=code, headers=headers).to_response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

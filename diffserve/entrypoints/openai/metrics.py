@@ -1,12 +1,14 @@
 """Prometheus metrics of the HTTP server (``GET /metrics``), one `CollectorRegistry` per app.
 
 Metrics (all durations in seconds):
-    diffserve_requests_total{status}            image-generation HTTP requests by response status
-                                                (499 = client disconnected first)
+    diffserve_requests_total{status}            generation HTTP requests (image generations and edits,
+                                                video job creations) by response status (499 = client
+                                                disconnected first)
     diffserve_engine_requests_total{outcome}    engine requests (one per image) by outcome:
                                                 finished / failed / aborted (requests of an
                                                 HTTP request rejected with 429 are not counted)
     diffserve_images_generated_total            images returned to clients
+    diffserve_videos_generated_total            videos of completed video jobs
     diffserve_num_requests_waiting              engine requests in the waiting queue
     diffserve_num_requests_running              engine requests holding latents
     diffserve_num_running_rows                  transformer rows of the running requests
@@ -53,11 +55,12 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("diffserve_requests", "Image-generation HTTP requests by response status "
-                                "(499: the client disconnected first).", ["status"], registry=r)
+        self.requests = Counter("diffserve_requests", "Generation HTTP requests (images, edits, video jobs) by "
+                                "response status (499: the client disconnected first).", ["status"], registry=r)
         self.engine_requests = Counter("diffserve_engine_requests", "Engine requests (one per image) by "
                                        "outcome.", ["outcome"], registry=r)
         self.images = Counter("diffserve_images_generated", "Images returned to clients.", registry=r)
+        self.videos = Counter("diffserve_videos_generated", "Videos of completed video jobs.", registry=r)
         self.waiting = Gauge("diffserve_num_requests_waiting", "Engine requests in the waiting queue.",
                              registry=r)
         self.running = Gauge("diffserve_num_requests_running", "Engine requests holding latents.", registry=r)
@@ -93,7 +96,7 @@ class ServerMetrics:
         self.step_requests.observe(num_requests)
 
     def observe_status(self, status_code: int) -> None:
-        """Count one image-generation HTTP request that ended with `status_code`."""
+        """Count one generation HTTP request that ended with `status_code`."""
         self.requests.labels(status=str(status_code)).inc()
 
     def observe_output(self, output: GenerationOutput) -> None:
@@ -114,6 +117,10 @@ class ServerMetrics:
     def observe_images(self, count: int) -> None:
         """Count `count` images returned to a client."""
         self.images.inc(count)
+
+    def observe_videos(self, count: int) -> None:
+        """Count `count` videos stored for completed jobs."""
+        self.videos.inc(count)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -1,8 +1,10 @@
-"""Schemas of the OpenAI-compatible Images API, plus diffserve's extension fields.
+"""Schemas of the OpenAI-compatible Images and Videos APIs, plus diffserve's extension fields.
 
-Requests are validated strictly: unknown fields are rejected (``extra="forbid"``) and types are
-not coerced (``"n": "3"`` or ``"n": 1.5`` is a 400); as in JSON Schema, an integral number such
-as ``2.0`` is the integer 2. Ranges that depend on the
+JSON requests are validated strictly: unknown fields are rejected (``extra="forbid"``) and types
+are not coerced (``"n": "3"`` or ``"n": 1.5`` is a 400); as in JSON Schema, an integral number
+such as ``2.0`` is the integer 2. Form requests (``multipart/form-data``: image edits, and video
+jobs as the ``openai`` client sends them) carry text, so their values are coerced (``"3"`` is the
+integer 3); unknown fields are rejected there too. Ranges that depend on the
 loaded model or the engine's limits (``n``, ``size``, ``num_inference_steps``) are checked when
 the request is turned into `SamplingParams`, before anything is queued.
 
@@ -15,7 +17,8 @@ OpenAI fields (see OpenAI's ``POST /v1/images/generations``):
 diffserve extension fields (send them with the openai client's ``extra_body=``):
     negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed; and stream_progress
     (with stream=true: also send the ``diffserve.queued`` / ``diffserve.progress`` events of
-    `diffserve.entrypoints.openai.stream_progress`).
+    `diffserve.entrypoints.openai.stream_progress`); edits add strength (`ImageEditRequest`),
+    videos their own (`VideoCreateRequest`).
 
 ``GET /v1/models`` cards carry two diffserve extensions (`ModelCard`): ``capabilities`` (what the
 model does, hence which endpoints serve it) and ``parameters`` (the request parameters it takes,
@@ -76,15 +79,10 @@ class _StrictRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class ImageGenerationRequest(_StrictRequest):
-    """Body of ``POST /v1/images/generations``.
-
-    Every field but ``prompt`` is optional; ``null`` means "not given". Defaults: ``n=1``,
-    ``size="auto"`` (the model's default size), ``response_format="b64_json"``,
-    ``output_format="png"``, ``output_compression=100``, ``stream=false``, ``partial_images=0``;
-    ``num_inference_steps`` and ``guidance_scale`` default to the model's values and ``seed`` to
-    a random one (reported back per image).
-    """
+class _ImageRequest(_StrictRequest):
+    """The fields ``POST /v1/images/generations`` and ``POST /v1/images/edits`` share (OpenAI's
+    and diffserve's extensions). Every field but ``prompt`` is optional; ``null`` means "not
+    given"."""
 
     prompt: str = Field(max_length=MAX_PROMPT_CHARS, description="text description of the image: at least one "
                         "non-whitespace character; no control characters but tab, newline, carriage return",
@@ -92,7 +90,9 @@ class ImageGenerationRequest(_StrictRequest):
     model: str | None = Field(None, description="the served model's name (GET /v1/models); optional")
     n: int | None = Field(None, ge=1, description="images to generate, 1..the engine's limit (10 by default; "
                                                    "at most the server's waiting-queue bound)")
-    size: str | None = Field(None, description='"WIDTHxHEIGHT" in pixels, or "auto" (the model default)',
+    size: str | None = Field(None, description='"WIDTHxHEIGHT" in pixels, or "auto" (generations: the model '
+                                               "default; edits: the input image's size rounded to the model's "
+                                               "multiple)",
                              json_schema_extra={"pattern": SIZE_PATTERN})
     response_format: Literal["b64_json", "url"] | None = Field(
         None, description='"b64_json" (default) or "url": a link served by this server for a limited time')
@@ -103,12 +103,9 @@ class ImageGenerationRequest(_StrictRequest):
                     "and ignores it")
     quality: Literal["auto", "low", "medium", "high", "xhigh", "max", "standard", "hd"] | None = Field(
         None, description="accepted for compatibility and ignored: use num_inference_steps")
-    style: Literal["vivid", "natural"] | None = Field(None, description="accepted for compatibility and ignored")
     background: Literal["auto", "opaque", "transparent"] | None = Field(
         None, description='"auto" or "opaque"; "transparent" is rejected (the models output RGB)',
         json_schema_extra=_schema_enum("auto", "opaque"))
-    moderation: Literal["low", "auto"] | None = Field(
-        None, description="accepted for compatibility and ignored (this server does no moderation)")
     complexity: Literal["low", "medium", "high"] | None = Field(
         None, description="accepted for compatibility and ignored")
     user: str | None = Field(None, max_length=256, description="end-user id (logged only)")
@@ -167,6 +164,39 @@ class ImageGenerationRequest(_StrictRequest):
         return value
 
 
+class ImageGenerationRequest(_ImageRequest):
+    """Body of ``POST /v1/images/generations`` (JSON).
+
+    Every field but ``prompt`` is optional; ``null`` means "not given". Defaults: ``n=1``,
+    ``size="auto"`` (the model's default size), ``response_format="b64_json"``,
+    ``output_format="png"``, ``output_compression=100``, ``stream=false``, ``partial_images=0``;
+    ``num_inference_steps`` and ``guidance_scale`` default to the model's values and ``seed`` to
+    a random one (reported back per image).
+    """
+
+    style: Literal["vivid", "natural"] | None = Field(None, description="accepted for compatibility and ignored")
+    moderation: Literal["low", "auto"] | None = Field(
+        None, description="accepted for compatibility and ignored (this server does no moderation)")
+
+
+class ImageEditRequest(_ImageRequest):
+    """The text fields of ``POST /v1/images/edits`` (``multipart/form-data``; the files
+    ``image`` / ``image[]`` and ``mask`` travel beside them, see
+    `diffserve.entrypoints.openai.serving_edits`). Form values are text, so they are validated
+    with type coercion (``"2"`` is the integer 2, ``"true"`` the boolean).
+
+    Defaults as for generations, except ``size="auto"``: the (first) input image's size
+    rounded to the model's resolution multiple (scaled down to fit the model's limits), and
+    ``strength``: the model's img2img default.
+    """
+
+    strength: float | None = Field(None, gt=0, le=1, allow_inf_nan=False,
+                                   description="image-to-image strength: the fraction of the denoising schedule "
+                                               "run on the noised input image (0 < s <= 1; default: the model's)")
+    input_fidelity: Literal["high", "low"] | None = Field(None, description="accepted for compatibility and "
+                                                                            "ignored: use strength")
+
+
 def parse_size(size: str | None) -> tuple[int, int] | None:
     """Parse the ``size`` field.
 
@@ -185,19 +215,24 @@ def parse_size(size: str | None) -> tuple[int, int] | None:
     return int(match.group(1)), int(match.group(2))
 
 
-#: Schema of one event of the ``text/event-stream`` response (OpenAPI 3.1: ``schema`` of an
-#: event-stream media type describes each event).
-SSE_EVENT_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "description": "One Server-Sent Event; the stream also carries ': keep-alive' comments",
-    "properties": {
-        "event": {"type": "string",
-                  "enum": ["image_generation.partial_image", "image_generation.completed", "error"]},
-        "data": {"type": "string", "contentMediaType": "application/json",
-                 "description": "JSON: a PartialImageEvent, a CompletedEvent, or {type: error, error: {...}}"},
-    },
-    "required": ["event", "data"],
-}
+def sse_event_schema(prefix: str = "image_generation") -> dict[str, Any]:
+    """Schema of one event of the ``text/event-stream`` response of image generations
+    (`prefix` ``image_generation``) or edits (``image_edit``); OpenAPI 3.1: ``schema`` of an
+    event-stream media type describes each event."""
+    return {
+        "type": "object",
+        "description": "One Server-Sent Event; the stream also carries ': keep-alive' comments",
+        "properties": {
+            "event": {"type": "string", "enum": [f"{prefix}.partial_image", f"{prefix}.completed", "error"]},
+            "data": {"type": "string", "contentMediaType": "application/json",
+                     "description": "JSON: a PartialImageEvent, a CompletedEvent, or {type: error, error: {...}}"},
+        },
+        "required": ["event", "data"],
+    }
+
+
+#: Schema of one event of the ``POST /v1/images/generations`` stream.
+SSE_EVENT_SCHEMA: dict[str, Any] = sse_event_schema("image_generation")
 
 
 def request_json_schema(spec: "ModelSpec | None" = None, limits: "RequestLimits | None" = None,
@@ -271,7 +306,7 @@ class ImageObject(BaseModel):
 
 
 class ImagesResponse(BaseModel):
-    """Response of ``POST /v1/images/generations`` (non-streamed).
+    """Response of ``POST /v1/images/generations`` and ``POST /v1/images/edits`` (non-streamed).
 
     ``id`` (diffserve extension) is unique per HTTP request; the engine requests of its images
     are ``{id}-{i}``. ``created`` is a Unix time in seconds; ``size`` is the actual ``WxH``.
@@ -288,13 +323,14 @@ class ImagesResponse(BaseModel):
 
 
 class PartialImageEvent(BaseModel):
-    """SSE event ``image_generation.partial_image``: a decoded preview of the current latents.
+    """SSE event ``image_generation.partial_image`` (``image_edit.partial_image`` for edits): a
+    decoded preview of the current latents.
 
     ``image_index`` (diffserve extension) says which of the ``n`` images it belongs to;
     ``partial_image_index`` counts that image's previews from 0.
     """
 
-    type: Literal["image_generation.partial_image"] = "image_generation.partial_image"
+    type: Literal["image_generation.partial_image", "image_edit.partial_image"] = "image_generation.partial_image"
     b64_json: str
     created_at: int
     size: str
@@ -322,11 +358,11 @@ class ImageUsage(BaseModel):
 
 
 class CompletedEvent(BaseModel):
-    """SSE event ``image_generation.completed``: one final image (one event per image when
-    ``n > 1``). diffserve extensions: ``image_index``, ``seed``, ``timings`` (as in
-    `ImageObject`)."""
+    """SSE event ``image_generation.completed`` (``image_edit.completed`` for edits): one final
+    image (one event per image when ``n > 1``). diffserve extensions: ``image_index``,
+    ``seed``, ``timings`` (as in `ImageObject`)."""
 
-    type: Literal["image_generation.completed"] = "image_generation.completed"
+    type: Literal["image_generation.completed", "image_edit.completed"] = "image_generation.completed"
     b64_json: str
     created_at: int
     size: str
@@ -337,6 +373,127 @@ class CompletedEvent(BaseModel):
     image_index: int = 0
     seed: int
     timings: dict[str, Any]
+
+
+# ------------------------------------------------------------------------------- videos
+class VideoCreateRequest(_StrictRequest):
+    """Body of ``POST /v1/videos`` (OpenAI's Videos API), as ``multipart/form-data`` (what the
+    ``openai`` client sends; values are coerced from text) or JSON (strict types).
+
+    OpenAI fields: ``prompt``, ``model``, ``size`` (``"WIDTHxHEIGHT"``), ``seconds`` (clip length;
+    converted to frames, see `diffserve.entrypoints.openai.serving_videos`); ``input_reference``
+    (an image) is refused: the served video models are text-to-video.
+
+    diffserve extensions: ``num_frames`` (instead of ``seconds``), ``fps``, ``seed``,
+    ``negative_prompt``, ``num_inference_steps``, ``guidance_scale``, ``guidance_scale_2``,
+    ``true_cfg_scale``. Omitted fields take the model's defaults (``seed``: random, reported).
+    """
+
+    prompt: str = Field(max_length=MAX_PROMPT_CHARS, description="text description of the video",
+                        json_schema_extra={"minLength": 1, "pattern": PROMPT_PATTERN})
+    model: str | None = Field(None, description="the served model's name (GET /v1/models); optional")
+    size: str | None = Field(None, description='"WIDTHxHEIGHT" in pixels, or "auto" (the model default)',
+                             json_schema_extra={"pattern": SIZE_PATTERN})
+    seconds: str | float | None = Field(
+        None, description="clip length in seconds (a positive number, e.g. \"4\"); frames = the nearest "
+                          "count the model allows to seconds x fps. Give seconds or num_frames, not both")
+    num_frames: int | None = Field(None, ge=1, description="frames of the video (the model's rule, e.g. 4k+1 "
+                                                           "for Wan); default: the model's")
+    fps: int | None = Field(None, ge=1, le=240, description="frames per second; default: the model's")
+    negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS,
+                                        description="text for the unconditional CFG branch",
+                                        json_schema_extra={"pattern": TEXT_PATTERN})
+    num_inference_steps: int | None = Field(None, description="denoising steps, 1..the engine's limit",
+                                            json_schema_extra={"minimum": 1})
+    guidance_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE_SCALE, allow_inf_nan=False,
+                                         description="classifier-free guidance weight; CFG is on when > 1")
+    guidance_scale_2: float | None = Field(None, ge=0, le=MAX_GUIDANCE_SCALE, allow_inf_nan=False,
+                                           description="CFG weight of the low-noise expert (Wan 2.2)")
+    true_cfg_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE_SCALE, allow_inf_nan=False,
+                                         description="true-CFG weight (models with true CFG)")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="seed (default: random, reported)")
+
+    @field_validator("num_frames", "fps", "num_inference_steps", "seed", mode="before")
+    @classmethod
+    def _integral_numbers_are_integers(cls, value: Any) -> Any:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return value
+
+    @field_validator("seconds")
+    @classmethod
+    def _positive_seconds(cls, value: str | float | None) -> float | None:
+        if value is None:
+            return None
+        try:
+            seconds = float(value)
+        except ValueError:
+            raise ValueError("must be a number of seconds, e.g. \"4\"") from None
+        if not 0 < seconds <= 3600:
+            raise ValueError("must be a number of seconds in (0, 3600]")
+        return seconds
+
+
+class VideoError(BaseModel):
+    """Why a video job failed (OpenAI's ``error`` of a video)."""
+
+    code: str
+    message: str
+
+
+class VideoObject(BaseModel):
+    """A video job (OpenAI's ``Video`` object), from ``POST /v1/videos`` and
+    ``GET /v1/videos/{id}``.
+
+    ``status``: ``queued`` -> ``in_progress`` -> ``completed`` or ``failed``. ``progress`` is the
+    percentage of denoising steps done (100 once completed). ``expires_at`` (Unix seconds) is set
+    once the job ends: the job and its video stay available until then, always. ``seconds`` is
+    the actual length, num_frames / fps.
+
+    diffserve extensions: ``seed``, ``num_frames``, ``fps``, ``num_inference_steps`` and
+    ``steps_done`` (progress in steps), ``queue_position`` (1-based place in the engine's
+    waiting queue while queued, when the replica that runs the job answers), ``timings``
+    (stage durations in seconds, once completed).
+    """
+
+    id: str
+    object: Literal["video"] = "video"
+    created_at: int
+    completed_at: int | None = None
+    expires_at: int | None = None
+    model: str
+    progress: int
+    prompt: str | None = None
+    remixed_from_video_id: str | None = None
+    seconds: str
+    size: str
+    status: Literal["queued", "in_progress", "completed", "failed"]
+    error: VideoError | None = None
+    seed: int
+    num_frames: int
+    fps: int
+    num_inference_steps: int
+    steps_done: int = 0
+    queue_position: int | None = None
+    timings: dict[str, Any] | None = None
+
+
+class VideoList(BaseModel):
+    """Response of ``GET /v1/videos`` (a cursor page: pass ``last_id`` as ``after``)."""
+
+    object: Literal["list"] = "list"
+    data: list[VideoObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class VideoDeleted(BaseModel):
+    """Response of ``DELETE /v1/videos/{id}``."""
+
+    id: str
+    object: Literal["video.deleted"] = "video.deleted"
+    deleted: bool = True
 
 
 #: The capabilities a model card may list, and the endpoint each one is served by.

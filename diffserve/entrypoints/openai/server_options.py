@@ -34,7 +34,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (0 = any free port)")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="model name in /v1/models and requests (default: the model folder's name, or "
-                             "diffserve-digits for the built-in model)")
+                             "diffserve-NAME for a built-in model: diffserve-digits, diffserve-digits-video)")
     parser.add_argument("--max-waiting-requests", type=int, default=1024, metavar="N",
                         help="waiting-queue bound (one request per image); past it requests get 429")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
@@ -76,6 +76,17 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                       help="folder for url images beyond --max-stored-bytes (default: none, memory only)")
     urls.add_argument("--image-store-dir-bytes", type=int, default=4 * 2**30, metavar="BYTES",
                       help="most bytes of url images kept in --image-store-dir")
+    videos = parser.add_argument_group("video jobs (POST /v1/videos)")
+    videos.add_argument("--video-store-dir", default=None, metavar="DIR",
+                        help="folder of the video jobs and their MP4s; replicas given the same folder share their "
+                             "jobs (default: a private temporary folder, deleted at exit)")
+    videos.add_argument("--video-ttl", type=float, default=3600.0, metavar="S",
+                        help="seconds a video job and its MP4 stay available after the job ended (always that long)")
+    videos.add_argument("--max-video-jobs", type=int, default=1000, metavar="N",
+                        help="most video jobs kept (unfinished and ended); when full, new jobs get 503 until "
+                             "the oldest expire")
+    videos.add_argument("--max-video-bytes", type=int, default=4 * 2**30, metavar="BYTES",
+                        help="most bytes of stored and reserved videos")
 
 
 def check_server_arguments(args: argparse.Namespace) -> None:
@@ -90,11 +101,13 @@ def check_server_arguments(args: argparse.Namespace) -> None:
         raise InvalidRequestError("max_waiting_requests", args.max_waiting_requests, "an integer >= 1")
     if not args.shutdown_timeout >= 0:
         raise InvalidRequestError("shutdown_timeout", args.shutdown_timeout, "a number of seconds >= 0")
-    for name in ("image_url_ttl", "header_timeout", "body_timeout", "keep_alive_timeout", "sse_heartbeat"):
+    for name in ("image_url_ttl", "header_timeout", "body_timeout", "keep_alive_timeout", "sse_heartbeat",
+                 "video_ttl"):
         value = getattr(args, name)
         if not 0 < value < float("inf"):
             raise InvalidRequestError(name, value, "a number of seconds > 0")
-    for name in ("max_stored_images", "max_stored_bytes", "image_store_dir_bytes"):
+    for name in ("max_stored_images", "max_stored_bytes", "image_store_dir_bytes", "max_video_jobs",
+                 "max_video_bytes"):
         if getattr(args, name) < 1:
             raise InvalidRequestError(name, getattr(args, name), "an integer >= 1")
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -110,9 +123,10 @@ def check_server_arguments(args: argparse.Namespace) -> None:
         raise InvalidRequestError("api_key_protect_all", True, f"used with --api-key (or ${API_KEY_ENV})")
     if args.public_url is not None and not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", args.public_url):
         raise InvalidRequestError("public_url", args.public_url, "an http(s) URL such as https://images.example.com")
-    if args.image_store_dir is not None and os.path.exists(args.image_store_dir) \
-            and not os.path.isdir(args.image_store_dir):
-        raise InvalidRequestError("image_store_dir", args.image_store_dir, "a folder")
+    for name in ("image_store_dir", "video_store_dir"):
+        folder = getattr(args, name)
+        if folder is not None and os.path.exists(folder) and not os.path.isdir(folder):
+            raise InvalidRequestError(name, folder, "a folder")
 
 
 def allowed_origins(value: str | None) -> list[str]:

@@ -1,5 +1,11 @@
-"""``POST /v1/images/generations``: a validated request becomes ``n`` engine requests, whose
-events become one JSON response or a stream of Server-Sent Events.
+"""``POST /v1/images/generations`` and ``POST /v1/images/edits``: a validated request becomes
+``n`` engine requests, whose events become one JSON response or a stream of Server-Sent Events.
+
+One service serves both endpoints; they differ only in how the request is parsed (JSON here,
+``multipart/form-data`` with the input images in `serving_edits`) and in the names of the
+stream's events (``image_generation.*`` / ``image_edit.*``). An edit's engine requests carry the
+input images (`diffserve.inputs`); its ``size="auto"`` is the first input's size rounded to the
+model's resolution multiple (`diffserve.inputs.auto_size`), reported in the response.
 
 - Image ``i`` of a request is its own engine request with seed ``(seed + i) mod 2**63`` (``seed`` drawn at
   random when not given), so each image is reproducible alone with ``n=1`` and its seed. The
@@ -14,9 +20,10 @@ events become one JSON response or a stream of Server-Sent Events.
   requests in the metrics (the HTTP request is counted with status 429).
 - A client that disconnects has its engine requests aborted at the next step boundary; the
   request is logged and counted with status 499.
-- Streaming (``stream=true``) sends ``image_generation.partial_image`` events (previews decoded
-  from the current latents after steps spread evenly over the run, ``partial_images`` per
-  image), then one ``image_generation.completed`` event per image, as OpenAI's API does; images
+- Streaming (``stream=true``) sends ``image_generation.partial_image`` events
+  (``image_edit.partial_image`` for edits: previews decoded from the current latents after
+  steps spread evenly over the run, ``partial_images`` per image), then one
+  ``image_generation.completed`` (``image_edit.completed``) event per image, as OpenAI's API does; images
   are always base64 there. An engine failure mid-stream is sent as an ``error`` event. A quiet
   stream gets an SSE comment ``: keep-alive`` every ``heartbeat_s`` seconds (15 by default), so
   proxies do not cut it.
@@ -25,8 +32,9 @@ events become one JSON response or a stream of Server-Sent Events.
   stated ``expires_at`` always holds. Links start with the configured public URL, else with
   the address the connection was accepted on (never with client-supplied Host or
   X-Forwarded-* headers).
-- If the engine loop dies, requests waiting on it fail within `ENGINE_CHECK_INTERVAL_S`
-  seconds with 503 ``engine_dead`` instead of waiting forever.
+- If the engine loop dies, requests waiting on it fail within
+  `request_group.ENGINE_CHECK_INTERVAL_S` seconds with 503 ``engine_dead`` instead of waiting
+  forever.
 - With ``stream_progress=true`` the stream also carries diffserve's queue-place and step
   events (`diffserve.entrypoints.openai.stream_progress`), refreshed on every clock tick.
 """
@@ -60,6 +68,7 @@ from diffserve.entrypoints.openai.image_store import ImageStore, Reservation, St
 from diffserve.entrypoints.openai.metrics import ServerMetrics
 from diffserve.entrypoints.openai.protocol import (
     CompletedEvent,
+    ImageEditRequest,
     ImageGenerationRequest,
     ImageObject,
     ImagesResponse,
@@ -68,25 +77,23 @@ from diffserve.entrypoints.openai.protocol import (
     preview_steps,
     request_json_schema,
 )
+from diffserve.entrypoints.openai.request_body import CLIENT_DISCONNECTED_KEY
+from diffserve.entrypoints.openai.request_group import ENGINE_DEAD_MESSAGE, RequestGroup
 from diffserve.entrypoints.openai.stream_progress import StreamProgress
 from diffserve.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from diffserve.inputs import auto_size
 from diffserve.outputs import EventType, GenerationOutput, RequestStatus, StreamEvent
+from diffserve.pipelines.base import RequestInputs
 from diffserve.sampling_params import MAX_SEED, SamplingParams, validate_prompt
 
 logger = logging.getLogger(__name__)
 
-#: ASGI scope key the status-counting middleware reads: True when the client went away first.
-CLIENT_DISCONNECTED_KEY = "diffserve.client_disconnected"
 #: Default seconds between SSE keep-alive comments on a quiet stream.
 DEFAULT_HEARTBEAT_S = 15.0
 #: The SSE keep-alive comment (ignored by SSE clients).
 HEARTBEAT = ": keep-alive\n\n"
-#: Seconds between checks that the engine loop is alive while a request waits on it.
-ENGINE_CHECK_INTERVAL_S = 0.5
 #: Seconds between the keep-alive comments probing a streaming client after its EOF.
 EOF_PROBE_INTERVAL_S = 0.25
-#: Message of requests failed because the engine loop died.
-ENGINE_DEAD_MESSAGE = "the engine loop stopped unexpectedly; the server cannot generate images (see the server log)"
 
 
 @dataclass
@@ -107,6 +114,9 @@ class _Plan:
     output_format: str
     compression: int | None
     quality: str
+    inputs: RequestInputs | None = None
+    #: prefix of the stream's event names: ``image_generation`` or ``image_edit``
+    events: str = "image_generation"
 
     @property
     def size(self) -> str:
@@ -114,7 +124,7 @@ class _Plan:
 
 
 class ImageGenerationService:
-    """Serves image-generation requests on one engine.
+    """Serves image-generation and image-edit requests on one engine.
 
     Args:
         engine: the running engine.
@@ -140,18 +150,25 @@ class ImageGenerationService:
         #: Engine requests of HTTP requests that passed the queue-room check but are not queued yet.
         self._reserved = 0
 
-    async def create(self, body: ImageGenerationRequest, raw_request: Request) -> Response:
-        """Generate the images of `body`.
+    async def create(self, body: ImageGenerationRequest | ImageEditRequest, raw_request: Request,
+                     inputs: RequestInputs | None = None) -> Response:
+        """Generate the images of `body` (an edit of `inputs` when given).
+
+        Args:
+            body: the validated request (`ImageGenerationRequest` or `ImageEditRequest`).
+            raw_request: the HTTP request (for disconnects and the link base).
+            inputs: the input images of an edit (`diffserve.inputs.make_inputs`), or None.
 
         Returns:
             A JSON `ImagesResponse` (200), a ``text/event-stream`` response when streaming, or
             an empty 499 response when the client disconnected first (it gets nothing).
 
         Raises:
-            APIError: 400 invalid field, 404 unknown model, 429 queue full, 500 an engine
-                failure, 503 shutting down, url image store full, or engine loop dead.
+            APIError: 400 invalid field (also: inputs the model cannot take, a video model), 404
+                unknown model, 429 queue full, 500 an engine failure, 503 shutting down, url
+                image store full, or engine loop dead.
         """
-        plan = self._plan(body)
+        plan = self._plan(body, inputs)
         reservation = self._reserve_urls(plan)
         try:
             return await self._create(plan, body, raw_request, reservation)
@@ -159,19 +176,10 @@ class ImageGenerationService:
             if reservation is not None:
                 reservation.release()
 
-    async def _create(self, plan: "_Plan", body: ImageGenerationRequest, raw_request: Request,
+    async def _create(self, plan: "_Plan", body: ImageGenerationRequest | ImageEditRequest, raw_request: Request,
                       reservation: Reservation | None) -> Response:
-        group = _RequestGroup(self.engine, plan, self.metrics)
-        try:
-            await self._submit(group, len(plan.params))
-        except InvalidRequestError as exc:
-            raise invalid_request(exc) from None
-        except EngineOverloadedError as exc:
-            if self._is_draining():
-                raise unavailable("the server is shutting down and accepts no new requests", "shutting_down") from None
-            raise overloaded(exc) from None
-        except EngineDeadError:
-            raise unavailable(self.engine_dead_message(), "engine_dead") from None
+        group = self._group(plan)
+        await self.submit(group, len(plan.params))
         watcher = _DisconnectWatcher(raw_request.receive, group.abort)
         watcher.start()
         if body.user or body.safety_identifier:
@@ -183,7 +191,7 @@ class ImageGenerationService:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": plan.request_id},
             )
         try:
-            finals = await group.wait_all(self._engine_alive)
+            finals = await group.wait_all(self.engine_alive)
         finally:
             with anyio.CancelScope(shield=True):
                 await watcher.stop()
@@ -203,13 +211,25 @@ class ImageGenerationService:
         return JSONResponse(response.model_dump(), headers={"X-Request-Id": plan.request_id})
 
     # ------------------------------------------------------------------------- planning
-    def _plan(self, body: ImageGenerationRequest) -> _Plan:
+    def _group(self, plan: _Plan) -> RequestGroup:
+        """The engine requests of `plan` (not submitted yet)."""
+        return RequestGroup(self.engine, plan.request_id, plan.prompt, plan.params, self.metrics,
+                            preview_steps=plan.preview_steps, inputs=plan.inputs)
+
+    def _plan(self, body: ImageGenerationRequest | ImageEditRequest, inputs: RequestInputs | None = None) -> _Plan:
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
                                 f"'{self.model_name}' (GET /v1/models).", param="model", code="model_not_found")
         sync_engine = self.engine.engine
         spec = sync_engine.spec
         limits = sync_engine.config.limits
+        if spec.default_num_frames is not None:
+            raise APIError(400, f"The model '{self.model_name}' generates videos: use POST /v1/videos.",
+                           param="model", code="invalid_value")
+        if inputs is not None and not spec.accepts_images:
+            raise APIError(400, f"The model '{self.model_name}' ({spec.pipeline}) takes no input images, so it "
+                                "cannot edit: use POST /v1/images/generations.", param="image",
+                           code="invalid_value")
         n = 1 if body.n is None else body.n
         max_n = min(limits.max_num_images_per_prompt, sync_engine.config.max_waiting_requests)
         if not 1 <= n <= max_n:
@@ -220,6 +240,8 @@ class ImageGenerationService:
                            param="n", code="invalid_value")
         try:
             size = parse_size(body.size)
+            if size is None and inputs is not None:  # an edit's "auto": the input's size
+                size = auto_size(inputs.images[0].size, spec, limits)
             width, height = size if size is not None else (None, None)
             if body.seed is not None:
                 seed = body.seed
@@ -232,11 +254,12 @@ class ImageGenerationService:
                 SamplingParams(negative_prompt=body.negative_prompt, num_images_per_prompt=1, height=height,
                                width=width, num_inference_steps=body.num_inference_steps,
                                guidance_scale=body.guidance_scale, true_cfg_scale=body.true_cfg_scale,
-                               seed=(seed + i) % (MAX_SEED + 1),
+                               strength=getattr(body, "strength", None), seed=(seed + i) % (MAX_SEED + 1),
                                output_type="pil")
                 for i in range(n)
             ]
             resolved = [p.resolve(spec, limits) for p in params]  # every check, before any allocation
+            sync_engine.executor.plan(resolved[0], inputs)  # the family's own rules (images, mask, strength)
         except InvalidRequestError as exc:
             raise invalid_request(exc) from None
         first = resolved[0]
@@ -256,6 +279,8 @@ class ImageGenerationService:
             output_format=body.output_format or "png",
             compression=body.output_compression,
             quality=body.quality or "auto",
+            inputs=inputs,
+            events="image_generation" if inputs is None else "image_edit",
         )
 
     def _reserve_urls(self, plan: "_Plan") -> Reservation | None:
@@ -296,7 +321,8 @@ class ImageGenerationService:
         reason = getattr(self.engine, "error", None)
         return f"{ENGINE_DEAD_MESSAGE} ({reason})" if reason else ENGINE_DEAD_MESSAGE
 
-    def _engine_alive(self) -> bool:
+    def engine_alive(self) -> bool:
+        """Whether the engine loop is running."""
         return self.engine.is_running
 
     def _check_queue_room(self, n: int) -> None:
@@ -309,11 +335,30 @@ class ImageGenerationService:
                 f"waiting queue is full: room for {max(free, 0)} more request(s), this one needs {n} "
                 "(one per image); retry later")
 
-    async def _submit(self, group: "_RequestGroup", n: int) -> None:
+    async def submit(self, group: RequestGroup, n: int) -> None:
+        """Queue the `n` requests of `group` (all or none; see `_submit`). Also used for video
+        jobs, so images and videos share the waiting queue's room.
+
+        Raises:
+            APIError: 400 an engine validation error, 429 the queue has no room for all of
+                them, 503 shutting down or the engine loop died.
+        """
+        try:
+            await self._submit(group, n)
+        except InvalidRequestError as exc:
+            raise invalid_request(exc) from None
+        except EngineOverloadedError as exc:
+            if self._is_draining():
+                raise unavailable("the server is shutting down and accepts no new requests", "shutting_down") from None
+            raise overloaded(exc) from None
+        except EngineDeadError:
+            raise unavailable(self.engine_dead_message(), "engine_dead") from None
+
+    async def _submit(self, group: RequestGroup, n: int) -> None:
         """Check the queue has room for all `n` requests of `group`, then queue them.
 
         The room stays reserved from the check until the group's requests are in the engine's
-        queue (`_RequestGroup.submit` calls back then), so concurrent HTTP requests cannot
+        queue (`RequestGroup.submit` calls back then), so concurrent HTTP requests cannot
         take it in between; only the engine thread changes the queue otherwise, and it only
         frees room.
         """
@@ -328,7 +373,7 @@ class ImageGenerationService:
                 self._reserved -= n
 
         try:
-            await group.submit(on_queued=release, engine_alive=self._engine_alive)
+            await group.submit(on_queued=release, engine_alive=self.engine_alive)
         finally:
             release()
 
@@ -343,7 +388,7 @@ class ImageGenerationService:
                     raise unavailable("the server is shutting down; the request was aborted", "shutting_down")
                 raise unavailable("the request was aborted", "request_aborted")
             message = output.error if output is not None else event.error
-            if message == ENGINE_DEAD_MESSAGE or not self._engine_alive():
+            if message == ENGINE_DEAD_MESSAGE or not self.engine_alive():
                 raise unavailable(self.engine_dead_message(), "engine_dead")
             raise APIError(500, f"image generation failed: {message}", type="server_error",
                            code="generation_failed")
@@ -374,7 +419,7 @@ class ImageGenerationService:
                     raw_request.url.path, CLIENT_CLOSED_REQUEST, plan.request_id)
 
     # ------------------------------------------------------------------------- streaming
-    async def _stream(self, plan: _Plan, group: "_RequestGroup", watcher: "_DisconnectWatcher",
+    async def _stream(self, plan: _Plan, group: RequestGroup, watcher: "_DisconnectWatcher",
                       raw_request: Request) -> AsyncIterator[str]:
         partial_counts = [0] * len(plan.params)
         completed = False
@@ -388,7 +433,7 @@ class ImageGenerationService:
         probes = 0
         progress = StreamProgress(self.engine.engine, group.ids) if plan.stream_progress else None
         try:
-            async for item in group.events(self._engine_alive, tick_s=min(half, EOF_PROBE_INTERVAL_S)):
+            async for item in group.events(self.engine_alive, tick_s=min(half, EOF_PROBE_INTERVAL_S)):
                 if item is None:
                     if progress is not None:
                         for payload in progress.on_tick():
@@ -408,7 +453,8 @@ class ImageGenerationService:
                 if event.type is EventType.PARTIAL and event.preview:
                     encoded = await asyncio.to_thread(encode_image, event.preview[0], plan.output_format,
                                                       plan.compression)
-                    partial = PartialImageEvent(b64_json=to_base64(encoded), created_at=int(time.time()),
+                    partial = PartialImageEvent(type=f"{plan.events}.partial_image", b64_json=to_base64(encoded),
+                                                created_at=int(time.time()),
                                                 partial_image_index=partial_counts[index], image_index=index,
                                                 **common)
                     partial_counts[index] += 1
@@ -419,7 +465,8 @@ class ImageGenerationService:
                     if output is not None and output.status is RequestStatus.FINISHED:
                         encoded = await asyncio.to_thread(encode_image, output.images[0], plan.output_format,
                                                           plan.compression)
-                        done = CompletedEvent(b64_json=to_base64(encoded), created_at=int(time.time()),
+                        done = CompletedEvent(type=f"{plan.events}.completed", b64_json=to_base64(encoded),
+                                              created_at=int(time.time()),
                                               image_index=index, seed=output.seed,
                                               timings=output.metrics.as_dict(), **common)
                         self.metrics.observe_images(1)
@@ -459,145 +506,6 @@ class _EventStreamResponse(StreamingResponse):
 def _sse(event: str, data: dict) -> str:
     """One Server-Sent Event: ``event:`` line, one-line JSON ``data:``, blank line."""
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
-
-
-class _RequestGroup:
-    """The ``n`` engine requests of one HTTP request (ids ``{request_id}-{i}``), their events
-    merged into one queue. Records each request's outcome in the metrics: from its final event,
-    or as aborted when the group is closed before its final event was read. A group rejected at
-    submission (429) records nothing: its requests never ran (the HTTP request is counted as a
-    429)."""
-
-    def __init__(self, engine: AsyncDiffusionEngine, plan: _Plan, metrics: ServerMetrics):
-        self._engine = engine
-        self._plan = plan
-        self._metrics = metrics
-        self._unreported = set(range(len(plan.params)))
-        self.ids = [f"{plan.request_id}-{i}" for i in range(len(plan.params))]
-        self._queue: asyncio.Queue[tuple[int, StreamEvent]] = asyncio.Queue()
-        self._tasks: list[asyncio.Task] = []
-
-    async def submit(self, on_queued: Callable[[], None] | None = None,
-                     engine_alive: Callable[[], bool] = lambda: True) -> None:
-        """Queue every request in the engine, one right after the other on the event loop.
-
-        Args:
-            on_queued: called (on the event loop) once every request was handed to the engine,
-                before their first events arrive.
-            engine_alive: checked every `ENGINE_CHECK_INTERVAL_S` seconds while waiting for the
-                first events.
-
-        Raises:
-            InvalidRequestError / EngineOverloadedError: from the engine; then none of the
-                requests stays queued (those already queued are aborted; the engine drops them
-                at its next step) and none is counted in the metrics.
-            EngineDeadError: the engine loop stopped before the first events came.
-        """
-        plan = self._plan
-        gens = [self._engine.generate(plan.prompt, params, request_id=rid, preview_steps=plan.preview_steps)
-                for rid, params in zip(self.ids, plan.params)]
-
-        async def first_event(gen):
-            return await anext(gen)
-
-        # gather schedules each task's first step now, in order; a first step runs `generate`
-        # up to its first wait, i.e. queues the request. A callback scheduled after them runs
-        # once all n are queued.
-        gathered = asyncio.gather(*(first_event(g) for g in gens), return_exceptions=True)
-        if on_queued is not None:
-            asyncio.get_running_loop().call_soon(on_queued)
-        while not (await asyncio.wait({gathered}, timeout=ENGINE_CHECK_INTERVAL_S))[0]:
-            if not engine_alive():
-                gathered.cancel()  # the generators' cleanup aborts their requests
-                await asyncio.gather(gathered, return_exceptions=True)
-                self._unreported.clear()
-                raise EngineDeadError(ENGINE_DEAD_MESSAGE)
-        results = gathered.result()
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            for gen, result in zip(gens, results):
-                if not isinstance(result, BaseException):
-                    await gen.aclose()  # aborts it
-            self._unreported.clear()
-            raise errors[0]
-        for index, (gen, first) in enumerate(zip(gens, results)):
-            self._queue.put_nowait((index, first))
-            if not first.type.is_final:
-                self._tasks.append(asyncio.create_task(self._pump(index, gen)))
-
-    async def _pump(self, index: int, gen: AsyncIterator[StreamEvent]) -> None:
-        try:
-            async for event in gen:
-                self._queue.put_nowait((index, event))
-        except Exception as exc:  # noqa: BLE001 - surface as this image's failure
-            logger.exception("engine stream of %s raised", self.ids[index])
-            self._queue.put_nowait((index, StreamEvent(self.ids[index], EventType.FAILED,
-                                                       error=f"{type(exc).__name__}: {exc}")))
-
-    async def events(self, engine_alive: Callable[[], bool] = lambda: True,
-                     tick_s: float | None = None) -> AsyncIterator[tuple[int, StreamEvent] | None]:
-        """(image index, event) as they happen, until every request's final event.
-
-        Args:
-            engine_alive: checked every `ENGINE_CHECK_INTERVAL_S` seconds while waiting; once
-                it returns False, every unfinished request gets a failed event
-                (`ENGINE_DEAD_MESSAGE`).
-            tick_s: when given, also yields None every `tick_s` seconds (a clock tick for
-                keep-alive comments), whether or not events came.
-        """
-        remaining = len(self.ids)
-        finished: set[int] = set()
-        loop = asyncio.get_running_loop()
-        next_tick = loop.time() + tick_s if tick_s is not None else float("inf")
-        while remaining:
-            timeout = min(ENGINE_CHECK_INTERVAL_S, max(0.0, next_tick - loop.time()))
-            try:
-                item: tuple[int, StreamEvent] | None = await asyncio.wait_for(self._queue.get(), timeout)
-            except asyncio.TimeoutError:
-                item = None
-                if not engine_alive() and self._queue.empty():
-                    for index in range(len(self.ids)):
-                        if index not in finished:
-                            self._queue.put_nowait((index, StreamEvent(self.ids[index], EventType.FAILED,
-                                                                       error=ENGINE_DEAD_MESSAGE)))
-                            finished.add(index)
-            if tick_s is not None and loop.time() >= next_tick:
-                next_tick = loop.time() + tick_s
-                yield None
-            if item is None:
-                continue
-            index, event = item
-            if event.type.is_final:
-                finished.add(index)
-                remaining -= 1
-                self._unreported.discard(index)
-                if event.output is not None:
-                    self._metrics.observe_output(event.output)
-                else:
-                    self._metrics.observe_abandoned(1, outcome="failed")
-            yield index, event
-
-    async def wait_all(self, engine_alive: Callable[[], bool] = lambda: True) -> list[StreamEvent]:
-        """The final event of every request, by image index (see `events`)."""
-        finals: list[StreamEvent | None] = [None] * len(self.ids)
-        async for item in self.events(engine_alive):
-            index, event = item  # type: ignore[misc]
-            if event.type.is_final:
-                finals[index] = event
-        return finals  # type: ignore[return-value]
-
-    def abort(self) -> None:
-        """Abort every request of the group (effective at the engine's next step)."""
-        for request_id in self.ids:
-            self._engine.abort(request_id)
-
-    async def close(self) -> None:
-        """Stop listening; an unfinished request is aborted by its stream's cleanup."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._metrics.observe_abandoned(len(self._unreported))
-        self._unreported.clear()
 
 
 class _DisconnectWatcher:

@@ -26,7 +26,8 @@ Components (all randomly initialised, trained here on CPU):
 
 Text conditioning is computed by the pipeline's own ``encode_prompt`` with the pipeline's default
 ``max_sequence_length`` (512), exactly as at inference; the zero padding rows are folded into one
-row (:mod:`diffserve.models.digits_video.context_folding`), an exact identity.
+row (:mod:`diffserve.pipelines.wan_context_folding`, which diffserve also uses to serve Wan
+models), an exact identity.
 """
 
 from __future__ import annotations
@@ -58,12 +59,13 @@ from transformers import UMT5Config, UMT5EncoderModel
 from diffserve.models.digits import data as digit_data
 from diffserve.models.digits.train import QUALITY_BEGIN, QUALITY_END, count_parameters, folder_bytes
 from diffserve.models.digits_video import data
-from diffserve.models.digits_video.context_folding import (
+from diffserve.models.digits_video.tokenizer import VOCABULARY_WORDS, build_umt5_tokenizer
+from diffserve.pipelines.wan_context_folding import (
     append_folded_row,
     install_folded_cross_attention,
+    set_max_sequence_length,
     uninstall_folded_cross_attention,
 )
-from diffserve.models.digits_video.tokenizer import VOCABULARY_WORDS, build_umt5_tokenizer
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 DEFAULT_WEIGHTS_DIR = PACKAGE_DIR / "weights"
@@ -344,7 +346,7 @@ def encode_latent_pool(
     return (mu - mean.view(shape).to(mu.device)) / std.view(shape).to(mu.device), specs
 
 
-def encode_prompts(pipe: WanPipeline, prompts: list[str], fold: bool = True) -> tuple[torch.Tensor, int]:
+def encode_prompts(pipe: WanPipeline, prompts: list[str], fold: bool = True) -> torch.Tensor:
     """Prompt embeddings as ``WanPipeline.__call__`` computes them (``max_sequence_length`` 512).
 
     Args:
@@ -352,11 +354,12 @@ def encode_prompts(pipe: WanPipeline, prompts: list[str], fold: bool = True) -> 
             the longest prompt's ``L`` tokens (its attention mask hides padding, and its relative
             position bias depends only on distances, so the real tokens' outputs are the same),
             and the ``512 - L`` zero rows that follow become ONE zero row
-            (:func:`~diffserve.models.digits_video.context_folding.append_folded_row`).
+            (:func:`~diffserve.pipelines.wan_context_folding.append_folded_row`).
 
     Returns:
-        ``(prompt_embeds, fold_count)``: float32 (B, 512, text_d_model) and 1 when ``fold`` is
-        False, else (B, L + 1, text_d_model) and ``512 - L``. Rows past a prompt's length are zero.
+        float32 (B, 512, text_d_model) when ``fold`` is False, else (B, L + 1, text_d_model)
+        whose last row stands for the ``512 - L`` padding rows. Rows past a prompt's length are
+        zero.
 
     Raises:
         ValueError: if a prompt is too long to leave a padding row (>= 512 tokens).
@@ -365,7 +368,7 @@ def encode_prompts(pipe: WanPipeline, prompts: list[str], fold: bool = True) -> 
         embeds, _ = pipe.encode_prompt(
             prompt=prompts, do_classifier_free_guidance=False, max_sequence_length=MAX_SEQUENCE_LENGTH
         )
-        return embeds, 1
+        return embeds
     longest = max(len(ids) for ids in pipe.tokenizer(prompts).input_ids)
     if longest >= MAX_SEQUENCE_LENGTH:
         raise ValueError(f"prompt of {longest} tokens leaves no padding row (max_sequence_length {MAX_SEQUENCE_LENGTH})")
@@ -386,21 +389,20 @@ def rectified_flow_loss(
         x0: float32 (B, z_dim, F', h, w) normalised VAE latents.
         prompts: B prompts, encoded as by the pipeline (:func:`encode_prompts`).
         generator: CPU generator for ``t`` and the noise.
-        fold: fold the zero padding rows into one row (installs
-            :class:`~diffserve.models.digits_video.context_folding.FoldedCrossAttnProcessor`);
-            ``False`` runs the stock 512-row forward.
+        fold: fold the zero padding rows into one row (the transformer must have
+            :class:`~diffserve.pipelines.wan_context_folding.FoldedCrossAttnProcessor` s:
+            ``install_folded_cross_attention``); ``False`` runs the stock 512-row forward.
 
     Returns:
         Scalar mean squared error between the transformer output and ``noise - x0`` at
         ``x_t = (1 - t) x0 + t noise``, ``t = sigmoid(N(0, 1))``, ``timestep = 1000 t``.
     """
-    embeds, fold_count = encode_prompts(pipe, prompts, fold)
+    embeds = encode_prompts(pipe, prompts, fold)
     t = torch.sigmoid(torch.randn(len(x0), generator=generator)).to(x0.device)
     noise = torch.randn(x0.shape, generator=generator).to(x0.device)
     tt = t.view(-1, 1, 1, 1, 1)
     x_t = (1 - tt) * x0 + tt * noise
-    if fold:
-        install_folded_cross_attention(pipe.transformer, fold_count)
+    set_max_sequence_length(pipe.transformer, MAX_SEQUENCE_LENGTH if fold else None)
     pred = pipe.transformer(hidden_states=x_t, timestep=t * 1000, encoder_hidden_states=embeds, return_dict=False)[0]
     return F.mse_loss(pred, noise - x0)
 
@@ -425,6 +427,7 @@ def train_denoiser(
     Returns:
         ``(loss curve as (step, mean loss of the interval) pairs, steps done)``.
     """
+    install_folded_cross_attention(pipe.transformer)
     modules = [pipe.transformer, pipe.text_encoder]
     params = [p for m in modules for p in m.parameters()]
     ema = [p.detach().clone() for p in params]
@@ -607,8 +610,9 @@ was shared, so the wall time is an upper bound):
   {{word}}`, ...) followed by a motion phrase; `""` with probability {config.empty_prompt_prob} (classifier-free
   guidance; `""` is the pipeline's default negative prompt). Conditioning is computed by the pipeline's own `encode_prompt`
   with `max_sequence_length=512`; the zero padding rows are folded into one row with attention
-  logit `+log(count)` (an exact identity, `diffserve.models.digits_video.context_folding`,
-  checked in `tests/test_digits_video_model.py`); the saved weights work unchanged in diffusers.
+  logit `+log(count)` (an exact identity, `diffserve.pipelines.wan_context_folding`, which diffserve
+  also serves Wan models with; checked in `tests/test_digits_video_model.py`); the saved weights
+  work unchanged in diffusers.
 
 ### Loss curve (denoiser)
 

@@ -484,7 +484,9 @@ def train_denoiser(
 
 
 def _loss_table(curve: list[tuple[int, float]], rows: int = 15) -> str:
-    """Markdown table of about ``rows`` evenly spaced points of ``curve``."""
+    """Markdown table of about ``rows`` evenly spaced points of ``curve`` ("" for no points)."""
+    if not curve:
+        return "No steps in this run."
     stride = max(1, len(curve) // rows)
     picked = curve[::stride]
     if picked[-1] != curve[-1]:
@@ -659,13 +661,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="wall-clock cap for the whole run (training stops early when reached)")
     parser.add_argument("--vae-steps", type=int, default=None, help=f"VAE steps (default {TrainConfig.vae_steps})")
     parser.add_argument("--max-steps", type=int, default=None,
-                        help=f"denoiser steps (default {TrainConfig.max_steps}); also sets the LR schedule")
+                        help=f"denoiser steps (default {TrainConfig.max_steps}); also sets the LR schedule; 0 = a "
+                        "VAE-only run (the transformer and text encoder are saved as initialised, for --resume)")
     parser.add_argument("--threads", type=int, default=TrainConfig.threads, help="torch.set_num_threads")
     parser.add_argument("--device", default="cpu", help="torch device (the shipped model was trained on cpu)")
     parser.add_argument("--resume", type=Path, default=None,
                         help="continue from this trained folder: keep its VAE (no VAE phase), re-encode the "
                         "same latent pool, and train its transformer and text encoder --max-steps more steps")
     parser.add_argument("--lr", type=float, default=None, help=f"denoiser peak learning rate (default {TrainConfig.lr})")
+    parser.add_argument("--vae-lr", type=float, default=None, help=f"VAE learning rate (default {TrainConfig.vae_lr})")
+    parser.add_argument("--vae-batch-size", type=int, default=None,
+                        help=f"clips per VAE step (default {TrainConfig.vae_batch_size})")
+    parser.add_argument("--vae-kl-weight", type=float, default=None,
+                        help=f"weight of the VAE's KL term (default {TrainConfig.vae_kl_weight})")
     parser.add_argument("--tiny", action="store_true",
                         help="tiny architecture, short phases and a small latent pool, for smoke tests")
     parser.add_argument("--card", type=Path, default=None,
@@ -687,6 +695,12 @@ def main(argv: list[str] | None = None) -> Path:
         overrides["vae_steps"] = args.vae_steps
     if args.lr is not None:
         overrides["lr"] = args.lr
+    if args.vae_lr is not None:
+        overrides["vae_lr"] = args.vae_lr
+    if args.vae_batch_size is not None:
+        overrides["vae_batch_size"] = args.vae_batch_size
+    if args.vae_kl_weight is not None:
+        overrides["vae_kl_weight"] = args.vae_kl_weight
     if args.max_steps is not None:
         overrides["max_steps"] = args.max_steps
         overrides["warmup_steps"] = min(TrainConfig.warmup_steps, max(1, args.max_steps // 10))
@@ -704,9 +718,12 @@ def main(argv: list[str] | None = None) -> Path:
         pipe = WanPipeline.from_pretrained(args.resume).to(args.device)
         vae_curve = []
     pipe.set_progress_bar_config(disable=True)
-    latents, specs = encode_latent_pool(pipe.vae, config)
-    print(f"latent pool: {tuple(latents.shape)}", flush=True)
-    curve, steps = train_denoiser(pipe, latents, specs, config, deadline)
+    curve, steps, pool_size = [], 0, 0
+    if config.max_steps > 0:  # --max-steps 0: a VAE-only stage (the denoiser stays as initialised)
+        latents, specs = encode_latent_pool(pipe.vae, config)
+        pool_size = len(latents)
+        print(f"latent pool: {tuple(latents.shape)}", flush=True)
+        curve, steps = train_denoiser(pipe, latents, specs, config, deadline)
 
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -728,12 +745,13 @@ def main(argv: list[str] | None = None) -> Path:
     facts = {
         "size": size, "config": config, "params": params, "command": command, "wall_s": wall_s,
         "cpu_s": cpu_s, "steps": steps, "curve": curve, "vae_curve": vae_curve,
-        "vae_steps": vae_curve[-1][0] if vae_curve else 0, "resumed_from": args.resume, "pool_size": len(latents), "vocab_size": len(pipe.tokenizer),
+        "vae_steps": vae_curve[-1][0] if vae_curve else 0, "resumed_from": args.resume, "pool_size": pool_size, "vocab_size": len(pipe.tokenizer),
         "folder_bytes": folder_bytes(out),
     }
     write_model_card(card_path, facts)
     print(f"saved {out} ({facts['folder_bytes'] / 1e6:.2f} MB, {params['total']:,} parameters) "
-          f"in {wall_s:.0f} s wall, {cpu_s:.0f} s CPU; final loss {curve[-1][1]:.4f}; card {card_path}")
+          f"in {wall_s:.0f} s wall, {cpu_s:.0f} s CPU; final loss {curve[-1][1] if curve else float('nan'):.4f}; "
+          f"card {card_path}")
     print("config:", asdict(config))
     return out
 

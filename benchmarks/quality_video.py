@@ -20,11 +20,12 @@ Usage::
     python benchmarks/quality_video.py                        # built-in model, shipped defaults
     python benchmarks/quality_video.py --templates heldout --steps 8
     python benchmarks/quality_video.py --scheduler euler      # FlowMatchEulerDiscreteScheduler instead
+    python benchmarks/quality_video.py --backend diffserve    # through diffserve's engine
 
 Clip ``k`` uses seed ``--seed + k``. Generation goes through a backend from ``BACKENDS``
-(``--backend``): today ``diffusers`` (``diffusers.WanPipeline``); a backend is a function with
-the signature of :func:`generate_diffusers`, so serving the clips through diffserve's engine is
-one more entry.
+(``--backend``): ``diffusers`` (``diffusers.WanPipeline``, the default) or ``diffserve``
+(``diffserve.DiffusionEngine`` on the same folder: step-level batching of the 200 requests,
+context folding, uint8 video output).
 """
 
 from __future__ import annotations
@@ -330,8 +331,49 @@ def generate_diffusers(
     return np.concatenate(chunks).astype(np.float32), seconds
 
 
+def generate_diffserve(
+    model: Path,
+    prompts: list[str],
+    seed: int,
+    steps: int,
+    guidance: float,
+    num_frames: int,
+    height: int,
+    width: int,
+    scheduler: str | None = None,
+) -> tuple[np.ndarray, float]:
+    """Generate one clip per prompt through diffserve's engine (``DiffusionEngine`` on the folder,
+    step-level batching, context folding on: the defaults).
+
+    Clip ``k`` has ``SamplingParams(seed=seed + k)``: the same noise as the diffusers arm, so the
+    two arms' clips agree up to float rounding and uint8 output.
+
+    Returns:
+        ``(clips, seconds)``: float32 (N, F, H, W, 3) in [0, 1] (the engine's uint8 frames / 255);
+        wall-clock seconds of the generate call.
+
+    Raises:
+        ValueError: ``scheduler`` is set (the engine runs the folder's own scheduler).
+    """
+    from diffserve import DiffusionEngine, EngineConfig, SamplingParams
+
+    if scheduler is not None:
+        raise ValueError(f"--scheduler {scheduler}: the diffserve backend runs the folder's scheduler; "
+                         "use --backend diffusers")
+    engine = DiffusionEngine(EngineConfig(model=str(model), num_threads=torch.get_num_threads()))
+    params = [SamplingParams(seed=seed + k, num_inference_steps=steps, guidance_scale=guidance, num_frames=num_frames,
+                             height=height, width=width, output_type="np") for k in range(len(prompts))]
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    failed = [out.error for out in outputs if not out.ok]
+    if failed:
+        raise RuntimeError(f"{len(failed)} clips failed, first: {failed[0]}")
+    return np.stack([out.videos[0] for out in outputs]).astype(np.float32) / 255.0, seconds
+
+
 #: Generation backends by ``--backend`` name.
-BACKENDS: dict[str, Backend] = {"diffusers": generate_diffusers}
+BACKENDS: dict[str, Backend] = {"diffusers": generate_diffusers, "diffserve": generate_diffserve}
 
 
 def update_card(card: Path, command: str, args: argparse.Namespace, report: VideoQualityReport) -> None:

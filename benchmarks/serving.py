@@ -22,6 +22,9 @@ forward + diffusion-scheduler step on the same inputs).
 Usage:
     python benchmarks/serving.py --concurrency 16 --steps 20              # built-in model
     python benchmarks/serving.py --request-rate auto --num-requests 64
+    python benchmarks/serving.py --model diffserve/models/digits_video/weights --num-frames 9 --concurrency 8
+      (the built-in video model; add --no-context-folding to serve its 512 padded prompt rows
+      one by one and compare)
     python benchmarks/serving.py --model DIR --load-format dummy --steps 4 --concurrency 4
       (DIR: any folder of a pipeline class diffserve serves; with dummy only its configs and
       tokenizers are read, so a weightless copy of a large model's folder benchmarks its
@@ -268,6 +271,9 @@ def main() -> None:
                     help="comma list of baseline (diffusers one at a time), static (diffusers static "
                          "batches), request, step")
     ap.add_argument("--compile", action="store_true", help="regional torch.compile in the diffserve arms")
+    ap.add_argument("--no-context-folding", dest="context_folding", action="store_false",
+                    help="diffserve arms: run the placeholder / padding context rows one by one "
+                         "(EngineConfig.context_folding=False)")
     ap.add_argument("--cache-backend", default="none", choices=["none", "teacache", "cache_dit"])
     ap.add_argument("--cache-config", default="{}", help="JSON options of the cache backend")
     ap.add_argument("--seed", type=int, default=0)
@@ -282,6 +288,7 @@ def main() -> None:
 
     config = EngineConfig(model=args.model, load_format=args.load_format, max_batch_size=args.max_batch_size,
                           max_waiting_requests=100_000, num_threads=args.threads, compile=args.compile,
+                          context_folding=args.context_folding,
                           cache_backend=args.cache_backend, cache_config=json.loads(args.cache_config))
     class_name, components = load_components(config.model_path, config.torch_dtype, config.load_format,
                                              device=config.torch_device)
@@ -311,7 +318,8 @@ def main() -> None:
     print(f"model={config.model_path.name} load_format={args.load_format} device={config.torch_device} "
           f"threads={torch.get_num_threads()} requests={len(jobs)} steps={args.steps} guidance={args.guidance} "
           f"load={load} mixed_steps={args.mixed_steps} mixed_sizes={args.mixed_sizes} "
-          f"max_batch_size={args.max_batch_size} compile={args.compile} cache_backend={args.cache_backend}")
+          f"max_batch_size={args.max_batch_size} compile={args.compile} cache_backend={args.cache_backend} "
+          f"context_folding={bool(getattr(runner.adapter, 'context_folding', False))}")
 
     # warm up every path once
     side_h, side_w = jobs[0].params.height, jobs[0].params.width
@@ -383,6 +391,7 @@ def main() -> None:
             "overhead_batch1": overhead,
             "model": config.model_path.name, "device": str(config.torch_device), "threads": torch.get_num_threads(),
             "concurrency": concurrency, "request_rate": args.request_rate, "steps": args.steps,
+            "context_folding": bool(getattr(runner.adapter, "context_folding", False)),
             "repeats": args.repeats,
         }))
 

@@ -67,8 +67,9 @@ class EngineConfig:
         cuda_graphs: replay the denoiser forward from CUDA graphs captured per row bucket
             (`diffserve.acceleration.cuda_graphs`); CUDA devices only, not with a cache backend.
         context_folding: let a family run identical placeholder context tokens as one token
-            (SD3 without T5: the 256 zero rows, with a +log(k) attention bias); same images
-            within float rounding, far less compute.
+            (SD3 without T5: the 256 zero rows, with a +log(k) attention bias; Wan text-to-video:
+            the zero padding rows up to max_sequence_length); same images within float
+            rounding, far less compute.
         cpu_offload: model CPU offload, serving-aware: components live on the CPU and move to
             the device for their stage; the denoiser stays while any request is denoising (see
             `diffserve.acceleration.offload`).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import random
@@ -16,6 +17,7 @@ from diffusers import WanPipeline
 from diffserve.models.digits import data as digit_data
 from diffserve.models.digits_video import DEFAULT_MODEL_PATH, VOCABULARY_WORDS, data, out_of_vocabulary_words, train
 from diffserve.models.digits_video.tokenizer import build_umt5_tokenizer
+from diffserve.pipelines import wan_context_folding
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import quality  # noqa: E402  (benchmarks/ is not a package)
@@ -146,6 +148,7 @@ def test_folded_context_matches_full_512_row_forward():
     assert train.MAX_SEQUENCE_LENGTH == inspect.signature(WanPipeline.__call__).parameters["max_sequence_length"].default
     x0 = torch.randn(4, train.TINY_SIZE.z_dim, 3, 8, 8)
     prompts = ["digit 3 moving left", "", "a drawing of seven going up quickly", "nine"]
+    wan_context_folding.install_folded_cross_attention(pipe.transformer)
     full = train.rectified_flow_loss(pipe, x0, prompts, torch.Generator().manual_seed(0), fold=False)
     folded = train.rectified_flow_loss(pipe, x0, prompts, torch.Generator().manual_seed(0), fold=True)
     torch.testing.assert_close(folded, full, rtol=1e-5, atol=1e-6)
@@ -180,3 +183,53 @@ def test_unclamped_training_decode_matches_the_vae_decode():
         ours = train.decode_unclamped(vae, z)
     assert ours.shape == stock.shape == (2, 3, 9, 16, 16)
     torch.testing.assert_close(ours.clamp(-1, 1), stock)
+
+
+def test_folded_context_forward_matches_the_512_row_forward(shipped_pipe):
+    """One transformer forward of the shipped model on the pipeline's own 512-row prompt
+    embeddings vs the folded rows diffserve serves with (``fold_padding_rows`` + the folding
+    processors). In float64 the two agree to rounding (an identity); in float32 the folded
+    forward is within 1e-5 of the float64 result (closer than the 512-row float32 forward,
+    whose long softmax sum rounds more: ~1.5e-5)."""
+    pipe = shipped_pipe
+    prompts = ["a handwritten digit 3 moving left", "the number seven that moves to the right", ""]
+    embeds, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=512)
+    folded = wan_context_folding.fold_padding_rows(embeds)
+    assert embeds.shape[1] == 512 and folded.shape[1] == max(len(ids) for ids in pipe.tokenizer(prompts).input_ids) + 1
+    x = torch.randn(3, 16, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    t = torch.tensor([999.0, 500.0, 20.0])
+    transformer = copy.deepcopy(pipe.transformer)
+
+    def forward(context, dtype):
+        transformer.to(dtype)
+        return transformer(hidden_states=x.to(dtype), timestep=t.to(dtype), encoder_hidden_states=context.to(dtype),
+                           return_dict=False)[0]
+
+    with torch.no_grad():
+        full64 = forward(embeds, torch.float64)
+        full32 = forward(embeds, torch.float32)
+        wan_context_folding.install_folded_cross_attention(transformer, 512)
+        folded64 = forward(folded, torch.float64)
+        folded32 = forward(folded, torch.float32)
+        wan_context_folding.set_max_sequence_length(transformer, None)  # unfolded again: stock diffusers
+        stock32 = forward(embeds, torch.float32)
+    assert (folded64 - full64).abs().max() <= 1e-12
+    assert (folded32 - full64).abs().max() <= 1e-5
+    assert (folded32 - full32).abs().max() <= 3e-5
+    assert torch.equal(stock32, full32)
+
+
+def test_served_context_folding_matches_the_full_context():
+    """diffserve serves the shipped model with its 512 padded prompt rows folded into one
+    (the default); 4 CFG steps give the unfolded run's latents within the batching tolerance
+    (float rounding of each forward, ~1e-6, carried through the steps and x4 guidance)."""
+    from diffserve import DiffusionEngine, EngineConfig, SamplingParams
+
+    prompts = ["a handwritten digit 3 moving left", "the number seven that moves to the right"]
+    params = [SamplingParams(seed=k, num_inference_steps=4, output_type="latent") for k in range(len(prompts))]
+    folded = DiffusionEngine(EngineConfig(model=str(DEFAULT_MODEL_PATH)))
+    full = DiffusionEngine(EngineConfig(model=str(DEFAULT_MODEL_PATH), context_folding=False))
+    assert folded.runner.adapter.context_folding and not full.runner.adapter.context_folding
+    for a, b in zip(folded.generate(prompts, params), full.generate(prompts, params)):
+        assert a.ok and b.ok and max(a.metrics.batch_sizes) == 4  # 2 requests x 2 CFG rows
+        assert (a.videos[0] - b.videos[0]).abs().max() <= 1e-4

@@ -287,3 +287,61 @@ def test_regional_compile_covers_both_experts_without_recompiles(tiny_wan22_dir,
         assert np.abs(out.videos[0].astype(int) - _solo(eager, *job).videos[0]).max() <= 1
     stats = engine.runner.acceleration_stats()["compile"]
     assert stats["enabled"] and stats["recompiles_after_warmup"] == 0
+
+
+# ---------------------------------------------------------------- context folding
+@pytest.mark.parametrize("folder", ["tiny_wan_dir", "tiny_wan22_dir"], ids=["wan21", "wan22"])
+def test_context_folding_matches_the_full_context(folder, request):
+    """Folded padding rows (one row + a log-count attention bias) give the full 512-row
+    result: co-batched prompts of different lengths, a negative prompt, a budget short enough
+    that a prompt fills it (nothing to fold), on one expert and on two."""
+    folder = request.getfixturevalue(folder)
+    jobs = [("a lighthouse on a cliff at night", _p(1, steps=3, output_type="latent")),
+            ("fox", _p(2, steps=3, guidance=3.0, negative_prompt="blurry, dark", output_type="latent")),
+            ("a bowl of fruit", _p(3, steps=2, guidance=1.0, output_type="latent")),
+            ("a very long prompt over eight", _p(4, steps=2, max_sequence_length=8, output_type="latent")),
+            ("cat", _p(5, steps=2, max_sequence_length=8, output_type="latent"))]
+    folded = _engine(folder, overlap_stages=False)
+    full = _engine(folder, overlap_stages=False, context_folding=False)
+    assert folded.runner.adapter.context_folding and not full.runner.adapter.context_folding
+    assert folded.runner.acceleration_stats()["context_folding"] == {"enabled": True}
+    prompts, params = [j[0] for j in jobs], [j[1] for j in jobs]
+    for a, b in zip(folded.generate(prompts, params), full.generate(prompts, params)):
+        assert a.ok and b.ok
+        assert (a.videos[0] - b.videos[0]).abs().max() <= 1e-5
+
+
+def test_context_folding_shortens_the_context_and_leaves_stock_modules(wan):
+    """A batch's context is its longest prompt plus one row (not 512); outside the adapter's
+    forwards the shared transformer computes stock diffusers."""
+    adapter = wan.runner.adapter
+    states = []
+    for k, prompt in enumerate(["a red car", "a lighthouse on a cliff"]):
+        state = RequestState(f"r{k}", prompt, _p(k).resolve(wan.spec, wan.config.limits))
+        adapter.prepare(state)
+        states.append(state)
+    tokens = [len(adapter.pipe.tokenizer(s.prompt).input_ids) for s in states]
+    assert [s.branches[1]["encoder_hidden_states"].shape[1] for s in states] == [n + 1 for n in tokens]
+    batch = adapter.collate(states)
+    assert batch.inputs["encoder_hidden_states"].shape[1] == max(tokens) + 1
+    kwargs = adapter.denoise_kwargs(batch)
+    assert kwargs["folded_context_length"] == 512
+    adapter.denoise(batch)
+    processors = [block.attn2.processor for block in adapter.pipe.transformer.blocks]
+    assert all(p.max_sequence_length is None for p in processors)
+
+
+def test_fold_padding_rows_keeps_one_zero_row():
+    from diffserve.pipelines.wan_context_folding import append_folded_row, fold_padding_rows
+
+    embeds = torch.zeros(2, 16, 4)
+    embeds[0, :3] = 1.0
+    embeds[1, :5] = 2.0
+    assert fold_padding_rows(embeds).shape == (2, 6, 4)
+    assert torch.equal(fold_padding_rows(embeds), embeds[:, :6])
+    assert fold_padding_rows(torch.ones(1, 16, 4)).shape == (1, 16, 4)  # nothing padded: all kept
+    assert fold_padding_rows(torch.zeros(1, 16, 4)).shape == (1, 1, 4)
+    folded = append_folded_row(embeds[:, :5], 16)
+    assert folded.shape == (2, 6, 4) and not folded[:, 5].any()
+    with pytest.raises(ValueError, match="no padding"):
+        append_folded_row(embeds, 16)

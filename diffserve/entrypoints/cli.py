@@ -117,8 +117,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-inference-steps", type=int, default=200, metavar="N",
                         help="most denoising steps a request may ask for")
     parser.add_argument("--no-context-folding", dest="context_folding", action="store_false",
-                        help="run SD3's 256 zero T5 placeholder tokens in full instead of as one folded token "
-                             "(slower; same images within float rounding)")
+                        help="run SD3's 256 zero T5 placeholder tokens and Wan's zero prompt padding rows in "
+                             "full instead of as one folded token (slower; same outputs within float rounding)")
     parser.add_argument("--prompt-embed-cache-size", type=int, default=256, metavar="N",
                         help="entries of the prompt-embedding LRU cache (0 = off)")
     parser.add_argument("--cache-backend", default="none", choices=["none", "teacache", "cache_dit"],

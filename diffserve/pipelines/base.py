@@ -203,7 +203,7 @@ class AdapterOptions:
 
     Attributes:
         context_folding: allow exact sequence-shortening tricks of the family (SD3 without T5:
-            the 256 zero T5 rows as one token).
+            the 256 zero T5 rows as one token; Wan: the zero padding rows of the prompt as one).
         model_dir: the model folder (for `generation_config.json`).
     """
 

@@ -11,6 +11,11 @@ denoises the steps with timestep >= ``boundary_ratio * num_train_timesteps`` (hi
 experts never share a forward (`step_key`). Prompt encoding, latents, timesteps and video
 post-processing reuse diffusers' `WanPipeline` methods on the same components, so a video
 equals diffusers' for the same seed (tests/test_family_wan.py).
+
+With context folding (``EngineConfig.context_folding``, on by default) the zero padding rows of
+the prompts run as one row with an attention bias (:mod:`diffserve.pipelines.wan_context_folding`,
+an exact identity): the cross-attention sees the batch's longest prompt plus one row instead of
+``max_sequence_length`` rows.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ from diffusers import WanPipeline
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
 from diffserve.errors import UnsupportedModelError
-from diffserve.pipelines import guidance
+from diffserve.pipelines import guidance, wan_context_folding
 from diffserve.pipelines.base import (
     AdapterOptions,
     Capabilities,
     CacheDiTSupport,
+    DenoiserCall,
     PipelineAdapter,
     RequestState,
     StepBatch,
@@ -111,9 +117,11 @@ class WanAdapter(PipelineAdapter):
 
     Tensors: latents (N, C, F_lat, H/8, W/8) float32 as diffusers keeps them (cast to the
     transformer dtype per forward); per branch encoder_hidden_states (N, max_sequence_length,
-    text_dim) zero-padded UMT5 states in the model dtype. CFG branches: [negative, positive],
-    one forward for both (diffusers runs two). Timestep: the scheduler's raw timestep (0..1000)
-    per row, or per patch token with ``expand_timesteps`` (Wan 2.2 TI2V).
+    text_dim) zero-padded UMT5 states in the model dtype, or with context folding (N, K, text_dim):
+    the rows up to the prompt's last token plus one zero row standing for the rest (a batch is
+    right-padded with zero rows to its longest K). CFG branches: [negative, positive], one
+    forward for both (diffusers runs two). Timestep: the scheduler's raw timestep (0..1000) per
+    row, or per patch token with ``expand_timesteps`` (Wan 2.2 TI2V).
     """
 
     pipeline_class_name = "WanPipeline"
@@ -157,7 +165,14 @@ class WanAdapter(PipelineAdapter):
             default_fps=int(config.get("fps", DEFAULT_FPS)),
         )
         self.capabilities = self._capabilities(config.get("teacache", {}))
-        self.text = TextEncoder(self, self._encode_text, [(pipe.tokenizer, None)])
+        #: whether the zero padding rows of the prompts run as one row (text-to-video experts)
+        self.context_folding = options.context_folding and all(
+            wan_context_folding.supports_folding(e) for e in self.experts)
+        if self.context_folding:
+            for expert in self.experts:
+                wan_context_folding.install_folded_cross_attention(expert)
+        self.text = TextEncoder(self, self._encode_text, [(pipe.tokenizer, None)],
+                                key=("folded" if self.context_folding else "full",))
 
     def _capabilities(self, teacache: dict[str, Any]) -> Capabilities:
         """TeaCache and cache-dit for one expert with one timestep per row (Wan 2.1 layout:
@@ -202,18 +217,26 @@ class WanAdapter(PipelineAdapter):
 
     # --------------------------------------------------------------- per request
     def extra_batch_key(self, params: SamplingParams):
-        """The UMT5 length: prompts are zero-padded to it and attended without a mask."""
+        """The UMT5 length: prompts are zero-padded to it and attended without a mask (with
+        context folding it sets the folded row's count)."""
         return params.max_sequence_length
+
+    def pad_keys(self) -> dict[str, tuple[str | None, float]]:
+        """With context folding, prompts of different lengths are right-padded with zero rows
+        (exact: the padding is zero rows either way; no mask)."""
+        return {"encoder_hidden_states": (None, 0.0)} if self.context_folding else {}
 
     def prompt_is_truncated(self, prompt: str, max_sequence_length: int | None = None) -> bool:
         return super().prompt_is_truncated(prompt_clean(prompt), max_sequence_length)
 
     def _encode_text(self, text: str, max_sequence_length: int | None):
         """diffusers' Wan encoding of one text: (1, max_sequence_length, text_dim), the UMT5
-        states of its tokens then zeros, in the transformer dtype."""
+        states of its tokens then zeros, in the transformer dtype; with context folding cut to
+        (1, K, text_dim) after its first padding row (`wan_context_folding.fold_padding_rows`)."""
         pe, _ = self.pipe.encode_prompt(prompt=text, do_classifier_free_guidance=False, num_videos_per_prompt=1,
                                         max_sequence_length=max_sequence_length, device=self.device)
-        return (pe.to(self.experts[0].dtype),)
+        pe = pe.to(self.experts[0].dtype)
+        return (wan_context_folding.fold_padding_rows(pe) if self.context_folding else pe,)
 
     def prepare_request(self, state: RequestState) -> None:
         """Encode prompt (and negative prompt under CFG) through the cache, draw float32 latents
@@ -244,15 +267,34 @@ class WanAdapter(PipelineAdapter):
         return 0 if self.boundary is None or float(state.timestep) >= self.boundary else 1
 
     # ------------------------------------------------------------------ per step
+    def denoise(self, batch: StepBatch, call: DenoiserCall | None = None) -> torch.Tensor:
+        """`PipelineAdapter.denoise`; with context folding the cross-attention processors
+        are unfolded again afterwards, so the shared transformer computes stock diffusers
+        outside the adapter's forwards (e.g. a diffusers pipeline built on the same modules)."""
+        if not self.context_folding:
+            return super().denoise(batch, call)
+        try:
+            return super().denoise(batch, call)
+        finally:
+            for expert in self.experts:
+                wan_context_folding.set_max_sequence_length(expert, None)
+
     def denoise_kwargs(self, batch: StepBatch) -> dict[str, Any]:
         """The batch's inputs (latents cast to the transformer dtype, as diffusers does per
         call); with two experts also ``expert`` (its index: an input of the call, so a captured
-        CUDA graph is one expert's).
+        CUDA graph is one expert's); with context folding also ``folded_context_length`` (the
+        requests' ``max_sequence_length``: the rows the folded context stands for, set on the
+        cross-attention processors here; an input of the call too, for the same reason).
 
         Raises:
             ValueError: the batch mixes experts (the request scheduler keeps them apart).
         """
         inputs = dict(batch.inputs)
+        if self.context_folding:
+            length = batch.states[0].params.max_sequence_length  # one per batch (batch key)
+            for expert in self.experts:
+                wan_context_folding.set_max_sequence_length(expert, length)
+            inputs["folded_context_length"] = length
         inputs["hidden_states"] = inputs["hidden_states"].to(self.experts[0].dtype)  # float32 latents
         if self.expand_timesteps:  # one timestep per patch token (Wan 2.2 TI2V), float as diffusers'
             _, _, f, h, w = inputs["hidden_states"].shape
@@ -267,9 +309,14 @@ class WanAdapter(PipelineAdapter):
         return inputs
 
     def call_denoiser(self, batch: StepBatch, kwargs: dict[str, Any]) -> torch.Tensor:
-        """The expert ``kwargs["expert"]`` (default the only one) on the other inputs."""
+        """The expert ``kwargs["expert"]`` (default the only one) on the other inputs (with
+        context folding, for ``kwargs["folded_context_length"]`` context rows)."""
         kwargs = dict(kwargs)
-        return self.experts[kwargs.pop("expert", 0)](**kwargs, return_dict=False)[0]
+        expert = self.experts[kwargs.pop("expert", 0)]
+        length = kwargs.pop("folded_context_length", None)
+        if length is not None:
+            wan_context_folding.set_max_sequence_length(expert, length)
+        return expert(**kwargs, return_dict=False)[0]
 
     def combine(self, batch: StepBatch, out: torch.Tensor) -> torch.Tensor:
         """CFG with each request's weight for its expert (guidance_scale, or guidance_scale_2

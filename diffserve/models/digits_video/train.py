@@ -26,7 +26,8 @@ Components (all randomly initialised, trained here on CPU):
 
 Text conditioning is computed by the pipeline's own ``encode_prompt`` with the pipeline's default
 ``max_sequence_length`` (512), exactly as at inference; the zero padding rows are folded into one
-row (:mod:`diffserve.models.digits_video.context_folding`), an exact identity.
+row (:mod:`diffserve.pipelines.wan_context_folding`, which diffserve also uses to serve Wan
+models), an exact identity.
 """
 
 from __future__ import annotations
@@ -58,12 +59,13 @@ from transformers import UMT5Config, UMT5EncoderModel
 from diffserve.models.digits import data as digit_data
 from diffserve.models.digits.train import QUALITY_BEGIN, QUALITY_END, count_parameters, folder_bytes
 from diffserve.models.digits_video import data
-from diffserve.models.digits_video.context_folding import (
+from diffserve.models.digits_video.tokenizer import VOCABULARY_WORDS, build_umt5_tokenizer
+from diffserve.pipelines.wan_context_folding import (
     append_folded_row,
     install_folded_cross_attention,
+    set_max_sequence_length,
     uninstall_folded_cross_attention,
 )
-from diffserve.models.digits_video.tokenizer import VOCABULARY_WORDS, build_umt5_tokenizer
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 DEFAULT_WEIGHTS_DIR = PACKAGE_DIR / "weights"
@@ -344,7 +346,7 @@ def encode_latent_pool(
     return (mu - mean.view(shape).to(mu.device)) / std.view(shape).to(mu.device), specs
 
 
-def encode_prompts(pipe: WanPipeline, prompts: list[str], fold: bool = True) -> tuple[torch.Tensor, int]:
+def encode_prompts(pipe: WanPipeline, prompts: list[str], fold: bool = True) -> torch.Tensor:
     """Prompt embeddings as ``WanPipeline.__call__`` computes them (``max_sequence_length`` 512).
 
     Args:
@@ -352,11 +354,12 @@ def encode_prompts(pipe: WanPipeline, prompts: list[str], fold: bool = True) -> 
             the longest prompt's ``L`` tokens (its attention mask hides padding, and its relative
             position bias depends only on distances, so the real tokens' outputs are the same),
             and the ``512 - L`` zero rows that follow become ONE zero row
-            (:func:`~diffserve.models.digits_video.context_folding.append_folded_row`).
+            (:func:`~diffserve.pipelines.wan_context_folding.append_folded_row`).
 
     Returns:
-        ``(prompt_embeds, fold_count)``: float32 (B, 512, text_d_model) and 1 when ``fold`` is
-        False, else (B, L + 1, text_d_model) and ``512 - L``. Rows past a prompt's length are zero.
+        float32 (B, 512, text_d_model) when ``fold`` is False, else (B, L + 1, text_d_model)
+        whose last row stands for the ``512 - L`` padding rows. Rows past a prompt's length are
+        zero.
 
     Raises:
         ValueError: if a prompt is too long to leave a padding row (>= 512 tokens).
@@ -365,7 +368,7 @@ def encode_prompts(pipe: WanPipeline, prompts: list[str], fold: bool = True) -> 
         embeds, _ = pipe.encode_prompt(
             prompt=prompts, do_classifier_free_guidance=False, max_sequence_length=MAX_SEQUENCE_LENGTH
         )
-        return embeds, 1
+        return embeds
     longest = max(len(ids) for ids in pipe.tokenizer(prompts).input_ids)
     if longest >= MAX_SEQUENCE_LENGTH:
         raise ValueError(f"prompt of {longest} tokens leaves no padding row (max_sequence_length {MAX_SEQUENCE_LENGTH})")
@@ -386,21 +389,20 @@ def rectified_flow_loss(
         x0: float32 (B, z_dim, F', h, w) normalised VAE latents.
         prompts: B prompts, encoded as by the pipeline (:func:`encode_prompts`).
         generator: CPU generator for ``t`` and the noise.
-        fold: fold the zero padding rows into one row (installs
-            :class:`~diffserve.models.digits_video.context_folding.FoldedCrossAttnProcessor`);
-            ``False`` runs the stock 512-row forward.
+        fold: fold the zero padding rows into one row (the transformer must have
+            :class:`~diffserve.pipelines.wan_context_folding.FoldedCrossAttnProcessor` s:
+            ``install_folded_cross_attention``); ``False`` runs the stock 512-row forward.
 
     Returns:
         Scalar mean squared error between the transformer output and ``noise - x0`` at
         ``x_t = (1 - t) x0 + t noise``, ``t = sigmoid(N(0, 1))``, ``timestep = 1000 t``.
     """
-    embeds, fold_count = encode_prompts(pipe, prompts, fold)
+    embeds = encode_prompts(pipe, prompts, fold)
     t = torch.sigmoid(torch.randn(len(x0), generator=generator)).to(x0.device)
     noise = torch.randn(x0.shape, generator=generator).to(x0.device)
     tt = t.view(-1, 1, 1, 1, 1)
     x_t = (1 - tt) * x0 + tt * noise
-    if fold:
-        install_folded_cross_attention(pipe.transformer, fold_count)
+    set_max_sequence_length(pipe.transformer, MAX_SEQUENCE_LENGTH if fold else None)
     pred = pipe.transformer(hidden_states=x_t, timestep=t * 1000, encoder_hidden_states=embeds, return_dict=False)[0]
     return F.mse_loss(pred, noise - x0)
 
@@ -425,6 +427,7 @@ def train_denoiser(
     Returns:
         ``(loss curve as (step, mean loss of the interval) pairs, steps done)``.
     """
+    install_folded_cross_attention(pipe.transformer)
     modules = [pipe.transformer, pipe.text_encoder]
     params = [p for m in modules for p in m.parameters()]
     ema = [p.detach().clone() for p in params]
@@ -481,7 +484,9 @@ def train_denoiser(
 
 
 def _loss_table(curve: list[tuple[int, float]], rows: int = 15) -> str:
-    """Markdown table of about ``rows`` evenly spaced points of ``curve``."""
+    """Markdown table of about ``rows`` evenly spaced points of ``curve`` ("" for no points)."""
+    if not curve:
+        return "No steps in this run."
     stride = max(1, len(curve) // rows)
     picked = curve[::stride]
     if picked[-1] != curve[-1]:
@@ -607,8 +612,9 @@ was shared, so the wall time is an upper bound):
   {{word}}`, ...) followed by a motion phrase; `""` with probability {config.empty_prompt_prob} (classifier-free
   guidance; `""` is the pipeline's default negative prompt). Conditioning is computed by the pipeline's own `encode_prompt`
   with `max_sequence_length=512`; the zero padding rows are folded into one row with attention
-  logit `+log(count)` (an exact identity, `diffserve.models.digits_video.context_folding`,
-  checked in `tests/test_digits_video_model.py`); the saved weights work unchanged in diffusers.
+  logit `+log(count)` (an exact identity, `diffserve.pipelines.wan_context_folding`, which diffserve
+  also serves Wan models with; checked in `tests/test_digits_video_model.py`); the saved weights
+  work unchanged in diffusers.
 
 ### Loss curve (denoiser)
 
@@ -655,13 +661,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="wall-clock cap for the whole run (training stops early when reached)")
     parser.add_argument("--vae-steps", type=int, default=None, help=f"VAE steps (default {TrainConfig.vae_steps})")
     parser.add_argument("--max-steps", type=int, default=None,
-                        help=f"denoiser steps (default {TrainConfig.max_steps}); also sets the LR schedule")
+                        help=f"denoiser steps (default {TrainConfig.max_steps}); also sets the LR schedule; 0 = a "
+                        "VAE-only run (the transformer and text encoder are saved as initialised, for --resume)")
     parser.add_argument("--threads", type=int, default=TrainConfig.threads, help="torch.set_num_threads")
     parser.add_argument("--device", default="cpu", help="torch device (the shipped model was trained on cpu)")
     parser.add_argument("--resume", type=Path, default=None,
                         help="continue from this trained folder: keep its VAE (no VAE phase), re-encode the "
                         "same latent pool, and train its transformer and text encoder --max-steps more steps")
     parser.add_argument("--lr", type=float, default=None, help=f"denoiser peak learning rate (default {TrainConfig.lr})")
+    parser.add_argument("--vae-lr", type=float, default=None, help=f"VAE learning rate (default {TrainConfig.vae_lr})")
+    parser.add_argument("--vae-batch-size", type=int, default=None,
+                        help=f"clips per VAE step (default {TrainConfig.vae_batch_size})")
+    parser.add_argument("--vae-kl-weight", type=float, default=None,
+                        help=f"weight of the VAE's KL term (default {TrainConfig.vae_kl_weight})")
     parser.add_argument("--tiny", action="store_true",
                         help="tiny architecture, short phases and a small latent pool, for smoke tests")
     parser.add_argument("--card", type=Path, default=None,
@@ -683,6 +695,12 @@ def main(argv: list[str] | None = None) -> Path:
         overrides["vae_steps"] = args.vae_steps
     if args.lr is not None:
         overrides["lr"] = args.lr
+    if args.vae_lr is not None:
+        overrides["vae_lr"] = args.vae_lr
+    if args.vae_batch_size is not None:
+        overrides["vae_batch_size"] = args.vae_batch_size
+    if args.vae_kl_weight is not None:
+        overrides["vae_kl_weight"] = args.vae_kl_weight
     if args.max_steps is not None:
         overrides["max_steps"] = args.max_steps
         overrides["warmup_steps"] = min(TrainConfig.warmup_steps, max(1, args.max_steps // 10))
@@ -700,9 +718,12 @@ def main(argv: list[str] | None = None) -> Path:
         pipe = WanPipeline.from_pretrained(args.resume).to(args.device)
         vae_curve = []
     pipe.set_progress_bar_config(disable=True)
-    latents, specs = encode_latent_pool(pipe.vae, config)
-    print(f"latent pool: {tuple(latents.shape)}", flush=True)
-    curve, steps = train_denoiser(pipe, latents, specs, config, deadline)
+    curve, steps, pool_size = [], 0, 0
+    if config.max_steps > 0:  # --max-steps 0: a VAE-only stage (the denoiser stays as initialised)
+        latents, specs = encode_latent_pool(pipe.vae, config)
+        pool_size = len(latents)
+        print(f"latent pool: {tuple(latents.shape)}", flush=True)
+        curve, steps = train_denoiser(pipe, latents, specs, config, deadline)
 
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -724,12 +745,13 @@ def main(argv: list[str] | None = None) -> Path:
     facts = {
         "size": size, "config": config, "params": params, "command": command, "wall_s": wall_s,
         "cpu_s": cpu_s, "steps": steps, "curve": curve, "vae_curve": vae_curve,
-        "vae_steps": vae_curve[-1][0] if vae_curve else 0, "resumed_from": args.resume, "pool_size": len(latents), "vocab_size": len(pipe.tokenizer),
+        "vae_steps": vae_curve[-1][0] if vae_curve else 0, "resumed_from": args.resume, "pool_size": pool_size, "vocab_size": len(pipe.tokenizer),
         "folder_bytes": folder_bytes(out),
     }
     write_model_card(card_path, facts)
     print(f"saved {out} ({facts['folder_bytes'] / 1e6:.2f} MB, {params['total']:,} parameters) "
-          f"in {wall_s:.0f} s wall, {cpu_s:.0f} s CPU; final loss {curve[-1][1]:.4f}; card {card_path}")
+          f"in {wall_s:.0f} s wall, {cpu_s:.0f} s CPU; final loss {curve[-1][1] if curve else float('nan'):.4f}; "
+          f"card {card_path}")
     print("config:", asdict(config))
     return out
 

@@ -1,0 +1,452 @@
+"""Quality benchmark for the built-in video model (moving digits), judged by independent measures.
+
+Generates ``--n-per-combo`` clips for each (digit, direction) pair (10 x 4 pairs), then reports:
+
+* per-frame digit identity: in every frame the digit's 8x8 window is found (:func:`judge_frames`)
+  and classified by the image model's judge (``benchmarks/quality.py``'s RBF SVM, trained on the
+  same fixed training split, never on generated data); accuracy over all frames of all clips,
+  per digit, and the fraction of clips whose every frame is right;
+* motion direction: the centre of mass of the bright pixels (gray level above
+  ``BRIGHT_THRESHOLD``) per frame, a least-squares line through it over time gives a velocity
+  (pixels/frame); the direction is the axis and sign of the larger component. Accuracy against
+  the prompt's direction, and the mean speed along it (the data moves 1 pixel/frame);
+* diversity and novelty of the middle frame's crop, as for the image model: mean pairwise L2
+  distance among the crops of one digit / same for the held-out real digits (1.0 = as diverse
+  as real data), and median distance to the nearest training image (generated vs held-out real);
+* seconds per clip (wall clock of the generate calls / number of clips).
+
+Usage::
+
+    python benchmarks/quality_video.py                        # built-in model, shipped defaults
+    python benchmarks/quality_video.py --templates heldout --steps 8
+    python benchmarks/quality_video.py --scheduler euler      # FlowMatchEulerDiscreteScheduler instead
+
+Clip ``k`` uses seed ``--seed + k``. Generation goes through a backend from ``BACKENDS``
+(``--backend``): today ``diffusers`` (``diffusers.WanPipeline``); a backend is a function with
+the signature of :func:`generate_diffusers`, so serving the clips through diffserve's engine is
+one more entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from sklearn.svm import SVC
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quality import _nearest, _pairwise_mean, build_judge  # noqa: E402
+
+from diffserve.models.digits import data as digit_data  # noqa: E402
+from diffserve.models.digits.train import QUALITY_BEGIN, QUALITY_END  # noqa: E402
+from diffserve.models.digits_video import DEFAULT_MODEL_PATH, data  # noqa: E402
+from diffserve.models.digits_video.train import PACKAGE_MODEL_CARD, euler_scheduler  # noqa: E402
+
+#: Gray level (0..1) above which a pixel counts as part of the digit for the centre of mass.
+BRIGHT_THRESHOLD = 0.25
+#: 8x8 windows holding at least this fraction of the brightest window's mass are candidate
+#: digit positions (see :func:`judge_frames`).
+WINDOW_MASS_FRACTION = 0.97
+
+
+@dataclass(frozen=True)
+class ClipRequest:
+    """One clip to generate: its prompt and what it should show."""
+
+    prompt: str
+    digit: int
+    direction: str
+
+
+def make_requests(subject_templates: tuple[str, ...], n_per_combo: int) -> list[ClipRequest]:
+    """``n_per_combo`` prompts for each (digit, direction), cycling subject and motion templates
+    (:data:`~diffserve.models.digits_video.data.MOTION_TEMPLATES`).
+
+    Returns:
+        ``10 * 4 * n_per_combo`` requests grouped by digit, then direction.
+    """
+    requests, k = [], 0
+    for digit in range(10):
+        for direction in data.DIRECTION_NAMES:
+            for _ in range(n_per_combo):
+                subject = subject_templates[k % len(subject_templates)]
+                motion = data.MOTION_TEMPLATES[k % len(data.MOTION_TEMPLATES)]
+                prompt = data.format_prompt(subject, motion, data.ClipSpec(digit, direction))
+                requests.append(ClipRequest(prompt, digit, direction))
+                k += 1
+    return requests
+
+
+def to_gray(clips: np.ndarray) -> np.ndarray:
+    """(N, F, H, W, 3) or (N, F, H, W) video in [0, 1] -> float64 (N, F, H, W) gray (channel mean).
+
+    Raises:
+        ValueError: on any other number of dimensions.
+    """
+    clips = np.asarray(clips, dtype=np.float64)
+    if clips.ndim == 5:
+        return clips.mean(-1)
+    if clips.ndim != 4:
+        raise ValueError(f"expected clips of shape (N, F, H, W[, 3]), got {clips.shape}")
+    return clips
+
+
+def window_sums(gray: np.ndarray) -> np.ndarray:
+    """Sum of every 8x8 window of each frame.
+
+    Args:
+        gray: (..., H, W) frames, H and W >= 8.
+
+    Returns:
+        (..., H - 7, W - 7): entry ``[..., r, c]`` sums the window whose top-left corner is (r, c).
+    """
+    size = data.DIGIT_SIZE
+    padded = np.pad(gray, [(0, 0)] * (gray.ndim - 2) + [(1, 0), (1, 0)]).cumsum(-2).cumsum(-1)
+    return (padded[..., size:, size:] - padded[..., :-size, size:]
+            - padded[..., size:, :-size] + padded[..., :-size, :-size])
+
+
+def judge_frames(clf: SVC, gray: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Find and classify the digit in every frame.
+
+    The digit's 8x8 window is not unique when its border rows/columns are blank (most digits
+    leave one blank), and the judge is sensitive to a 1-pixel misalignment (61 % on real
+    clips when taking the first brightest window). So every window holding at least
+    ``WINDOW_MASS_FRACTION`` of the brightest window's mass is a candidate, and the one the judge
+    is most confident about (largest ``decision_function`` score) is kept. No label is used.
+    On real held-out clips this reads 98.8 % of frames right (99.4 % with the true corners).
+
+    Args:
+        clf: the judge from ``benchmarks/quality.py``'s ``build_judge``.
+        gray: (N, F, H, W) frames in [0, 1].
+
+    Returns:
+        ``(digits, crops)``: int64 (N, F) predicted digits and float64 (N, F, 8, 8) chosen windows.
+    """
+    n, f, height, width = gray.shape
+    size = data.DIGIT_SIZE
+    frames = gray.reshape(n * f, height, width)
+    sums = window_sums(frames)
+    candidates, owner, corners = [], [], []
+    for m in range(len(frames)):
+        for r, c in np.argwhere(sums[m] >= WINDOW_MASS_FRACTION * sums[m].max()):
+            candidates.append(frames[m, r : r + size, c : c + size])
+            owner.append(m)
+            corners.append((r, c))
+    scores = clf.decision_function(np.stack(candidates).reshape(len(candidates), -1))
+    confidence, label = scores.max(1), clf.classes_[scores.argmax(1)]
+    owner = np.asarray(owner)
+    digits = np.empty(len(frames), dtype=np.int64)
+    crops = np.empty((len(frames), size, size))
+    for m in range(len(frames)):
+        idx = np.flatnonzero(owner == m)
+        best = idx[np.argmax(confidence[idx])]
+        digits[m] = label[best]
+        crops[m] = candidates[best]
+    return digits.reshape(n, f), crops.reshape(n, f, size, size)
+
+
+def velocities(gray: np.ndarray) -> np.ndarray:
+    """Velocity of the bright pixels' centre of mass, by least squares over the frames.
+
+    Args:
+        gray: (N, F, H, W) frames in [0, 1], F >= 2.
+
+    Returns:
+        float64 (N, 2): (rows, columns) per frame. A frame with no bright pixel uses the frame
+        centre (it then pulls the fit towards no motion).
+    """
+    weight = np.clip(gray - BRIGHT_THRESHOLD, 0.0, None)
+    mass = weight.sum((-2, -1))
+    rows = np.arange(gray.shape[-2])[:, None]
+    cols = np.arange(gray.shape[-1])[None, :]
+    centre = np.array([(gray.shape[-2] - 1) / 2, (gray.shape[-1] - 1) / 2])
+    safe = np.where(mass > 0, mass, 1.0)
+    com = np.stack([(weight * rows).sum((-2, -1)) / safe, (weight * cols).sum((-2, -1)) / safe], -1)
+    com = np.where((mass > 0)[..., None], com, centre)
+    t = np.arange(gray.shape[1], dtype=np.float64)
+    t -= t.mean()
+    return (com * t[None, :, None]).sum(1) / (t**2).sum()
+
+
+def classify_motion(velocity: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """Direction names and speeds (pixels/frame along the direction) from (N, 2) velocities."""
+    names, speeds = [], []
+    for v_row, v_col in velocity:
+        if abs(v_col) >= abs(v_row):
+            names.append("right" if v_col > 0 else "left")
+            speeds.append(abs(v_col))
+        else:
+            names.append("down" if v_row > 0 else "up")
+            speeds.append(abs(v_row))
+    return names, np.asarray(speeds)
+
+
+@dataclass
+class VideoQualityReport:
+    """Results of one benchmark run (accuracies are fractions in [0, 1])."""
+
+    judge_heldout_accuracy: float
+    frame_accuracy: float
+    per_digit_frame_accuracy: list[float]
+    clip_all_frames_accuracy: float
+    direction_accuracy: float
+    per_direction_accuracy: dict[str, float]
+    mean_speed: float
+    diversity_ratio: float
+    novelty_generated: float
+    novelty_real: float
+    seconds_per_clip: float
+    num_clips: int
+    #: per-frame identity of held-out clips through the VAE alone (:func:`vae_ceiling`); NaN if not run
+    vae_ceiling: float = float("nan")
+
+
+def evaluate(
+    clf: SVC, judge_accuracy: float, clips: np.ndarray, requests: list[ClipRequest], seconds: float
+) -> VideoQualityReport:
+    """Score generated clips (float (N, F, H, W, 3) or (N, F, H, W) in [0, 1]) against ``requests``.
+
+    Raises:
+        ValueError: if the number of clips and requests differ, or clips have a bad shape.
+    """
+    gray = to_gray(clips)
+    if len(gray) != len(requests):
+        raise ValueError(f"{len(gray)} clips for {len(requests)} requests")
+    n, frames = gray.shape[:2]
+    predicted, crops = judge_frames(clf, gray)
+    digits = np.array([r.digit for r in requests])
+    correct = predicted == digits[:, None]
+    per_digit = [float(correct[digits == d].mean()) if (digits == d).any() else float("nan") for d in range(10)]
+
+    directions, speeds = classify_motion(velocities(gray))
+    wanted = [r.direction for r in requests]
+    dir_ok = np.array([a == b for a, b in zip(directions, wanted)])
+    per_direction = {d: float(dir_ok[[w == d for w in wanted]].mean()) for d in data.DIRECTION_NAMES if d in wanted}
+
+    split = digit_data.load_split()
+    middle = crops[:, frames // 2].reshape(n, -1)
+    real = split.heldout_images.reshape(len(split.heldout_images), -1) / digit_data.MAX_INTENSITY
+    train = split.train_images.reshape(len(split.train_images), -1) / digit_data.MAX_INTENSITY
+    ratios = [
+        _pairwise_mean(middle[digits == d]) / _pairwise_mean(real[split.heldout_labels == d])
+        for d in range(10) if (digits == d).sum() >= 2
+    ]
+    return VideoQualityReport(
+        judge_heldout_accuracy=judge_accuracy,
+        frame_accuracy=float(correct.mean()),
+        per_digit_frame_accuracy=per_digit,
+        clip_all_frames_accuracy=float(correct.all(1).mean()),
+        direction_accuracy=float(dir_ok.mean()),
+        per_direction_accuracy=per_direction,
+        mean_speed=float(np.mean(speeds)),
+        diversity_ratio=float(np.mean(ratios)) if ratios else float("nan"),
+        novelty_generated=float(np.median(_nearest(middle, train))),
+        novelty_real=float(np.median(_nearest(real, train))),
+        seconds_per_clip=seconds / n,
+        num_clips=n,
+    )
+
+
+@torch.no_grad()
+def vae_ceiling(model: Path, clf: SVC, num_clips: int = 200, seed: int = 0) -> float:
+    """Per-frame digit identity (:func:`judge_frames`) of held-out clips passed through the
+    model's VAE (encoded to the posterior mean, decoded): the best generated clips can score.
+
+    Clips: the first ``num_clips`` held-out digits, random directions and positions (``seed``).
+
+    Returns:
+        Fraction of frames the judge reads as the clip's digit.
+    """
+    import random
+
+    from diffusers import AutoencoderKLWan
+
+    vae = AutoencoderKLWan.from_pretrained(Path(model) / "vae")
+    split = digit_data.load_split()
+    rng = random.Random(seed)
+    specs = data.sample_specs(split.heldout_labels[:num_clips], rng)
+    frames, _ = data.make_clips(split.heldout_images[:num_clips], specs, rng)
+    recon = vae.decode(vae.encode(data.to_model_range(frames)).latent_dist.mean).sample
+    predicted, _ = judge_frames(clf, ((recon.mean(1) + 1) / 2).numpy())
+    return float(np.mean(predicted == split.heldout_labels[:num_clips, None]))
+
+
+def read_generation_config(model: Path) -> dict:
+    """The sampling defaults shipped in ``<model>/generation_config.json`` ({} if absent)."""
+    path = Path(model) / "generation_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+#: A backend: (model folder, prompts, first seed, steps, guidance, num_frames, height, width,
+#: scheduler name or None) -> (float32 clips (N, F, H, W, 3) in [0, 1], seconds).
+Backend = Callable[..., tuple[np.ndarray, float]]
+
+
+def generate_diffusers(
+    model: Path,
+    prompts: list[str],
+    seed: int,
+    steps: int,
+    guidance: float,
+    num_frames: int,
+    height: int,
+    width: int,
+    scheduler: str | None = None,
+    batch_size: int = 50,
+) -> tuple[np.ndarray, float]:
+    """Generate one clip per prompt with diffusers' ``WanPipeline`` (reference arm).
+
+    Clip ``k`` uses ``torch.Generator().manual_seed(seed + k)``; ``scheduler="euler"`` swaps the
+    folder's scheduler for ``FlowMatchEulerDiscreteScheduler(shift=1.0)``.
+
+    Returns:
+        ``(clips, seconds)``: float32 (N, F, H, W, 3) in [0, 1]; wall-clock seconds of the calls.
+    """
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(model)
+    if scheduler == "euler":
+        pipe.scheduler = euler_scheduler()
+    pipe.set_progress_bar_config(disable=True)
+    chunks, seconds = [], 0.0
+    for lo in range(0, len(prompts), batch_size):
+        batch = prompts[lo : lo + batch_size]
+        generators = [torch.Generator().manual_seed(seed + lo + k) for k in range(len(batch))]
+        start = time.perf_counter()
+        out = pipe(batch, height=height, width=width, num_frames=num_frames, num_inference_steps=steps,
+                   guidance_scale=guidance, generator=generators, output_type="np")
+        seconds += time.perf_counter() - start
+        chunks.append(out.frames)
+    return np.concatenate(chunks).astype(np.float32), seconds
+
+
+#: Generation backends by ``--backend`` name.
+BACKENDS: dict[str, Backend] = {"diffusers": generate_diffusers}
+
+
+def update_card(card: Path, command: str, args: argparse.Namespace, report: VideoQualityReport) -> None:
+    """Insert or replace this run's row in the judge table between the card's quality markers.
+
+    Raises:
+        ValueError: if the card has no quality markers.
+    """
+    text = card.read_text()
+    match = re.search(re.escape(QUALITY_BEGIN) + r"\n(.*?)" + re.escape(QUALITY_END), text, re.S)
+    if match is None:
+        raise ValueError(f"{card} has no {QUALITY_BEGIN} ... {QUALITY_END} section")
+    header = [
+        f"Judge: per-frame digit identity by the image model's RBF SVM (held-out real-image accuracy "
+        f"{100 * report.judge_heldout_accuracy:.1f} %; {100 * report.vae_ceiling:.1f} % of the frames of 200 held-out "
+        "clips passed through the VAE alone, the ceiling) on the frame's 8x8 window it is most confident about "
+        f"among those holding >= {WINDOW_MASS_FRACTION:g} of the brightest window's mass; direction from the "
+        f"least-squares velocity of the centre of mass of pixels brighter than {BRIGHT_THRESHOLD}; speed: "
+        f"its mean along the found direction (training clips: {data.SPEED} pixel/frame). Diversity / novelty of the middle frame's crop as for the "
+        "image model. Produced by `benchmarks/quality_video.py`; seeds are `--seed + k` for clip k; "
+        "1 CPU thread.",
+        "",
+        "| command | backend | scheduler | templates | steps | guidance | clips | frame identity | worst digit "
+        "| all frames right | direction | speed px/frame | diversity | novelty gen / real | s/clip |",
+        "|---|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---:|",
+    ]
+    rows = [line for line in match.group(1).splitlines() if line.startswith("| `")]
+    worst = int(np.nanargmin(report.per_digit_frame_accuracy))
+    worst_text = (f"{worst} ({100 * report.per_digit_frame_accuracy[worst]:.0f} %)"
+                  if report.per_digit_frame_accuracy[worst] < 1 else "none")
+    row = (
+        f"| `{command}` | {args.backend} | {args.scheduler} | {args.templates} | {args.steps} | {args.guidance:g} | "
+        f"{report.num_clips} | {100 * report.frame_accuracy:.1f} % | {worst_text} | "
+        f"{100 * report.clip_all_frames_accuracy:.1f} % | {100 * report.direction_accuracy:.1f} % | "
+        f"{report.mean_speed:.2f} | {report.diversity_ratio:.2f} | "
+        f"{report.novelty_generated:.2f} / {report.novelty_real:.2f} | {report.seconds_per_clip:.3f} |"
+    )
+    rows = [r for r in rows if not r.startswith(f"| `{command}` |")] + [row]
+    card.write_text(text[: match.start(1)] + "\n".join(header + rows) + "\n" + text[match.end(1) :])
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line arguments (see module docstring); unset sampling values come from the
+    model's ``generation_config.json``."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n-per-combo", type=int, default=5,
+                        help="clips per (digit, direction) pair; 40 pairs (default 5: 200 clips)")
+    parser.add_argument("--steps", type=int, default=None, help="num_inference_steps")
+    parser.add_argument("--guidance", type=float, default=None, help="guidance_scale")
+    parser.add_argument("--num-frames", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", type=Path, default=None, help="pipeline folder (default: built-in)")
+    parser.add_argument("--templates", choices=["train", "heldout", "both"], default="both",
+                        help="subject templates of the image model's prompt lists")
+    parser.add_argument("--backend", choices=sorted(BACKENDS), default="diffusers")
+    parser.add_argument("--scheduler", choices=["folder", "euler"], default="folder",
+                        help="the folder's scheduler (UniPC for the built-in model) or flow-matching Euler")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--update-card", action="store_true",
+                        help="record the result in the model card (the package MODEL_CARD.md for the "
+                        "built-in model, else MODEL/MODEL_CARD.md)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> VideoQualityReport:
+    """Run the benchmark and print the report; see :func:`parse_args`."""
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model = args.model or DEFAULT_MODEL_PATH
+    defaults = read_generation_config(model)
+    args.steps = args.steps or defaults.get("num_inference_steps", 20)
+    args.guidance = args.guidance if args.guidance is not None else defaults.get("guidance_scale", 4.0)
+    num_frames = args.num_frames or defaults.get("num_frames", data.NUM_FRAMES)
+    height, width = defaults.get("height", data.CANVAS_SIZE), defaults.get("width", data.CANVAS_SIZE)
+    templates = {
+        "train": digit_data.TRAIN_TEMPLATES,
+        "heldout": digit_data.HELDOUT_TEMPLATES,
+        "both": digit_data.TRAIN_TEMPLATES + digit_data.HELDOUT_TEMPLATES,
+    }[args.templates]
+
+    clf, judge_accuracy = build_judge()
+    requests = make_requests(templates, args.n_per_combo)
+    clips, seconds = BACKENDS[args.backend](
+        model, [r.prompt for r in requests], args.seed, args.steps, args.guidance, num_frames, height, width,
+        None if args.scheduler == "folder" else args.scheduler,
+    )
+    report = evaluate(clf, judge_accuracy, clips, requests, seconds)
+    report.vae_ceiling = vae_ceiling(model, clf)
+
+    print(f"model: {model}  backend: {args.backend}  scheduler: {args.scheduler}  threads: {args.threads}")
+    print(f"templates: {args.templates}  steps: {args.steps}  guidance: {args.guidance:g}  clips: {len(clips)} "
+          f"x {num_frames} frames of {height}x{width}  seed: {args.seed}")
+    print(f"judge held-out real accuracy: {100 * judge_accuracy:.2f} %; on held-out clips through the VAE "
+          f"(ceiling): {100 * report.vae_ceiling:.2f} % of frames")
+    print("per-digit frame identity: " + "  ".join(
+        f"{d}:{100 * a:.0f}%" for d, a in enumerate(report.per_digit_frame_accuracy)))
+    print(f"per-frame digit identity: {100 * report.frame_accuracy:.2f} %  "
+          f"(clips with every frame right: {100 * report.clip_all_frames_accuracy:.2f} %)")
+    print("per-direction accuracy: " + "  ".join(f"{d}:{100 * a:.0f}%" for d, a in report.per_direction_accuracy.items()))
+    print(f"motion direction accuracy: {100 * report.direction_accuracy:.2f} %")
+    print(f"mean speed along the direction: {report.mean_speed:.2f} pixels/frame (training clips: {data.SPEED})")
+    print(f"diversity ratio (generated / real held-out): {report.diversity_ratio:.3f}")
+    print(f"novelty (median distance to nearest training image): generated {report.novelty_generated:.3f}, "
+          f"real held-out {report.novelty_real:.3f}")
+    print(f"mean seconds per clip: {report.seconds_per_clip:.4f}")
+    if args.update_card:
+        builtin = args.model is None or args.model.resolve() == DEFAULT_MODEL_PATH
+        card = PACKAGE_MODEL_CARD if builtin else args.model / "MODEL_CARD.md"
+        command = "python benchmarks/quality_video.py " + shlex.join(
+            [a for a in (sys.argv[1:] if argv is None else argv) if a != "--update-card"]
+        )
+        update_card(card, command.strip(), args, report)
+        print(f"recorded in {card}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

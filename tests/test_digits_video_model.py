@@ -1,0 +1,177 @@
+"""Tests of the built-in video model: shipped Wan folder, judge on real samples, data and tokenizer."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import WanPipeline
+
+from diffserve.models.digits import data as digit_data
+from diffserve.models.digits_video import DEFAULT_MODEL_PATH, VOCABULARY_WORDS, data, out_of_vocabulary_words, train
+from diffserve.models.digits_video.tokenizer import build_umt5_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import quality  # noqa: E402  (benchmarks/ is not a package)
+import quality_video  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def shipped_pipe() -> WanPipeline:
+    pipe = WanPipeline.from_pretrained(DEFAULT_MODEL_PATH)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def defaults() -> dict:
+    return json.loads((DEFAULT_MODEL_PATH / "generation_config.json").read_text())
+
+
+def test_shipped_folder_is_a_wan_pipeline_within_size_budget(defaults):
+    index = json.loads((DEFAULT_MODEL_PATH / "model_index.json").read_text())
+    assert index["_class_name"] == "WanPipeline"
+    assert index["text_encoder"] == ["transformers", "UMT5EncoderModel"]
+    assert index["transformer"] == ["diffusers", "WanTransformer3DModel"]
+    assert index["vae"] == ["diffusers", "AutoencoderKLWan"]
+    assert index["scheduler"][1] == "UniPCMultistepScheduler"
+    assert set(defaults) == {"num_inference_steps", "guidance_scale", "height", "width", "num_frames", "fps"}
+    assert (defaults["num_frames"] - 1) % 4 == 0 and defaults["height"] % 16 == 0
+    image_model = DEFAULT_MODEL_PATH.parents[1] / "digits" / "weights"
+    total = sum(f.stat().st_size for d in (DEFAULT_MODEL_PATH, image_model) for f in d.rglob("*") if f.is_file())
+    assert total <= 20e6
+
+
+def test_shipped_pipeline_generates_a_clip_of_the_right_shape(shipped_pipe, defaults):
+    assert shipped_pipe.vae_scale_factor_temporal == 4
+    assert shipped_pipe.vae_scale_factor_spatial == 4
+    kwargs = {k: v for k, v in defaults.items() if k != "fps"}
+    kwargs["num_inference_steps"] = 4
+    frames = shipped_pipe("a handwritten digit 5 moving up", generator=torch.Generator().manual_seed(0),
+                          output_type="np", **kwargs).frames
+    assert frames.shape == (1, defaults["num_frames"], defaults["height"], defaults["width"], 3)
+    assert frames.dtype == np.float32 and np.isfinite(frames).all()
+    assert 0.0 <= frames.min() and frames.max() <= 1.0
+
+
+def test_shipped_model_draws_digits_that_move_as_asked(shipped_pipe, defaults):
+    """A quick judge on 10 clips: one per digit, directions in turn (the full judge uses 200)."""
+    clf, heldout_accuracy = quality.build_judge()
+    assert heldout_accuracy > 0.98
+    requests = [
+        quality_video.ClipRequest(f"a handwritten digit {d} moving {data.DIRECTION_NAMES[d % 4]}", d,
+                                  data.DIRECTION_NAMES[d % 4])
+        for d in range(10)
+    ]
+    generators = [torch.Generator().manual_seed(200 + k) for k in range(len(requests))]
+    clips = shipped_pipe([r.prompt for r in requests], height=defaults["height"], width=defaults["width"],
+                         num_frames=defaults["num_frames"], num_inference_steps=10,
+                         guidance_scale=defaults["guidance_scale"], generator=generators, output_type="np").frames
+    report = quality_video.evaluate(clf, heldout_accuracy, clips, requests, seconds=1.0)
+    assert report.frame_accuracy >= 0.8, report
+    assert report.direction_accuracy >= 0.8, report
+
+
+def test_training_clips_move_as_labelled():
+    split = digit_data.load_split()
+    rng = random.Random(0)
+    specs = [data.ClipSpec(int(d), direction) for d in split.train_labels[:16] for direction in data.DIRECTION_NAMES]
+    images = np.repeat(split.train_images[:16], len(data.DIRECTION_NAMES), axis=0)
+    frames, corners = data.make_clips(images, specs, rng)
+    assert frames.shape == (len(specs), data.NUM_FRAMES, data.CANVAS_SIZE, data.CANVAS_SIZE)
+    assert corners.min() >= 0 and corners.max() <= data.CANVAS_SIZE - data.DIGIT_SIZE
+    for frame_corners, spec in zip(corners, specs):
+        step = np.diff(frame_corners, axis=0)
+        assert (step == np.array(data.DIRECTIONS[spec.direction]) * data.SPEED).all()
+    # every frame holds an exact copy of the digit at its corner
+    n, f = 5, 3
+    r, c = corners[n, f]
+    np.testing.assert_array_equal(frames[n, f, r : r + 8, c : c + 8], images[n])
+    assert frames[n, f].sum() == images[n].sum()
+    # the judge's motion estimate and digit crop agree with the labels on real clips
+    gray = frames / digit_data.MAX_INTENSITY
+    directions, speeds = quality_video.classify_motion(quality_video.velocities(gray))
+    assert directions == [s.direction for s in specs]
+    np.testing.assert_allclose(speeds, data.SPEED)
+    clf, _ = quality.build_judge()
+    predicted, crops = quality_video.judge_frames(clf, gray)
+    assert np.mean(predicted == np.array([s.digit for s in specs])[:, None]) >= 0.95
+    assert crops.shape == gray.shape[:2] + (8, 8)
+    x = data.to_model_range(frames[:2])
+    assert x.shape == (2, 3, data.NUM_FRAMES, data.CANVAS_SIZE, data.CANVAS_SIZE)
+    assert x.min() == -1 and x.max() == 1
+
+
+def test_training_clips_use_only_the_training_split():
+    split = digit_data.load_split()
+    sampler = train.ClipSampler(seed=0)
+    assert sampler.images is split.train_images and len(sampler.images) == 1437
+    clips = sampler.batch(8)
+    assert clips.shape == (8, 3, data.NUM_FRAMES, data.CANVAS_SIZE, data.CANVAS_SIZE)
+    # the first frame of every clip holds a training image in one of its 8x8 windows
+    frames = np.round((clips[:, 0, 0].numpy() + 1) * digit_data.MAX_INTENSITY / 2)
+    train_set = {img.astype(np.float32).tobytes() for img in split.train_images}
+    room = data.CANVAS_SIZE - 8
+    for frame in frames:
+        windows = {frame[r : r + 8, c : c + 8].astype(np.float32).tobytes()
+                   for r in range(room + 1) for c in range(room + 1)}
+        assert windows & train_set
+
+
+def test_folded_context_matches_full_512_row_forward():
+    torch.manual_seed(0)
+    pipe = train.build_pipeline(train.TINY_SIZE)
+    with torch.no_grad():  # move near-zero layers off zero so every path matters
+        for p in pipe.transformer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    assert train.MAX_SEQUENCE_LENGTH == inspect.signature(WanPipeline.__call__).parameters["max_sequence_length"].default
+    x0 = torch.randn(4, train.TINY_SIZE.z_dim, 3, 8, 8)
+    prompts = ["digit 3 moving left", "", "a drawing of seven going up quickly", "nine"]
+    full = train.rectified_flow_loss(pipe, x0, prompts, torch.Generator().manual_seed(0), fold=False)
+    folded = train.rectified_flow_loss(pipe, x0, prompts, torch.Generator().manual_seed(0), fold=True)
+    torch.testing.assert_close(folded, full, rtol=1e-5, atol=1e-6)
+
+
+def test_tokenizer_words_and_shipped_tokenizer_match(shipped_pipe):
+    tok = build_umt5_tokenizer()
+    for word in VOCABULARY_WORDS:
+        assert len(tok(word, add_special_tokens=False).input_ids) == 1, word
+    ids = tok("a handwritten digit 3 moving left").input_ids
+    assert tok.convert_ids_to_tokens(ids) == ["▁a", "▁handwritten", "▁digit", "▁3", "▁moving", "▁left", "</s>"]
+    assert tok.unk_token_id not in tok("Digit 42, going UP!").input_ids
+    text = "a picture of a seven sliding to the right, please"
+    assert shipped_pipe.tokenizer(text).input_ids == tok(text).input_ids
+
+
+def test_out_of_vocabulary_words():
+    assert out_of_vocabulary_words("a digit 3 moving left, please") == ["please"]
+    assert out_of_vocabulary_words("Moving the number 42 up") == ["Moving"]
+    for subject in digit_data.TRAIN_TEMPLATES + digit_data.HELDOUT_TEMPLATES:
+        for motion in data.MOTION_TEMPLATES:
+            prompt = data.format_prompt(subject, motion, data.ClipSpec(8, "down"))
+            assert out_of_vocabulary_words(prompt) == [], prompt
+
+
+def test_unclamped_training_decode_matches_the_vae_decode():
+    torch.manual_seed(0)
+    vae = train.build_pipeline(train.TINY_SIZE).vae
+    z = 3 * torch.randn(2, train.TINY_SIZE.z_dim, 3, 4, 4)
+    with torch.no_grad():
+        stock = vae.decode(z).sample
+        ours = train.decode_unclamped(vae, z)
+    assert ours.shape == stock.shape == (2, 3, 9, 16, 16)
+    torch.testing.assert_close(ours.clamp(-1, 1), stock)

@@ -184,7 +184,8 @@ class DiffusionEngine(SleepMode):
 
     def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request. A waiting one leaves the queue at once; a
-        running one stops at the next step boundary and frees its latents. Its final event
+        running one stops at the next step boundary and frees its latents (a stream between
+        two chunks: when its chunk boundary work comes back, without emitting that chunk). Its final event
         (`aborted`) comes out of the next `step()`. Returns False if unknown or done."""
         with self._lock:
             request = self._requests.get(request_id)
@@ -522,8 +523,8 @@ class DiffusionEngine(SleepMode):
             self._decode_work.append((self.executor.submit_decode(previews, preview=True), previews))
         if finished:
             self._decode_work.append((self.executor.submit_decode(finished), finished))
-        if chunks:
-            self._chunk_work.append((self.executor.submit_chunk(chunks), [w.request_id for w in chunks]))
+        for work in chunks:  # one item each: a stream steps again as soon as its own boundary is done
+            self._chunk_work.append((self.executor.submit_chunk([work]), [work.request_id]))
 
     def _close(self, request: Request, status: RequestStatus, images=None,
                error: BaseException | WorkError | None = None) -> None:

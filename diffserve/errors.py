@@ -63,3 +63,21 @@ class EngineSleepingError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop (or a worker) died; requests fail fast (HTTP 503) instead of waiting."""
+
+
+class InteractionRefusedError(InvalidRequestError):
+    """An interaction (`DiffusionEngine.submit_interaction`) that cannot apply to its request.
+
+    Attributes:
+        reason: ``"unknown_request"`` (no such id), ``"finished"`` (the request ended or is
+            being aborted), ``"last_chunk"`` (no later chunk is left to use it),
+            ``"not_streaming"`` (an ordinary request, without ``num_chunks``) or
+            ``"unsupported"`` (the served model cannot stream chunks).
+    """
+
+    def __init__(self, request_id: str, reason: str, allowed: str, detail: str | None = None):
+        self.reason = reason
+        super().__init__("request_id", request_id, allowed, detail)
+
+    def __reduce__(self):
+        return (type(self), (self.value, self.reason, self.allowed, self.detail))

@@ -25,6 +25,11 @@ class RequestMetrics:
     count too: they share the forward. ``offload_loads`` counts the components moved onto the
     device for the work items this request took part in (model CPU offload; one move can
     serve many requests).
+
+    Streams (``num_chunks``): ``chunk_s`` holds, per chunk, the seconds from arrival to its
+    chunk event (so ``chunk_s[0]`` is the time to first chunk and consecutive differences are
+    the inter-chunk gaps); ``decode_s`` adds up the chunk boundaries (decode of a chunk and
+    preparation of the next).
     """
 
     arrival_time: float = 0.0
@@ -38,6 +43,12 @@ class RequestMetrics:
     peak_memory_bytes: int = 0
     request_peak_memory_bytes: int | None = None
     offload_loads: int = 0
+    chunk_s: list[float] = field(default_factory=list)
+
+    @property
+    def first_chunk_s(self) -> float | None:
+        """Time to first chunk (streams): seconds from arrival to the first chunk event."""
+        return self.chunk_s[0] if self.chunk_s else None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-serialisable) of the metrics."""
@@ -52,6 +63,7 @@ class RequestMetrics:
             "peak_memory_bytes": self.peak_memory_bytes,
             "request_peak_memory_bytes": self.request_peak_memory_bytes,
             "offload_loads": self.offload_loads,
+            **({"chunk_s": list(self.chunk_s)} if self.chunk_s else {}),
         }
 
 
@@ -108,12 +120,15 @@ class GenerationOutput:
 
 class EventType(str, Enum):
     """Kinds of stream events a request yields, in order: queued, started, progress*,
-    partial*, then exactly one of finished / failed / aborted."""
+    partial*, then exactly one of finished / failed / aborted. A stream (``num_chunks``)
+    interleaves one ``chunk`` event per chunk (in chunk order) with the progress events of
+    the chunks; its last chunk event comes right before ``finished``."""
 
     QUEUED = "queued"
     STARTED = "started"
     PROGRESS = "progress"
     PARTIAL = "partial"
+    CHUNK = "chunk"
     FINISHED = "finished"
     FAILED = "failed"
     ABORTED = "aborted"
@@ -128,10 +143,17 @@ class StreamEvent:
     """One event of a request.
 
     Attributes:
-        step / total: denoising steps done and planned (progress events).
+        step / total: denoising steps done and planned (progress events; of the current chunk
+            for streams).
         preview: decoded preview of the current latents (partial events), as `output_type`.
-        output: the final output (finished, failed and aborted events).
+        output: the final output (finished, failed and aborted events); for chunk events the
+            chunk's new frames, a uint8 numpy array (F, H, W, 3) (the first chunk has
+            ``num_frames`` frames, later ones leave out the frames they repeat from the
+            previous chunk, see `diffserve.pipelines.video_chunks`).
         error: message (failed events).
+        chunk_index: the chunk (0-based) a chunk event carries, or a progress event steps.
+        event_ids: chunk events: the ``event_id`` of every interaction
+            (`DiffusionEngine.submit_interaction`) this chunk is the first to use.
     """
 
     request_id: str
@@ -139,5 +161,7 @@ class StreamEvent:
     step: int | None = None
     total: int | None = None
     preview: Any = None
-    output: GenerationOutput | None = None
+    output: Any = None
     error: str | None = None
+    chunk_index: int | None = None
+    event_ids: list[str] = field(default_factory=list)

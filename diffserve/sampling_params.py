@@ -86,6 +86,7 @@ class RequestLimits:
     max_pixels: int = 2048 * 2048
     max_num_images_per_prompt: int = 10
     max_num_frames: int = 1025
+    max_num_chunks: int = 1024
 
 
 @dataclass
@@ -113,7 +114,16 @@ class SamplingParams:
             ``guidance_scale`` when it sets one, else the model's default. Whether CFG runs at
             all follows ``guidance_scale`` (diffusers' rule).
         max_sequence_length: token budget of the long text encoder (T5 / Qwen / UMT5).
-        num_frames / fps: video length in frames and playback rate (video models only).
+        num_frames / fps: video length in frames and playback rate (video models only). With
+            ``num_chunks`` set, ``num_frames`` is the length of ONE chunk (the model's window).
+        num_chunks: makes the request a stream (video models whose adapter can chunk, see
+            `diffserve.pipelines.video_chunks`): ``num_chunks`` chunks of ``num_frames``
+            frames are generated one after the other, each conditioned on the end of the
+            previous one; each is decoded and emitted as a ``chunk`` event as soon as it is
+            done, and the prompt of the following chunks can be changed while it runs
+            (`DiffusionEngine.submit_interaction`). An integer in [1, limit]; None = one
+            ordinary generation. Streams make one video (``num_images_per_prompt`` 1) of
+            decoded frames (``output_type`` not ``"latent"``).
         strength: image-to-image strength in (0, 1]: the fraction of the schedule run on the
             noised input image (requests with an input image only; None = the model's
             default, e.g. diffusers' 0.6 for SD3 img2img).
@@ -138,6 +148,7 @@ class SamplingParams:
     num_frames: int | None = None
     fps: int | None = None
     strength: float | None = None
+    num_chunks: int | None = None
 
     def resolve(
         self,
@@ -152,7 +163,7 @@ class SamplingParams:
         """
         p = dataclasses.replace(self)
         for name in ("num_images_per_prompt", "height", "width", "num_inference_steps", "seed",
-                     "max_sequence_length", "num_frames", "fps"):
+                     "max_sequence_length", "num_frames", "fps", "num_chunks"):
             setattr(p, name, _as_int(getattr(p, name)))  # numpy / torch integer scalars welcome
         for name in ("guidance_scale", "true_cfg_scale", "guidance_scale_2", "strength"):
             value = getattr(p, name)
@@ -181,6 +192,9 @@ class SamplingParams:
         p.num_frames = _default_or_refuse(spec, "num_frames", p.num_frames, spec.default_num_frames,
                                           "an image model (no frames)")
         p.fps = _default_or_refuse(spec, "fps", p.fps, spec.default_fps, "an image model (no fps)")
+        if p.num_chunks is not None and spec.default_num_frames is None:
+            raise InvalidRequestError("num_chunks", p.num_chunks, f"unset: {spec.pipeline} is an image model "
+                                      "(no video chunks)")
         if p.strength is not None:  # left None when absent: only image inputs use a default
             _default_or_refuse(spec, "strength", p.strength, spec.default_strength, "no image inputs (no strength)")
 
@@ -220,6 +234,14 @@ class SamplingParams:
                 raise InvalidRequestError("num_frames", p.num_frames, f"an integer{rule} in [1, {top}]")
         if p.fps is not None:
             _check_int("fps", p.fps, 1, 240)
+        if p.num_chunks is not None:
+            _check_int("num_chunks", p.num_chunks, 1, limits.max_num_chunks)
+            if p.num_images_per_prompt != 1:
+                raise InvalidRequestError("num_images_per_prompt", p.num_images_per_prompt,
+                                          "1 with num_chunks (a stream is one video)")
+            if p.output_type == "latent":
+                raise InvalidRequestError("output_type", p.output_type,
+                                          "one of pil, np, pt with num_chunks (chunks are decoded frames)")
         if p.strength is not None:
             s = p.strength
             if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or not 0 < s <= 1:

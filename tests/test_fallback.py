@@ -178,3 +178,8 @@ def test_video_pipeline_through_the_fallback_keeps_folder_settings(tiny_wan22_di
     ref = pipe("a red ball", num_inference_steps=2, height=32, width=48, num_frames=5,
                generator=torch.Generator().manual_seed(2), output_type="np").frames[0]
     assert np.abs(video.astype(np.float64) - (ref * 255).round()).max() <= 1
+    # whole requests cannot stream chunks: refused, naming the field
+    assert engine.model_info.chunk_streaming is False
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request("a red ball", SamplingParams(num_chunks=2, height=32, width=48, num_frames=5))
+    assert info.value.field == "num_chunks" and "whole-request" in str(info.value)

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from diffserve.config import EngineConfig
@@ -105,7 +105,8 @@ class AsyncDiffusionEngine:
 
         Yields:
             `StreamEvent`s: queued, started, progress(step, total), partial(preview) at
-            `preview_steps`, then finished(output) / failed(error) / aborted.
+            `preview_steps`, chunk(frames) per chunk of a stream (``num_chunks``), then
+            finished(output) / failed(error) / aborted.
 
         Raises:
             InvalidRequestError: invalid prompt or params (before anything is queued).
@@ -145,6 +146,14 @@ class AsyncDiffusionEngine:
             if added and not finished:
                 self.engine.abort(request_id)
                 self._wake.set()
+
+    def submit_interaction(self, request_id: str, interaction: Mapping[str, Any]) -> str:
+        """Change a running stream's prompt from its next chunk on; returns the event id (see
+        `DiffusionEngine.submit_interaction`, which raises the same errors). Thread-safe and
+        non-blocking."""
+        event_id = self.engine.submit_interaction(request_id, interaction)
+        self._wake.set()
+        return event_id
 
     def abort(self, request_id: str) -> bool:
         """Abort a request (see `DiffusionEngine.abort`)."""

@@ -8,6 +8,16 @@ the other requests' steps.
 
 The engine holds plain data only (`Request`); tensors live in the executor's workers.
 
+Streams (``SamplingParams.num_chunks``): a stream whose chunk finished denoising is not
+decoded and freed: its chunk boundary (`ChunkWork`: decode the chunk, prepare the next one,
+conditioned on it) runs in the background like a decode, while the other requests keep
+stepping; the stream keeps its rows and its state in the worker, and comes back to the
+request scheduler, with the same batch key, for its next chunk. Each chunk is emitted as a
+``chunk`` event as soon as it is decoded; the last one also finishes the request with the whole
+video. `submit_interaction` changes the prompt of a running stream's following chunks; the
+interaction travels to the workers with the next chunk boundary (plain data, so every executor
+forwards it).
+
 Memory: with ``EngineConfig.max_memory`` the request scheduler also admits by estimated
 memory (`diffserve.engine.memory_budget`); `sleep` / `wake_up` give the device's memory back
 between bursts (`diffserve.runner.sleep`, vLLM's levels 1 and 2).
@@ -25,7 +35,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
@@ -33,9 +44,9 @@ from diffserve.config import EngineConfig
 from diffserve.engine.request import Phase, Request
 from diffserve.engine.scheduler import RequestScheduler
 from diffserve.engine.sleep_mode import SleepMode
-from diffserve.errors import InvalidRequestError
+from diffserve.errors import InteractionRefusedError, InvalidRequestError
 from diffserve.executor import Executor, InProcessExecutor, build_executor
-from diffserve.executor.messages import Decoded, NewRequest, Prepared, WorkError
+from diffserve.executor.messages import ChunkDone, ChunkWork, Decoded, Interaction, NewRequest, Prepared, WorkError
 from diffserve.inputs import make_inputs
 from diffserve.outputs import EventType, GenerationOutput, RequestStatus, StreamEvent
 from diffserve.sampling_params import SamplingParams, validate_prompt
@@ -44,6 +55,12 @@ logger = logging.getLogger(__name__)
 
 #: Longest a stepping thread blocks waiting for background work before re-checking (seconds).
 _WAIT_S = 0.05
+#: Ids of ended requests remembered, so an interaction for one is told it ended (not unknown).
+_ENDED_IDS = 4096
+#: Longest ``event_id`` of an interaction, characters.
+MAX_EVENT_ID_CHARS = 256
+#: Most ``transition_chunks`` of an interaction.
+MAX_TRANSITION_CHUNKS = 1024
 
 
 class DiffusionEngine(SleepMode):
@@ -85,6 +102,8 @@ class DiffusionEngine(SleepMode):
         #: background work in flight: (future, request ids), in submission order
         self._prepare_work: list[tuple[Future, list[str]]] = []
         self._decode_work: list[tuple[Future, list[str]]] = []
+        self._chunk_work: list[tuple[Future, list[str]]] = []
+        self._ended: OrderedDict[str, None] = OrderedDict()
         self._seq = itertools.count()
         self._step_listeners: list[Callable[[int, int, float], None]] = []
 
@@ -165,7 +184,8 @@ class DiffusionEngine(SleepMode):
 
     def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request. A waiting one leaves the queue at once; a
-        running one stops at the next step boundary and frees its latents. Its final event
+        running one stops at the next step boundary and frees its latents (a stream between
+        two chunks: when its chunk boundary work comes back, without emitting that chunk). Its final event
         (`aborted`) comes out of the next `step()`. Returns False if unknown or done."""
         with self._lock:
             request = self._requests.get(request_id)
@@ -177,6 +197,80 @@ class DiffusionEngine(SleepMode):
             else:
                 request.abort_requested = True
             return True
+
+    def submit_interaction(self, request_id: str, interaction: Mapping[str, Any]) -> str:
+        """Change the prompt of a running stream from its next chunk on.
+
+        Args:
+            interaction: ``{"prompt": str, "transition_chunks": int = 0, "event_id": str}``:
+                the new prompt (checked like a request's), the number of chunks over which the
+                text conditioning moves from what the previous chunk used to the new prompt
+                (linear interpolation of the prompt embeddings, see
+                `diffserve.runner.streaming`; 0 = at once, k = chunks c..c+k use weights
+                1/(k+1), ..., 1), and the client's id of this interaction (a fresh uuid when
+                absent).
+
+        Returns:
+            The event id. It comes back in ``event_ids`` of the first chunk event that uses the
+            new prompt: the chunk after the one being denoised (or the one after that, when
+            the current chunk is already being decoded).
+
+        Raises:
+            InvalidRequestError: an invalid or unknown field (named).
+            InteractionRefusedError: unknown request id, ended (or aborting) request, a request
+                without ``num_chunks``, a model that cannot stream chunks, or no chunk left
+                after the one in progress (`InteractionRefusedError.reason` says which).
+        """
+        interaction = self._check_interaction(interaction)
+        with self._lock:
+            request = self._requests.get(request_id)
+            if request is None or request.abort_requested:
+                if request is None and request_id not in self._ended:
+                    raise InteractionRefusedError(request_id, "unknown_request", "the id of a running stream",
+                                                  "no such request")
+                raise InteractionRefusedError(request_id, "finished", "the id of a running stream",
+                                              "the request has ended")
+            if not request.streaming:
+                if not self.model_info.chunk_streaming:
+                    raise InteractionRefusedError(request_id, "unsupported", "the id of a running stream",
+                                                  f"{self.model_info.pipeline} cannot stream video chunks, so "
+                                                  "its requests take no interactions")
+                raise InteractionRefusedError(request_id, "not_streaming", "the id of a running stream",
+                                              "an ordinary request (without num_chunks) takes no interactions")
+            first = request.chunk_index + (2 if request.phase is Phase.BETWEEN_CHUNKS else 1)
+            if first >= request.params.num_chunks:
+                raise InteractionRefusedError(request_id, "last_chunk", "the id of a stream with a chunk left",
+                                              f"no chunk after chunk {first - 1} of {request.params.num_chunks} "
+                                              "would use the prompt")
+            request.interactions.append(interaction)
+        return interaction.event_id
+
+    def _check_interaction(self, interaction: Mapping[str, Any]) -> Interaction:
+        """An interaction's fields checked (see `submit_interaction`).
+
+        Raises:
+            InvalidRequestError: naming the field.
+        """
+        if not isinstance(interaction, Mapping):
+            raise InvalidRequestError("interaction", interaction, "a mapping with prompt, transition_chunks, event_id")
+        unknown = sorted(set(interaction) - {"prompt", "transition_chunks", "event_id"})
+        if unknown:
+            raise InvalidRequestError(str(unknown[0]), interaction[unknown[0]],
+                                      "absent: an interaction takes prompt, transition_chunks and event_id")
+        if "prompt" not in interaction:
+            raise InvalidRequestError("prompt", None, "a non-empty string (required)")
+        prompt = validate_prompt(interaction["prompt"], self.spec)
+        k = interaction.get("transition_chunks", 0)
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TRANSITION_CHUNKS:
+            raise InvalidRequestError("transition_chunks", k, f"an integer in [0, {MAX_TRANSITION_CHUNKS}]")
+        event_id = interaction.get("event_id")
+        if event_id is None:
+            event_id = uuid.uuid4().hex
+        elif not isinstance(event_id, str) or not 1 <= len(event_id) <= MAX_EVENT_ID_CHARS \
+                or not event_id.isprintable():
+            raise InvalidRequestError("event_id", event_id, f"a string of 1 to {MAX_EVENT_ID_CHARS} printable "
+                                      "characters")
+        return Interaction(prompt=prompt, transition_chunks=int(k), event_id=event_id)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running, or has events not yet returned by
@@ -261,7 +355,7 @@ class DiffusionEngine(SleepMode):
         with self._lock:
             self._apply_aborts()
             batch = self.scheduler.select_batch()
-        if not batch and (self._prepare_work or self._decode_work):
+        if not batch and (self._prepare_work or self._decode_work or self._chunk_work):
             # nothing to step: wait for background work instead of spinning
             self._collect(block=True)
             with self._lock:
@@ -275,7 +369,7 @@ class DiffusionEngine(SleepMode):
         """Abort running requests that asked for it (lock held). Requests being prepared or
         decoded are closed when their work comes back."""
         for request in [r for r in self._requests.values() if r.abort_requested]:
-            if request.phase in (Phase.PREPARING, Phase.DECODING):
+            if request.phase in (Phase.PREPARING, Phase.DECODING, Phase.BETWEEN_CHUNKS):
                 continue
             self.scheduler.remove_waiting(request.request_id)
             self.scheduler.finish(request)
@@ -286,12 +380,13 @@ class DiffusionEngine(SleepMode):
         """Apply finished prepare/decode work; with `block`, wait (briefly) for at least one.
         A work item that raised as a whole (an executor fault, e.g. a dead worker) fails its
         requests."""
-        if not (self._prepare_work or self._decode_work):
+        if not (self._prepare_work or self._decode_work or self._chunk_work):
             return
         if block:
-            wait([f for f, _ in self._prepare_work + self._decode_work], timeout=_WAIT_S,
+            wait([f for f, _ in self._prepare_work + self._decode_work + self._chunk_work], timeout=_WAIT_S,
                  return_when=FIRST_COMPLETED)
-        for queue, apply in ((self._prepare_work, self._on_prepared), (self._decode_work, self._on_decoded)):
+        for queue, apply in ((self._prepare_work, self._on_prepared), (self._decode_work, self._on_decoded),
+                             (self._chunk_work, self._on_chunk)):
             for item in [w for w in queue if w[0].done()]:
                 queue.remove(item)
                 future, ids = item
@@ -354,6 +449,37 @@ class DiffusionEngine(SleepMode):
                     request.metrics.decode_s = result.seconds
                     self._close(request, RequestStatus.FINISHED, images=result.output)
 
+    def _on_chunk(self, results: list[ChunkDone]) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            for result in results:
+                request = self._requests.get(result.request_id)
+                if request is None:
+                    self.executor.free([result.request_id])
+                    continue
+                request.metrics.offload_loads += result.offload_loads
+                request.metrics.decode_s += result.seconds
+                if request.abort_requested or result.error is not None:
+                    self.scheduler.finish(request)
+                    self.executor.free([request.request_id])
+                    if request.abort_requested:
+                        self._close(request, RequestStatus.ABORTED)
+                    else:
+                        self._close(request, RequestStatus.FAILED, error=result.error)
+                    continue
+                request.metrics.chunk_s.append(now - request.arrival_time)
+                self._emit([StreamEvent(request.request_id, EventType.CHUNK, chunk_index=result.chunk_index,
+                                        output=result.frames, event_ids=list(result.event_ids))])
+                if result.video is not None:
+                    self.scheduler.finish(request)
+                    self._close(request, RequestStatus.FINISHED, images=[result.video])
+                    continue
+                request.chunk_index = result.chunk_index + 1
+                request.num_steps = result.num_steps
+                request.steps_done = 0
+                request.step_key = result.step_key
+                request.phase = Phase.DENOISING
+
     def _denoise_step(self, batch: list[Request]) -> None:
         start = time.perf_counter()
         for request in batch:
@@ -363,7 +489,7 @@ class DiffusionEngine(SleepMode):
         end = time.perf_counter()
         for listener in self._step_listeners:
             listener(out.num_rows, len(batch), end - start)
-        finished, previews = [], []
+        finished, previews, chunks = [], [], []
         with self._lock:
             for request in batch:
                 error = out.errors.get(request.request_id)
@@ -382,8 +508,13 @@ class DiffusionEngine(SleepMode):
                 request.num_steps = out.num_steps.get(request.request_id, request.num_steps)
                 request.step_key = out.step_keys.get(request.request_id, request.step_key)
                 self._emit([StreamEvent(request.request_id, EventType.PROGRESS,
-                                        step=request.steps_done, total=request.num_steps)])
-                if request.steps_done >= request.num_steps:
+                                        step=request.steps_done, total=request.num_steps,
+                                        chunk_index=request.chunk_index if request.streaming else None)])
+                if request.steps_done >= request.num_steps and request.streaming:
+                    request.phase = Phase.BETWEEN_CHUNKS
+                    chunks.append(ChunkWork(request.request_id, request.interactions))
+                    request.interactions = []
+                elif request.steps_done >= request.num_steps:
                     request.phase = Phase.DECODING
                     finished.append(request.request_id)
                 elif request.steps_done in request.preview_steps and not request.abort_requested:
@@ -392,6 +523,8 @@ class DiffusionEngine(SleepMode):
             self._decode_work.append((self.executor.submit_decode(previews, preview=True), previews))
         if finished:
             self._decode_work.append((self.executor.submit_decode(finished), finished))
+        for work in chunks:  # one item each: a stream steps again as soon as its own boundary is done
+            self._chunk_work.append((self.executor.submit_chunk([work]), [work.request_id]))
 
     def _close(self, request: Request, status: RequestStatus, images=None,
                error: BaseException | WorkError | None = None) -> None:
@@ -428,6 +561,9 @@ class DiffusionEngine(SleepMode):
                       RequestStatus.ABORTED: EventType.ABORTED}[status]
         self._emit([StreamEvent(request.request_id, event_type, output=output, error=message)])
         self._requests.pop(request.request_id, None)
+        self._ended[request.request_id] = None
+        while len(self._ended) > _ENDED_IDS:
+            self._ended.popitem(last=False)
 
     def _emit(self, events: list[StreamEvent]) -> None:
         """Route events (lock held): to their request's listener, else to `step()`'s return."""

@@ -7,17 +7,20 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from diffserve.executor.messages import Interaction
 from diffserve.outputs import RequestMetrics, RequestStatus, StreamEvent
 from diffserve.sampling_params import SamplingParams
 
 
 class Phase(str, Enum):
     """Where a request is: waiting in the queue, being prepared (encode), denoising (stepped
-    by the request scheduler), being decoded, or done."""
+    by the request scheduler), between two chunks of a stream (its chunk is decoded and the
+    next one prepared; it keeps its rows), being decoded, or done."""
 
     WAITING = "waiting"
     PREPARING = "preparing"
     DENOISING = "denoising"
+    BETWEEN_CHUNKS = "between_chunks"
     DECODING = "decoding"
     DONE = "done"
 
@@ -41,6 +44,9 @@ class Request:
         listener: called with each of the request's events on the stepping thread (instead of
             returning them from `DiffusionEngine.step`); how `generate` and the async engine
             receive their events whichever thread steps.
+        chunk_index: streams: the chunk being denoised (or whose boundary work is in flight).
+        interactions: streams: interactions received and not yet sent to the workers (they go
+            with the next chunk boundary's `ChunkWork`).
     """
 
     request_id: str
@@ -64,3 +70,10 @@ class Request:
     memory_bytes: int = 0
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     step_key: Hashable = None
+    chunk_index: int = 0
+    interactions: list[Interaction] = field(default_factory=list)
+
+    @property
+    def streaming(self) -> bool:
+        """A stream of video chunks (``params.num_chunks`` set)."""
+        return self.params.num_chunks is not None

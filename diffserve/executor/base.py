@@ -7,6 +7,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from diffserve.executor.messages import (
+    ChunkDone,
+    ChunkWork,
     Decoded,
     MemoryProfile,
     ModelInfo,
@@ -47,6 +49,16 @@ class Executor(ABC):
     @abstractmethod
     def submit_decode(self, request_ids: list[str], preview: bool = False) -> "Future[list[Decoded]]":
         """Decode requests whose denoising finished (frees them), or previews of running ones."""
+
+    def submit_chunk(self, works: list[ChunkWork]) -> "Future[list[ChunkDone]]":
+        """End streams' chunks (decode each, prepare the next chunk with the work's
+        interactions; the last chunk frees its stream), in the background like a decode.
+
+        Raises:
+            NotImplementedError: this executor does not forward chunk work (streams are then
+                refused: `ModelInfo.chunk_streaming` must be False).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not run video chunk work")
 
     @abstractmethod
     def free(self, request_ids: list[str]) -> None:

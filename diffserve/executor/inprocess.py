@@ -17,7 +17,16 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from diffserve.executor.base import Executor
-from diffserve.executor.messages import Decoded, ModelInfo, NewRequest, Prepared, RequestPlan, StepOutput
+from diffserve.executor.messages import (
+    ChunkDone,
+    ChunkWork,
+    Decoded,
+    ModelInfo,
+    NewRequest,
+    Prepared,
+    RequestPlan,
+    StepOutput,
+)
 from diffserve.runner import build_runner
 from diffserve.sampling_params import SamplingParams
 
@@ -71,6 +80,9 @@ class InProcessExecutor(Executor):
     def submit_decode(self, request_ids: list[str], preview: bool = False) -> "Future[list[Decoded]]":
         snapshots = self.runner.snapshot(request_ids)  # now, on the stepping thread
         return self._submit(self.runner.decode, request_ids, preview, snapshots)
+
+    def submit_chunk(self, works: list[ChunkWork]) -> "Future[list[ChunkDone]]":
+        return self._submit(self.runner.chunk, works)
 
     def free(self, request_ids: list[str]) -> None:
         self.runner.free(request_ids)

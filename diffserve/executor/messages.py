@@ -1,8 +1,9 @@
 """Plain data crossing the executor boundary (engine <-> workers).
 
 The engine never touches tensors or the runner's per-request state: it hands workers
-`NewRequest` s to prepare, request ids to step or decode, and ids to free; workers answer with
-`Prepared`, `StepOutput` and `Decoded`. Everything here is picklable (tensors inside
+`NewRequest` s to prepare, request ids to step or decode, `ChunkWork` to end a stream's chunk
+(with the `Interaction` s it must apply from the next chunk on), and ids to free; workers
+answer with `Prepared`, `StepOutput`, `Decoded` and `ChunkDone`. Everything here is picklable (tensors inside
 `NewRequest.inputs` and `Decoded.output` are CPU tensors / arrays / PIL images), so a worker can
 live in another process (like vLLM's ``SchedulerOutput`` / ``ModelRunnerOutput``).
 """
@@ -124,6 +125,59 @@ class Decoded:
 
 
 @dataclass(frozen=True)
+class Interaction:
+    """A prompt change for a running stream (`DiffusionEngine.submit_interaction`).
+
+    Attributes:
+        prompt: the new prompt (validated).
+        transition_chunks: chunks over which the conditioning moves from the previous prompt
+            to the new one (0: the next chunk uses the new prompt alone).
+        event_id: the client's id, echoed on the first chunk that uses the new prompt.
+    """
+
+    prompt: str
+    transition_chunks: int
+    event_id: str
+
+
+@dataclass
+class ChunkWork:
+    """End a stream's chunk whose denoising finished: decode it and, unless it was the last,
+    prepare the next chunk (conditioned on this one) with `interactions` applied from it on."""
+
+    request_id: str
+    interactions: list[Interaction] = field(default_factory=list)
+
+
+@dataclass
+class ChunkDone:
+    """Outcome of a `ChunkWork`.
+
+    Attributes:
+        chunk_index: the chunk that was decoded (0-based).
+        frames: its new frames, uint8 numpy (F, H, W, 3).
+        video: with the last chunk: the whole video (all chunks' frames) as the request's
+            ``output_type``; None otherwise (the request then keeps running, freed with it).
+        event_ids: event ids of the interactions this chunk is the first to use.
+        num_steps / step_key: the next chunk's denoising steps and first step key.
+        seconds: wall-clock seconds of the work (decode + next chunk's preparation).
+        error: set when it failed (the request is gone from the worker).
+        offload_loads: components moved onto the device for the work item.
+    """
+
+    request_id: str
+    chunk_index: int = 0
+    frames: Any = None
+    video: Any = None
+    event_ids: list[str] = field(default_factory=list)
+    num_steps: int = 0
+    step_key: Any = None
+    seconds: float = 0.0
+    error: WorkError | None = None
+    offload_loads: int = 0
+
+
+@dataclass(frozen=True)
 class RequestPlan:
     """What the request scheduler needs to know about a request: its denoiser rows per step
     and its batch key (requests with equal keys may share a forward)."""
@@ -140,11 +194,14 @@ class ModelInfo:
         spec: defaults and limits for validation.
         pipeline: the diffusers pipeline class name.
         step_batching: whether requests run step by step (False: whole-request fallback).
+        chunk_streaming: whether requests may stream video chunks (``num_chunks``) and take
+            interactions.
     """
 
     spec: ModelSpec
     pipeline: str
     step_batching: bool = True
+    chunk_streaming: bool = False
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ grid (`diffserve.parallel`); the engine talks to them only through the plain-dat
 Every worker holds a full `ModelRunner` and receives every work item in the same order: all
 ranks prepare every request (prompt encoding has no collectives), all run every denoising step
 (the collectives of CFG / Ulysses parallelism happen inside it, in the same order on every
-rank), and only rank 0 decodes (the others free the request). A worker runs steps on its main
+rank), and only rank 0 decodes (the others free the request). A stream's chunk boundary
+(`ChunkWork`, with the interactions it applies) runs on every rank: each holds the stream's
+state and must condition the next chunk identically; rank 0's result is returned. A worker runs steps on its main
 thread and prepare / decode on a side thread, like the in-process executor, so encode and
 decode overlap the steps there too.
 
@@ -17,6 +19,7 @@ waits forever.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
@@ -29,7 +32,16 @@ from typing import Any
 
 from diffserve.errors import EngineDeadError
 from diffserve.executor.base import Executor
-from diffserve.executor.messages import Decoded, ModelInfo, NewRequest, Prepared, RequestPlan, StepOutput
+from diffserve.executor.messages import (
+    ChunkDone,
+    ChunkWork,
+    Decoded,
+    ModelInfo,
+    NewRequest,
+    Prepared,
+    RequestPlan,
+    StepOutput,
+)
 from diffserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -90,6 +102,12 @@ def _worker_main(config, rank: int, master_port: int, conn) -> None:  # pragma: 
             return []
         return runner.decode(ids, preview, snapshots)
 
+    def chunk(works):
+        results = runner.chunk(works)
+        if not state.is_driver:  # rank 0 answers for the media; the others only keep in step
+            results = [dataclasses.replace(r, frames=None, video=None) for r in results]
+        return results
+
     while True:
         try:
             message_id, method, args = conn.recv()
@@ -105,6 +123,8 @@ def _worker_main(config, rank: int, master_port: int, conn) -> None:  # pragma: 
             ids, preview = args
             snapshots = runner.snapshot(ids) if preview else None  # now, between steps
             side.submit(run, message_id, decode, ids, preview, snapshots)
+        elif method == "chunk":  # every rank: the next chunk's state must be the same everywhere
+            side.submit(run, message_id, chunk, *args)
         elif method == "free":
             runner.free(*args)
         elif method == "plan":
@@ -263,6 +283,9 @@ class MultiprocExecutor(Executor):
 
     def submit_decode(self, request_ids: list[str], preview: bool = False) -> "Future[list[Decoded]]":
         return self._call("decode", request_ids, preview)
+
+    def submit_chunk(self, works: list[ChunkWork]) -> "Future[list[ChunkDone]]":
+        return self._call("chunk", works)
 
     def free(self, request_ids: list[str]) -> None:
         if self._dead is None:

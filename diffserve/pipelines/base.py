@@ -86,6 +86,9 @@ class RequestState:
             (None = the scheduler's own `step` is used, per request).
         step_index: denoising steps done.
         extra: room for acceleration backends' per-request state.
+        chunk_condition: streams: the adapter's conditioning of the current chunk on the
+            previous one (e.g. `video_chunks.ChunkCondition`), None for the first chunk and
+            for ordinary requests.
     """
 
     request_id: str
@@ -105,6 +108,7 @@ class RequestState:
     prompt_truncated: bool = False
     negative_prompt_truncated: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    chunk_condition: Any = None
 
     @property
     def num_steps(self) -> int:
@@ -134,6 +138,7 @@ class RequestState:
         self.sigmas = None
         self.extra = {}
         self.inputs = None
+        self.chunk_condition = None
 
 
 @dataclass(frozen=True)
@@ -387,6 +392,39 @@ class PipelineAdapter(ABC):
         scheduler allows, see `diffusion_scheduler.step_batch`); returns per-request failures
         (the others stepped)."""
         return diffusion_scheduler.step_batch(batch, guided)
+
+    # ------------------------------------------------------------ video streams
+    #: Whether requests may stream video chunks (``num_chunks``, see
+    #: `diffserve.pipelines.video_chunks`): the adapter implements `start_chunk` and
+    #: `prompt_branch`.
+    chunk_streaming: ClassVar[bool] = False
+    #: Decoded frames a chunk after the first repeats from the end of the previous chunk (its
+    #: conditioning frames); they are not emitted again.
+    chunk_overlap_frames: ClassVar[int] = 0
+
+    def start_chunk(self, state: RequestState, previous: Any) -> None:
+        """Set `state` up for the next chunk of a stream, conditioned on the previous chunk:
+        fresh latents from ``state.generator``, a fresh diffusion scheduler and timesteps,
+        ``step_index`` 0 and ``state.chunk_condition``; the prompt inputs (``branches``) are
+        the caller's.
+
+        Args:
+            previous: the previous chunk's decoded frames, uint8 numpy (F, H, W, 3).
+
+        Raises:
+            NotImplementedError: the family cannot stream chunks (`chunk_streaming` False).
+        """
+        raise NotImplementedError(f"{self.pipeline_class_name} cannot stream video chunks")
+
+    def prompt_branch(self, state: RequestState, prompt: str) -> dict[str, Any]:
+        """The conditional branch's denoiser inputs (``state.branches[-1]`` layout) for
+        `prompt` with the request's other params, encoded through the prompt cache (an
+        interaction's new prompt).
+
+        Raises:
+            NotImplementedError: the family cannot stream chunks.
+        """
+        raise NotImplementedError(f"{self.pipeline_class_name} cannot stream video chunks")
 
     # ------------------------------------------------------------------ decode
     @abstractmethod

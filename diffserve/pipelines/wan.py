@@ -16,6 +16,10 @@ With context folding (``EngineConfig.context_folding``, on by default) the zero 
 the prompts run as one row with an attention bias (:mod:`diffserve.pipelines.wan_context_folding`,
 an exact identity): the cross-attention sees the batch's longest prompt plus one row instead of
 ``max_sequence_length`` rows.
+
+Streams (``num_chunks``): each chunk after the first has its first latent frame fixed to the
+previous chunk's last frame, re-encoded by the causal VAE (the replacement method, see
+`diffserve.pipelines.video_chunks`); interactions swap the conditional branch's UMT5 states.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from diffserve.pipelines.base import (
 from diffserve.pipelines.diffusion_scheduler import batchable_sigmas, new_scheduler
 from diffserve.pipelines.generation_config import read_generation_config
 from diffserve.pipelines.text_encoding import TextEncoder, repeat_rows
+from diffserve.pipelines.video_chunks import ChunkCondition, frames_to_video_tensor
 from diffserve.sampling_params import ModelSpec, SamplingParams
 
 logging.getLogger("diffusers.pipelines.wan.pipeline_wan").setLevel(logging.ERROR)
@@ -125,6 +130,8 @@ class WanAdapter(PipelineAdapter):
     """
 
     pipeline_class_name = "WanPipeline"
+    chunk_streaming = True
+    chunk_overlap_frames = 1
 
     def __init__(self, pipe: WanPipeline, device: torch.device, dtype: torch.dtype, options: AdapterOptions):
         self.pipe = pipe
@@ -242,19 +249,62 @@ class WanAdapter(PipelineAdapter):
         """Encode prompt (and negative prompt under CFG) through the cache, draw float32 latents
         (N, C, F_lat, h, w) exactly as diffusers does, and create the request's own scheduler."""
         p = state.params
-        pipe, n = self.pipe, p.num_images_per_prompt
-        texts = [p.negative_prompt or "", state.prompt] if self.branches(p) == 2 else [state.prompt]
-        state.branches = [{"encoder_hidden_states": repeat_rows(self.text.encode(text, p.max_sequence_length)[0], n)}
-                          for text in texts]
+        texts = [p.negative_prompt or ""] if self.branches(p) == 2 else []
+        state.branches = [self._text_branch(text, p) for text in texts] + [self.prompt_branch(state, state.prompt)]
         state.guidance_scale = p.guidance_scale
-        state.latents = pipe.prepare_latents(n, self.experts[0].config.in_channels, p.height, p.width, p.num_frames,
-                                             torch.float32, self.device, state.generator)
-        scheduler = new_scheduler(pipe.scheduler)
-        scheduler.set_timesteps(p.num_inference_steps, device=self.device)
+        state.latents = self._noise(state)
+        self._new_schedule(state)
+
+    def _text_branch(self, text: str, p: SamplingParams) -> dict[str, Any]:
+        return {"encoder_hidden_states": repeat_rows(self.text.encode(text, p.max_sequence_length)[0],
+                                                     p.num_images_per_prompt)}
+
+    def prompt_branch(self, state: RequestState, prompt: str) -> dict[str, Any]:
+        """``{"encoder_hidden_states": (N, max_sequence_length, text_dim)}`` for `prompt`."""
+        return self._text_branch(prompt, state.params)
+
+    def _noise(self, state: RequestState) -> torch.Tensor:
+        """Initial latents (N, C, F_lat, h, w) float32 from the request's generator, as diffusers
+        draws them."""
+        p = state.params
+        return self.pipe.prepare_latents(p.num_images_per_prompt, self.experts[0].config.in_channels, p.height,
+                                         p.width, p.num_frames, torch.float32, self.device, state.generator)
+
+    def _new_schedule(self, state: RequestState) -> None:
+        """A fresh diffusion scheduler with the request's timesteps; step 0."""
+        scheduler = new_scheduler(self.pipe.scheduler)
+        scheduler.set_timesteps(state.params.num_inference_steps, device=self.device)
         scheduler.set_begin_index(0)
         state.scheduler = scheduler
         state.timesteps = scheduler.timesteps
         state.sigmas = batchable_sigmas(scheduler, len(state.timesteps))
+        state.step_index = 0
+
+    def _latent_stats(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The VAE's per-channel ``latents_mean`` and ``1 / latents_std``, (1, C, 1, 1, 1)."""
+        vae = self.pipe.vae
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(device, dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(device, dtype)
+        return mean, inv_std
+
+    def start_chunk(self, state: RequestState, previous: np.ndarray) -> None:
+        """Next chunk of a stream: its last frame of `previous` (uint8 (F, H, W, 3)) is encoded
+        as a one-frame clip by the causal VAE (its posterior mode, normalised as diffusers
+        normalises latents) and fixed as latent frame 0 of fresh latents from the request's
+        generator, by the replacement method (`video_chunks.ChunkCondition`); a fresh
+        scheduler with the request's timesteps."""
+        vae = self.pipe.vae
+        tail = frames_to_video_tensor(previous[-self.chunk_overlap_frames:], self.device, vae.dtype)
+        encoded = vae.encode(tail).latent_dist.mode().float()  # (1, C, 1, h, w)
+        mean, inv_std = self._latent_stats(torch.float32, encoded.device)
+        clean = (encoded - mean) * inv_std
+        latents = self._noise(state)
+        self._new_schedule(state)
+        sigmas = state.scheduler.sigmas.to(torch.float32)  # flow sigmas, (num_steps + 1,), last 0
+        state.chunk_condition = ChunkCondition(clean=clean, noise=latents[:, :, :clean.shape[2]].clone(),
+                                               sigmas=sigmas)
+        state.latents = state.chunk_condition.apply(latents, 0)
 
     def step_key(self, state: RequestState):
         """The expert of the request's next step (0 high-noise, 1 low-noise); None with one
@@ -318,6 +368,15 @@ class WanAdapter(PipelineAdapter):
             wan_context_folding.set_max_sequence_length(expert, length)
         return expert(**kwargs, return_dict=False)[0]
 
+    def step(self, batch: StepBatch, guided: torch.Tensor) -> dict[str, BaseException]:
+        """The diffusion-scheduler step, then a stream chunk's conditioning frames are put back
+        at the next step's noise level (`video_chunks.ChunkCondition.apply`)."""
+        failures = super().step(batch, guided)
+        for state in batch.states:
+            if state.chunk_condition is not None and state.request_id not in failures:
+                state.latents = state.chunk_condition.apply(state.latents, state.step_index)
+        return failures
+
     def combine(self, batch: StepBatch, out: torch.Tensor) -> torch.Tensor:
         """CFG with each request's weight for its expert (guidance_scale, or guidance_scale_2
         on the low-noise expert)."""
@@ -344,9 +403,7 @@ class WanAdapter(PipelineAdapter):
             return list(latents)
         vae = self.pipe.vae
         latents = latents.to(vae.dtype)
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
-        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
+        mean, inv_std = self._latent_stats(latents.dtype, latents.device)
         latents = latents / inv_std + mean
         videos = []
         for row in latents.split(1):  # one video at a time bounds the decoder's activations

@@ -1,12 +1,14 @@
 """`ModelRunner`: how work runs on one loaded model. It owns every request's state (latents,
 prompt embeddings, diffusion scheduler), keyed by request id, and executes the work items of
-the executor boundary: prepare new requests, one batched denoising step, decode, free.
+the executor boundary: prepare new requests, one batched denoising step, decode, end a stream's
+chunk (decode it, prepare the next one), free.
 Everything runs under `torch.inference_mode()`; a failing request is isolated from the rest of
 its batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -16,8 +18,10 @@ import torch
 from diffserve.acceleration.accelerator import Accelerator
 from diffserve.acceleration.offload import weights_device
 from diffserve.config import EngineConfig
-from diffserve.errors import NonFiniteOutputError
+from diffserve.errors import InvalidRequestError, NonFiniteOutputError
 from diffserve.executor.messages import (
+    ChunkDone,
+    ChunkWork,
     Decoded,
     ModelInfo,
     NewRequest,
@@ -30,6 +34,7 @@ from diffserve.pipelines.base import PipelineAdapter, RequestState, is_finite
 from diffserve.runner.loader import load_adapter
 from diffserve.runner.memory import peak_memory_bytes
 from diffserve.runner.model_memory import ModelMemory
+from diffserve.runner.streaming import StreamState, assemble_video
 from diffserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -60,8 +65,6 @@ class ModelRunner:
                                                config.context_folding and config.ulysses_degree == 1,
                                                load_device=weights_device(config))
         if parallel is not None and parallel.world_size > 1 and config.cache_backend != "none":
-            from diffserve.errors import InvalidRequestError
-
             raise InvalidRequestError("cache_backend", config.cache_backend, "none with CFG / Ulysses "
                                       "parallelism (its per-request decisions would differ between ranks)")
         if parallel is not None and parallel.ulysses_degree > 1:
@@ -69,6 +72,8 @@ class ModelRunner:
 
             enable_ulysses(self.adapter, parallel)
         self.states: dict[str, RequestState] = {}
+        #: streams' chunk bookkeeping, by request id (`streaming.StreamState`)
+        self.streams: dict[str, StreamState] = {}
         self.nonfinite_count = 0
         # offload placement, sleep mode, memory profile, per-step peaks
         self.memory = ModelMemory(self.adapter, config, self.device,
@@ -79,15 +84,20 @@ class ModelRunner:
     # ------------------------------------------------------------------ model facts
     def info(self) -> ModelInfo:
         """The model's spec and pipeline class."""
-        return ModelInfo(spec=self.adapter.spec, pipeline=self.adapter.pipeline_class_name)
+        return ModelInfo(spec=self.adapter.spec, pipeline=self.adapter.pipeline_class_name,
+                         chunk_streaming=self.adapter.chunk_streaming)
 
     def plan(self, params: SamplingParams, inputs: Any = None) -> RequestPlan:
         """Rows and batch key of a request with resolved `params`, after the family's own
         checks.
 
         Raises:
-            InvalidRequestError: a field the family cannot honour.
+            InvalidRequestError: a field the family cannot honour (``num_chunks`` on a family
+                that cannot stream chunks).
         """
+        if params.num_chunks is not None and not self.adapter.chunk_streaming:
+            raise InvalidRequestError("num_chunks", params.num_chunks,
+                                      f"unset: {self.adapter.pipeline_class_name} cannot stream video chunks")
         self.adapter.check_params(params, inputs)
         return RequestPlan(rows=self.adapter.rows(params), batch_key=self.adapter.batch_key(params, inputs))
 
@@ -117,6 +127,8 @@ class ModelRunner:
                 results.append(Prepared(new.request_id, error=WorkError.of(exc)))
                 continue
             self.states[new.request_id] = state
+            if new.params.num_chunks is not None:
+                self.streams[new.request_id] = StreamState(new.params.num_chunks)
             results.append(Prepared(new.request_id, num_steps=state.num_steps,
                                     prompt_truncated=state.prompt_truncated,
                                     negative_prompt_truncated=state.negative_prompt_truncated,
@@ -260,9 +272,59 @@ class ModelRunner:
                 self.free([request_id])
         return results
 
+    @torch.inference_mode()
+    def chunk(self, works: list[ChunkWork]) -> list[ChunkDone]:
+        """End the current chunk of streams whose chunk finished denoising: decode it (uint8
+        frames), then either return the whole video and free the stream (its last chunk) or set
+        it up for the next chunk: the interactions' prompts encoded and blended into the
+        conditional branch (`streaming.StreamState.next_branch`), fresh latents conditioned on
+        this chunk (`PipelineAdapter.start_chunk`), a fresh cache-backend state. A failure is
+        that stream's alone (it is freed)."""
+        with self.memory.offload.stage("encode", with_images=True) as loads:  # text encoders + VAE
+            results = [self._chunk(work) for work in works]
+        for result in results:
+            result.offload_loads = loads
+        return results
+
+    def _chunk(self, work: ChunkWork) -> ChunkDone:
+        start = time.perf_counter()
+        request_id = work.request_id
+        state, stream = self.states.get(request_id), self.streams.get(request_id)
+        if state is None or stream is None:  # freed meanwhile (aborted)
+            return ChunkDone(request_id, error=WorkError("KeyError", f"no stream {request_id!r} on this worker"))
+        index = stream.chunk_index
+        try:
+            if not is_finite(state.latents):
+                raise NonFiniteOutputError("the denoiser produced non-finite latents (NaN/inf; e.g. fp16 overflow: "
+                                           "try --dtype bf16 or fp32, or a lower guidance_scale)")
+            as_np = dataclasses.replace(state.params, output_type="np")
+            [frames] = self.adapter.decode(dataclasses.replace(state, params=as_np))
+            _check_finite_output(frames)
+            new = frames if index == 0 else frames[self.adapter.chunk_overlap_frames:]
+            stream.frames.append(new)
+            event_ids = stream.take_event_ids()
+            if stream.last:
+                video = assemble_video(stream.frames, state.params.output_type)
+                self.free([request_id])
+                return ChunkDone(request_id, chunk_index=index, frames=new, video=video, event_ids=event_ids,
+                                 seconds=time.perf_counter() - start)
+            interactions = [(i, self.adapter.prompt_branch(state, i.prompt)) for i in work.interactions]
+            state.branches[-1] = stream.next_branch(state.branches[-1], interactions)
+            self.adapter.start_chunk(state, frames)
+            self.accelerator.reset(state)
+        except Exception as exc:  # noqa: BLE001 - one stream's failure stays its own
+            if isinstance(exc, NonFiniteOutputError):
+                self.nonfinite_count += 1
+            logger.error("chunk %d of %s failed: %r", index, request_id, exc)
+            self.free([request_id])
+            return ChunkDone(request_id, chunk_index=index, error=WorkError.of(exc))
+        return ChunkDone(request_id, chunk_index=index, frames=new, event_ids=event_ids, num_steps=state.num_steps,
+                         step_key=self.adapter.step_key(state), seconds=time.perf_counter() - start)
+
     def free(self, request_ids: list[str]) -> None:
         """Drop the states of finished, failed or aborted requests (unknown ids are ignored)."""
         for request_id in request_ids:
+            self.streams.pop(request_id, None)
             state = self.states.pop(request_id, None)
             if state is not None:
                 state.release()

@@ -223,8 +223,12 @@ class WholeRequestRunner:
         """One row, and a batch key of its own (never batched).
 
         Raises:
-            InvalidRequestError: an input the pipeline's ``__call__`` does not take.
+            InvalidRequestError: an input the pipeline's ``__call__`` does not take, or
+                ``num_chunks`` (whole requests do not stream chunks).
         """
+        if params.num_chunks is not None:
+            raise InvalidRequestError("num_chunks", params.num_chunks, f"unset: {self.class_name} is served "
+                                      "whole-request (no step adapter), which cannot stream video chunks")
         if inputs is not None:
             if inputs.images and "image" not in self.signature:
                 raise InvalidRequestError("image", "<image>", f"absent: {self.class_name} takes no input image")

@@ -59,6 +59,7 @@ from starlette.requests import ClientDisconnect
 from diffserve.config import EngineConfig
 from diffserve.engine.async_engine import AsyncDiffusionEngine
 from diffserve.entrypoints.openai.sleep_routes import install_sleep_routes
+from diffserve.entrypoints.openai.serving_video_stream import install_video_stream_routes
 from diffserve.entrypoints.openai.errors import (
     CLIENT_CLOSED_REQUEST,
     APIError,
@@ -373,6 +374,7 @@ def create_app(
     app.state.diffserve = state
     install_error_handlers(app)
     install_sleep_routes(app, state, wake_on_request=wake_on_request)
+    install_video_stream_routes(app, state)
     app.add_middleware(_StatusCounter, metrics=metrics)
     if api_key is not None:
         app.add_middleware(_ApiKeyAuth, api_key=api_key, protect_all=api_key_protect_all)

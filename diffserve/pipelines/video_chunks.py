@@ -1,0 +1,66 @@
+"""Chunked video generation: chunk k+1 is conditioned on the end of chunk k.
+
+Method: the *replacement method* of autoregressive video extension (Ho et al. 2022, "Video
+Diffusion Models", arXiv:2204.03458, sec. 3.1; the conditional-sampling "imputation" of Song et
+al. 2021, "Score-Based Generative Modeling through Stochastic Differential Equations",
+arXiv:2011.13456, app. I.2; RePaint, Lugmayr et al. 2022, applies it to inpainting). The frames
+a new segment shares with the previous one are known: at every denoising step their latents are
+replaced by a sample of the forward process at the current noise level, here flow matching's
+``z_sigma = (1 - sigma) * z_0 + sigma * eps``, while the model denoises the other frames jointly
+with them, so the new frames continue what the known ones show (position, appearance) under
+the prompt (which carries the motion). At the last step (sigma 0) the known latents are exact.
+No weights change and nothing is trained: any text-to-video model serves streams.
+
+Overlap with a causal video VAE (Wan's ``AutoencoderKLWan``): the encoder takes the first frame
+of a clip alone (latent frame 0) and every later 4 frames together, so the previous chunk's LAST
+decoded frame, re-encoded as a one-frame clip, is exactly a first latent frame; the new chunk's
+latent frame 0 is fixed to it. The new chunk's first decoded frame then repeats that frame and
+is not emitted again: a stream of K chunks of F frames has ``F + (K - 1) * (F - 1)`` frames.
+Timing: the re-encoding is part of the chunk boundary (after the previous chunk's decode), which
+runs beside the other requests' denoising steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class ChunkCondition:
+    """Latent frames of a chunk fixed from the previous chunk (the replacement method).
+
+    Attributes:
+        clean: (N, C, o, h, w) float32: the conditioning frames' latents, normalised as the
+            denoiser sees latents.
+        noise: (N, C, o, h, w) float32: the fixed epsilon of their forward process (the chunk's
+            own initial noise for those frames, so step 0 equals an unconditioned start).
+        sigmas: (num_steps + 1,) float32 noise level at each step's input; the last is 0.
+    """
+
+    clean: torch.Tensor
+    noise: torch.Tensor
+    sigmas: torch.Tensor
+
+    @property
+    def num_frames(self) -> int:
+        """o: latent frames fixed at the start of the chunk."""
+        return self.clean.shape[2]
+
+    def apply(self, latents: torch.Tensor, step_index: int) -> torch.Tensor:
+        """`latents` (N, C, F_lat, h, w) with the first `num_frames` latent frames replaced by
+        their forward-process sample at the noise level of step `step_index` (its input; at
+        the end of the schedule the clean latents). Returns a new tensor (never in place: the
+        runner's preview snapshots hold the old one)."""
+        sigma = float(self.sigmas[min(step_index, len(self.sigmas) - 1)])
+        known = ((1.0 - sigma) * self.clean + sigma * self.noise).to(latents.dtype)
+        return torch.cat([known, latents[:, :, self.num_frames:]], dim=2)
+
+
+def frames_to_video_tensor(frames: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 frames (F, H, W, 3) as the VAE's input (1, 3, F, H, W) in [-1, 1] (what diffusers'
+    `VideoProcessor.preprocess_video` makes of them)."""
+    video = torch.from_numpy(np.ascontiguousarray(frames)).permute(3, 0, 1, 2)[None]
+    return (video.to(device=device, dtype=torch.float32) / 127.5 - 1.0).to(dtype)

@@ -62,7 +62,7 @@ def replicas(tmp_path_factory):
     usage_stats = os.environ.get("RAY_USAGE_STATS_ENABLED")
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # Ray reports nothing anywhere (cluster and CLI inherit it)
     start = time.monotonic()
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False)
     ray_up = time.monotonic()
     port = _free_port()
     log = work / "serve.log"

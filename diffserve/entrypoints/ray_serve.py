@@ -286,6 +286,17 @@ def build_app(options: dict[str, Any]) -> serve.Application:
 
 
 # ----------------------------------------------------------------------------------- CLI
+def _replica_error() -> str | None:
+    """The last line of the error Ray Serve reports for the deployment (the exception a replica
+    raised, e.g. ``diffserve.errors.UnsupportedModelError: ...``), or None."""
+    try:
+        message = serve.status().applications[APP_NAME].deployments[APP_NAME].message
+    except Exception:  # noqa: BLE001 - no status to add
+        return None
+    lines = [line.strip() for line in (message or "").splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
 def run_replicas(args: argparse.Namespace) -> int:
     """Run ``diffserve serve --replicas N`` until SIGTERM/SIGINT: connect to (or start) Ray,
     start Ray Serve's proxy on ``--host``:``--port``, deploy the replicas, wait, then delete
@@ -307,9 +318,12 @@ def run_replicas(args: argparse.Namespace) -> int:
     from diffserve.entrypoints.openai.api_server import bind_listen_socket
 
     autoscaling_config(args)  # Ray Serve's checks, then the engine options' own, before starting anything
-    engine_config_from_args(args)
+    config = engine_config_from_args(args)
     logging.getLogger("diffserve").setLevel(args.log_level.upper())
-    if args.ray_address is None:
+    if args.ray_address is None:  # the replicas run on this machine: check their model folder here
+        from diffserve.runner.loader import read_model_index
+
+        read_model_index(config.model_path)
         try:
             bind_listen_socket(args.host, args.port).close()
         except OSError as exc:
@@ -321,22 +335,21 @@ def run_replicas(args: argparse.Namespace) -> int:
         temporary_dir = args.image_store_dir = tempfile.mkdtemp(prefix="diffserve-ray-images-")
     stop = threading.Event()
     previous: dict = {}
-    deployed = False
+    submitted = False
     try:
-        ray.init(address=args.ray_address)
+        ray.init(address=args.ray_address or "local")  # "local": a new instance, never one found running
         # after ray.init, whose native handler would abort the process on SIGTERM
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
         serve.start(http_options=http_options(args))
+        application = replica_application(args)
+        submitted = True
         try:
-            serve.run(replica_application(args), name=APP_NAME, route_prefix="/", blocking=False)
-        except InvalidRequestError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - Ray's deployment errors carry the replica's traceback
-            print(f"diffserve: error: the replicas failed to start: {exc}", file=sys.stderr)
+            serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
+        except Exception as exc:  # noqa: BLE001 - any failure of Ray's deployment
+            print(f"diffserve: error: the replicas failed to start: {_replica_error() or exc}", file=sys.stderr)
             return 1
-        deployed = True
         logger.info("serving %d replica(s) on http://%s:%d (Ray Serve; url images in %s)", args.replicas,
-                       args.host, args.port, args.image_store_dir)
+                    args.host, args.port, args.image_store_dir)
         while not stop.wait(1.0):
             pass
         return 0
@@ -344,7 +357,7 @@ def run_replicas(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if ray.is_initialized():
-            if deployed:
+            if submitted:  # also a failed deployment, which would stay on a cluster
                 serve.delete(APP_NAME)
             if args.ray_address is None:
                 serve.shutdown()

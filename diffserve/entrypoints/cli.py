@@ -535,6 +535,18 @@ def _warn_out_of_vocabulary(prompt: str) -> None:
               f"and mostly ignored: {', '.join(unknown)}", file=sys.stderr)
 
 
+def _serve_replicas(args: argparse.Namespace) -> int:
+    """``diffserve serve --replicas N``: the replicas on Ray Serve (`diffserve.entrypoints.ray_serve`)."""
+    try:
+        from diffserve.entrypoints.ray_serve import run_replicas
+    except ImportError as exc:
+        if not (exc.name or "").startswith("ray"):
+            raise
+        print("diffserve: error: --replicas needs Ray Serve: pip install 'diffserve[ray]'", file=sys.stderr)
+        return EXIT_USAGE
+    return run_replicas(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``diffserve`` command; returns the process exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -552,6 +564,8 @@ def main(argv: list[str] | None = None) -> int:
             check_engine_arguments(args)
             check_server_arguments(args)
             silence_inapplicable_library_warnings()
+            if args.replicas is not None:
+                return _serve_replicas(args)
             from diffserve.entrypoints.openai.api_server import run_server
 
             return run_server(args)

@@ -10,6 +10,9 @@
 - `serving_videos`, `video_store`: the Videos API (``/v1/videos``) and its job store.
 - `unsupported_routes`: OpenAI endpoints not served (404 saying so).
 - `errors`: errors in OpenAI's ``{"error": {...}}`` format and their HTTP status codes.
-- `image_encoding`, `image_store`, `metrics`: PNG/JPEG/WebP encoding, the in-memory store
-  behind ``response_format="url"``, and the Prometheus metrics.
+- `image_encoding`, `image_store`, `metrics`: PNG/JPEG/WebP encoding, the store behind
+  ``response_format="url"`` (memory and a spill folder; a folder shared by replicas), and the
+  Prometheus metrics.
+
+The same app runs as N replicas behind Ray Serve: `diffserve.entrypoints.ray_serve`.
 """

@@ -297,6 +297,7 @@ def create_app(
     max_stored_bytes: int = DEFAULT_MAX_BYTES,
     image_store_dir: str | Path | None = None,
     image_store_dir_bytes: int = DEFAULT_MAX_SPILL_BYTES,
+    image_store: ImageStore | None = None,
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     api_key: str | None = None,
     api_key_protect_all: bool = False,
@@ -326,6 +327,9 @@ def create_app(
         max_stored_bytes: most bytes of url images kept in memory.
         image_store_dir / image_store_dir_bytes: folder (and its cap in bytes) for url images
             beyond `max_stored_bytes`; None keeps them in memory only.
+        image_store: a store built by the caller (e.g. shared by replicas: `ImageStore` with
+            ``shared=True``), used instead of the ``image_url_ttl_s``/``*_stored_*``/
+            ``image_store_*`` arguments; the app closes it at exit.
         shutdown_timeout_s: bound on finishing in-flight requests at shutdown, seconds.
         api_key: when given, ``Authorization: Bearer api_key`` is required on ``/v1/*``.
         api_key_protect_all: require it on every path (``/health``, ``/metrics``, docs, links).
@@ -350,7 +354,8 @@ def create_app(
     if not sse_heartbeat_s > 0:
         raise ValueError("sse_heartbeat_s must be > 0")
     metrics = ServerMetrics()
-    store = ImageStore(image_url_ttl_s, max_stored_images, max_stored_bytes, image_store_dir, image_store_dir_bytes)
+    store = image_store if image_store is not None else ImageStore(
+        image_url_ttl_s, max_stored_images, max_stored_bytes, image_store_dir, image_store_dir_bytes)
     if video_store is None:
         video_store = LocalVideoStore(video_store_dir, video_ttl_s, max_video_jobs, max_video_bytes)
     state = ServerState(served_model_name, store, metrics, shutdown_timeout_s, public_url=public_url,

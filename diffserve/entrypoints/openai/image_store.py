@@ -11,11 +11,24 @@ Bounds: at most `max_images` images; at most `max_memory_bytes` bytes in memory,
 images beyond that spilled to files in `spill_dir` (when given) up to `max_spill_bytes`. A
 restart forgets everything; spilled files are deleted when they expire and at `close`. File
 names are random (128 bits), so they act as capabilities.
+
+Shared mode (``shared=True``, for replicas: `diffserve.entrypoints.ray_serve`): the folder *is*
+the store, so a link written by one process is served by any other process with a store on the
+same folder (another replica, on any node that mounts it). Every image is written there at once
+(atomically: a hidden temporary file renamed into place), named ``<random>.<extension>``, with
+its modification time set to its expiry time (wall clock, seconds since the epoch: the nodes'
+clocks must agree, e.g. by NTP). A name this store did not write is looked up in the folder and
+served until that time. Files outlive the process that wrote them: `close` forgets them without
+deleting them (a replica that stops or dies breaks no promise), and every store deletes expired
+files it finds in the folder (at most every `SWEEP_INTERVAL_S` seconds). Each store's caps count
+the images it wrote; memory caps do not apply (nothing is kept in memory).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -26,6 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from diffserve.entrypoints.openai.image_encoding import MEDIA_TYPES
+
 #: Default lifetime of a stored image, seconds.
 DEFAULT_TTL_S = 3600.0
 #: Default cap on stored images.
@@ -34,6 +49,12 @@ DEFAULT_MAX_IMAGES = 4096
 DEFAULT_MAX_BYTES = 256 * 2**20
 #: Default cap on bytes spilled to disk (4 GiB).
 DEFAULT_MAX_SPILL_BYTES = 4 * 2**30
+#: Shared mode: seconds between scans of the folder for expired files of any writer.
+SWEEP_INTERVAL_S = 60.0
+#: Names of stored images: 16 random bytes in URL-safe base64, then the format's extension.
+_NAME = re.compile(r"[A-Za-z0-9_-]{22}\.(%s)" % "|".join(MEDIA_TYPES))
+#: Temporary files of shared mode's atomic writes.
+_TEMPORARY = re.compile(r"\.[A-Za-z0-9_-]{22}\.(%s)\.tmp" % "|".join(MEDIA_TYPES))
 
 
 def encoded_size_bound(width: int, height: int) -> int:
@@ -96,16 +117,26 @@ class ImageStore:
             `close` if this store created it); None keeps everything in memory.
         max_spill_bytes: cap on bytes in `spill_dir`.
         clock: monotonic clock in seconds (injectable for tests).
+        shared: the folder `spill_dir` is shared with other stores (see the module docstring):
+            every image goes there, names written by others are served too, nothing is deleted
+            before it expires.
+        wall_clock: seconds since the epoch (shared mode's expiry times; injectable for tests).
 
     Raises:
-        ValueError: a non-positive ttl or cap.
+        ValueError: a non-positive ttl or cap, or `shared` without `spill_dir`.
     """
 
     def __init__(self, ttl_s: float = DEFAULT_TTL_S, max_images: int = DEFAULT_MAX_IMAGES,
                  max_memory_bytes: int = DEFAULT_MAX_BYTES, spill_dir: str | Path | None = None,
-                 max_spill_bytes: int = DEFAULT_MAX_SPILL_BYTES, clock: Callable[[], float] = time.monotonic):
+                 max_spill_bytes: int = DEFAULT_MAX_SPILL_BYTES, clock: Callable[[], float] = time.monotonic,
+                 shared: bool = False, wall_clock: Callable[[], float] = time.time):
         if not ttl_s > 0 or max_images < 1 or max_memory_bytes < 1 or max_spill_bytes < 1:
             raise ValueError("ttl_s, max_images, max_memory_bytes and max_spill_bytes must be positive")
+        if shared and spill_dir is None:
+            raise ValueError("a shared store needs a folder (spill_dir)")
+        self.shared = shared
+        self._wall_clock = wall_clock
+        self._next_sweep = -math.inf
         self.ttl_s = float(ttl_s)
         self.max_images = max_images
         self.max_memory_bytes = max_memory_bytes
@@ -121,14 +152,14 @@ class ImageStore:
         self._created_dir = False
         if spill_dir is not None:
             path = Path(spill_dir).expanduser()
-            self._created_dir = not path.exists()
+            self._created_dir = not path.exists() and not shared
             path.mkdir(parents=True, exist_ok=True)
-            self._spill_dir = Path(tempfile.mkdtemp(prefix="diffserve-images-", dir=path))
+            self._spill_dir = path if shared else Path(tempfile.mkdtemp(prefix="diffserve-images-", dir=path))
 
     @property
     def capacity_bytes(self) -> int:
-        """Bytes the store can hold in all (memory plus spill folder)."""
-        return self.max_memory_bytes + self.max_spill_bytes
+        """Bytes the store can hold in all (memory plus spill folder; the folder alone when shared)."""
+        return self.max_spill_bytes if self.shared else self.max_memory_bytes + self.max_spill_bytes
 
     def reserve(self, count: int, nbytes: int) -> Reservation:
         """Hold room for `count` images of at most `nbytes` bytes in all.
@@ -177,18 +208,24 @@ class ImageStore:
             self._reserved_bytes -= size
             self._evict_expired()
             name = f"{secrets.token_urlsafe(16)}.{extension}"
+            if self.shared:
+                path = self._write_shared(name, data)
+                self._entries[name] = _Entry(media_type, size, self._clock() + self.ttl_s, path=path)
+                self._spill_bytes += size
+                return name, self.ttl_s
             self._entries[name] = _Entry(media_type, size, self._clock() + self.ttl_s, data=data)
             self._memory_bytes += size
             self._spill_oldest()
             return name, self.ttl_s
 
     def get(self, name: str) -> StoredImage | None:
-        """The image stored under `name`, or None if unknown or expired."""
+        """The image stored under `name` (in shared mode: by any store on the folder), or None
+        if unknown or expired."""
         with self._lock:
             self._evict_expired()
             entry = self._entries.get(name)
             if entry is None:
-                return None
+                return self._get_shared(name) if self.shared else None
             data = entry.data
             if data is None:
                 try:
@@ -211,11 +248,12 @@ class ImageStore:
                     "reserved_bytes": self._reserved_bytes}
 
     def close(self) -> None:
-        """Forget every image and delete the spill folder's files."""
+        """Forget every image and delete the spill folder's files (shared mode: forget them
+        only; they stay in the folder, served by the other stores, until they expire)."""
         with self._lock:
             self._entries.clear()
             self._memory_bytes = self._spill_bytes = 0
-            if self._spill_dir is not None:
+            if self._spill_dir is not None and not self.shared:
                 shutil.rmtree(self._spill_dir, ignore_errors=True)
                 if self._created_dir:
                     try:
@@ -246,7 +284,64 @@ class ImageStore:
             self._memory_bytes -= entry.size
             self._spill_bytes += entry.size
 
+    def _write_shared(self, name: str, data: bytes) -> Path:
+        """Write `data` as `name` in the shared folder, atomically, its mtime its expiry time.
+
+        Raises:
+            OSError: the folder cannot be written (nothing is left behind).
+        """
+        path = self._spill_dir / name  # type: ignore[operator]
+        temporary = path.with_name(f".{name}.tmp")
+        try:
+            temporary.write_bytes(data)
+            expires = self._wall_clock() + self.ttl_s
+            os.utime(temporary, (expires, expires))
+            os.replace(temporary, path)
+        except OSError:
+            temporary.unlink(missing_ok=True)
+            raise
+        return path
+
+    def _get_shared(self, name: str) -> StoredImage | None:
+        """An image another store wrote to the shared folder, until its mtime (expiry) passes."""
+        if not _NAME.fullmatch(name):  # a stored name, never a path
+            return None
+        path = self._spill_dir / name  # type: ignore[operator]
+        try:
+            expires = path.stat().st_mtime
+            if expires <= self._wall_clock():
+                return None
+            data = path.read_bytes()
+        except OSError:
+            return None
+        extension = name.rsplit(".", 1)[1]
+        return StoredImage(data, MEDIA_TYPES[extension], self._clock() + expires - self._wall_clock())
+
+    def _sweep_shared(self) -> None:
+        """Delete the shared folder's expired images, whoever wrote them (a writer that died
+        leaves its files behind), and temporary files older than a ttl."""
+        now = self._wall_clock()
+        try:
+            items = list(os.scandir(self._spill_dir))  # type: ignore[arg-type]
+        except OSError:  # the folder is unreachable for now
+            return
+        for item in items:
+            if _NAME.fullmatch(item.name):
+                deadline = now
+            elif _TEMPORARY.fullmatch(item.name):
+                deadline = now - self.ttl_s  # never a write in progress
+            else:
+                continue
+            try:
+                if item.stat().st_mtime <= deadline:
+                    os.unlink(item.path)
+            except OSError:  # removed by another store meanwhile
+                pass
+
     def _evict_expired(self) -> None:
+        if self.shared and self._clock() >= self._next_sweep:
+            self._next_sweep = self._clock() + min(SWEEP_INTERVAL_S, self.ttl_s)
+            self._sweep_shared()
         now = self._clock()
         while self._entries:
             name, entry = next(iter(self._entries.items()))

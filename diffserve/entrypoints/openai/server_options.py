@@ -11,11 +11,16 @@ Security-related options:
     --public-url: base of the ``url`` links of ``response_format="url"``; without it links use
         the address the connection was accepted on, never client-supplied Host /
         X-Forwarded-* headers.
+
+Replicas (`diffserve.entrypoints.ray_serve`): ``--replicas N`` runs N engine replicas behind Ray
+Serve, with ``--ray-address``, ``--autoscaling-config``, ``--max-ongoing-requests`` and
+``--ray-actor-options``; these are checked here without importing Ray.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import resource
@@ -73,7 +78,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     urls.add_argument("--max-stored-bytes", type=int, default=256 * 2**20, metavar="BYTES",
                       help="most bytes of url images kept in memory (older ones spill to --image-store-dir)")
     urls.add_argument("--image-store-dir", default=None, metavar="DIR",
-                      help="folder for url images beyond --max-stored-bytes (default: none, memory only)")
+                      help="folder for url images beyond --max-stored-bytes; with --replicas, the store every "
+                           "replica writes and reads all url images in (default: none, memory only; with "
+                           "--replicas on a local Ray instance, a temporary folder)")
     urls.add_argument("--image-store-dir-bytes", type=int, default=4 * 2**30, metavar="BYTES",
                       help="most bytes of url images kept in --image-store-dir")
     videos = parser.add_argument_group("video jobs (POST /v1/videos)")
@@ -87,6 +94,25 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "the oldest expire")
     videos.add_argument("--max-video-bytes", type=int, default=4 * 2**30, metavar="BYTES",
                         help="most bytes of stored and reserved videos")
+    ray = parser.add_argument_group("replicas (Ray Serve; pip install diffserve[ray])")
+    ray.add_argument("--replicas", type=int, default=None, metavar="N",
+                     help="run N engine replicas behind Ray Serve's HTTP proxy, each with its own engine and the "
+                          "same API; url images go to --image-store-dir, shared by all replicas (default: one "
+                          "server process, no Ray)")
+    ray.add_argument("--ray-address", default=None, metavar="ADDR",
+                     help="Ray cluster to run the replicas on (the address 'ray start --head' prints, or auto); "
+                          "--image-store-dir is then required and must be on storage every node mounts (default: "
+                          "a local Ray instance started for this server)")
+    ray.add_argument("--autoscaling-config", default=None, metavar="JSON",
+                     help="Ray Serve autoscaling_config as a JSON object, e.g. '{\"min_replicas\": 1, "
+                          "\"max_replicas\": 4, \"target_ongoing_requests\": 16}'; --replicas is the initial "
+                          "count (default: a fixed number of replicas)")
+    ray.add_argument("--max-ongoing-requests", type=int, default=None, metavar="N",
+                     help="most HTTP requests Ray Serve sends to one replica at once; more wait at the proxy for "
+                          "the first replica with room (default: --max-batch-size)")
+    ray.add_argument("--ray-actor-options", default=None, metavar="JSON",
+                     help="Ray actor options of each replica as a JSON object, e.g. '{\"num_gpus\": 1}' "
+                          "(default: num_cpus = --threads or 1; num_gpus = its ranks on a GPU cluster)")
 
 
 def check_server_arguments(args: argparse.Namespace) -> None:
@@ -127,6 +153,51 @@ def check_server_arguments(args: argparse.Namespace) -> None:
         folder = getattr(args, name)
         if folder is not None and os.path.exists(folder) and not os.path.isdir(folder):
             raise InvalidRequestError(name, folder, "a folder")
+    check_replica_arguments(args)
+
+
+def check_replica_arguments(args: argparse.Namespace) -> None:
+    """Check the Ray Serve replica options (Ray's own checks of the JSON options run when the
+    deployment is built).
+
+    Raises:
+        InvalidRequestError: naming the option's field and its allowed range.
+    """
+    if args.replicas is None:
+        for name in ("ray_address", "autoscaling_config", "max_ongoing_requests", "ray_actor_options"):
+            if getattr(args, name) is not None:
+                raise InvalidRequestError(name, getattr(args, name), "used with --replicas N")
+        return
+    if args.replicas < 1:
+        raise InvalidRequestError("replicas", args.replicas, "an integer >= 1")
+    if args.port == 0:  # Ray Serve's proxy listens on a port known in advance
+        raise InvalidRequestError("port", 0, "an integer in [1, 65535] with --replicas")
+    if args.max_ongoing_requests is not None and args.max_ongoing_requests < 1:
+        raise InvalidRequestError("max_ongoing_requests", args.max_ongoing_requests, "an integer >= 1")
+    for name in ("autoscaling_config", "ray_actor_options"):
+        json_object(args, name)
+    if args.ray_address is not None and args.image_store_dir is None:
+        raise InvalidRequestError("image_store_dir", None, "a folder on storage every node of the Ray cluster mounts "
+                                  "(NFS, ...), given with --ray-address: url images must be readable by every "
+                                  "replica")
+
+
+def json_object(args: argparse.Namespace, name: str) -> dict:
+    """The option `name` parsed as a JSON object ({} when not given).
+
+    Raises:
+        InvalidRequestError: not a JSON object.
+    """
+    text = getattr(args, name)
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(name, text, "a JSON object", detail=str(exc)) from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(name, text, "a JSON object")
+    return value
 
 
 def allowed_origins(value: str | None) -> list[str]:

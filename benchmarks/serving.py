@@ -8,7 +8,10 @@ and reports medians with ranges; `--json` ends with a machine-readable line):
   (b) diffusers with static batches: whenever idle, one pipeline call on every request that
       has arrived (up to the concurrency), a list of prompts with one generator each;
   (c) diffserve `request` mode: static batches run to completion;
-  (d) diffserve `step` mode: continuous batching, one denoising step at a time.
+  (d) diffserve `step` mode: continuous batching, one denoising step at a time;
+  optional arms: step mode with encode/decode inline instead of on the executor's side thread
+  (`step_inline`), and on 2 worker processes, CFG-parallel (`step_cfg2`) or Ulysses
+  (`step_ulysses2`), e.g. `--arms step,step_inline,step_cfg2,step_ulysses2 --repeats 3`.
 
 Load: `--concurrency N` keeps N requests outstanding (closed loop), or `--request-rate R`
 sends Poisson arrivals at R requests/s (open loop; `--request-rate auto` = 80% of the step
@@ -269,7 +272,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--arms", default="baseline,static,request,step",
                     help="comma list of baseline (diffusers one at a time), static (diffusers static "
-                         "batches), request, step")
+                         "batches), request, step; also step_inline (step mode with prompt encoding and VAE "
+                         "decode inline, overlap_stages=False: the engine before the executor's side "
+                         "thread), step_cfg2 (2 worker processes, one CFG branch each), step_ulysses2 (2 "
+                         "worker processes, Ulysses sequence parallel); the 2-rank arms give each rank "
+                         "--threads / 2 torch threads (at least 1), so all arms use the same cores")
     ap.add_argument("--compile", action="store_true", help="regional torch.compile in the diffserve arms")
     ap.add_argument("--no-context-folding", dest="context_folding", action="store_false",
                     help="diffserve arms: run the placeholder / padding context rows one by one "
@@ -335,6 +342,15 @@ def main() -> None:
         arms.remove("static")
     engines = {mode: DiffusionEngine(EngineConfig(**{**vars(config), "execution_mode": mode}), runner=runner)
                for mode in ("request", "step") if mode in arms}
+    if "step_inline" in arms:
+        engines["step_inline"] = DiffusionEngine(EngineConfig(**{**vars(config), "overlap_stages": False}),
+                                                 runner=runner)
+    per_rank = {"num_threads": max(1, args.threads // 2), "executor": "multiprocess"}
+    for arm, sizes in (("step_cfg2", {"cfg_parallel_size": 2}), ("step_ulysses2", {"ulysses_degree": 2})):
+        if arm in arms:  # worker processes of their own (own weights, loaded from the folder)
+            engines[arm] = DiffusionEngine(EngineConfig(**{**vars(config), **per_rank, **sizes}))
+            engines[arm].generate(["digit 1"] * 4, SamplingParams(num_inference_steps=2, height=side_h, width=side_w,
+                                                                  num_frames=args.num_frames))
     runs: dict[str, list[ArmResult]] = {}
     for _ in range(args.repeats):  # arms interleaved within each repeat
         if "baseline" in arms:
@@ -348,8 +364,13 @@ def main() -> None:
     def median_run(results: list[ArmResult]) -> ArmResult:
         return sorted(results, key=lambda r: r.throughput)[len(results) // 2]
 
+    for engine in engines.values():
+        if engine.config.cfg_parallel_size * engine.config.ulysses_degree > 1:
+            engine.shutdown()
     names = {"diffusers": "diffusers (one at a time)", "diffusers_static_batch": "diffusers (static batches)",
-             "request": "diffserve request mode", "step": "diffserve step mode"}
+             "request": "diffserve request mode", "step": "diffserve step mode",
+             "step_inline": "step, encode/decode inline", "step_cfg2": "step, CFG-parallel 2 ranks",
+             "step_ulysses2": "step, Ulysses 2 ranks"}
     base = median_run(runs["diffusers"]).throughput if "diffusers" in runs else None
     print(f"\n{'arm':28s} {'img/s':>8s} {'range':>15s} {'vs base':>8s} {'p50 s':>8s} {'p95 s':>8s} "
           f"{'p99 s':>8s} {'mean rows':>9s}   (median of {args.repeats})")

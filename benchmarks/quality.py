@@ -33,16 +33,38 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 from sklearn.svm import SVC
 
 from diffserve.models.digits import DEFAULT_MODEL_PATH, data
-from diffserve.models.digits.train import PACKAGE_MODEL_CARD, QUALITY_BEGIN, QUALITY_END
+from diffserve.models.digits.train import PACKAGE_MODEL_CARD
+from diffserve.models.training import QUALITY_BEGIN, QUALITY_END
 
 #: Judge hyper-parameters (chosen on the held-out split: 99.4 % accuracy).
 JUDGE_C = 5.0
+#: ``--templates`` choices: which of the image model's prompt templates to use.
+TEMPLATE_SETS = ("train", "heldout", "both")
+
+
+def templates_for(name: str) -> tuple[str, ...]:
+    """The prompt templates of a ``--templates`` choice (see :data:`TEMPLATE_SETS`).
+
+    Raises:
+        KeyError: for any other name.
+    """
+    return {
+        "train": data.TRAIN_TEMPLATES,
+        "heldout": data.HELDOUT_TEMPLATES,
+        "both": data.TRAIN_TEMPLATES + data.HELDOUT_TEMPLATES,
+    }[name]
+
+
+def _dataset_pixels(images: np.ndarray) -> np.ndarray:
+    """``load_digits`` images (N, 8, 8), intensities 0..16 -> float64 (N, 64) pixels in [0, 1]."""
+    return images.reshape(len(images), -1) / data.MAX_INTENSITY
 
 
 def build_judge() -> tuple[SVC, float]:
@@ -53,10 +75,8 @@ def build_judge() -> tuple[SVC, float]:
         in [0, 1] (dataset intensities / 16); use :func:`judge_images` rather than calling it.
     """
     split = data.load_split()
-    features = split.train_images.reshape(len(split.train_images), -1) / data.MAX_INTENSITY
-    clf = SVC(C=JUDGE_C, gamma="scale").fit(features, split.train_labels)
-    heldout = split.heldout_images.reshape(len(split.heldout_images), -1) / data.MAX_INTENSITY
-    accuracy = float(np.mean(clf.predict(heldout) == split.heldout_labels))
+    clf = SVC(C=JUDGE_C, gamma="scale").fit(_dataset_pixels(split.train_images), split.train_labels)
+    accuracy = float(np.mean(clf.predict(_dataset_pixels(split.heldout_images)) == split.heldout_labels))
     return clf, accuracy
 
 
@@ -147,15 +167,34 @@ def generate_diffusers(
         model or DEFAULT_MODEL_PATH, text_encoder_3=None, tokenizer_3=None
     )
     pipe.set_progress_bar_config(disable=True)
+
+    def call(batch: list[str], generators: list[torch.Generator]) -> np.ndarray:
+        out = pipe(batch, height=data.IMAGE_SIZE, width=data.IMAGE_SIZE, num_inference_steps=steps,
+                   guidance_scale=guidance, generator=generators, output_type="np")
+        return out.images[..., 0]
+
+    return generate_in_batches(call, prompts, seed, batch_size)
+
+
+def generate_in_batches(
+    call: Callable[[list[str], list[torch.Generator]], np.ndarray], prompts: list[str], seed: int, batch_size: int
+) -> tuple[np.ndarray, float]:
+    """Run a diffusers pipeline over ``prompts`` in batches of at most ``batch_size``.
+
+    Args:
+        call: ``(prompts, generators) -> outputs`` (one output per prompt along axis 0); prompt
+            ``k`` of the whole list gets ``torch.Generator().manual_seed(seed + k)``.
+
+    Returns:
+        ``(outputs concatenated along axis 0, wall-clock seconds spent in call)``.
+    """
     chunks, seconds = [], 0.0
     for lo in range(0, len(prompts), batch_size):
         batch = prompts[lo : lo + batch_size]
         generators = [torch.Generator().manual_seed(seed + lo + k) for k in range(len(batch))]
         start = time.perf_counter()
-        out = pipe(batch, height=data.IMAGE_SIZE, width=data.IMAGE_SIZE, num_inference_steps=steps,
-                   guidance_scale=guidance, generator=generators, output_type="np")
+        chunks.append(call(batch, generators))
         seconds += time.perf_counter() - start
-        chunks.append(out.images[..., 0])
     return np.concatenate(chunks), seconds
 
 
@@ -170,6 +209,34 @@ def _nearest(x: np.ndarray, ref: np.ndarray) -> np.ndarray:
     """L2 distance from each row of x (N, D) to its nearest row of ref (M, D), shape (N,)."""
     d2 = (x**2).sum(1)[:, None] - 2 * x @ ref.T + (ref**2).sum(1)[None, :]
     return np.sqrt(np.maximum(d2.min(1), 0.0))
+
+
+def diversity_and_novelty(pixels: np.ndarray, labels: np.ndarray) -> tuple[float, float, float]:
+    """Diversity and novelty of generated digit images against the real ones.
+
+    Args:
+        pixels: float (N, 64) generated images, pixels in [0, 1].
+        labels: int (N,) the digit each image should show.
+
+    Returns:
+        ``(diversity ratio, novelty of the generated, novelty of held-out real)``: the mean over
+        digits with at least two images of (mean pairwise L2 distance of the digit's images /
+        the same for the held-out real images of that digit), NaN if no digit has two; and the
+        median L2 distance to the nearest training image of the generated and of the held-out
+        real images.
+    """
+    split = data.load_split()
+    real = _dataset_pixels(split.heldout_images)
+    train = _dataset_pixels(split.train_images)
+    ratios = [
+        _pairwise_mean(pixels[labels == d]) / _pairwise_mean(real[split.heldout_labels == d])
+        for d in range(10) if (labels == d).sum() >= 2
+    ]
+    return (
+        float(np.mean(ratios)) if ratios else float("nan"),
+        float(np.median(_nearest(pixels, train))),
+        float(np.median(_nearest(real, train))),
+    )
 
 
 @dataclass
@@ -190,25 +257,18 @@ def evaluate(clf: SVC, judge_accuracy: float, images: np.ndarray, labels: np.nda
 
     Diversity needs at least two images per digit (otherwise it is reported as NaN).
     """
-    split = data.load_split()
     pixels = _as_pixels(images)
     predicted = judge_images(clf, images)
     per_digit = [float(np.mean(predicted[labels == d] == d)) for d in range(10)]
-    real = split.heldout_images.reshape(len(split.heldout_images), -1) / data.MAX_INTENSITY
-    train = split.train_images.reshape(len(split.train_images), -1) / data.MAX_INTENSITY
-    ratios = []
-    for d in range(10):
-        generated_d = pixels[labels == d]
-        if len(generated_d) >= 2:
-            ratios.append(_pairwise_mean(generated_d) / _pairwise_mean(real[split.heldout_labels == d]))
+    diversity, novelty_generated, novelty_real = diversity_and_novelty(pixels, labels)
     return QualityReport(
         judge_heldout_accuracy=judge_accuracy,
         accuracy=float(np.mean(predicted == labels)),
         per_digit_accuracy=per_digit,
         seconds_per_image=seconds / len(images),
-        diversity_ratio=float(np.mean(ratios)) if ratios else float("nan"),
-        novelty_generated=float(np.median(_nearest(pixels, train))),
-        novelty_real=float(np.median(_nearest(real, train))),
+        diversity_ratio=diversity,
+        novelty_generated=novelty_generated,
+        novelty_real=novelty_real,
     )
 
 
@@ -218,10 +278,6 @@ def update_card(card: Path, command: str, args: argparse.Namespace, report: Qual
     Raises:
         ValueError: if the card has no quality markers.
     """
-    text = card.read_text()
-    match = re.search(re.escape(QUALITY_BEGIN) + r"\n(.*?)" + re.escape(QUALITY_END), text, re.S)
-    if match is None:
-        raise ValueError(f"{card} has no {QUALITY_BEGIN} ... {QUALITY_END} section")
     header = [
         f"Judge: RBF SVM (`SVC(C={JUDGE_C}, gamma='scale')`) on the training split; "
         f"held-out real-image accuracy {100 * report.judge_heldout_accuracy:.1f} %. "
@@ -232,19 +288,72 @@ def update_card(card: Path, command: str, args: argparse.Namespace, report: Qual
         "| command | backend | templates | steps | guidance | images | accuracy | worst digit | diversity | novelty gen / real | s/image |",
         "|---|---|---|---:|---:|---:|---:|---|---:|---|---:|",
     ]
-    rows = [line for line in match.group(1).splitlines() if line.startswith("| `")]
-    worst = int(np.argmin(report.per_digit_accuracy))
-    worst_text = (f"{worst} ({100 * report.per_digit_accuracy[worst]:.0f} %)"
-                  if report.per_digit_accuracy[worst] < 1 else "none")
     row = (
         f"| `{command}` | {args.backend} | {args.templates} | {args.steps} | {args.guidance:g} | "
-        f"{10 * args.n_per_digit} | {100 * report.accuracy:.1f} % | {worst_text} | "
+        f"{10 * args.n_per_digit} | {100 * report.accuracy:.1f} % | {worst_digit(report.per_digit_accuracy)} | "
         f"{report.diversity_ratio:.2f} | {report.novelty_generated:.2f} / {report.novelty_real:.2f} | "
         f"{report.seconds_per_image:.4f} |"
     )
+    write_judge_table(card, command, header, row)
+
+
+def worst_digit(per_digit_accuracy: list[float]) -> str:
+    """Judge-table cell for the digit with the lowest accuracy (fractions; NaN = not generated):
+    ``"3 (85 %)"``, or ``"none"`` when even the worst is always right."""
+    worst = int(np.nanargmin(per_digit_accuracy))
+    return f"{worst} ({100 * per_digit_accuracy[worst]:.0f} %)" if per_digit_accuracy[worst] < 1 else "none"
+
+
+def write_judge_table(card: Path, command: str, header: list[str], row: str) -> None:
+    """Rewrite the judge section between the card's quality markers as ``header`` followed by
+    its earlier rows (lines starting with ``| `...``), the row of ``command`` replaced by ``row``
+    (appended last).
+
+    Raises:
+        ValueError: if the card has no quality markers.
+    """
+    text = card.read_text()
+    match = re.search(re.escape(QUALITY_BEGIN) + r"\n(.*?)" + re.escape(QUALITY_END), text, re.S)
+    if match is None:
+        raise ValueError(f"{card} has no {QUALITY_BEGIN} ... {QUALITY_END} section")
+    rows = [line for line in match.group(1).splitlines() if line.startswith("| `")]
     rows = [r for r in rows if not r.startswith(f"| `{command}` |")] + [row]
-    block = "\n".join(header + rows) + "\n"
-    card.write_text(text[: match.start(1)] + block + text[match.end(1) :])
+    card.write_text(text[: match.start(1)] + "\n".join(header + rows) + "\n" + text[match.end(1) :])
+
+
+def record_in_card(
+    script: str,
+    argv: list[str] | None,
+    model: Path | None,
+    default_model: Path,
+    package_card: Path,
+    update: Callable[[Path, str], None],
+) -> Path:
+    """Record a run for ``--update-card``: ``update(card, command)``, then print where.
+
+    ``card`` is ``package_card`` for the built-in model (``model`` None or ``default_model``),
+    else ``model / "MODEL_CARD.md"``; ``command`` (naming the run's row) is ``python SCRIPT ARGS``
+    without ``--update-card`` (``sys.argv`` when ``argv`` is None), shell-quoted.
+
+    Returns:
+        The card's path.
+    """
+    builtin = model is None or model.resolve() == default_model
+    card = package_card if builtin else model / "MODEL_CARD.md"
+    command = f"python {script} " + shlex.join(
+        [a for a in (sys.argv[1:] if argv is None else argv) if a != "--update-card"]
+    )
+    update(card, command.strip())
+    print(f"recorded in {card}")
+    return card
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--threads`` and ``--update-card`` (see :func:`record_in_card`)."""
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--update-card", action="store_true",
+                        help="record the result in the model's card: the package MODEL_CARD.md for the "
+                        "built-in model, else MODEL/MODEL_CARD.md")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -255,12 +364,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--guidance", type=float, default=4.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", type=Path, default=None, help="pipeline folder (default: built-in)")
-    parser.add_argument("--templates", choices=["train", "heldout", "both"], default="both")
+    parser.add_argument("--templates", choices=TEMPLATE_SETS, default="both")
     parser.add_argument("--backend", choices=["diffserve", "diffusers"], default="diffserve")
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
-    parser.add_argument("--update-card", action="store_true",
-                        help="record the result in the model's card: the package MODEL_CARD.md for the "
-                        "built-in model, else MODEL/MODEL_CARD.md")
+    add_run_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -268,11 +374,7 @@ def main(argv: list[str] | None = None) -> QualityReport:
     """Run the benchmark and print the report; see :func:`parse_args`."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    templates = {
-        "train": data.TRAIN_TEMPLATES,
-        "heldout": data.HELDOUT_TEMPLATES,
-        "both": data.TRAIN_TEMPLATES + data.HELDOUT_TEMPLATES,
-    }[args.templates]
+    templates = templates_for(args.templates)
     start = time.perf_counter()
     clf, judge_accuracy = build_judge()
     print(f"judge: SVC(C={JUDGE_C}, gamma='scale'), held-out real accuracy {100 * judge_accuracy:.2f} % "
@@ -292,13 +394,8 @@ def main(argv: list[str] | None = None) -> QualityReport:
     print(f"novelty (median distance to nearest training image): generated {report.novelty_generated:.3f}, "
           f"real held-out {report.novelty_real:.3f}")
     if args.update_card:
-        builtin = args.model is None or args.model.resolve() == DEFAULT_MODEL_PATH
-        card = PACKAGE_MODEL_CARD if builtin else args.model / "MODEL_CARD.md"
-        command = "python benchmarks/quality.py " + shlex.join(
-            [a for a in (sys.argv[1:] if argv is None else argv) if a != "--update-card"]
-        )
-        update_card(card, command.strip(), args, report)
-        print(f"recorded in {card}")
+        record_in_card("benchmarks/quality.py", argv, args.model, DEFAULT_MODEL_PATH, PACKAGE_MODEL_CARD,
+                       lambda card, command: update_card(card, command, args, report))
     return report
 
 

@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -45,10 +43,19 @@ import torch
 from sklearn.svm import SVC
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality import _nearest, _pairwise_mean, build_judge  # noqa: E402
+from quality import (  # noqa: E402
+    TEMPLATE_SETS,
+    add_run_arguments,
+    build_judge,
+    diversity_and_novelty,
+    generate_in_batches,
+    record_in_card,
+    templates_for,
+    worst_digit,
+    write_judge_table,
+)
 
 from diffserve.models.digits import data as digit_data  # noqa: E402
-from diffserve.models.digits.train import QUALITY_BEGIN, QUALITY_END  # noqa: E402
 from diffserve.models.digits_video import DEFAULT_MODEL_PATH, data  # noqa: E402
 from diffserve.models.digits_video.train import PACKAGE_MODEL_CARD, euler_scheduler  # noqa: E402
 
@@ -234,14 +241,7 @@ def evaluate(
     dir_ok = np.array([a == b for a, b in zip(directions, wanted)])
     per_direction = {d: float(dir_ok[[w == d for w in wanted]].mean()) for d in data.DIRECTION_NAMES if d in wanted}
 
-    split = digit_data.load_split()
-    middle = crops[:, frames // 2].reshape(n, -1)
-    real = split.heldout_images.reshape(len(split.heldout_images), -1) / digit_data.MAX_INTENSITY
-    train = split.train_images.reshape(len(split.train_images), -1) / digit_data.MAX_INTENSITY
-    ratios = [
-        _pairwise_mean(middle[digits == d]) / _pairwise_mean(real[split.heldout_labels == d])
-        for d in range(10) if (digits == d).sum() >= 2
-    ]
+    diversity, novelty_generated, novelty_real = diversity_and_novelty(crops[:, frames // 2].reshape(n, -1), digits)
     return VideoQualityReport(
         judge_heldout_accuracy=judge_accuracy,
         frame_accuracy=float(correct.mean()),
@@ -250,9 +250,9 @@ def evaluate(
         direction_accuracy=float(dir_ok.mean()),
         per_direction_accuracy=per_direction,
         mean_speed=float(np.mean(speeds)),
-        diversity_ratio=float(np.mean(ratios)) if ratios else float("nan"),
-        novelty_generated=float(np.median(_nearest(middle, train))),
-        novelty_real=float(np.median(_nearest(real, train))),
+        diversity_ratio=diversity,
+        novelty_generated=novelty_generated,
+        novelty_real=novelty_real,
         seconds_per_clip=seconds / n,
         num_clips=n,
     )
@@ -288,27 +288,32 @@ def read_generation_config(model: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-#: A backend: (model folder, prompts, first seed, steps, guidance, num_frames, height, width,
-#: scheduler name or None) -> (float32 clips (N, F, H, W, 3) in [0, 1], seconds).
-Backend = Callable[..., tuple[np.ndarray, float]]
+@dataclass(frozen=True)
+class ClipSettings:
+    """Sampling settings shared by every clip of a run (a backend's arguments besides the prompts
+    and seeds). ``scheduler``: None for the folder's own, ``"euler"`` for
+    ``FlowMatchEulerDiscreteScheduler(shift=1.0)``."""
+
+    steps: int
+    guidance: float
+    num_frames: int
+    height: int
+    width: int
+    scheduler: str | None = None
+
+
+#: A backend: (model folder, prompts, first seed, settings) -> (float32 clips (N, F, H, W, 3) in
+#: [0, 1], seconds); clip ``k`` uses seed ``seed + k``.
+Backend = Callable[[Path, list[str], int, ClipSettings], tuple[np.ndarray, float]]
 
 
 def generate_diffusers(
-    model: Path,
-    prompts: list[str],
-    seed: int,
-    steps: int,
-    guidance: float,
-    num_frames: int,
-    height: int,
-    width: int,
-    scheduler: str | None = None,
-    batch_size: int = 50,
+    model: Path, prompts: list[str], seed: int, settings: ClipSettings, batch_size: int = 50
 ) -> tuple[np.ndarray, float]:
     """Generate one clip per prompt with diffusers' ``WanPipeline`` (reference arm).
 
-    Clip ``k`` uses ``torch.Generator().manual_seed(seed + k)``; ``scheduler="euler"`` swaps the
-    folder's scheduler for ``FlowMatchEulerDiscreteScheduler(shift=1.0)``.
+    Clip ``k`` uses ``torch.Generator().manual_seed(seed + k)``; ``settings.scheduler="euler"``
+    swaps the folder's scheduler for ``FlowMatchEulerDiscreteScheduler(shift=1.0)``.
 
     Returns:
         ``(clips, seconds)``: float32 (N, F, H, W, 3) in [0, 1]; wall-clock seconds of the calls.
@@ -316,32 +321,20 @@ def generate_diffusers(
     from diffusers import WanPipeline
 
     pipe = WanPipeline.from_pretrained(model)
-    if scheduler == "euler":
+    if settings.scheduler == "euler":
         pipe.scheduler = euler_scheduler()
     pipe.set_progress_bar_config(disable=True)
-    chunks, seconds = [], 0.0
-    for lo in range(0, len(prompts), batch_size):
-        batch = prompts[lo : lo + batch_size]
-        generators = [torch.Generator().manual_seed(seed + lo + k) for k in range(len(batch))]
-        start = time.perf_counter()
-        out = pipe(batch, height=height, width=width, num_frames=num_frames, num_inference_steps=steps,
-                   guidance_scale=guidance, generator=generators, output_type="np")
-        seconds += time.perf_counter() - start
-        chunks.append(out.frames)
-    return np.concatenate(chunks).astype(np.float32), seconds
+
+    def call(batch: list[str], generators: list[torch.Generator]) -> np.ndarray:
+        return pipe(batch, height=settings.height, width=settings.width, num_frames=settings.num_frames,
+                    num_inference_steps=settings.steps, guidance_scale=settings.guidance, generator=generators,
+                    output_type="np").frames
+
+    clips, seconds = generate_in_batches(call, prompts, seed, batch_size)
+    return clips.astype(np.float32), seconds
 
 
-def generate_diffserve(
-    model: Path,
-    prompts: list[str],
-    seed: int,
-    steps: int,
-    guidance: float,
-    num_frames: int,
-    height: int,
-    width: int,
-    scheduler: str | None = None,
-) -> tuple[np.ndarray, float]:
+def generate_diffserve(model: Path, prompts: list[str], seed: int, settings: ClipSettings) -> tuple[np.ndarray, float]:
     """Generate one clip per prompt through diffserve's engine (``DiffusionEngine`` on the folder,
     step-level batching, context folding on: the defaults).
 
@@ -353,16 +346,18 @@ def generate_diffserve(
         wall-clock seconds of the generate call.
 
     Raises:
-        ValueError: ``scheduler`` is set (the engine runs the folder's own scheduler).
+        ValueError: ``settings.scheduler`` is set (the engine runs the folder's own scheduler).
+        RuntimeError: a clip failed.
     """
     from diffserve import DiffusionEngine, EngineConfig, SamplingParams
 
-    if scheduler is not None:
-        raise ValueError(f"--scheduler {scheduler}: the diffserve backend runs the folder's scheduler; "
+    if settings.scheduler is not None:
+        raise ValueError(f"--scheduler {settings.scheduler}: the diffserve backend runs the folder's scheduler; "
                          "use --backend diffusers")
     engine = DiffusionEngine(EngineConfig(model=str(model), num_threads=torch.get_num_threads()))
-    params = [SamplingParams(seed=seed + k, num_inference_steps=steps, guidance_scale=guidance, num_frames=num_frames,
-                             height=height, width=width, output_type="np") for k in range(len(prompts))]
+    params = [SamplingParams(seed=seed + k, num_inference_steps=settings.steps, guidance_scale=settings.guidance,
+                             num_frames=settings.num_frames, height=settings.height, width=settings.width,
+                             output_type="np") for k in range(len(prompts))]
     start = time.perf_counter()
     outputs = engine.generate(prompts, params)
     seconds = time.perf_counter() - start
@@ -382,10 +377,6 @@ def update_card(card: Path, command: str, args: argparse.Namespace, report: Vide
     Raises:
         ValueError: if the card has no quality markers.
     """
-    text = card.read_text()
-    match = re.search(re.escape(QUALITY_BEGIN) + r"\n(.*?)" + re.escape(QUALITY_END), text, re.S)
-    if match is None:
-        raise ValueError(f"{card} has no {QUALITY_BEGIN} ... {QUALITY_END} section")
     header = [
         f"Judge: per-frame digit identity by the image model's RBF SVM (held-out real-image accuracy "
         f"{100 * report.judge_heldout_accuracy:.1f} %; {100 * report.vae_ceiling:.1f} % of the frames of 200 held-out "
@@ -400,19 +391,14 @@ def update_card(card: Path, command: str, args: argparse.Namespace, report: Vide
         "| all frames right | direction | speed px/frame | diversity | novelty gen / real | s/clip |",
         "|---|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---:|",
     ]
-    rows = [line for line in match.group(1).splitlines() if line.startswith("| `")]
-    worst = int(np.nanargmin(report.per_digit_frame_accuracy))
-    worst_text = (f"{worst} ({100 * report.per_digit_frame_accuracy[worst]:.0f} %)"
-                  if report.per_digit_frame_accuracy[worst] < 1 else "none")
     row = (
         f"| `{command}` | {args.backend} | {args.scheduler} | {args.templates} | {args.steps} | {args.guidance:g} | "
-        f"{report.num_clips} | {100 * report.frame_accuracy:.1f} % | {worst_text} | "
+        f"{report.num_clips} | {100 * report.frame_accuracy:.1f} % | {worst_digit(report.per_digit_frame_accuracy)} | "
         f"{100 * report.clip_all_frames_accuracy:.1f} % | {100 * report.direction_accuracy:.1f} % | "
         f"{report.mean_speed:.2f} | {report.diversity_ratio:.2f} | "
         f"{report.novelty_generated:.2f} / {report.novelty_real:.2f} | {report.seconds_per_clip:.3f} |"
     )
-    rows = [r for r in rows if not r.startswith(f"| `{command}` |")] + [row]
-    card.write_text(text[: match.start(1)] + "\n".join(header + rows) + "\n" + text[match.end(1) :])
+    write_judge_table(card, command, header, row)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -426,15 +412,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-frames", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", type=Path, default=None, help="pipeline folder (default: built-in)")
-    parser.add_argument("--templates", choices=["train", "heldout", "both"], default="both",
+    parser.add_argument("--templates", choices=TEMPLATE_SETS, default="both",
                         help="subject templates of the image model's prompt lists")
     parser.add_argument("--backend", choices=sorted(BACKENDS), default="diffusers")
     parser.add_argument("--scheduler", choices=["folder", "euler"], default="folder",
                         help="the folder's scheduler (UniPC for the built-in model) or flow-matching Euler")
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
-    parser.add_argument("--update-card", action="store_true",
-                        help="record the result in the model card (the package MODEL_CARD.md for the "
-                        "built-in model, else MODEL/MODEL_CARD.md)")
+    add_run_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -448,18 +431,13 @@ def main(argv: list[str] | None = None) -> VideoQualityReport:
     args.guidance = args.guidance if args.guidance is not None else defaults.get("guidance_scale", 4.0)
     num_frames = args.num_frames or defaults.get("num_frames", data.NUM_FRAMES)
     height, width = defaults.get("height", data.CANVAS_SIZE), defaults.get("width", data.CANVAS_SIZE)
-    templates = {
-        "train": digit_data.TRAIN_TEMPLATES,
-        "heldout": digit_data.HELDOUT_TEMPLATES,
-        "both": digit_data.TRAIN_TEMPLATES + digit_data.HELDOUT_TEMPLATES,
-    }[args.templates]
+    templates = templates_for(args.templates)
 
     clf, judge_accuracy = build_judge()
     requests = make_requests(templates, args.n_per_combo)
-    clips, seconds = BACKENDS[args.backend](
-        model, [r.prompt for r in requests], args.seed, args.steps, args.guidance, num_frames, height, width,
-        None if args.scheduler == "folder" else args.scheduler,
-    )
+    settings = ClipSettings(args.steps, args.guidance, num_frames, height, width,
+                            None if args.scheduler == "folder" else args.scheduler)
+    clips, seconds = BACKENDS[args.backend](model, [r.prompt for r in requests], args.seed, settings)
     report = evaluate(clf, judge_accuracy, clips, requests, seconds)
     report.vae_ceiling = vae_ceiling(model, clf)
 
@@ -480,13 +458,8 @@ def main(argv: list[str] | None = None) -> VideoQualityReport:
           f"real held-out {report.novelty_real:.3f}")
     print(f"mean seconds per clip: {report.seconds_per_clip:.4f}")
     if args.update_card:
-        builtin = args.model is None or args.model.resolve() == DEFAULT_MODEL_PATH
-        card = PACKAGE_MODEL_CARD if builtin else args.model / "MODEL_CARD.md"
-        command = "python benchmarks/quality_video.py " + shlex.join(
-            [a for a in (sys.argv[1:] if argv is None else argv) if a != "--update-card"]
-        )
-        update_card(card, command.strip(), args, report)
-        print(f"recorded in {card}")
+        record_in_card("benchmarks/quality_video.py", argv, args.model, DEFAULT_MODEL_PATH, PACKAGE_MODEL_CARD,
+                       lambda card, command: update_card(card, command, args, report))
     return report
 
 

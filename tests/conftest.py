@@ -10,6 +10,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+#: benchmarks/ is not a package: tests import its scripts (``quality``, ``quality_video``, ...) as modules.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from tiny_models import (  # noqa: E402
     build_tiny_flux,
@@ -24,6 +26,16 @@ from tiny_models import (  # noqa: E402
 )
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Run the test with ``torch.set_num_threads(1)`` and restore the previous count afterwards
+    (for tests whose code under test sets its own thread count)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

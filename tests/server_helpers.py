@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
@@ -51,3 +53,14 @@ def assert_openai_error(resp: httpx.Response, status: int, param=None, code=None
     assert err["param"] == param, err
     if code is not None:
         assert err["code"] == code, err
+
+
+def sse_events(response: httpx.Response) -> Iterator[tuple[str | None, dict]]:
+    """(event name, parsed JSON data) of a streamed server-sent-events response, as they arrive
+    (the name is None for a ``data:`` line before any ``event:`` line)."""
+    name = None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: "):
+            yield name, json.loads(line[len("data: "):])

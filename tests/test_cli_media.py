@@ -5,7 +5,6 @@ model (MP4 / WebP / GIF files with their metadata), and built-in models by name 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +19,6 @@ from diffserve.entrypoints.video_encoding import decode_mp4, read_mp4_metadata
 from diffserve.errors import UnsupportedModelError
 from diffserve.models import BUILTIN_MODELS, builtin_name, resolve_model, served_name
 from diffserve.models.digits import DEFAULT_MODEL_PATH, data
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 torch.set_num_threads(1)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,16 +16,9 @@ from diffusers import StableDiffusion3Pipeline
 from diffserve.models.digits import DEFAULT_MODEL_PATH, VOCABULARY_WORDS, data, out_of_vocabulary_words, train
 from diffserve.models.digits.tokenizer import MODEL_MAX_LENGTH, build_clip_tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import quality  # noqa: E402  (benchmarks/ is not a package)
+import quality  # benchmarks/quality.py (tests/conftest.py puts benchmarks/ on sys.path)
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _load(path: Path) -> StableDiffusion3Pipeline:

@@ -6,8 +6,6 @@ import copy
 import inspect
 import json
 import random
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,17 +17,10 @@ from diffserve.models.digits_video import DEFAULT_MODEL_PATH, VOCABULARY_WORDS, 
 from diffserve.models.digits_video.tokenizer import build_umt5_tokenizer
 from diffserve.pipelines import wan_context_folding
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import quality  # noqa: E402  (benchmarks/ is not a package)
-import quality_video  # noqa: E402
+import quality  # benchmarks/quality.py (tests/conftest.py puts benchmarks/ on sys.path)
+import quality_video
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -24,8 +22,6 @@ from diffserve.entrypoints.openai.image_encoding import encode_image
 from diffserve.entrypoints.openai.unsupported_routes import UNSUPPORTED_ENDPOINTS
 from diffserve.inputs import MAX_IMAGE_FILE_BYTES, MAX_INPUT_PIXELS, read_image
 from server_helpers import assert_openai_error, serve
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 torch.set_num_threads(1)
 

@@ -4,8 +4,6 @@ and a quick judge of real edits."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,8 +13,6 @@ from PIL import Image
 
 from diffserve import DiffusionEngine, EngineConfig, InvalidRequestError, SamplingParams
 from diffserve.models.digits import DEFAULT_MODEL_PATH, data
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 TOL = 1e-4
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
-import json
 import os
 import re
 import shutil
@@ -22,7 +21,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -31,6 +29,7 @@ import numpy as np
 import pytest
 from PIL import Image
 from playwright.sync_api import Page, expect, sync_playwright
+from server_helpers import sse_events
 
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = Path(os.environ.get("DIFFSERVE_ARTIFACTS", REPO / "artifacts")) / "playground"
@@ -326,16 +325,6 @@ def test_edit_uploads_an_image(page, server, tmp_path):
 
 
 # ------------------------------------------------------------- API extensions the page uses
-def sse_events(response: httpx.Response) -> Iterator[tuple[str, dict]]:
-    """(event name, parsed data) of a streamed response, as they arrive."""
-    name = None
-    for line in response.iter_lines():
-        if line.startswith("event: "):
-            name = line[len("event: "):]
-        elif line.startswith("data: "):
-            yield name, json.loads(line[len("data: "):])
-
-
 def test_model_card_lists_capabilities_and_parameters(server):
     card = httpx.get(f"{server.base}/v1/models/{MODEL}", headers=server.headers, timeout=10).json()
     assert card["id"] == MODEL and card["object"] == "model"

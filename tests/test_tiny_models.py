@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -208,8 +207,7 @@ def test_builders_are_small_and_seeded(request, tmp_path, fixture):
 
 # --- Weightless benchmark folders (benchmarks/*_config_folder.py) -------------------------------
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import flux_config_folder  # noqa: E402  (benchmarks/ is not a package)
+import flux_config_folder  # noqa: E402  (benchmarks/, on sys.path by tests/conftest.py)
 import sdxl_config_folder  # noqa: E402
 import wan_config_folder  # noqa: E402
 

@@ -5,7 +5,6 @@ disconnect = abort."""
 from __future__ import annotations
 
 import base64
-import json
 
 import httpx
 import pytest
@@ -14,7 +13,7 @@ import torch
 from diffserve import AsyncDiffusionEngine, EngineConfig, SamplingParams
 from diffserve.entrypoints.openai.api_server import create_app
 from diffserve.entrypoints.video_encoding import decode_mp4
-from server_helpers import assert_openai_error, serve, wait_until
+from server_helpers import assert_openai_error, serve, sse_events, wait_until
 
 torch.set_num_threads(1)
 
@@ -30,16 +29,6 @@ def base(tiny_wan_dir):
         yield url, engine
 
 
-def _events(response: httpx.Response):
-    """(event name, data) of an SSE response, as they arrive."""
-    name = None
-    for line in response.iter_lines():
-        if line.startswith("event: "):
-            name = line[len("event: "):]
-        elif line.startswith("data: "):
-            yield name, json.loads(line[len("data: "):])
-
-
 def test_stream_sends_chunks_as_mp4_and_takes_an_interaction(base):
     url, engine = base
     body = {**BODY, "num_chunks": 4, "num_inference_steps": 30}  # chunks long enough to interact during
@@ -47,7 +36,7 @@ def test_stream_sends_chunks_as_mp4_and_takes_an_interaction(base):
     with httpx.stream("POST", url + STREAMS, json=body, timeout=60) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
         stream_id = response.headers["x-request-id"]
-        for name, data in _events(response):
+        for name, data in sse_events(response):
             got.append((name, data))
             if name == "video.stream.chunk" and data["chunk_index"] == 0:
                 answers.append(httpx.post(f"{url}{STREAMS}/{stream_id}/interactions",
@@ -121,7 +110,7 @@ def test_disconnect_aborts_the_stream(base):
     url, engine = base
     with httpx.stream("POST", url + STREAMS, json={**BODY, "num_chunks": 50, "num_inference_steps": 4},
                       timeout=60) as response:
-        for name, data in _events(response):
+        for name, data in sse_events(response):
             if name == "video.stream.chunk":
                 break
     wait_until(lambda: not engine.engine.has_unfinished_requests(), timeout=10, what="abort after disconnect")

@@ -35,17 +35,12 @@ copies. ``tests/test_digits_model.py`` checks both forwards agree.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import platform
 import random
-import shlex
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from diffusers import (
@@ -57,8 +52,10 @@ from diffusers import (
 from diffusers.models.attention_processor import JointAttnProcessor2_0
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
-from diffserve.pipelines.sd3_context_folding import fold_placeholder_rows, install_folded_context_attention
+from diffserve.models import training
 from diffserve.models.digits import data
+from diffserve.models.training import QUALITY_BEGIN, QUALITY_END, folder_bytes, loss_table
+from diffserve.pipelines.sd3_context_folding import fold_placeholder_rows, install_folded_context_attention
 from diffserve.pipelines.sd3 import DEFAULT_MAX_SEQUENCE_LENGTH
 from diffserve.models.digits.tokenizer import (
     MODEL_MAX_LENGTH,
@@ -72,9 +69,6 @@ DEFAULT_WEIGHTS_DIR = PACKAGE_DIR / "weights"
 PACKAGE_MODEL_CARD = PACKAGE_DIR / "MODEL_CARD.md"
 #: Sampling defaults shipped with the model: the settings its judge accuracy is reported at.
 GENERATION_DEFAULTS = {"num_inference_steps": 20, "guidance_scale": 4.0, "height": 8, "width": 8}
-
-QUALITY_BEGIN = "<!-- quality:begin -->"
-QUALITY_END = "<!-- quality:end -->"
 
 
 @dataclass(frozen=True)
@@ -100,25 +94,13 @@ TINY_SIZE = ModelSize(
 )
 
 
-@dataclass(frozen=True)
-class TrainConfig:
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(training.TrainConfig):
     """Optimisation settings; the defaults are the ones used for the shipped model."""
 
-    seed: int = 0
-    threads: int = 1
-    max_steps: int = 3000
     minutes: float = 20.0
     batch_size: int = 128
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    warmup_steps: int = 200
-    ema_decay: float = 0.999
-    empty_prompt_prob: float = 0.1
-    vae_steps: int = 800
-    vae_lr: float = 2e-3
     vae_batch_size: int = 128
-    vae_kl_weight: float = 1e-3
-    log_every: int = 100
 
 
 def build_pipeline(size: ModelSize = FULL_SIZE) -> StableDiffusion3Pipeline:
@@ -187,48 +169,28 @@ def build_pipeline(size: ModelSize = FULL_SIZE) -> StableDiffusion3Pipeline:
     )
 
 
-def count_parameters(module: torch.nn.Module) -> int:
-    """Number of scalar parameters of ``module``."""
-    return sum(p.numel() for p in module.parameters())
-
-
 def train_vae(
     vae: AutoencoderKL, images: torch.Tensor, config: TrainConfig, deadline: float
 ) -> list[tuple[int, float]]:
     """Train ``vae`` in place to reconstruct ``images`` (float32 (N, 1, 8, 8) in [-1, 1]).
 
     Loss: mean squared error of the reconstruction from a posterior sample plus
-    ``config.vae_kl_weight`` times the per-element mean KL to N(0, 1) (Kingma & Welling 2014).
-    Adam with cosine learning-rate decay; stops early at ``deadline`` (``time.monotonic()``).
+    ``config.vae_kl_weight`` times the per-element mean KL to N(0, 1) (Kingma & Welling 2014),
+    on batches of ``config.vae_batch_size`` images drawn with replacement (global torch RNG).
+    Adam with cosine learning-rate decay (:func:`diffserve.models.training.train_vae`); stops
+    early at ``deadline`` (``time.monotonic()``).
 
     Returns:
         ``(step, mean loss over the last log interval)`` pairs.
     """
-    optimizer = torch.optim.Adam(vae.parameters(), lr=config.vae_lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, config.vae_steps) / config.vae_steps))
-    )
-    vae.train()
-    curve, running = [], []
-    for step in range(1, config.vae_steps + 1):
+
+    def batch_loss() -> torch.Tensor:
         batch = images[torch.randint(len(images), (config.vae_batch_size,))]
         posterior = vae.encode(batch).latent_dist
         recon = vae.decode(posterior.sample()).sample
-        loss = F.mse_loss(recon, batch) + config.vae_kl_weight * posterior.kl().mean() / batch[0].numel()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        running.append(loss.item())
-        if step % config.log_every == 0 or step == config.vae_steps:
-            curve.append((step, float(np.mean(running))))
-            print(f"vae step {step:5d}  loss {curve[-1][1]:.5f}", flush=True)
-            running = []
-        if time.monotonic() > deadline:
-            print(f"vae: wall-clock budget reached at step {step}", flush=True)
-            break
-    vae.eval()
-    return curve
+        return F.mse_loss(recon, batch) + config.vae_kl_weight * posterior.kl().mean() / batch[0].numel()
+
+    return training.train_vae(vae, batch_loss, config, deadline)
 
 
 @torch.no_grad()
@@ -297,9 +259,9 @@ def train_denoiser(
 ) -> tuple[list[tuple[int, float]], int]:
     """Train the transformer and both text encoders jointly; leaves their EMA weights in ``pipe``.
 
-    AdamW, linear warm-up then cosine decay to 0 over ``config.max_steps``; exponential moving
-    average of the weights (decay ``min(ema_decay, (1 + s) / (10 + s))``). Stops early at
-    ``deadline`` (``time.monotonic()``).
+    The loop (AdamW, warm-up then cosine decay, EMA, deadline) is
+    :func:`diffserve.models.training.train_denoiser`; the loss is :func:`rectified_flow_loss` with
+    the zero context rows folded, on prompts from ``data.sample_training_prompts``.
 
     Args:
         latents: float32 (N, 1, 8, 8) scaled latents of the training images.
@@ -309,70 +271,15 @@ def train_denoiser(
         ``(loss curve as (step, mean loss of the interval) pairs, steps done)``.
     """
     modules = [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
-    params = [p for m in modules for p in m.parameters()]
-    ema = [p.detach().clone() for p in params]
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
 
-    def lr_factor(step: int) -> float:
-        if step < config.warmup_steps:
-            return (step + 1) / config.warmup_steps
-        progress = (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    generator = torch.Generator().manual_seed(config.seed + 1)
-    prompt_rng = random.Random(config.seed + 2)
-    install_folded_context_attention(pipe.transformer, DEFAULT_MAX_SEQUENCE_LENGTH)
-    for m in modules:
-        m.train()
-
-    curve, running, step = [], [], 0
-    order = torch.randperm(len(latents), generator=generator)
-    cursor = 0
-    for step in range(1, config.max_steps + 1):
-        if cursor + config.batch_size > len(order):
-            order, cursor = torch.randperm(len(latents), generator=generator), 0
-        idx = order[cursor : cursor + config.batch_size]
-        cursor += config.batch_size
+    def batch_loss(idx: torch.Tensor, prompt_rng: random.Random, generator: torch.Generator) -> torch.Tensor:
         prompts = data.sample_training_prompts(labels[idx].tolist(), prompt_rng, config.empty_prompt_prob)
-        loss = rectified_flow_loss(pipe, latents[idx], prompts, generator)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        schedule.step()
-        with torch.no_grad():
-            decay = min(config.ema_decay, (1 + step) / (10 + step))
-            torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - decay)
-        running.append(loss.item())
-        if step % config.log_every == 0 or step == config.max_steps:
-            curve.append((step, float(np.mean(running))))
-            print(f"step {step:6d}  loss {curve[-1][1]:.4f}  lr {schedule.get_last_lr()[0]:.2e}", flush=True)
-            running = []
-        if time.monotonic() > deadline:
-            print(f"wall-clock budget reached at step {step}", flush=True)
-            if running:
-                curve.append((step, float(np.mean(running))))
-            break
+        return rectified_flow_loss(pipe, latents[idx], prompts, generator)
 
-    with torch.no_grad():
-        for p, e in zip(params, ema):
-            p.copy_(e)
+    install_folded_context_attention(pipe.transformer, DEFAULT_MAX_SEQUENCE_LENGTH)
+    curve, steps = training.train_denoiser(modules, len(latents), batch_loss, config, deadline)
     pipe.transformer.set_attn_processor(JointAttnProcessor2_0())
-    for m in modules:
-        m.eval()
-    return curve, step
-
-
-def _loss_table(curve: list[tuple[int, float]], rows: int = 20) -> str:
-    """Markdown table of about ``rows`` evenly spaced points of ``curve``."""
-    stride = max(1, len(curve) // rows)
-    picked = curve[::stride]
-    if picked[-1] != curve[-1]:
-        picked.append(curve[-1])
-    lines = ["| step | loss (interval mean) |", "|---:|---:|"]
-    lines += [f"| {s} | {l:.4f} |" for s, l in picked]
-    return "\n".join(lines)
+    return curve, steps
 
 
 def write_model_card(path: Path, facts: dict) -> None:
@@ -449,7 +356,7 @@ torch {torch.__version__}, seed {config.seed}):
 
 ### Loss curve (denoiser)
 
-{_loss_table(facts["curve"])}
+{loss_table(facts["curve"])}
 
 ## Quality (judge)
 
@@ -484,26 +391,16 @@ Held-out templates (never used in training; all their words are):
     path.write_text(card)
 
 
-def folder_bytes(path: Path) -> int:
-    """Total size in bytes of the files under ``path``."""
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line arguments (see module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="output pipeline folder")
-    parser.add_argument("--seed", type=int, default=TrainConfig.seed)
-    parser.add_argument("--minutes", type=float, default=TrainConfig.minutes,
-                        help="wall-clock cap for the whole run (training stops early when reached)")
+    training.add_run_arguments(parser, TrainConfig)
     parser.add_argument("--max-steps", type=int, default=None,
                         help=f"denoiser steps (default {TrainConfig.max_steps}); also sets the LR schedule")
     parser.add_argument("--threads", type=int, default=TrainConfig.threads, help="torch.set_num_threads")
     parser.add_argument("--tiny", action="store_true",
                         help="tiny architecture and short VAE phase, for smoke tests")
-    parser.add_argument("--card", type=Path, default=None,
-                        help="model card path (default: the package MODEL_CARD.md when --out is the "
-                        "built-in weights folder, else OUT/MODEL_CARD.md)")
+    training.add_card_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -513,18 +410,9 @@ def main(argv: list[str] | None = None) -> Path:
     start = time.monotonic()
     deadline = start + args.minutes * 60
     size = TINY_SIZE if args.tiny else FULL_SIZE
-    overrides = {"seed": args.seed, "threads": args.threads, "minutes": args.minutes}
-    if args.tiny:
-        overrides.update(vae_steps=min(TrainConfig.vae_steps, 3), batch_size=16, vae_batch_size=16, log_every=1)
-    if args.max_steps is not None:
-        overrides["max_steps"] = args.max_steps
-        overrides["warmup_steps"] = min(TrainConfig.warmup_steps, max(1, args.max_steps // 10))
-    config = TrainConfig(**overrides)
-
-    torch.set_num_threads(config.threads)
-    random.seed(config.seed)
-    np.random.seed(config.seed)
-    torch.manual_seed(config.seed)
+    tiny = {"vae_steps": min(TrainConfig.vae_steps, 3), "batch_size": 16, "vae_batch_size": 16, "log_every": 1}
+    config = training.build_config(TrainConfig, args, tiny)
+    training.seed_everything(config)
 
     pipe = build_pipeline(size)
     pipe.set_progress_bar_config(disable=True)
@@ -534,23 +422,16 @@ def main(argv: list[str] | None = None) -> Path:
     latents = normalize_latents(pipe.vae, images)
     curve, steps = train_denoiser(pipe, latents, labels, config, deadline)
 
-    out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    pipe.save_pretrained(out, safe_serialization=True)
-    # diffserve reads per-model sampling defaults from this file (pipelines/sd3.py)
-    (out / "generation_config.json").write_text(json.dumps(GENERATION_DEFAULTS, indent=2) + "\n")
+    # diffserve reads per-model sampling defaults from generation_config.json (pipelines/sd3.py)
+    out = training.save_pipeline(pipe, args.out, GENERATION_DEFAULTS)
     wall_s = time.monotonic() - start
 
-    card_path = args.card or (PACKAGE_MODEL_CARD if out == DEFAULT_WEIGHTS_DIR else out / "MODEL_CARD.md")
-    params = {
-        "transformer": count_parameters(pipe.transformer),
-        "text_encoder": count_parameters(pipe.text_encoder),
-        "vae": count_parameters(pipe.vae),
-    }
+    card_path = training.model_card_path(args.card, out, DEFAULT_WEIGHTS_DIR, PACKAGE_MODEL_CARD)
+    params = training.component_parameters(pipe)
     params["total"] = params["transformer"] + 2 * params["text_encoder"] + params["vae"]
-    command = "python -m diffserve.models.digits.train " + shlex.join(sys.argv[1:] if argv is None else argv)
     facts = {
-        "size": size, "config": config, "params": params, "command": command, "wall_s": wall_s,
+        "size": size, "config": config, "params": params, "wall_s": wall_s,
+        "command": training.command_line("diffserve.models.digits.train", argv),
         "steps": steps, "curve": curve, "vae_curve": vae_curve, "vae_steps": vae_curve[-1][0],
         "shift": pipe.vae.config.shift_factor, "scale": pipe.vae.config.scaling_factor,
         "vocab_size": len(pipe.tokenizer), "folder_bytes": folder_bytes(out),

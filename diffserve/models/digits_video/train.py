@@ -35,11 +35,8 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import math
 import platform
 import random
-import shlex
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -56,10 +53,11 @@ from diffusers import (
 )
 from transformers import UMT5Config, UMT5EncoderModel
 
+from diffserve.models import training
 from diffserve.models.digits import data as digit_data
-from diffserve.models.digits.train import QUALITY_BEGIN, QUALITY_END, count_parameters, folder_bytes
 from diffserve.models.digits_video import data
 from diffserve.models.digits_video.tokenizer import VOCABULARY_WORDS, build_umt5_tokenizer
+from diffserve.models.training import QUALITY_BEGIN, QUALITY_END, folder_bytes, loss_table
 from diffserve.pipelines.wan_context_folding import (
     append_folded_row,
     install_folded_cross_attention,
@@ -111,29 +109,15 @@ TINY_SIZE = ModelSize(
 )
 
 
-@dataclass(frozen=True)
-class TrainConfig:
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(training.TrainConfig):
     """Optimisation settings; the defaults are the ones used for the shipped model."""
 
-    seed: int = 0
-    threads: int = 1
     minutes: float = 90.0
-    # VAE phase
-    vae_steps: int = 800
-    vae_lr: float = 2e-3
-    vae_batch_size: int = 16
-    vae_kl_weight: float = 1e-3
-    # latent pool: clips per training digit encoded once for the denoiser phase
-    clips_per_digit: int = 8
-    # denoiser phase
-    max_steps: int = 3000
     batch_size: int = 64
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    warmup_steps: int = 200
-    ema_decay: float = 0.999
-    empty_prompt_prob: float = 0.1
-    log_every: int = 100
+    vae_batch_size: int = 16
+    #: latent pool: clips per training digit encoded once for the denoiser phase
+    clips_per_digit: int = 8
 
 
 def build_scheduler() -> UniPCMultistepScheduler:
@@ -278,37 +262,21 @@ def vae_loss(vae: AutoencoderKLWan, clips: torch.Tensor, kl_weight: float) -> to
 def train_vae(
     vae: AutoencoderKLWan, sampler: ClipSampler, config: TrainConfig, deadline: float
 ) -> list[tuple[int, float]]:
-    """Train ``vae`` in place on random training clips (Adam, cosine decay; stops at ``deadline``).
+    """Train ``vae`` in place on random training clips (:func:`vae_loss` on batches of
+    ``config.vae_batch_size`` clips; Adam, cosine decay, gradient norm clipped to 1.0; stops at
+    ``deadline``; the loop is :func:`diffserve.models.training.train_vae`).
 
     Returns:
-        ``(step, mean loss over the last log interval)`` pairs.
+        ``(step, mean loss over the last log interval)`` pairs (about 10 of them at least).
     """
-    optimizer = torch.optim.Adam(vae.parameters(), lr=config.vae_lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, config.vae_steps) / config.vae_steps))
+    return training.train_vae(
+        vae,
+        lambda: vae_loss(vae, sampler.batch(config.vae_batch_size), config.vae_kl_weight),
+        config,
+        deadline,
+        log_every=max(1, min(config.log_every, config.vae_steps // 10)),
+        clip_grad_norm=1.0,
     )
-    vae.train()
-    curve, running = [], []
-    log_every = max(1, min(config.log_every, config.vae_steps // 10))
-    for step in range(1, config.vae_steps + 1):
-        loss = vae_loss(vae, sampler.batch(config.vae_batch_size), config.vae_kl_weight)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        running.append(loss.item())
-        if step % log_every == 0 or step == config.vae_steps:
-            curve.append((step, float(np.mean(running))))
-            print(f"vae step {step:5d}  loss {curve[-1][1]:.5f}", flush=True)
-            running = []
-        if time.monotonic() > deadline:
-            print(f"vae: wall-clock budget reached at step {step}", flush=True)
-            if running:
-                curve.append((step, float(np.mean(running))))
-            break
-    vae.eval()
-    return curve
 
 
 @torch.no_grad()
@@ -416,9 +384,9 @@ def train_denoiser(
 ) -> tuple[list[tuple[int, float]], int]:
     """Train the transformer and the text encoder jointly; leaves their EMA weights in ``pipe``.
 
-    AdamW, linear warm-up then cosine decay to 0 over ``config.max_steps``; exponential moving
-    average of the weights (decay ``min(ema_decay, (1 + s) / (10 + s))``). Stops early at
-    ``deadline`` (``time.monotonic()``).
+    The loop (AdamW, warm-up then cosine decay, EMA, deadline) is
+    :func:`diffserve.models.training.train_denoiser`; the loss is :func:`rectified_flow_loss` with
+    the padding rows folded, on prompts from ``data.sample_training_prompts``.
 
     Args:
         latents: float32 (N, z_dim, F', h, w) normalised latents of the pool clips.
@@ -429,71 +397,14 @@ def train_denoiser(
     """
     install_folded_cross_attention(pipe.transformer)
     modules = [pipe.transformer, pipe.text_encoder]
-    params = [p for m in modules for p in m.parameters()]
-    ema = [p.detach().clone() for p in params]
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
 
-    def lr_factor(step: int) -> float:
-        if step < config.warmup_steps:
-            return (step + 1) / config.warmup_steps
-        progress = (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    generator = torch.Generator().manual_seed(config.seed + 1)
-    prompt_rng = random.Random(config.seed + 2)
-    for m in modules:
-        m.train()
-
-    curve, running, step = [], [], 0
-    order = torch.randperm(len(latents), generator=generator)
-    cursor = 0
-    for step in range(1, config.max_steps + 1):
-        if cursor + config.batch_size > len(order):
-            order, cursor = torch.randperm(len(latents), generator=generator), 0
-        idx = order[cursor : cursor + config.batch_size]
-        cursor += config.batch_size
+    def batch_loss(idx: torch.Tensor, prompt_rng: random.Random, generator: torch.Generator) -> torch.Tensor:
         prompts = data.sample_training_prompts([specs[i] for i in idx.tolist()], prompt_rng, config.empty_prompt_prob)
-        loss = rectified_flow_loss(pipe, latents[idx.to(latents.device)], prompts, generator)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        schedule.step()
-        with torch.no_grad():
-            decay = min(config.ema_decay, (1 + step) / (10 + step))
-            torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - decay)
-        running.append(loss.item())
-        if step % config.log_every == 0 or step == config.max_steps:
-            curve.append((step, float(np.mean(running))))
-            print(f"step {step:6d}  loss {curve[-1][1]:.4f}  lr {schedule.get_last_lr()[0]:.2e}", flush=True)
-            running = []
-        if time.monotonic() > deadline:
-            print(f"wall-clock budget reached at step {step}", flush=True)
-            if running:
-                curve.append((step, float(np.mean(running))))
-            break
+        return rectified_flow_loss(pipe, latents[idx.to(latents.device)], prompts, generator)
 
-    with torch.no_grad():
-        for p, e in zip(params, ema):
-            p.copy_(e)
+    curve, steps = training.train_denoiser(modules, len(latents), batch_loss, config, deadline)
     uninstall_folded_cross_attention(pipe.transformer)
-    for m in modules:
-        m.eval()
-    return curve, step
-
-
-def _loss_table(curve: list[tuple[int, float]], rows: int = 15) -> str:
-    """Markdown table of about ``rows`` evenly spaced points of ``curve`` ("" for no points)."""
-    if not curve:
-        return "No steps in this run."
-    stride = max(1, len(curve) // rows)
-    picked = curve[::stride]
-    if picked[-1] != curve[-1]:
-        picked.append(curve[-1])
-    lines = ["| step | loss (interval mean) |", "|---:|---:|"]
-    lines += [f"| {s} | {l:.4f} |" for s, l in picked]
-    return "\n".join(lines)
+    return curve, steps
 
 
 def _resume_note(facts: dict) -> str:
@@ -618,7 +529,7 @@ was shared, so the wall time is an upper bound):
 
 ### Loss curve (denoiser)
 
-{_loss_table(facts["curve"])}
+{loss_table(facts["curve"], rows=15)}
 
 ## Quality (judge)
 
@@ -655,10 +566,7 @@ lists such words. The tokenizer is case-sensitive (`Moving` is not the trained `
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line arguments (see module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="output pipeline folder")
-    parser.add_argument("--seed", type=int, default=TrainConfig.seed)
-    parser.add_argument("--minutes", type=float, default=TrainConfig.minutes,
-                        help="wall-clock cap for the whole run (training stops early when reached)")
+    training.add_run_arguments(parser, TrainConfig)
     parser.add_argument("--vae-steps", type=int, default=None, help=f"VAE steps (default {TrainConfig.vae_steps})")
     parser.add_argument("--max-steps", type=int, default=None,
                         help=f"denoiser steps (default {TrainConfig.max_steps}); also sets the LR schedule; 0 = a "
@@ -676,9 +584,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"weight of the VAE's KL term (default {TrainConfig.vae_kl_weight})")
     parser.add_argument("--tiny", action="store_true",
                         help="tiny architecture, short phases and a small latent pool, for smoke tests")
-    parser.add_argument("--card", type=Path, default=None,
-                        help="model card path (default: the package MODEL_CARD.md when --out is the "
-                        "built-in weights folder, else OUT/MODEL_CARD.md)")
+    training.add_card_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -688,28 +594,12 @@ def main(argv: list[str] | None = None) -> Path:
     start, cpu_start = time.monotonic(), time.process_time()
     deadline = start + args.minutes * 60
     size = TINY_SIZE if args.tiny else FULL_SIZE
-    overrides = {"seed": args.seed, "threads": args.threads, "minutes": args.minutes}
-    if args.tiny:
-        overrides.update(vae_steps=2, vae_batch_size=2, batch_size=4, clips_per_digit=1, log_every=1, max_steps=2)
-    if args.vae_steps is not None:
-        overrides["vae_steps"] = args.vae_steps
-    if args.lr is not None:
-        overrides["lr"] = args.lr
-    if args.vae_lr is not None:
-        overrides["vae_lr"] = args.vae_lr
-    if args.vae_batch_size is not None:
-        overrides["vae_batch_size"] = args.vae_batch_size
-    if args.vae_kl_weight is not None:
-        overrides["vae_kl_weight"] = args.vae_kl_weight
-    if args.max_steps is not None:
-        overrides["max_steps"] = args.max_steps
-        overrides["warmup_steps"] = min(TrainConfig.warmup_steps, max(1, args.max_steps // 10))
-    config = TrainConfig(**overrides)
-
-    torch.set_num_threads(config.threads)
-    random.seed(config.seed)
-    np.random.seed(config.seed)
-    torch.manual_seed(config.seed)
+    tiny = {"vae_steps": 2, "vae_batch_size": 2, "batch_size": 4, "clips_per_digit": 1, "log_every": 1, "max_steps": 2}
+    config = training.build_config(
+        TrainConfig, args, tiny, vae_steps=args.vae_steps, lr=args.lr, vae_lr=args.vae_lr,
+        vae_batch_size=args.vae_batch_size, vae_kl_weight=args.vae_kl_weight,
+    )
+    training.seed_everything(config)
 
     if args.resume is None:
         pipe = build_pipeline(size).to(args.device)
@@ -725,25 +615,16 @@ def main(argv: list[str] | None = None) -> Path:
         print(f"latent pool: {tuple(latents.shape)}", flush=True)
         curve, steps = train_denoiser(pipe, latents, specs, config, deadline)
 
-    out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    pipe.to("cpu").save_pretrained(out, safe_serialization=True)
-    # diffserve reads per-model sampling defaults from this file
-    (out / "generation_config.json").write_text(json.dumps(GENERATION_DEFAULTS, indent=2) + "\n")
+    # diffserve reads per-model sampling defaults from generation_config.json
+    out = training.save_pipeline(pipe.to("cpu"), args.out, GENERATION_DEFAULTS)
     wall_s, cpu_s = time.monotonic() - start, time.process_time() - cpu_start
 
-    card_path = args.card or (PACKAGE_MODEL_CARD if out == DEFAULT_WEIGHTS_DIR else out / "MODEL_CARD.md")
-    params = {
-        "transformer": count_parameters(pipe.transformer),
-        "text_encoder": count_parameters(pipe.text_encoder),
-        "vae": count_parameters(pipe.vae),
-    }
+    card_path = training.model_card_path(args.card, out, DEFAULT_WEIGHTS_DIR, PACKAGE_MODEL_CARD)
+    params = training.component_parameters(pipe)
     params["total"] = sum(params.values())
-    command = "python -m diffserve.models.digits_video.train " + shlex.join(
-        sys.argv[1:] if argv is None else argv
-    )
     facts = {
-        "size": size, "config": config, "params": params, "command": command, "wall_s": wall_s,
+        "size": size, "config": config, "params": params, "wall_s": wall_s,
+        "command": training.command_line("diffserve.models.digits_video.train", argv),
         "cpu_s": cpu_s, "steps": steps, "curve": curve, "vae_curve": vae_curve,
         "vae_steps": vae_curve[-1][0] if vae_curve else 0, "resumed_from": args.resume, "pool_size": pool_size, "vocab_size": len(pipe.tokenizer),
         "folder_bytes": folder_bytes(out),

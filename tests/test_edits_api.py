@@ -101,6 +101,21 @@ def test_openai_client_streams_edit_events(server):
     assert [n for n in names if n != "diffserve.queued"] == ["diffserve.progress"] * 10 + ["image_edit.completed"]
 
 
+def test_streamed_edit_counts_the_steps_strength_runs(server):
+    """strength 0.3 of 20 steps runs 6: every progress event says 6, and the 3 previews are
+    spread over those 6 steps (not over 20, which would leave most of them unsent)."""
+    source = encoded(threes(1)[0])
+    with httpx.stream("POST", server.url, files={"image": ("three.png", source, "image/png")}, timeout=60,
+                      data={"prompt": EIGHT, "strength": "0.3", "num_inference_steps": "20", "stream": "true",
+                            "stream_progress": "true", "partial_images": "3", "seed": "1"}) as resp:
+        assert resp.status_code == 200
+        events = [json.loads(line[len("data: "):]) for line in resp.iter_lines() if line.startswith("data: ")]
+    progress = [e for e in events if e["type"] == "diffserve.progress"]
+    assert [e["num_inference_steps"] for e in progress] == [6] * 7 and [e["step"] for e in progress] == list(range(7))
+    assert [e["type"] for e in events].count("image_edit.partial_image") == 3
+    assert events[-1]["type"] == "image_edit.completed"
+
+
 def test_same_seed_is_byte_identical_over_http_and_offline(server):
     source = encoded(threes(2)[1])
     params = {"strength": 0.7, "seed": 123, "num_inference_steps": 12, "guidance_scale": 3.0}

@@ -228,6 +228,25 @@ def test_sleep_routes(tiny_sd3_dir):
                 assert client.post("/v1/images/generations", json=body).status_code == 200
 
 
+def test_sleep_routes_need_the_api_key_and_refuse_other_sites(tiny_sd3_dir):
+    """With --api-key, POST /sleep and /wake_up need the key like /v1/*; a page of another
+    site cannot post them (403, no CORS preflight protects a body-less POST); GET /is_sleeping
+    stays open like /health."""
+    engine = AsyncDiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), num_threads=1))
+    app = create_app(engine, "tiny", api_key="secret")
+    key = {"Authorization": "Bearer secret"}
+    with TestClient(app) as client:
+        for path in ("/sleep", "/wake_up"):
+            refused = client.post(path)
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+            other_site = client.post(path, headers={**key, "Origin": "http://evil.example"})
+            assert other_site.status_code == 403 and other_site.json()["error"]["code"] == "cross_origin_forbidden"
+        assert client.get("/is_sleeping").json() == {"is_sleeping": False}
+        own = {**key, "Origin": "http://testserver"}  # the server's own page (its Host)
+        assert client.post("/sleep", headers=own).json() == {"is_sleeping": True, "level": 1}
+        assert client.post("/wake_up", headers=key).json() == {"is_sleeping": False}
+
+
 # ------------------------------------------------------------------- memory-aware admission
 @pytest.fixture(scope="module")
 def profiled(tiny_sd3_dir):

@@ -275,8 +275,12 @@ def test_image_store_keeps_every_promise_and_refuses_when_full(tmp_path):
     with pytest.raises(StoreFullError) as info:  # 3 images: full until the first expires at t=10
         store.reserve(1, 10)
     assert info.value.retry_after_s == 6
-    with pytest.raises(StoreFullError):
-        store.reserve(1, 10_000)  # larger than the store: never fits
+    with pytest.raises(InvalidRequestError) as never:
+        store.reserve(1, 10_000)  # larger than the store: never fits, retrying cannot help
+    assert never.value.field == "response_format"
+    with pytest.raises(InvalidRequestError) as never:
+        store.reserve(4, 40)  # more images than the store holds
+    assert never.value.field == "n" and "at most 3" in str(never.value)
     for name, data in zip([*names, name3], (b"a" * 60, b"b" * 50, b"c" * 100)):
         assert store.get(name).data == data  # every image is still there, from memory or disk
     now[0] = 10.0
@@ -303,6 +307,9 @@ def test_url_responses_never_promise_what_eviction_breaks(engine):
         for d in data:  # the promised links keep working
             assert httpx.get(d["url"]).status_code == 200
         assert httpx.post(url, json={"prompt": "y", **FAST}).status_code == 200  # b64_json still served
+        never = httpx.post(url, json={"prompt": "z", "n": 3, "response_format": "url", **FAST})
+        assert_openai_error(never, 400, param="n")  # more than the store holds: not a 503 to retry
+        assert "retry-after" not in never.headers
 
 
 # --------------------------------------------------------------------- 10: SSE keep-alive

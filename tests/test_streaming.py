@@ -244,11 +244,17 @@ def test_interaction_refusals(wan, engine):
     (dict(num_chunks=1025), "num_chunks"),
     (dict(num_chunks=2, num_images_per_prompt=2), "num_images_per_prompt"),
     (dict(num_chunks=2, output_type="latent"), "output_type"),
+    (dict(num_chunks=2, num_frames=1), "num_frames"),  # no new frame after the repeated one
 ])
 def test_stream_params_validation(wan, params, field):
     with pytest.raises(InvalidRequestError) as info:
         wan.add_request("a cat", SamplingParams(**{**SIZE, **params}))
     assert info.value.field == field
+    if field == "num_frames":
+        assert ">= 5 with num_chunks > 1" in str(info.value)
+        [one] = wan.generate("a cat", SamplingParams(**{**SIZE, "num_frames": 1, "num_chunks": 1, "seed": 0,
+                                                        "num_inference_steps": 1, "output_type": "np"}))
+        assert one.ok and one.videos[0].shape[0] == 1  # one chunk of one frame is fine
 
 
 def test_abort_mid_stream_stops_at_the_next_step(wan):

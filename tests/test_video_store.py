@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from diffserve.errors import InvalidRequestError
 from diffserve.entrypoints.openai.image_store import StoreFullError
 from diffserve.entrypoints.openai.video_store import LEASE_S, LocalVideoStore, VideoJob, new_video_id
 
@@ -53,7 +54,7 @@ def test_count_and_byte_bounds_refuse_new_jobs_until_the_oldest_expire(tmp_path)
     clock.now = first_expiry
     assert store.get(first.id) is None and not (tmp_path / f"{first.id}.mp4").exists()
     store.create(job(clock, 10))
-    with pytest.raises(StoreFullError, match="does not fit"):  # larger than the whole store: never fits
+    with pytest.raises(InvalidRequestError, match="does not fit"):  # larger than the whole store: never fits (400)
         LocalVideoStore(tmp_path / "b", max_bytes=1000, clock=clock).create(job(clock, 2000))
 
 

@@ -136,8 +136,10 @@ class DiffusionEngine(SleepMode):
         """Validate and queue one request; returns its id (a fresh uuid when not given).
 
         Args:
-            preview_steps: denoising steps (1-based) after which a decoded preview of the
-                current latents is emitted as a `partial` event.
+            preview_steps: denoising steps (1-based, counting the steps the request runs: with
+                image-to-image strength < 1 fewer than ``num_inference_steps``, see
+                `PipelineAdapter.num_steps`) after which a decoded preview of the current latents
+                is emitted as a `partial` event.
             inputs: input images (`RequestInputs`, or images in any form
                 `diffserve.inputs.make_inputs` takes).
             listener: receives each of this request's events (on the stepping thread) instead
@@ -171,6 +173,7 @@ class DiffusionEngine(SleepMode):
             preview_steps=frozenset(int(s) for s in preview_steps),
             listener=listener,
             memory_bytes=memory_bytes,
+            num_steps=plan.num_steps,
         )
         request.metrics.arrival_time = time.time()
         with self._lock:
@@ -346,8 +349,7 @@ class DiffusionEngine(SleepMode):
                 request.phase = Phase.PREPARING
                 request.status = RequestStatus.RUNNING
                 request.metrics.queue_s = time.perf_counter() - request.arrival_time
-                self._emit([StreamEvent(request.request_id, EventType.STARTED, step=0,
-                                        total=request.params.num_inference_steps)])
+                self._emit([StreamEvent(request.request_id, EventType.STARTED, step=0, total=request.num_steps)])
         if admitted:
             new = [NewRequest(r.request_id, r.prompt, r.params, r.inputs) for r in admitted]
             self._prepare_work.append((self.executor.submit_prepare(new), [r.request_id for r in admitted]))

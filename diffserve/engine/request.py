@@ -37,7 +37,8 @@ class Request:
             expert), as the worker last reported it; batches also share it.
         rows: denoiser rows per step (images x guidance branches).
         seq: arrival sequence number (the request scheduler's age order).
-        num_steps / steps_done: planned and completed denoising steps (known once prepared).
+        num_steps / steps_done: planned and completed denoising steps (planned from the
+            executor's `RequestPlan`, confirmed once prepared).
         preview_steps: steps after which a decoded preview is streamed (partial events).
         memory_bytes: estimated bytes the request needs while running (memory-aware
             admission, `diffserve.engine.memory_budget`; 0 without a memory budget).

@@ -179,11 +179,13 @@ class ChunkDone:
 
 @dataclass(frozen=True)
 class RequestPlan:
-    """What the request scheduler needs to know about a request: its denoiser rows per step
-    and its batch key (requests with equal keys may share a forward)."""
+    """What the request scheduler needs to know about a request: its denoiser rows per step,
+    its batch key (requests with equal keys may share a forward) and the denoising steps it
+    will run (fewer than ``num_inference_steps`` for image-to-image with strength < 1)."""
 
     rows: int
     batch_key: Any
+    num_steps: int
 
 
 @dataclass(frozen=True)

@@ -287,6 +287,12 @@ class PipelineAdapter(ABC):
         """Denoiser rows a request adds to a step batch: images x branches."""
         return params.num_images_per_prompt * self.branches(params)
 
+    def num_steps(self, params: SamplingParams, inputs: RequestInputs | None = None) -> int:
+        """Denoising steps the request will run (what its progress events count and preview
+        steps refer to): ``num_inference_steps``; image-to-image families that run only part
+        of the schedule override it."""
+        return params.num_inference_steps
+
     def batch_key(self, params: SamplingParams, inputs: RequestInputs | None = None) -> Hashable:
         """Requests with equal keys may share one denoise forward: (family, branches, latent
         size, dtype, `extra_batch_key`). Families whose sequence length depends on the input

@@ -214,6 +214,14 @@ class StableDiffusion3Adapter(PipelineAdapter):
     def _strength(self, params: SamplingParams) -> float:
         return self.spec.default_strength if params.strength is None else params.strength
 
+    def num_steps(self, params: SamplingParams, inputs=None) -> int:
+        """Image-to-image runs the last ``strength`` of the schedule: N - int(N - min(N x
+        strength, N)) steps, as `StableDiffusion3Img2ImgPipeline.get_timesteps` counts them."""
+        if inputs is None or not inputs.images:
+            return params.num_inference_steps
+        n = params.num_inference_steps
+        return n - int(max(n - min(n * self._strength(params), n), 0))
+
     def extra_batch_key(self, params: SamplingParams):
         """The T5 budget: it sets the text length (and the fold count with folding)."""
         return params.max_sequence_length

@@ -93,13 +93,24 @@ class ModelRunner:
 
         Raises:
             InvalidRequestError: a field the family cannot honour (``num_chunks`` on a family
-                that cannot stream chunks).
+                that cannot stream chunks; a stream of several chunks whose ``num_frames`` leave
+                no new frame after the ones a chunk repeats from the previous one).
         """
         if params.num_chunks is not None and not self.adapter.chunk_streaming:
             raise InvalidRequestError("num_chunks", params.num_chunks,
                                       f"unset: {self.adapter.pipeline_class_name} cannot stream video chunks")
+        overlap = self.adapter.chunk_overlap_frames
+        if (params.num_chunks or 1) > 1 and params.num_frames is not None and params.num_frames <= overlap:
+            k = self.adapter.spec.frame_factor
+            form = f" of the form {k}*m + 1" if k > 1 else ""
+            smallest = next(f for f in range(overlap + 1, overlap + k + 2) if (f - 1) % k == 0)
+            raise InvalidRequestError("num_frames", params.num_frames,
+                                      f"an integer{form} >= {smallest} with num_chunks > 1 (every chunk after the "
+                                      f"first repeats the previous chunk's last {overlap} frame(s), which are not "
+                                      "sent again)")
         self.adapter.check_params(params, inputs)
-        return RequestPlan(rows=self.adapter.rows(params), batch_key=self.adapter.batch_key(params, inputs))
+        return RequestPlan(rows=self.adapter.rows(params), batch_key=self.adapter.batch_key(params, inputs),
+                           num_steps=self.adapter.num_steps(params, inputs))
 
     # ------------------------------------------------------------------ work items
     @torch.inference_mode()

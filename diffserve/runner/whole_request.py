@@ -234,7 +234,8 @@ class WholeRequestRunner:
                 raise InvalidRequestError("image", "<image>", f"absent: {self.class_name} takes no input image")
             if inputs.mask is not None and "mask_image" not in self.signature:
                 raise InvalidRequestError("mask", "<mask>", f"absent: {self.class_name} takes no mask")
-        return RequestPlan(rows=params.num_images_per_prompt, batch_key=("whole-request", next(self._keys)))
+        return RequestPlan(rows=params.num_images_per_prompt, batch_key=("whole-request", next(self._keys)),
+                           num_steps=params.num_inference_steps)
 
     # ------------------------------------------------------------------ work items
     def _kwargs(self, new: NewRequest) -> dict[str, Any]:

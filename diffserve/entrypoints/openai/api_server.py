@@ -58,7 +58,7 @@ from starlette.requests import ClientDisconnect
 
 from diffserve.config import EngineConfig
 from diffserve.engine.async_engine import AsyncDiffusionEngine
-from diffserve.entrypoints.openai.sleep_routes import install_sleep_routes
+from diffserve.entrypoints.openai.sleep_routes import CONTROL_PATHS, install_sleep_routes
 from diffserve.entrypoints.openai.serving_video_stream import install_video_stream_routes
 from diffserve.entrypoints.openai.errors import (
     CLIENT_CLOSED_REQUEST,
@@ -255,9 +255,10 @@ class _StatusCounter:
 
 
 class _ApiKeyAuth:
-    """ASGI middleware: ``Authorization: Bearer KEY`` on ``/v1/*`` (every path when
-    `protect_all`), except the capability links ``/v1/images/files/*`` unless `protect_all`;
-    401 in OpenAI's format otherwise. CORS preflights (OPTIONS) pass (the CORS middleware,
+    """ASGI middleware: ``Authorization: Bearer KEY`` on ``/v1/*`` and the engine controls
+    (`CONTROL_PATHS`: ``POST /sleep``, ``POST /wake_up``) (every path when `protect_all`), except
+    the capability links ``/v1/images/files/*`` unless `protect_all`; 401 in OpenAI's format
+    otherwise. CORS preflights (OPTIONS) pass (the CORS middleware,
     outside this one, answers them)."""
 
     def __init__(self, app, api_key: str, protect_all: bool = False):
@@ -267,6 +268,8 @@ class _ApiKeyAuth:
 
     def _protected(self, path: str) -> bool:
         if self.protect_all:
+            return True
+        if path in CONTROL_PATHS:
             return True
         return (path == "/v1" or path.startswith("/v1/")) and not path.startswith(FILES_PATH_PREFIX)
 
@@ -378,7 +381,8 @@ def create_app(
     app = FastAPI(title="diffserve", summary="OpenAI-compatible image generation server", lifespan=lifespan)
     app.state.diffserve = state
     install_error_handlers(app)
-    install_sleep_routes(app, state, wake_on_request=wake_on_request)
+    install_sleep_routes(app, state, wake_on_request=wake_on_request, allowed_origins=allowed_origins,
+                         public_url=public_url)
     install_video_stream_routes(app, state)
     app.add_middleware(_StatusCounter, metrics=metrics)
     if api_key is not None:

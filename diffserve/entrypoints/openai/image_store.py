@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diffserve.entrypoints.openai.image_encoding import MEDIA_TYPES
+from diffserve.errors import InvalidRequestError
 
 #: Default lifetime of a stored image, seconds.
 DEFAULT_TTL_S = 3600.0
@@ -165,18 +166,20 @@ class ImageStore:
         """Hold room for `count` images of at most `nbytes` bytes in all.
 
         Raises:
-            StoreFullError: not enough room until some stored images expire (or ever, when
-                the request is larger than the store).
+            StoreFullError: not enough room until some stored images expire.
+            InvalidRequestError: never enough room: more images than the store holds (field
+                ``n``) or more bytes (field ``response_format``); retrying cannot help.
         """
+        if count > self.max_images:
+            raise InvalidRequestError("n", count, f"at most {self.max_images} with response_format=url (the "
+                                      "server's url image store holds that many; use response_format=b64_json)")
+        if nbytes > self.capacity_bytes:
+            raise InvalidRequestError("response_format", "url", f"b64_json: {count} url image(s) of up to {nbytes} "
+                                      f"bytes exceed the server's url image store ({self.capacity_bytes} bytes)")
         with self._lock:
             self._evict_expired()
             used_count = len(self._entries) + self._reserved_count
             used_bytes = self._memory_bytes + self._spill_bytes + self._reserved_bytes
-            if count > self.max_images or nbytes > self.capacity_bytes:
-                raise StoreFullError(
-                    f"{count} url image(s) of up to {nbytes} bytes do not fit the server's url image store "
-                    f"({self.max_images} images, {self.capacity_bytes} bytes); use response_format=b64_json",
-                    retry_after_s=1)
             if used_count + count > self.max_images or used_bytes + nbytes > self.capacity_bytes:
                 retry = 1
                 if self._entries:

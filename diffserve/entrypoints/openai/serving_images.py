@@ -259,7 +259,7 @@ class ImageGenerationService:
                 for i in range(n)
             ]
             resolved = [p.resolve(spec, limits) for p in params]  # every check, before any allocation
-            sync_engine.executor.plan(resolved[0], inputs)  # the family's own rules (images, mask, strength)
+            request_plan = sync_engine.executor.plan(resolved[0], inputs)  # the family's own rules (images, mask, strength)
         except InvalidRequestError as exc:
             raise invalid_request(exc) from None
         first = resolved[0]
@@ -271,8 +271,8 @@ class ImageGenerationService:
             params=params,
             width=first.width,
             height=first.height,
-            num_steps=first.num_inference_steps,
-            preview_steps=preview_steps(first.num_inference_steps, body.partial_images or 0) if stream else [],
+            num_steps=request_plan.num_steps,  # the steps that run (image-to-image: the strength's share)
+            preview_steps=preview_steps(request_plan.num_steps, body.partial_images or 0) if stream else [],
             stream=stream,
             stream_progress=stream and bool(body.stream_progress),
             response_format=body.response_format or "b64_json",
@@ -287,13 +287,17 @@ class ImageGenerationService:
         """Hold room in the image store for the ``url`` images of `plan` (None otherwise).
 
         Raises:
-            APIError: 503 ``image_store_full`` with ``Retry-After``.
+            APIError: 503 ``image_store_full`` with ``Retry-After`` (full until stored images
+                expire); 400 naming ``n`` or ``response_format`` when the store could never
+                hold the request's images.
         """
         if plan.response_format != "url" or plan.stream:  # streamed images are always base64
             return None
         n = len(plan.params)
         try:
             return self.store.reserve(n, n * encoded_size_bound(plan.width, plan.height))
+        except InvalidRequestError as exc:
+            raise invalid_request(exc) from None
         except StoreFullError as exc:
             error = unavailable(str(exc), "image_store_full")
             error.headers = {"Retry-After": str(exc.retry_after_s)}

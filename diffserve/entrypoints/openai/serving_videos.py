@@ -182,6 +182,8 @@ class VideoService:
                        owner="")
         try:
             await asyncio.to_thread(self.store.create, job)
+        except InvalidRequestError as exc:
+            raise invalid_request(exc) from None
         except StoreFullError as exc:
             error = unavailable(str(exc), "video_store_full")
             error.headers = {"Retry-After": str(exc.retry_after_s)}

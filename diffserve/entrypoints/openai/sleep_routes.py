@@ -28,10 +28,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from diffserve.entrypoints.openai.errors import APIError, unavailable
+from diffserve.entrypoints.openai.request_body import check_form_origin
 from diffserve.errors import EngineSleepingError
 
 #: Path prefix of the requests the sleep gate holds back.
 GATED_PREFIX = "/v1/"
+#: The routes that change the engine's state: behind ``--api-key`` like ``/v1/*``, and refused
+#: to other sites' pages (a body-less POST needs no CORS preflight).
+CONTROL_PATHS = frozenset({"/sleep", "/wake_up"})
 
 
 def _sync_engine(engine: Any) -> Any:
@@ -82,7 +86,8 @@ class _SleepGate:
         await self.app(scope, receive, send)
 
 
-def install_sleep_routes(app: FastAPI, state: Any, wake_on_request: bool = False) -> None:
+def install_sleep_routes(app: FastAPI, state: Any, wake_on_request: bool = False,
+                         allowed_origins: list[str] | None = None, public_url: str | None = None) -> None:
     """Add ``/sleep``, ``/wake_up``, ``/is_sleeping``, the sleep gate on ``POST /v1/...`` and
     a 503 handler for `EngineSleepingError` to `app` (call before the app starts).
 
@@ -92,7 +97,12 @@ def install_sleep_routes(app: FastAPI, state: Any, wake_on_request: bool = False
         state: the server state; ``state.engine`` is the `AsyncDiffusionEngine` (None while
             loading).
         wake_on_request: a generation request wakes a sleeping engine instead of getting 503.
+        allowed_origins, public_url: the sites whose pages may post ``/sleep`` and ``/wake_up``
+            besides the server's own (others get 403 ``cross_origin_forbidden``, see
+            `request_body.check_form_origin`); the API key, when set, is checked by the
+            server's auth middleware (`CONTROL_PATHS`).
     """
+
     app.add_middleware(_SleepGate, state=state, wake_on_request=wake_on_request)
 
     @app.exception_handler(EngineSleepingError)
@@ -102,8 +112,9 @@ def install_sleep_routes(app: FastAPI, state: Any, wake_on_request: bool = False
         return sleeping_error(name).to_response()
 
     @app.post("/sleep")
-    async def sleep(level: int = 1) -> JSONResponse:
+    async def sleep(request: Request, level: int = 1) -> JSONResponse:
         """Drain, then sleep at `level` (1 or 2); answers once asleep."""
+        check_form_origin(request, allowed_origins, public_url)
         engine = _sync_engine(_loaded_engine(state))
         from diffserve.runner.sleep import check_level
 
@@ -112,8 +123,9 @@ def install_sleep_routes(app: FastAPI, state: Any, wake_on_request: bool = False
         return JSONResponse({"is_sleeping": True, "level": engine.sleep_level})
 
     @app.post("/wake_up")
-    async def wake_up() -> JSONResponse:
+    async def wake_up(request: Request) -> JSONResponse:
         """Restore the weights; answers once awake."""
+        check_form_origin(request, allowed_origins, public_url)
         engine = _sync_engine(_loaded_engine(state))
         await asyncio.get_running_loop().run_in_executor(None, engine.wake_up)
         return JSONResponse({"is_sleeping": engine.is_sleeping})

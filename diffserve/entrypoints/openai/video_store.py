@@ -43,6 +43,7 @@ except ImportError:  # pragma: no cover - not POSIX: replicas in one process onl
     fcntl = None  # type: ignore[assignment]
 
 from diffserve.entrypoints.openai.image_store import StoreFullError
+from diffserve.errors import InvalidRequestError
 
 #: Default seconds a job and its video stay available after the job ended.
 DEFAULT_TTL_S = 3600.0
@@ -146,7 +147,8 @@ class VideoStore(ABC):
         """Store a new job, holding ``job.reserved_bytes`` for its video.
 
         Raises:
-            StoreFullError: the job count or byte bound would be exceeded.
+            StoreFullError: the job count or byte bound would be exceeded (until jobs expire).
+            InvalidRequestError: the video alone exceeds the byte bound (field ``num_frames``).
         """
 
     @abstractmethod
@@ -237,10 +239,10 @@ class LocalVideoStore(VideoStore):
         with self._locked():
             now = self._clock()
             jobs = self._sweep(now)
-            if job.reserved_bytes > self.max_bytes:
-                raise StoreFullError(f"a video of up to {job.reserved_bytes} bytes does not fit the server's video "
-                                     f"store ({self.max_bytes} bytes); ask for fewer frames or a smaller size",
-                                     retry_after_s=1)
+            if job.reserved_bytes > self.max_bytes:  # never fits: retrying cannot help
+                raise InvalidRequestError("num_frames", job.num_frames, f"fewer frames or a smaller size: a video of "
+                                          f"up to {job.reserved_bytes} bytes does not fit the server's video store "
+                                          f"({self.max_bytes} bytes)")
             used = sum(j.held_bytes for j in jobs)
             if len(jobs) + 1 > self.max_jobs or used + job.reserved_bytes > self.max_bytes:
                 ends = [j.expires_at for j in jobs if j.expires_at is not None]

@@ -5,10 +5,12 @@ disconnect = abort."""
 from __future__ import annotations
 
 import base64
+import time
 
 import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from diffserve import AsyncDiffusionEngine, EngineConfig, SamplingParams
 from diffserve.entrypoints.openai.api_server import create_app
@@ -19,6 +21,18 @@ torch.set_num_threads(1)
 
 STREAMS = "/v1/videos/streams"
 BODY = {"prompt": "a cat surfing", "size": "48x32", "num_frames": 9, "num_inference_steps": 2, "seed": 3}
+
+
+def counters(url: str) -> dict[tuple[str, tuple], float]:
+    """/metrics samples as {(name, sorted labels): value}."""
+    text = httpx.get(f"{url}/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def delta(before: dict, after: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +47,7 @@ def test_stream_sends_chunks_as_mp4_and_takes_an_interaction(base):
     url, engine = base
     body = {**BODY, "num_chunks": 4, "num_inference_steps": 30}  # chunks long enough to interact during
     got, answers = [], []
+    before = counters(url)
     with httpx.stream("POST", url + STREAMS, json=body, timeout=60) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
         stream_id = response.headers["x-request-id"]
@@ -65,12 +80,23 @@ def test_stream_sends_chunks_as_mp4_and_takes_an_interaction(base):
     assert video.shape == (33, 32, 48, 3) and done["num_frames"] == 33 and done["seed"] == 3
     assert len(done["timings"]["chunk_s"]) == 4
     assert not engine.engine.has_unfinished_requests()
+    after = counters(url)  # the stream is counted like any generation
+    assert delta(before, after, "diffserve_requests_total", status="200") == 1
+    assert delta(before, after, "diffserve_engine_requests_total", outcome="finished") == 1
+    assert delta(before, after, "diffserve_videos_generated_total") == 1
+
+
+def test_stream_routes_are_in_the_schema_of_a_streaming_model(base):
+    url, _ = base
+    paths = httpx.get(url + "/openapi.json").json()["paths"]
+    assert "post" in paths[STREAMS] and "post" in paths[STREAMS + "/{stream_id}/interactions"]
 
 
 def test_stream_validation_errors(base):
     url, _ = base
     for extra, status, param in (({"num_chunks": 0}, 400, "num_chunks"), ({}, 400, "num_chunks"),
                                  ({"num_chunks": 2, "num_frames": 10}, 400, "num_frames"),
+                                 ({"num_chunks": 2, "num_frames": 1}, 400, "num_frames"),  # no new frame per chunk
                                  ({"num_chunks": 2, "colour": "red"}, 400, "colour"),
                                  ({"num_chunks": 2, "size": "50x32"}, 400, "size"),
                                  ({"num_chunks": 2, "output_format": "avi"}, 400, "output_format"),
@@ -108,12 +134,17 @@ def test_interaction_errors(base):
 
 def test_disconnect_aborts_the_stream(base):
     url, engine = base
+    before = counters(url)
     with httpx.stream("POST", url + STREAMS, json={**BODY, "num_chunks": 50, "num_inference_steps": 4},
                       timeout=60) as response:
         for name, data in sse_events(response):
             if name == "video.stream.chunk":
                 break
     wait_until(lambda: not engine.engine.has_unfinished_requests(), timeout=10, what="abort after disconnect")
+    wait_until(lambda: delta(before, counters(url), "diffserve_engine_requests_total", outcome="aborted") == 1,
+               what="the aborted stream counted")
+    time.sleep(0.3)
+    assert delta(before, counters(url), "diffserve_engine_requests_total", outcome="aborted") == 1  # once
 
 
 def test_image_model_refuses_streams(tiny_sd3_dir):

@@ -6,6 +6,11 @@
 - transformers' ``XImageProcessor requires torchvision (not installed); falling back to
   XImageProcessorPil``: diffserve installs no torchvision (its PyPI build does not import beside
   the CPU torch), and the PIL image processors are what its image-input families use.
+- transformers' ``Token indices sequence length is longer than the specified maximum sequence
+  length for this model (...). Running this sequence through the model will result in indexing
+  errors``: diffserve tokenizes a prompt once without truncation only to tell whether it is
+  too long, then encodes it truncated (no indexing error happens) and prints its own one-line
+  truncation warning with the limit.
 
 Only these messages are dropped (logger filters on the exact loggers that emit them), so every
 other library warning still shows. Installing the filters imports neither library; the loader
@@ -21,6 +26,7 @@ INAPPLICABLE_WARNINGS: tuple[tuple[str, str], ...] = (
     ("diffusers.pipelines.pipeline_utils", "cannot run with `cpu` device"),
     ("diffusers.modular_pipelines.modular_pipeline", "cannot run with `cpu` device"),
     ("transformers.utils.import_utils", "requires torchvision (not installed)"),
+    ("transformers.tokenization_utils_base", "Token indices sequence length is longer than the specified maximum"),
 )
 
 

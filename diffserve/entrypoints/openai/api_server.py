@@ -59,7 +59,7 @@ from starlette.requests import ClientDisconnect
 from diffserve.config import EngineConfig
 from diffserve.engine.async_engine import AsyncDiffusionEngine
 from diffserve.entrypoints.openai.sleep_routes import CONTROL_PATHS, install_sleep_routes
-from diffserve.entrypoints.openai.serving_video_stream import install_video_stream_routes
+from diffserve.entrypoints.openai.serving_video_stream import STREAMS_PATH, install_video_stream_routes
 from diffserve.entrypoints.openai.errors import (
     CLIENT_CLOSED_REQUEST,
     APIError,
@@ -109,7 +109,7 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 GENERATIONS_PATH = "/v1/images/generations"
 FILES_PATH_PREFIX = "/v1/images/files/"
 #: The POST routes that start generations (counted by status in the metrics).
-GENERATION_PATHS = frozenset({GENERATIONS_PATH, EDITS_PATH, VIDEOS_PATH})
+GENERATION_PATHS = frozenset({GENERATIONS_PATH, EDITS_PATH, VIDEOS_PATH, STREAMS_PATH})
 
 
 def default_served_model_name(config: EngineConfig) -> str:
@@ -463,13 +463,19 @@ def create_app(
     def openapi() -> dict:
         """The OpenAPI schema, with the loaded model's limits in the request body schema; once
         the model is loaded, the generation routes it cannot serve (its capabilities decide:
-        edits need image inputs, videos a video model) are left out."""
+        edits need image inputs, videos a video model, video streams a family that can stream
+        chunks) are left out."""
         app.openapi_schema = None  # rebuilt on each request: the limits are known once loaded
         schema = default_openapi()
         if state.images is not None:
             body = schema["paths"][GENERATIONS_PATH]["post"]["requestBody"]["content"]["application/json"]
             body["schema"] = state.images.request_schema()
-            served = {CAPABILITY_ENDPOINTS[task].split()[1] for task in model_tasks(state.images.engine.engine.spec)}
+            sync_engine = state.images.engine.engine
+            served = {CAPABILITY_ENDPOINTS[task].split()[1] for task in model_tasks(sync_engine.spec)}
+            if sync_engine.model_info.chunk_streaming:
+                served.add(STREAMS_PATH)
+            else:
+                schema["paths"].pop(STREAMS_PATH + "/{stream_id}/interactions", None)
             for path in GENERATION_PATHS - served:
                 schema["paths"].get(path, {}).pop("post", None)
                 if not schema["paths"].get(path):

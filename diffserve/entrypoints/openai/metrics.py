@@ -8,7 +8,7 @@ Metrics (all durations in seconds):
                                                 finished / failed / aborted (requests of an
                                                 HTTP request rejected with 429 are not counted)
     diffserve_images_generated_total            images returned to clients
-    diffserve_videos_generated_total            videos of completed video jobs
+    diffserve_videos_generated_total            videos of completed video jobs and video streams
     diffserve_num_requests_waiting              engine requests in the waiting queue
     diffserve_num_requests_running              engine requests holding latents
     diffserve_num_running_rows                  transformer rows of the running requests
@@ -60,7 +60,7 @@ class ServerMetrics:
         self.engine_requests = Counter("diffserve_engine_requests", "Engine requests (one per image) by "
                                        "outcome.", ["outcome"], registry=r)
         self.images = Counter("diffserve_images_generated", "Images returned to clients.", registry=r)
-        self.videos = Counter("diffserve_videos_generated", "Videos of completed video jobs.", registry=r)
+        self.videos = Counter("diffserve_videos_generated", "Videos of completed video jobs and video streams.", registry=r)
         self.waiting = Gauge("diffserve_num_requests_waiting", "Engine requests in the waiting queue.",
                              registry=r)
         self.running = Gauge("diffserve_num_requests_running", "Engine requests holding latents.", registry=r)

@@ -245,6 +245,8 @@ class VideoStreamService:
         loop = asyncio.get_running_loop()
         last_sent = loop.time()
         frames_sent = 0
+        metrics = getattr(self.state, "metrics", None)
+        ended = False  # the engine's final event was read (and counted)
         try:
             yield _sse(created["type"], created)
             while True:
@@ -264,7 +266,13 @@ class VideoStreamService:
                                                          "chunk_index": event.chunk_index, "step": event.step,
                                                          "num_inference_steps": event.total})
                 elif event.type is EventType.CHUNK:
-                    data = await asyncio.to_thread(encode_video, event.output, fps, body.output_format)
+                    try:
+                        data = await asyncio.to_thread(encode_video, event.output, fps, body.output_format)
+                    except Exception as exc:  # noqa: BLE001 - an error event, never a cut connection
+                        logger.exception("%s: encoding chunk %d failed", stream_id, event.chunk_index)
+                        yield _error_event(APIError(500, f"video stream failed: encoding chunk {event.chunk_index}: "
+                                                         f"{exc}", type="server_error", code="generation_failed"))
+                        return
                     chunk = {"type": "video.stream.chunk", "id": stream_id, "chunk_index": event.chunk_index,
                              "first_frame": frames_sent, "num_frames": len(event.output), "media_type": media_type,
                              "b64_data": to_base64(data), "event_ids": event.event_ids, "created_at": int(time.time())}
@@ -272,7 +280,15 @@ class VideoStreamService:
                     yield _sse(chunk["type"], chunk)
                 elif event.type.is_final:
                     output = event.output
+                    ended = True
+                    if metrics is not None:
+                        if output is not None:
+                            metrics.observe_output(output)
+                        else:
+                            metrics.observe_abandoned(1, outcome="failed")
                     if output is not None and output.status is RequestStatus.FINISHED:
+                        if metrics is not None:
+                            metrics.observe_videos(1)
                         video = output.videos[0]
                         data = (await asyncio.to_thread(encode_video, video, fps, body.output_format)
                                 if body.include_video else None)
@@ -294,6 +310,8 @@ class VideoStreamService:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
                 await events.aclose()  # aborts the stream if it has not ended
+                if not ended and metrics is not None:
+                    metrics.observe_abandoned(1)  # client gone or the stream cut: aborted in the engine
 
     # ----------------------------------------------------------------------- interaction
     async def interact(self, stream_id: str, raw_request: Request) -> JSONResponse:

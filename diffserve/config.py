@@ -173,7 +173,7 @@ class EngineConfig:
             raise InvalidRequestError("offload_blocks", blocks, "an integer >= 1 (denoiser blocks per group)")
         if blocks != 1 and not self.layerwise_offload:
             raise InvalidRequestError("offload_blocks", blocks, "1 unless layerwise_offload is true")
-        from diffserve.engine.memory_budget import parse_memory
+        from diffserve.memory_size import parse_memory
 
         parse_memory(self.max_memory)  # validates `max_memory`
 

@@ -165,6 +165,19 @@ def test_generate_in_a_fresh_process_shows_no_inapplicable_library_warning(tiny_
     assert not noise, proc.stderr
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc (a folder nothing can be created in)")
+def test_unwritable_output_folder_is_refused_before_any_compute(tmp_path):
+    """-o where no folder can be created answers at once, before the model loads (no torch)."""
+    proc = subprocess.run([sys.executable, "-c", "import sys\nfrom diffserve.entrypoints.cli import main\n"
+                           "code = main(['generate', '7', '-o', '/proc/diffserve-out'])\n"
+                           "assert 'torch' not in sys.modules, 'torch was imported'\nsys.exit(code)"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("diffserve: error: argument -o: invalid value "
+                                                             "'/proc/diffserve-out': must be a writable folder")
+    assert (tmp_path / "file").write_text("x") and main(["generate", "7", "-o", str(tmp_path / "file" / "out")]) == 2
+
+
 def test_missing_model_folder_exits_2_and_leaves_no_folder(tmp_path):
     out = tmp_path / "out" / "deeper"
     proc = subprocess.run([sys.executable, "-m", "diffserve", "generate", "--model", str(tmp_path / "nope"),

@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from diffserve import AsyncDiffusionEngine, DiffusionEngine, EngineConfig, InvalidRequestError, SamplingParams
-from diffserve.engine.memory_budget import parse_memory
+from diffserve.memory_size import parse_memory
 from diffserve.entrypoints.cli import build_parser, engine_config_from_args
 from diffserve.entrypoints.openai.api_server import create_app
 from diffserve.errors import EngineSleepingError

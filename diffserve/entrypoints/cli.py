@@ -215,6 +215,9 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
     for name in ("cfg_parallel_size", "ulysses_degree", "prompt_embed_cache_bytes"):
         if getattr(args, name) < 1:
             raise InvalidRequestError(name, getattr(args, name), "an integer >= 1")
+    from diffserve.memory_size import parse_memory  # torch-free
+
+    parse_memory(getattr(args, "max_memory", None))
 
 
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -443,6 +446,8 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``diffserve generate`` and ``diffserve edit``."""
     job = check_generate_arguments(args, parser)
     prompt, params = job.prompt, job.params
+    writer = OutputWriter(job.out_dir, args.display_size)
+    writer.check_writable()  # before loading the model
     from diffserve.runner.library_warnings import silence_inapplicable_library_warnings
 
     silence_inapplicable_library_warnings()
@@ -470,12 +475,12 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if is_video:
         params = [dataclasses.replace(p, output_type="np") for p in params]
     resolved = [p.resolve(spec, limits, 0) for p in params]  # the model's rules, before any compute
-    for p in resolved:
-        engine.executor.plan(p, inputs)  # the family's own rules (input images, mask, strength)
+    # the family's own rules (input images, mask, strength) and the steps each request runs
+    planned = [engine.executor.plan(p, inputs).num_steps for p in resolved]
     if builtin_name(args.model) == "digits":
         _warn_out_of_vocabulary(prompt)
     ids = [engine.add_request(prompt, p, inputs=inputs) for p in params]
-    totals = {request_id: p.num_inference_steps for request_id, p in zip(ids, resolved)}
+    totals = dict(zip(ids, planned))
     bar = tqdm(total=sum(totals.values()), desc="denoising", unit="step", file=sys.stderr)
     outputs = {}
     while len(outputs) < len(ids):
@@ -494,7 +499,6 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"diffserve: warning: the prompt is longer than the text encoder's limit{limit} and was truncated",
               file=sys.stderr)
     status = 0
-    writer = OutputWriter(job.out_dir, args.display_size)
     name = model_name(args.model)
     video_format = getattr(args, "video_format", None) or "mp4"
     try:

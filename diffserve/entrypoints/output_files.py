@@ -19,7 +19,9 @@ strength (edits), num_frames and fps (videos). It travels as:
 from __future__ import annotations
 
 import json
+import os
 import re
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -171,6 +173,25 @@ class OutputWriter:
         if video_format != "mp4":
             (self.out_dir / f"{stem}.json").write_text(metadata["diffserve"] + "\n", encoding="utf-8")
         return path
+
+    def check_writable(self) -> None:
+        """Check, before any compute, that the folder exists as a writable folder or can be
+        created (its nearest existing parent is a writable folder).
+
+        Raises:
+            InvalidRequestError: field ``output_dir``.
+        """
+        probe = self.out_dir
+        while not probe.exists() and probe.parent != probe:
+            probe = probe.parent
+        if not probe.is_dir():
+            raise InvalidRequestError("output_dir", str(self.out_dir), "a writable folder",
+                                      detail=f"{probe}: not a folder")
+        try:  # a real write (permission bits say little for root, or on /proc and read-only mounts)
+            os.rmdir(tempfile.mkdtemp(prefix=".diffserve-probe-", dir=probe))
+        except OSError as exc:
+            raise InvalidRequestError("output_dir", str(self.out_dir), "a writable folder",
+                                      detail=f"{probe}: {exc.strerror}") from None
 
     def _make_dir(self) -> None:
         missing = []

@@ -12,7 +12,10 @@ What "memory" means per device:
   threads' allocations included, page-granular). Freed memory the C allocator keeps for reuse
   still counts as resident, so `release_host_memory` (glibc ``malloc_trim``) runs before a
   measurement that must see fresh growth (`measure_peak`). Without ``/proc`` (not Linux),
-  windows report None.
+  windows report None. The reset takes the process's memory-map write lock, which waits for
+  every thread's page faults in flight: ~25 us typically, but milliseconds on a busy machine;
+  so denoising-step windows reset it at most every `STEP_RESET_INTERVAL_S` (``min_reset_interval_s``)
+  and a step's peak then covers the earlier steps since the last reset too (an upper bound).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import os
 import resource
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -39,6 +43,10 @@ _libc: Any = None
 #: (pid, status fd, clear_refs fd): kept open (a window costs ~25 us instead of ~150 us),
 #: reopened in a forked child (its /proc/self is another process).
 _fds: tuple[int, int, int] | None = None
+#: perf_counter() of the last RSS high-water-mark reset (see `PeakWindow.min_reset_interval_s`).
+_last_reset_s = float("-inf")
+#: Seconds between two high-water-mark resets of denoising-step windows on CPU.
+STEP_RESET_INTERVAL_S = 0.25
 
 
 def _proc_fds() -> tuple[int, int]:
@@ -50,13 +58,13 @@ def _proc_fds() -> tuple[int, int]:
 
 
 def _proc_status(*keys: str) -> dict[str, int]:
-    """Fields of /proc/self/status in bytes (those given in kB)."""
+    """Fields of /proc/self/status in bytes (those given in kB); missing keys are left out."""
     out: dict[str, int] = {}
-    text = os.pread(_proc_fds()[0], 8192, 0).decode()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key in keys:
-            out[key] = int(value.split()[0]) * 1024
+    text = b"\n" + os.pread(_proc_fds()[0], 8192, 0)
+    for key in keys:
+        at = text.find(b"\n" + key.encode() + b":")
+        if at >= 0:
+            out[key] = int(text[at + len(key) + 2: text.index(b"\n", at + 1)].split()[0]) * 1024
     return out
 
 
@@ -77,7 +85,7 @@ def _reset_hwm() -> bool:
     """Reset the kernel's RSS high-water mark to the current RSS; False if not possible.
     The peak so far is kept first (``ru_maxrss``: the high-water mark, or a higher earlier
     peak recorded when a thread exited; either is a real peak of the process)."""
-    global _hwm_reset_works
+    global _hwm_reset_works, _last_reset_s
     if _hwm_reset_works is False:
         return False
     try:
@@ -86,6 +94,7 @@ def _reset_hwm() -> bool:
             _seen_peak["cpu"] = max(_seen_peak.get("cpu", 0), peak)
         os.write(_proc_fds()[1], b"5")
         _hwm_reset_works = True
+        _last_reset_s = time.perf_counter()
     except (OSError, ValueError):
         _hwm_reset_works = False
     return _hwm_reset_works
@@ -148,6 +157,8 @@ class PeakWindow:
     Args:
         device: the device measured.
         measure_start: also read the bytes in use at the start (always done on CUDA).
+        min_reset_interval_s: CPU only: skip the high-water-mark reset when the last one was
+            less than this many seconds ago (the peak then also covers the time since it).
 
     Usage::
 
@@ -157,9 +168,10 @@ class PeakWindow:
         window.start  # bytes in use when the block began (None if not read)
     """
 
-    def __init__(self, device: torch.device, measure_start: bool = False):
+    def __init__(self, device: torch.device, measure_start: bool = False, min_reset_interval_s: float = 0.0):
         self.device = device
         self.measure_start = measure_start
+        self.min_reset_interval_s = min_reset_interval_s
         self.start: int | None = None
         self.peak: int | None = None
         self._active = False
@@ -172,7 +184,7 @@ class PeakWindow:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.start = int(torch.cuda.memory_allocated(self.device))
             self._active = True
-        elif _reset_hwm():
+        elif (_hwm_reset_works and time.perf_counter() - _last_reset_s < self.min_reset_interval_s) or _reset_hwm():
             self._active = True
             if self.measure_start:
                 self.start = rss_bytes()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diffserve.acceleration.offload import OffloadManager, weights_device
-from diffserve.runner.memory import PeakWindow, release_host_memory, rss_bytes
+from diffserve.runner.memory import STEP_RESET_INTERVAL_S, PeakWindow, release_host_memory, rss_bytes
 from diffserve.runner.sleep import WeightSleeper, check_level
 
 if TYPE_CHECKING:
@@ -64,8 +64,9 @@ class ModelMemory:
 
     # ------------------------------------------------------------------ per-step peaks
     def window(self) -> PeakWindow:
-        """A peak-measurement window for one denoising step."""
-        return PeakWindow(self.device)
+        """A peak-measurement window for one denoising step (on CPU resetting the RSS high-water
+        mark at most every `STEP_RESET_INTERVAL_S`, see `diffserve.runner.memory`)."""
+        return PeakWindow(self.device, min_reset_interval_s=STEP_RESET_INTERVAL_S)
 
     def step_peak(self, window: PeakWindow) -> int | None:
         """The step's peak above the resident model, bytes: on CUDA the allocator peak minus

@@ -36,6 +36,7 @@ def test_generate_writes_pngs(tiny_sd3_dir, tmp_path, capsys):
         (["-n", "0"], "argument -n: invalid value 0: must be an integer in [1, 10]"),
         (["--num-images", "11"], "argument --num-images: invalid value 11"),
         (["--size", "²x8"], "argument --size: invalid value"),
+        (["--size", "-8x8"], "argument --size: invalid value '-8x8': must be WIDTHxHEIGHT"),
         (["--threads", "0"], "argument --threads: invalid value 0"),
         (["--display-size", "100000"], "argument --display-size: invalid value 100000"),
         (["-o", "/dev/null/x"], "argument -o: invalid value '/dev/null/x'"),

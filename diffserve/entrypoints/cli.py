@@ -551,9 +551,22 @@ def _serve_replicas(args: argparse.Namespace) -> int:
     return run_replicas(args)
 
 
+def _attach_dash_values(argv: list[str]) -> list[str]:
+    """``--size -8x8`` -> ``--size=-8x8``: argparse reads a value that starts with ``-`` and is
+    not a plain negative number as the next option ("expected one argument"); attached, the
+    value reaches `parse_size`, whose error names the field and the allowed form."""
+    out: list[str] = []
+    for token in argv:
+        if out and out[-1] == "--size" and re.match(r"-[0-9]", token):
+            out[-1] = f"--size={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``diffserve`` command; returns the process exit status."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = _attach_dash_values(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -156,6 +156,12 @@ def test_list_pages_with_the_openai_client(server):
     assert every[:3] == ids[::-1] and every == sorted(every, reverse=True)
     oldest_first = [v.id for v in server.client.videos.list(order="asc", limit=100)]
     assert oldest_first == every[::-1]
+    # a cursor that is no video id is refused; a well-formed one still works after its job is gone
+    with pytest.raises(openai.BadRequestError, match="not a video id"):
+        server.client.videos.list(after="nope")
+    server.client.videos.delete(ids[1])
+    after_gone = server.client.videos.list(after=ids[1], limit=100)
+    assert [v.id for v in after_gone.data][:1] == [ids[0]]
 
 
 def test_full_store_refuses_before_compute_and_image_routes_refuse_video_models(tiny_wan_dir, tmp_path):

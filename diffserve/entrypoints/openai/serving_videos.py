@@ -68,6 +68,7 @@ from diffserve.entrypoints.openai.request_body import (
 from diffserve.entrypoints.openai.request_group import ENGINE_DEAD_MESSAGE, RequestGroup
 from diffserve.entrypoints.openai.video_store import (
     LEASE_S,
+    VIDEO_ID,
     VideoJob,
     VideoStore,
     encoded_video_bound,
@@ -337,7 +338,15 @@ class VideoService:
         return VideoDeleted(id=video_id)
 
     async def list(self, after: str | None, limit: int, order: str) -> VideoList:
-        """A page of jobs (see `VideoStore.list`)."""
+        """A page of jobs (see `VideoStore.list`). The cursor `after` is a video id (it need not
+        exist any more: ids sort by creation time, so a page after an expired job still follows it).
+
+        Raises:
+            APIError: 400 naming ``after`` when it is not a video id.
+        """
+        if after is not None and not VIDEO_ID.fullmatch(after):
+            raise APIError(400, f"Invalid 'after': {after!r} is not a video id (video_ followed by 32 hex digits, "
+                                "as returned in 'id' / 'last_id').", param="after", code="invalid_value")
         jobs, more = await asyncio.to_thread(self.store.list, after, limit, order)
         data = [self.render(job) for job in jobs]
         return VideoList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,

@@ -61,6 +61,10 @@ STATUSES = ACTIVE_STATUSES + ("completed", "failed")
 _ID = re.compile(r"^video_[0-9a-f]{32}$")
 
 
+#: What `new_video_id` makes: ``video_`` + 12 hex digits of milliseconds + 20 random hex digits.
+VIDEO_ID = re.compile(r"video_[0-9a-f]{32}")
+
+
 def new_video_id(now: float | None = None) -> str:
     """A fresh job id that sorts after the ids made earlier (millisecond clock + 80 random bits)."""
     ms = int((time.time() if now is None else now) * 1000)

@@ -64,9 +64,10 @@ def test_shipped_pipeline_generates_a_clip_of_the_right_shape(shipped_pipe, defa
 def test_shipped_model_draws_digits_that_move_as_asked(shipped_pipe, defaults):
     """A quick judge on 10 clips: one per digit, directions in turn (the full judge uses 200).
 
-    The shipped weights read 71 % of these frames right (73 % over the full judge's 200 clips,
-    whose VAE-only ceiling is 76 %) and every direction; the thresholds leave a margin below
-    that, so a regression in the weights, the pipeline or the judge fails here.
+    The shipped weights read 86 % of these frames right (93 % over the full judge's 200 clips,
+    whose VAE-only ceiling is 97 %) and every direction; the thresholds leave a margin below
+    that, so a regression in the weights, the pipeline or the judge fails here (the previous
+    weights, 71 % here, would).
     """
     clf, heldout_accuracy = quality.build_judge()
     assert heldout_accuracy > 0.98
@@ -80,7 +81,7 @@ def test_shipped_model_draws_digits_that_move_as_asked(shipped_pipe, defaults):
                          num_frames=defaults["num_frames"], num_inference_steps=10,
                          guidance_scale=defaults["guidance_scale"], generator=generators, output_type="np").frames
     report = quality_video.evaluate(clf, heldout_accuracy, clips, requests, seconds=1.0)
-    assert report.frame_accuracy >= 0.6, report
+    assert report.frame_accuracy >= 0.75, report
     assert report.direction_accuracy >= 0.9, report
 
 

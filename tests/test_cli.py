@@ -153,16 +153,18 @@ def test_builtin_model_warnings_print_once_with_the_limit(tmp_path, capsys):
     assert "warning" not in capsys.readouterr().err
 
 
-def test_generate_in_a_fresh_process_shows_no_inapplicable_library_warning(tiny_sd3_dir, tmp_path):
-    """fp16 on CPU and the torchvision fallback warnings of diffusers/transformers do not apply."""
+@pytest.mark.parametrize("load_format", ["default", "dummy"])
+def test_generate_in_a_fresh_process_shows_no_inapplicable_library_warning(tiny_sd3_dir, tmp_path, load_format):
+    """fp16 on CPU, the torchvision fallback and (dummy weights, cast to a dtype) the empty
+    "kept in float32: []" warnings of diffusers/transformers do not apply."""
     proc = subprocess.run([sys.executable, "-m", "diffserve", "generate", "--model", str(tiny_sd3_dir), "a cat",
                            "--dtype", "fp16", "--device", "cpu", "--steps", "1", "--size", "16x16", "--seed", "7",
-                           "--threads", "1", "-o", str(tmp_path)],
+                           "--threads", "1", "--load-format", load_format, "-o", str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(tmp_path / "0001_seed7.png")
     noise = [line for line in proc.stderr.splitlines()
-             if "float16" in line or "torchvision" in line or "warning" in line.lower()]
+             if "float16" in line or "float32" in line or "torchvision" in line or "warning" in line.lower()]
     assert not noise, proc.stderr
 
 

@@ -6,6 +6,10 @@
 - transformers' ``XImageProcessor requires torchvision (not installed); falling back to
   XImageProcessorPil``: diffserve installs no torchvision (its PyPI build does not import beside
   the CPU torch), and the PIL image processors are what its image-input families use.
+- diffusers' ``There are modules in X that should be kept in float32: []. Casting directly with
+  `to()` can lead to inconsistent results``: printed for every model cast to a dtype (the dummy
+  load format builds models, then casts them) even when the list is empty; only the empty-list
+  form is dropped (a model with float32 modules still warns).
 - transformers' ``Token indices sequence length is longer than the specified maximum sequence
   length for this model (...). Running this sequence through the model will result in indexing
   errors``: diffserve tokenizes a prompt once without truncation only to tell whether it is
@@ -26,6 +30,7 @@ INAPPLICABLE_WARNINGS: tuple[tuple[str, str], ...] = (
     ("diffusers.pipelines.pipeline_utils", "cannot run with `cpu` device"),
     ("diffusers.modular_pipelines.modular_pipeline", "cannot run with `cpu` device"),
     ("transformers.utils.import_utils", "requires torchvision (not installed)"),
+    ("diffusers.models.modeling_utils", "that should be kept in float32: []."),
     ("transformers.tokenization_utils_base", "Token indices sequence length is longer than the specified maximum"),
 )
 

@@ -245,6 +245,9 @@ def test_killing_a_replica_mid_load(replicas):
     interrupted = [o for o in outcomes if o["replica"] == victim and not o["completed"]]
     assert interrupted, outcomes  # in flight on the victim when it died: ended without images
     for outcome in outcomes:
+        if outcome["status"] == 500:  # on the victim before its response began: Ray's proxy answers 500
+            assert outcome["replica"] is None and not outcome["completed"], outcome
+            continue
         assert outcome["status"] == 200, outcome
         if outcome["replica"] != victim:
             assert outcome["completed"], outcome  # the other replica finished its streams

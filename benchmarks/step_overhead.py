@@ -45,6 +45,7 @@ def _timed(owner, name: str, into: list[float]) -> None:
 
 
 def main() -> None:
+    """Parse the options, step the requests with every layer timed, print the table (microseconds)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model folder or built-in name (default: the built-in model)")
     ap.add_argument("--requests", type=int, default=1, help="requests stepped together")

@@ -160,7 +160,8 @@ class VideoStreamService:
 
     Args:
         state: the server state: ``engine`` (`AsyncDiffusionEngine`), ``model_name``,
-            ``heartbeat_s``, ``require_service()``.
+            ``heartbeat_s``, ``metrics`` (`ServerMetrics`: streams count as requests, engine
+            outcomes and videos), ``require_service()``.
     """
 
     def __init__(self, state: Any):
@@ -245,7 +246,7 @@ class VideoStreamService:
         loop = asyncio.get_running_loop()
         last_sent = loop.time()
         frames_sent = 0
-        metrics = getattr(self.state, "metrics", None)
+        metrics = self.state.metrics
         ended = False  # the engine's final event was read (and counted)
         try:
             yield _sse(created["type"], created)
@@ -281,14 +282,12 @@ class VideoStreamService:
                 elif event.type.is_final:
                     output = event.output
                     ended = True
-                    if metrics is not None:
-                        if output is not None:
-                            metrics.observe_output(output)
-                        else:
-                            metrics.observe_abandoned(1, outcome="failed")
+                    if output is not None:
+                        metrics.observe_output(output)
+                    else:
+                        metrics.observe_abandoned(1, outcome="failed")
                     if output is not None and output.status is RequestStatus.FINISHED:
-                        if metrics is not None:
-                            metrics.observe_videos(1)
+                        metrics.observe_videos(1)
                         video = output.videos[0]
                         data = (await asyncio.to_thread(encode_video, video, fps, body.output_format)
                                 if body.include_video else None)
@@ -310,7 +309,7 @@ class VideoStreamService:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
                 await events.aclose()  # aborts the stream if it has not ended
-                if not ended and metrics is not None:
+                if not ended:
                     metrics.observe_abandoned(1)  # client gone or the stream cut: aborted in the engine
 
     # ----------------------------------------------------------------------- interaction

@@ -11,7 +11,7 @@ chunk after the transition reads 8. Reference in the same run, same seeds: ordin
 clips of each prompt, and how often one reads its digit (what one chunk can be expected to do).
 
 Seam continuity, on streams without interaction ("3 moving right"): the digit's column
-(centre of mass of the pixels brighter than the judge's threshold) in every frame; |dx| between
+(circular centre of mass of the pixels brighter than the judge's threshold) in every frame; |dx| between
 consecutive frames inside chunks vs across each seam (a chunk's last frame -> the next chunk's
 first new frame), and the mean signed dx (the training clips move +1 px/frame to the right),
 plus the mean absolute pixel change between consecutive frames. Arms: the stream (each chunk
@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quality import build_judge  # noqa: E402
-from quality_video import BRIGHT_THRESHOLD, judge_frames  # noqa: E402
+from quality_video import displacements, judge_frames  # noqa: E402
 
 from diffserve import DiffusionEngine, EngineConfig, EventType, SamplingParams  # noqa: E402
 from diffserve.models.digits_video import DEFAULT_MODEL_PATH  # noqa: E402
@@ -61,27 +61,20 @@ def reads(clf, frames: np.ndarray) -> int:
     return int(np.bincount(digits[0], minlength=10).argmax())
 
 
-def columns(frames: np.ndarray) -> np.ndarray:
-    """Column of the bright pixels' centre of mass per frame (F,); NaN for a frame without any."""
-    g = gray(frames)
-    weight = np.clip(g - BRIGHT_THRESHOLD, 0.0, None)
-    mass = weight.sum((1, 2))
-    cols = (weight * np.arange(g.shape[2])[None, None, :]).sum((1, 2))
-    return np.where(mass > 0, cols / np.where(mass > 0, mass, 1.0), np.nan)
-
-
 def seam_stats(videos: list[np.ndarray], seams: list[int]) -> dict[str, float]:
     """|dx|, signed dx and mean |pixel change| between frames i-1 and i, for i in `seams`
-    (first frames of chunks after the first) vs every other i."""
+    (first frames of chunks after the first) vs every other i. dx is the column displacement of
+    the digit's circular centre of mass (``quality_video.displacements``: the canvas wraps
+    around, so a digit crossing the edge moves +1, not -15)."""
     at, within = {"abs_dx": [], "dx": [], "pixel": []}, {"abs_dx": [], "dx": [], "pixel": []}
     for video in videos:
-        x = columns(video)
         g = gray(video)
+        dx = displacements(g)[:, 1]
         for i in range(1, len(video)):
             bucket = at if i in seams else within
-            if np.isfinite(x[i]) and np.isfinite(x[i - 1]):
-                bucket["abs_dx"].append(abs(x[i] - x[i - 1]))
-                bucket["dx"].append(x[i] - x[i - 1])
+            if np.isfinite(dx[i - 1]):
+                bucket["abs_dx"].append(abs(dx[i - 1]))
+                bucket["dx"].append(dx[i - 1])
             bucket["pixel"].append(float(np.abs(g[i] - g[i - 1]).mean()))
     out = {}
     for name, bucket in (("seam", at), ("within", within)):

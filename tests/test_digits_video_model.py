@@ -92,15 +92,25 @@ def test_training_clips_move_as_labelled():
     images = np.repeat(split.train_images[:16], len(data.DIRECTION_NAMES), axis=0)
     frames, corners = data.make_clips(images, specs, rng)
     assert frames.shape == (len(specs), data.NUM_FRAMES, data.CANVAS_SIZE, data.CANVAS_SIZE)
-    assert corners.min() >= 0 and corners.max() <= data.CANVAS_SIZE - data.DIGIT_SIZE
+    assert corners.min() >= 0 and corners.max() <= data.CANVAS_SIZE - 1
+    size = data.CANVAS_SIZE
+    starts = set()
     for frame_corners, spec in zip(corners, specs):
         step = np.diff(frame_corners, axis=0)
-        assert (step == np.array(data.DIRECTIONS[spec.direction]) * data.SPEED).all()
-    # every frame holds an exact copy of the digit at its corner
-    n, f = 5, 3
-    r, c = corners[n, f]
-    np.testing.assert_array_equal(frames[n, f, r : r + 8, c : c + 8], images[n])
-    assert frames[n, f].sum() == images[n].sum()
+        expected = np.array(data.DIRECTIONS[spec.direction]) * data.SPEED
+        assert (np.mod(step - expected, size) == 0).all()  # the canvas wraps around
+        moving_axis = 0 if expected[0] else 1
+        assert frame_corners[:, 1 - moving_axis].max() <= size - data.DIGIT_SIZE  # whole across the motion
+        starts.add(int(frame_corners[0, moving_axis]))
+    assert len(starts) > 8  # clips start anywhere along their motion, not only at an edge
+    # every frame holds an exact copy of the digit at its corner, split across the edge if it wraps
+    for n in range(len(specs)):
+        for f in range(data.NUM_FRAMES):
+            r, c = corners[n, f]
+            unrolled = np.roll(frames[n, f], (-int(r), -int(c)), axis=(0, 1))
+            np.testing.assert_array_equal(unrolled[:8, :8], images[n])
+            assert frames[n, f].sum() == images[n].sum()
+    assert any(c[:, 1].max() > size - data.DIGIT_SIZE for c in corners)  # some clips do wrap
     # the judge's motion estimate and digit crop agree with the labels on real clips
     gray = frames / digit_data.MAX_INTENSITY
     directions, speeds = quality_video.classify_motion(quality_video.velocities(gray))
@@ -124,11 +134,34 @@ def test_training_clips_use_only_the_training_split():
     # the first frame of every clip holds a training image in one of its 8x8 windows
     frames = np.round((clips[:, 0, 0].numpy() + 1) * digit_data.MAX_INTENSITY / 2)
     train_set = {img.astype(np.float32).tobytes() for img in split.train_images}
-    room = data.CANVAS_SIZE - 8
+    size = data.CANVAS_SIZE
     for frame in frames:
-        windows = {frame[r : r + 8, c : c + 8].astype(np.float32).tobytes()
-                   for r in range(room + 1) for c in range(room + 1)}
+        windows = {np.roll(frame, (-r, -c), axis=(0, 1))[:8, :8].astype(np.float32).tobytes()
+                   for r in range(size) for c in range(size)}
         assert windows & train_set
+
+
+def test_switch_clips_show_another_digit_first_then_the_captioned_one():
+    split = digit_data.load_split()
+    rng = random.Random(1)
+    labels = split.train_labels[:200]
+    firsts = data.sample_first_images(labels, split.train_images, split.train_labels, rng, prob=0.5)
+    switched = [i for i, f in enumerate(firsts) if f is not None]
+    assert 60 < len(switched) < 140
+    train_labels = {img.astype(np.float32).tobytes(): int(label)
+                    for img, label in zip(split.train_images, split.train_labels)}
+    for i in switched:  # frame 0 is a training digit of ANOTHER label
+        assert train_labels[firsts[i].astype(np.float32).tobytes()] != labels[i]
+    specs = [data.ClipSpec(int(d), "right") for d in labels]
+    frames, corners = data.make_clips(split.train_images[:200], specs, rng, first_images=firsts)
+    i = switched[0]
+    r, c = corners[i, 0]
+    np.testing.assert_array_equal(np.roll(frames[i, 0], (-int(r), -int(c)), axis=(0, 1))[:8, :8], firsts[i])
+    for f in range(1, data.NUM_FRAMES):  # the rest of the clip: the captioned digit, same path
+        r, c = corners[i, f]
+        np.testing.assert_array_equal(np.roll(frames[i, f], (-int(r), -int(c)), axis=(0, 1))[:8, :8],
+                                      split.train_images[i])
+    assert data.sample_first_images(labels, split.train_images, split.train_labels, rng, prob=0.0) == [None] * 200
 
 
 def test_folded_context_matches_full_512_row_forward():
@@ -225,3 +258,27 @@ def test_served_context_folding_matches_the_full_context():
     for a, b in zip(folded.generate(prompts, params), full.generate(prompts, params)):
         assert a.ok and b.ok and max(a.metrics.batch_sizes) == 4  # 2 requests x 2 CFG rows
         assert (a.videos[0] - b.videos[0]).abs().max() <= 1e-4
+
+
+def test_shipped_model_streams_continue_the_motion_and_follow_a_prompt_change():
+    """Issue 12's judge on a few seeds, through the engine: chunks 0-1 of "3 moving right" read 3,
+    after "8 moving right" (1 transition chunk) the last chunk reads 8, and the digit keeps moving
+    right across the seams at the speed it moves within chunks."""
+    import streaming_quality  # benchmarks/streaming_quality.py
+
+    from diffserve import DiffusionEngine, EngineConfig
+
+    clf, _ = quality.build_judge()
+    engine = DiffusionEngine(EngineConfig(model=str(DEFAULT_MODEL_PATH), max_batch_size=64, num_threads=1))
+    seeds = list(range(8))
+    updated = streaming_quality.run_streams(engine, seeds, {}, 4, {"prompt": streaming_quality.SECOND,
+                                                                   "transition_chunks": 1})
+    reads = [[streaming_quality.reads(clf, c) for c in r["chunks"]] for r in updated.values()]
+    passed = [r[0] == 3 and r[1] == 3 and r[3] == 8 for r in reads]
+    assert sum(passed) >= 6, reads
+    assert all(ids == [] for r in updated.values() for k, ids in enumerate(r["event_ids"]) if k != 2)
+    plain = streaming_quality.run_streams(engine, seeds, {}, 4, None)
+    frames = data.NUM_FRAMES
+    seams = [frames + (frames - 1) * k for k in range(3)]
+    stats = streaming_quality.seam_stats([r["video"] for r in plain.values()], seams)
+    assert 0.5 <= stats["seam_dx"] <= 1.5 and 0.5 <= stats["within_dx"] <= 1.5, stats

@@ -112,6 +112,65 @@ def test_next_chunk_is_conditioned_on_the_last_frame(wan):
     assert not torch.equal(seen["end"][:, :, 1:], seen["start"][:, :, 1:])  # the rest was denoised
 
 
+def test_expand_timesteps_model_gets_a_clean_first_frame_with_timestep_0_tokens(tiny_wan_dir, tmp_path):
+    """A folder with ``expand_timesteps`` (per-token timesteps, Wan 2.2 TI2V): a stream chunk's
+    latent frame 0 is the clean encoding of the previous chunk's last frame at EVERY step, and the
+    transformer gets timestep 0 for its tokens and the step's timestep for the others, while a
+    plain request batched with it gets the step's timestep everywhere."""
+    import json
+    import shutil
+
+    folder = tmp_path / "wan_ti2v"
+    shutil.copytree(tiny_wan_dir, folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "expand_timesteps": True}))
+    engine = DiffusionEngine(EngineConfig(model=str(folder), max_batch_size=16, overlap_stages=False))
+    adapter = engine.runner.adapter
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (timestep, hidden_states) per forward
+    transformer = adapter.experts[0]
+    hook = transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append((kwargs["timestep"].clone(), kwargs["hidden_states"].clone())),
+        with_kwargs=True)
+    latent_frames: dict[int, torch.Tensor] = {}
+
+    def on_event(event):
+        state = engine.runner.states.get(event.request_id)
+        if event.type is EventType.PROGRESS and event.chunk_index == 1 and state is not None:
+            latent_frames[event.step] = state.latents[:, :, :1].clone()
+
+    try:
+        stream = engine.add_request("a cat surfing", _p(chunks=2, steps=3), listener=on_event)
+        _run(engine)
+        added = []
+
+        def add_plain(event):  # a plain request arrives when the second stream's chunk 0 is out
+            if event.type is EventType.CHUNK and event.chunk_index == 0:
+                added.append(engine.add_request("a dog", SamplingParams(
+                    seed=2, num_inference_steps=3, guidance_scale=5.0, output_type="np", **SIZE)))
+
+        stream2 = engine.add_request("a cat surfing", _p(seed=1, chunks=2, steps=3), listener=add_plain)
+        events = _run(engine)
+    finally:
+        hook.remove()
+    assert events[added[0]][-1].output.ok and stream and stream2 and not engine.runner.states
+    # chunk 1 of the first stream: frame 0 stays the same clean latent at every step
+    frames = list(latent_frames.values())
+    assert len(frames) == 3 and all(torch.equal(f, frames[0]) for f in frames)
+    tokens_per_frame = (32 // 8 // 2) * (48 // 8 // 2)  # latent 4x6, patch 2x2
+    # forwards of the first stream alone: chunk 0 (3 steps) plain, chunk 1 (3 steps) conditioned
+    for timestep, _ in seen[:3]:
+        assert timestep.shape == (2, 3 * tokens_per_frame) and (timestep == timestep[:, :1]).all()
+    for timestep, _ in seen[3:6]:
+        assert (timestep[:, :tokens_per_frame] == 0).all() and (timestep[:, tokens_per_frame:] > 0).all()
+    # the plain request batched with the second stream's conditioned chunk: rows differ
+    mixed = [t for t, h in seen[6:] if t.shape[0] == 4 and (t[:, :tokens_per_frame] == 0).any()]
+    assert mixed, [t.shape for t, _ in seen[6:]]
+    for timestep in mixed:  # branch-major rows: (uncond plain, uncond stream, cond plain, cond stream)
+        zero_rows = (timestep[:, :tokens_per_frame] == 0).all(1)
+        assert zero_rows.sum() == 2 and (timestep[~zero_rows] == timestep[~zero_rows][:, :1]).all()
+        assert (timestep[zero_rows][:, tokens_per_frame:] > 0).all()
+
+
 def test_chunk_condition_apply_is_not_in_place():
     cond = ChunkCondition(clean=torch.ones(1, 2, 1, 2, 2), noise=torch.zeros(1, 2, 1, 2, 2),
                           sigmas=torch.tensor([1.0, 0.25, 0.0]))

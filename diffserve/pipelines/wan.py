@@ -18,8 +18,10 @@ an exact identity): the cross-attention sees the batch's longest prompt plus one
 ``max_sequence_length`` rows.
 
 Streams (``num_chunks``): each chunk after the first has its first latent frame fixed to the
-previous chunk's last frame, re-encoded by the causal VAE (the replacement method, see
-`diffserve.pipelines.video_chunks`); interactions swap the conditional branch's UMT5 states.
+previous chunk's last frame, re-encoded by the causal VAE: clean with timestep-0 tokens on
+folders with ``expand_timesteps`` (Wan 2.2 TI2V's first-frame conditioning), else by the
+replacement method (see `diffserve.pipelines.video_chunks`); interactions swap the conditional
+branch's UMT5 states.
 """
 
 from __future__ import annotations
@@ -292,8 +294,9 @@ class WanAdapter(PipelineAdapter):
         """Next chunk of a stream: its last frame of `previous` (uint8 (F, H, W, 3)) is encoded
         as a one-frame clip by the causal VAE (its posterior mode, normalised as diffusers
         normalises latents) and fixed as latent frame 0 of fresh latents from the request's
-        generator, by the replacement method (`video_chunks.ChunkCondition`); a fresh
-        scheduler with the request's timesteps."""
+        generator (`video_chunks.ChunkCondition`): clean with timestep-0 tokens when the
+        pipeline has ``expand_timesteps`` (Wan 2.2 TI2V's first-frame conditioning), else by
+        the replacement method; a fresh scheduler with the request's timesteps."""
         vae = self.pipe.vae
         tail = frames_to_video_tensor(previous[-self.chunk_overlap_frames:], self.device, vae.dtype)
         encoded = vae.encode(tail).latent_dist.mode().float()  # (1, C, 1, h, w)
@@ -303,7 +306,7 @@ class WanAdapter(PipelineAdapter):
         self._new_schedule(state)
         sigmas = state.scheduler.sigmas.to(torch.float32)  # flow sigmas, (num_steps + 1,), last 0
         state.chunk_condition = ChunkCondition(clean=clean, noise=latents[:, :, :clean.shape[2]].clone(),
-                                               sigmas=sigmas)
+                                               sigmas=sigmas, clean_tokens=self.expand_timesteps)
         state.latents = state.chunk_condition.apply(latents, 0)
 
     def step_key(self, state: RequestState):
@@ -349,8 +352,14 @@ class WanAdapter(PipelineAdapter):
         if self.expand_timesteps:  # one timestep per patch token (Wan 2.2 TI2V), float as diffusers'
             _, _, f, h, w = inputs["hidden_states"].shape
             p_t, p_h, p_w = self.experts[0].config.patch_size
-            tokens = (f // p_t) * (h // p_h) * (w // p_w)
-            inputs["timestep"] = inputs["timestep"].float()[:, None].expand(-1, tokens)
+            per_frame = (h // p_h) * (w // p_w)
+            inputs["timestep"] = inputs["timestep"].float()[:, None].expand(-1, (f // p_t) * per_frame)
+            known = [s.chunk_condition.num_frames if s.chunk_condition is not None else 0 for s in batch.states]
+            if any(known):  # a stream chunk's clean conditioning frames: timestep 0 for their tokens
+                rows = torch.tensor([(k // p_t) * per_frame for k, n in zip(known, batch.row_counts) for _ in range(n)],
+                                    device=inputs["timestep"].device).repeat(batch.branches)
+                token = torch.arange(inputs["timestep"].shape[1], device=rows.device)
+                inputs["timestep"] = inputs["timestep"].masked_fill(token[None, :] < rows[:, None], 0.0)
         if len(self.experts) > 1:
             experts = {self._expert(s) for s in batch.states}
             if len(experts) > 1:

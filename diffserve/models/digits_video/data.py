@@ -3,9 +3,16 @@
 A clip is one 8x8 digit of scikit-learn's ``load_digits`` (the image model's data, with the same
 fixed stratified 80/20 split: :func:`diffserve.models.digits.data.load_split`; held-out digits
 are never trained on) pasted on a black ``CANVAS_SIZE`` x ``CANVAS_SIZE`` canvas and shifted by
-``SPEED`` pixels per frame in one of four directions, from one edge of the canvas to the other
-(8 pixels over the 9 frames). Positions are integers, so every frame holds an exact copy of the
-8x8 digit (no resampling blur) and the judge can crop it back out.
+``SPEED`` pixels per frame in one of four directions. The canvas wraps around (a torus): a digit
+leaving one edge comes back in at the opposite one, and a clip starts anywhere along its motion,
+so a clip may begin where another one ended and keep moving (what a stream's next chunk does;
+issue 12). Positions are integers, so every frame holds an exact copy of the 8x8 digit (split
+across the edge while it wraps; no resampling blur) and the judge can cut it back out.
+
+A fraction :data:`SWITCH_PROB` of the training clips are *switch clips*: their first frame shows
+a different digit (another label) at the same position, and the caption names the digit of the
+frames after it. They teach the model what an interactive stream asks of it: a chunk conditioned
+on the previous chunk's last frame, with a new prompt, continues the motion with the new digit.
 
 Directions are screen directions: ``"up"`` decreases the row index, ``"right"`` increases the
 column index.
@@ -41,6 +48,8 @@ DIRECTIONS: dict[str, tuple[int, int]] = {
 DIRECTION_NAMES: tuple[str, ...] = tuple(DIRECTIONS)
 #: Pixels the digit moves per frame.
 SPEED = 1
+#: Fraction of training clips that are switch clips (frame 0 shows another digit; module docstring).
+SWITCH_PROB = 0.1
 
 #: Motion phrases of the prompts; ``{dir}`` is a direction name.
 MOTION_TEMPLATES: tuple[str, ...] = (
@@ -69,47 +78,51 @@ class ClipSpec:
 def trajectory(
     direction: str, rng: random.Random, num_frames: int = NUM_FRAMES, canvas: int = CANVAS_SIZE
 ) -> np.ndarray:
-    """Random top-left corners of the digit, one per frame, for a path that stays on the canvas.
+    """Random top-left corners of the digit, one per frame, on a canvas that wraps around.
 
-    The coordinate across the motion is uniform in ``0..canvas-8``; the start along it is uniform
-    over the starts whose whole path fits (a single one with the defaults: edge to edge).
+    The coordinate across the motion is uniform in ``0..canvas-8`` (the digit is whole across
+    it); the start along the motion is uniform in ``0..canvas-1``, and the path continues modulo
+    ``canvas`` (:func:`render_clip` draws a digit past an edge wrapped around).
 
     Returns:
-        int64 array (num_frames, 2) of (row, column), each in ``0..canvas-8``.
+        int64 array (num_frames, 2) of (row, column), each in ``0..canvas-1``.
 
     Raises:
-        ValueError: if the path does not fit on the canvas.
+        ValueError: if the canvas is smaller than a digit.
     """
-    travel = SPEED * (num_frames - 1)
     room = canvas - DIGIT_SIZE
-    if travel > room:
-        raise ValueError(f"a clip of {num_frames} frames travels {travel} pixels; the canvas leaves {room}")
+    if room < 0:
+        raise ValueError(f"a {canvas}x{canvas} canvas is smaller than a {DIGIT_SIZE}x{DIGIT_SIZE} digit")
     d_row, d_col = DIRECTIONS[direction]
     cross = rng.randint(0, room)
-    along = rng.randint(0, room - travel)
-    if d_row + d_col < 0:  # moving towards smaller indices: start at the far end
-        along += travel
+    along = rng.randrange(canvas)
     t = np.arange(num_frames)
     if d_row:
-        rows, cols = along + d_row * SPEED * t, np.full(num_frames, cross)
+        rows, cols = (along + d_row * SPEED * t) % canvas, np.full(num_frames, cross)
     else:
-        rows, cols = np.full(num_frames, cross), along + d_col * SPEED * t
+        rows, cols = np.full(num_frames, cross), (along + d_col * SPEED * t) % canvas
     return np.stack([rows, cols], axis=1).astype(np.int64)
 
 
-def render_clip(digit_image: np.ndarray, corners: np.ndarray, canvas: int = CANVAS_SIZE) -> np.ndarray:
-    """Paste an 8x8 digit at each frame's top-left corner on a black canvas.
+def render_clip(
+    digit_image: np.ndarray, corners: np.ndarray, canvas: int = CANVAS_SIZE, first_image: np.ndarray | None = None
+) -> np.ndarray:
+    """Paste an 8x8 digit at each frame's top-left corner on a black canvas that wraps around.
 
     Args:
         digit_image: (8, 8) intensities 0..16 (a ``load_digits`` image).
-        corners: int (F, 2) top-left (row, column) per frame, from :func:`trajectory`.
+        corners: int (F, 2) top-left (row, column) per frame, from :func:`trajectory`; a digit
+            reaching past an edge continues at the opposite edge.
+        first_image: (8, 8) image for frame 0 instead of ``digit_image`` (a switch clip), or None.
 
     Returns:
         float32 (F, canvas, canvas), intensities 0..16.
     """
     frames = np.zeros((len(corners), canvas, canvas), dtype=np.float32)
     for f, (r, c) in enumerate(corners):
-        frames[f, r : r + DIGIT_SIZE, c : c + DIGIT_SIZE] = digit_image
+        image = first_image if f == 0 and first_image is not None else digit_image
+        frames[f, :DIGIT_SIZE, :DIGIT_SIZE] = image
+        frames[f] = np.roll(frames[f], (int(r), int(c)), axis=(0, 1))
     return frames
 
 
@@ -128,20 +141,51 @@ def sample_specs(labels: np.ndarray, rng: random.Random) -> list[ClipSpec]:
     return [ClipSpec(int(d), rng.choice(DIRECTION_NAMES)) for d in labels]
 
 
+def sample_first_images(
+    clip_labels: np.ndarray, images: np.ndarray, labels: np.ndarray, rng: random.Random, prob: float
+) -> list[np.ndarray | None]:
+    """Frame-0 images of switch clips: with probability ``prob`` a clip gets a random image among
+    ``images`` whose label differs from the clip's own, else None (an ordinary clip).
+
+    Args:
+        clip_labels: (N,) the digit of each clip (the one its caption names).
+        images: (M, 8, 8) the pool to draw frame-0 digits from (the training digits).
+        labels: (M,) their labels.
+
+    Returns:
+        N entries: an (8, 8) image, or None.
+    """
+    out: list[np.ndarray | None] = []
+    for label in clip_labels:
+        if rng.random() < prob:
+            others = np.flatnonzero(labels != label)
+            out.append(images[others[rng.randrange(len(others))]])
+        else:
+            out.append(None)
+    return out
+
+
 def make_clips(
-    images: np.ndarray, specs: list[ClipSpec], rng: random.Random, num_frames: int = NUM_FRAMES
+    images: np.ndarray,
+    specs: list[ClipSpec],
+    rng: random.Random,
+    num_frames: int = NUM_FRAMES,
+    first_images: list[np.ndarray | None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Render one clip per (image, spec) pair at random positions.
 
     Args:
         images: (N, 8, 8) digit images, intensities 0..16.
         specs: N clip specs (their ``digit`` is only carried along; ``images`` decide the pixels).
+        first_images: N frame-0 images for switch clips (None entries: ordinary clips), from
+            :func:`sample_first_images`; None for no switch clips.
 
     Returns:
         ``(frames, corners)``: float32 (N, F, 16, 16) intensities 0..16 and int64 (N, F, 2).
     """
     corners = np.stack([trajectory(s.direction, rng, num_frames) for s in specs])
-    frames = np.stack([render_clip(img, c) for img, c in zip(images, corners)])
+    firsts = first_images if first_images is not None else [None] * len(specs)
+    frames = np.stack([render_clip(img, c, first_image=f) for img, c, f in zip(images, corners, firsts)])
     return frames, corners
 
 
@@ -177,7 +221,7 @@ def sample_training_prompts(specs: list[ClipSpec], rng: random.Random, empty_pro
 
 
 __all__ = [
-    "CANVAS_SIZE", "DIGIT_SIZE", "NUM_FRAMES", "FPS", "DIRECTIONS", "DIRECTION_NAMES", "SPEED",
+    "CANVAS_SIZE", "DIGIT_SIZE", "NUM_FRAMES", "FPS", "DIRECTIONS", "DIRECTION_NAMES", "SPEED", "SWITCH_PROB",
     "MOTION_TEMPLATES", "MOTION_WORDS", "DIGIT_WORDS", "ClipSpec", "trajectory", "render_clip",
-    "to_model_range", "sample_specs", "make_clips", "format_prompt", "sample_training_prompts",
+    "to_model_range", "sample_specs", "sample_first_images", "make_clips", "format_prompt", "sample_training_prompts",
 ]

@@ -20,7 +20,10 @@ mode's capacity measured at `--concurrency`). Prompts are mixed; `--mixed-steps`
 
 It also prints the ceiling (the bare transformer forward at the batch size step mode reached,
 vs batch 1) and the engine overhead at batch 1 (diffserve's time per step vs the bare adapter
-forward + diffusion-scheduler step on the same inputs).
+forward + diffusion-scheduler step on the same inputs). Both are measured inside every repeat,
+the ceiling right after that repeat's step arm, and each repeat's step throughput is compared
+with its own ceiling: on a shared machine a ceiling measured once, apart from the arms, can
+land in a slower or faster spell than they did (one such run read "112 % of the ceiling").
 
 Usage:
     python benchmarks/serving.py --concurrency 16 --steps 20              # built-in model
@@ -233,14 +236,14 @@ def time_forward(runner: ModelRunner, rows: int, steps: int, size: tuple[int, in
 
 
 def engine_overhead(runner: ModelRunner, engine: DiffusionEngine, steps: int, guidance: float | None,
-                    size: tuple[int, int], num_frames: int | None = None) -> tuple[float, float]:
+                    size: tuple[int, int], num_frames: int | None = None, runs: int = 15) -> tuple[float, float]:
     """(diffserve s/step, bare adapter collate + forward + guidance + scheduler step s/step) at
-    batch 1: medians of 5 runs of each, interleaved."""
+    batch 1: medians of `runs` runs of each, interleaved one by one."""
     params = SamplingParams(num_inference_steps=steps, guidance_scale=guidance, seed=0, output_type="latent",
                             height=size[0], width=size[1], num_frames=num_frames)
     adapter = runner.adapter
     bare, served = [], []
-    for _ in range(5):
+    for _ in range(runs):
         state = RequestState("bare", "digit 5", params.resolve(adapter.spec, runner.config.limits))
         with torch.inference_mode():
             adapter.prepare(state)
@@ -352,7 +355,12 @@ def main() -> None:
             engines[arm].generate(["digit 1"] * 4, SamplingParams(num_inference_steps=2, height=side_h, width=side_w,
                                                                   num_frames=args.num_frames))
     runs: dict[str, list[ArmResult]] = {}
-    for _ in range(args.repeats):  # arms interleaved within each repeat
+    size = (side_h, side_w)
+    cfg_rows = runner.adapter.rows(jobs[0].params.resolve(runner.adapter.spec, config.limits, 0))
+    ceilings: list[dict] = []  # per repeat, measured right after that repeat's step arm
+    overheads: list[tuple[float, float]] = []  # per repeat: (diffserve s/step, bare s/step) at batch 1
+    overhead_engine = DiffusionEngine(config, runner=runner)
+    for _ in range(args.repeats):  # arms, the ceiling and the batch-1 overhead interleaved within each repeat
         if "baseline" in arms:
             runs.setdefault("diffusers", []).append(run_baseline(pipe, jobs, concurrency))
         if "static" in arms:
@@ -360,6 +368,14 @@ def main() -> None:
                 run_static_batches(pipe, jobs, concurrency, concurrency or args.max_batch_size))
         for mode, engine in engines.items():
             runs.setdefault(mode, []).append(run_engine(engine, f"diffserve {mode} mode", jobs, concurrency))
+            if mode == "step" and runs["step"][-1].batch_rows:
+                rows = int(round(statistics.mean(runs["step"][-1].batch_rows)))
+                t1 = time_forward(runner, cfg_rows, args.steps, size, num_frames=args.num_frames)
+                tb = time_forward(runner, rows, args.steps, size, num_frames=args.num_frames)
+                ceiling = (rows / cfg_rows) / (args.steps * tb)
+                ceilings.append({"rows": rows, "t1": t1, "tb": tb, "ceiling": ceiling,
+                                 "ratio": runs["step"][-1].throughput / ceiling})
+        overheads.append(engine_overhead(runner, overhead_engine, args.steps, args.guidance, size, args.num_frames))
 
     def median_run(results: list[ArmResult]) -> ArmResult:
         return sorted(results, key=lambda r: r.throughput)[len(results) // 2]
@@ -385,31 +401,31 @@ def main() -> None:
         print(f"step mode vs diffusers static batches: "
               f"{median_run(runs['step']).throughput / median_run(runs['diffusers_static_batch']).throughput:.2f}x")
 
-    step_vs_ceiling = None
-    step = median_run(runs["step"]) if "step" in runs else None
-    if step is not None and step.batch_rows:
-        rows = int(round(statistics.mean(step.batch_rows)))
-        cfg_rows = runner.adapter.rows(jobs[0].params.resolve(runner.adapter.spec, config.limits, 0))
-        size = (side_h, side_w)
-        t1 = time_forward(runner, cfg_rows, args.steps, size, num_frames=args.num_frames)
-        tb = time_forward(runner, rows, args.steps, size, num_frames=args.num_frames)
-        ceiling = (rows / cfg_rows) / (args.steps * tb)
-        step_vs_ceiling = step.throughput / ceiling
-        print(f"\nceiling: bare forward {cfg_rows} rows {t1 * 1e3:.2f} ms, {rows} rows {tb * 1e3:.2f} ms "
-              f"({tb / t1:.2f}x the cost for {rows / cfg_rows:.0f}x the images) -> {ceiling:.2f} img/s; "
-              f"step mode reaches {step_vs_ceiling:.0%} of it")
-    served, bare = engine_overhead(runner, DiffusionEngine(config, runner=runner), args.steps, args.guidance,
-                                   (side_h, side_w), args.num_frames)
-    overhead = served / bare - 1
+    step_vs_ceiling, ratio_range = None, None
+    if ceilings:
+        ratios = [c["ratio"] for c in ceilings]
+        step_vs_ceiling, ratio_range = statistics.median(ratios), [min(ratios), max(ratios)]
+        c = sorted(ceilings, key=lambda c: c["ratio"])[len(ceilings) // 2]
+        print(f"\nceiling (measured right after each repeat's step arm): bare forward {cfg_rows} rows "
+              f"{c['t1'] * 1e3:.2f} ms, {c['rows']} rows {c['tb'] * 1e3:.2f} ms ({c['tb'] / c['t1']:.2f}x the cost for "
+              f"{c['rows'] / cfg_rows:.0f}x the images) -> {c['ceiling']:.2f} img/s; step mode reaches "
+              f"{step_vs_ceiling:.0%} of it [{ratio_range[0]:.0%}-{ratio_range[1]:.0%}] (median of {len(ratios)} "
+              f"repeats, each against its own ceiling)")
+    per_repeat = [served / bare - 1 for served, bare in overheads]
+    overhead, overhead_range = statistics.median(per_repeat), [min(per_repeat), max(per_repeat)]
+    served, bare = sorted(overheads, key=lambda o: o[0] / o[1])[len(overheads) // 2]
     print(f"engine overhead at batch 1: diffserve {served * 1e3:.3f} ms/step vs bare adapter "
-          f"{bare * 1e3:.3f} ms/step -> {overhead:+.1%}")
+          f"{bare * 1e3:.3f} ms/step -> {overhead:+.1%} [{overhead_range[0]:+.1%}, {overhead_range[1]:+.1%}] "
+          f"(median of {len(per_repeat)} repeats)")
     if args.json:
         print(json.dumps({
             "images_per_s": {k: median_run(v).throughput for k, v in runs.items()},
             "images_per_s_range": {k: [min(x.throughput for x in v), max(x.throughput for x in v)]
                                    for k, v in runs.items()},
             "step_vs_ceiling": step_vs_ceiling,
+            "step_vs_ceiling_range": ratio_range,
             "overhead_batch1": overhead,
+            "overhead_batch1_range": overhead_range,
             "model": config.model_path.name, "device": str(config.torch_device), "threads": torch.get_num_threads(),
             "concurrency": concurrency, "request_rate": args.request_rate, "steps": args.steps,
             "context_folding": bool(getattr(runner.adapter, "context_folding", False)),

@@ -383,3 +383,31 @@ def test_multiprocess_executor_forwards_chunks_and_interactions(tiny_wan_dir, wa
         engine.shutdown()
     assert [c.event_ids for c in _chunks(remote)] == [[], [], ["e"]]
     np.testing.assert_array_equal(remote[-1].output.videos[0], local[-1].output.videos[0])
+
+
+def test_cfg_parallel_stream_with_clean_first_frame_equals_one_process(tiny_wan_dir, tmp_path):
+    """CFG parallelism splits a step's rows across 2 ranks: a stream chunk's timestep-0 tokens
+    (``expand_timesteps`` folders) travel with their rows, so 2 ranks give the single-process
+    stream (a plain request batched with it included)."""
+    import json
+    import shutil
+
+    folder = tmp_path / "wan_ti2v"
+    shutil.copytree(tiny_wan_dir, folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "expand_timesteps": True}))
+    plain = SamplingParams(seed=2, num_inference_steps=2, guidance_scale=5.0, output_type="latent", **SIZE)
+
+    def run(engine):
+        outs = engine.generate(["a cat surfing", "a dog"], [_p(chunks=3, output_type="np"), plain])
+        assert all(o.ok for o in outs), [o.error for o in outs]
+        return outs
+
+    local = run(DiffusionEngine(EngineConfig(model=str(folder), num_threads=1)))
+    engine = DiffusionEngine(EngineConfig(model=str(folder), num_threads=1, cfg_parallel_size=2))
+    try:
+        remote = run(engine)
+    finally:
+        engine.shutdown()
+    assert np.abs(remote[0].videos[0].astype(int) - local[0].videos[0].astype(int)).max() <= 1
+    torch.testing.assert_close(remote[1].videos[0], local[1].videos[0], atol=1e-5, rtol=0)

@@ -332,6 +332,20 @@ class WanAdapter(PipelineAdapter):
             for expert in self.experts:
                 wan_context_folding.set_max_sequence_length(expert, None)
 
+    def collate(self, states: list[RequestState]) -> StepBatch:
+        """`PipelineAdapter.collate`; with ``expand_timesteps``, when a request of the batch is a
+        stream chunk conditioned on clean latent frames, also ``known_latent_frames``: (rows,)
+        long, each row's number of such frames (0 for the others), a per-row input so that a
+        split of the rows (CFG parallel) keeps it with its rows; `denoise_kwargs` turns it into
+        timestep 0 for those frames' tokens."""
+        batch = super().collate(states)
+        if self.expand_timesteps and any(s.chunk_condition is not None for s in states):
+            known = torch.tensor([s.chunk_condition.num_frames if s.chunk_condition is not None else 0
+                                  for s, n in zip(states, batch.row_counts) for _ in range(n)],
+                                 device=batch.latents.device)
+            batch.inputs = {**batch.inputs, "known_latent_frames": known.repeat(batch.branches)}
+        return batch
+
     def denoise_kwargs(self, batch: StepBatch) -> dict[str, Any]:
         """The batch's inputs (latents cast to the transformer dtype, as diffusers does per
         call); with two experts also ``expert`` (its index: an input of the call, so a captured
@@ -354,12 +368,11 @@ class WanAdapter(PipelineAdapter):
             p_t, p_h, p_w = self.experts[0].config.patch_size
             per_frame = (h // p_h) * (w // p_w)
             inputs["timestep"] = inputs["timestep"].float()[:, None].expand(-1, (f // p_t) * per_frame)
-            known = [s.chunk_condition.num_frames if s.chunk_condition is not None else 0 for s in batch.states]
-            if any(known):  # a stream chunk's clean conditioning frames: timestep 0 for their tokens
-                rows = torch.tensor([(k // p_t) * per_frame for k, n in zip(known, batch.row_counts) for _ in range(n)],
-                                    device=inputs["timestep"].device).repeat(batch.branches)
-                token = torch.arange(inputs["timestep"].shape[1], device=rows.device)
-                inputs["timestep"] = inputs["timestep"].masked_fill(token[None, :] < rows[:, None], 0.0)
+            known = inputs.pop("known_latent_frames", None)  # (rows,): see `collate`
+            if known is not None:  # a stream chunk's clean conditioning frames: timestep 0 for their tokens
+                token = torch.arange(inputs["timestep"].shape[1], device=known.device)
+                inputs["timestep"] = inputs["timestep"].masked_fill(
+                    token[None, :] < (known // p_t * per_frame)[:, None], 0.0)
         if len(self.experts) > 1:
             experts = {self._expert(s) for s in batch.states}
             if len(experts) > 1:

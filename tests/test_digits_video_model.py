@@ -282,3 +282,12 @@ def test_shipped_model_streams_continue_the_motion_and_follow_a_prompt_change():
     seams = [frames + (frames - 1) * k for k in range(3)]
     stats = streaming_quality.seam_stats([r["video"] for r in plain.values()], seams)
     assert 0.5 <= stats["seam_dx"] <= 1.5 and 0.5 <= stats["within_dx"] <= 1.5, stats
+
+
+@pytest.mark.parametrize("flag", ["--switch-prob", "--first-frame-prob"])
+def test_training_refuses_a_probability_outside_0_1(flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args(["--out", "unused", flag, "1.5"])
+    assert exc.value.code == 2
+    assert f"{flag} must be a fraction in [0, 1], got 1.5" in capsys.readouterr().err
+    assert getattr(train.parse_args(["--out", "unused", flag, "0.25"]), flag[2:].replace("-", "_")) == 0.25

@@ -26,7 +26,6 @@ from diffserve.executor.messages import MemoryProfile
 from diffserve.sampling_params import SamplingParams
 
 
-
 class MemoryBudget:
     """The bytes running requests may use, and each request's cost.
 

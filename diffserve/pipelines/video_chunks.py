@@ -75,6 +75,30 @@ class ChunkCondition:
         return torch.cat([known, latents[:, :, self.num_frames:]], dim=2)
 
 
+def per_token_timesteps(timestep: torch.Tensor, known_frames: torch.Tensor | None, latent_frames: int,
+                        tokens_per_frame: int) -> torch.Tensor:
+    """Per-token timesteps of the first-frame conditioning (Wan 2.2 TI2V, arXiv:2503.20314;
+    diffusers' ``expand_timesteps``): every token of a row gets the row's timestep, except the
+    tokens of its first ``known_frames`` latent frames (clean conditioning frames), which get 0.
+    Used by the Wan adapter at serving time and by the built-in video model's training loss.
+
+    Args:
+        timestep: (B,) the rows' timesteps (0..1000).
+        known_frames: (B,) long, each row's number of clean latent frames (token frames when the
+            patch has a temporal size > 1); None: no row has any.
+        latent_frames: F', token frames per row (latent frames / temporal patch size).
+        tokens_per_frame: patch tokens per latent frame, (h / p_h) * (w / p_w).
+
+    Returns:
+        float32 (B, F' * tokens_per_frame).
+    """
+    out = timestep.float()[:, None].expand(-1, latent_frames * tokens_per_frame)
+    if known_frames is None:
+        return out
+    token = torch.arange(out.shape[1], device=out.device)
+    return out.masked_fill(token[None, :] < (known_frames.to(out.device) * tokens_per_frame)[:, None], 0.0)
+
+
 def frames_to_video_tensor(frames: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """uint8 frames (F, H, W, 3) as the VAE's input (1, 3, F, H, W) in [-1, 1] (what diffusers'
     `VideoProcessor.preprocess_video` makes of them)."""

@@ -50,7 +50,7 @@ from diffserve.pipelines.base import (
 from diffserve.pipelines.diffusion_scheduler import batchable_sigmas, new_scheduler
 from diffserve.pipelines.generation_config import read_generation_config
 from diffserve.pipelines.text_encoding import TextEncoder, repeat_rows
-from diffserve.pipelines.video_chunks import ChunkCondition, frames_to_video_tensor
+from diffserve.pipelines.video_chunks import ChunkCondition, frames_to_video_tensor, per_token_timesteps
 from diffserve.sampling_params import ModelSpec, SamplingParams
 
 logging.getLogger("diffusers.pipelines.wan.pipeline_wan").setLevel(logging.ERROR)
@@ -366,13 +366,9 @@ class WanAdapter(PipelineAdapter):
         if self.expand_timesteps:  # one timestep per patch token (Wan 2.2 TI2V), float as diffusers'
             _, _, f, h, w = inputs["hidden_states"].shape
             p_t, p_h, p_w = self.experts[0].config.patch_size
-            per_frame = (h // p_h) * (w // p_w)
-            inputs["timestep"] = inputs["timestep"].float()[:, None].expand(-1, (f // p_t) * per_frame)
-            known = inputs.pop("known_latent_frames", None)  # (rows,): see `collate`
-            if known is not None:  # a stream chunk's clean conditioning frames: timestep 0 for their tokens
-                token = torch.arange(inputs["timestep"].shape[1], device=known.device)
-                inputs["timestep"] = inputs["timestep"].masked_fill(
-                    token[None, :] < (known // p_t * per_frame)[:, None], 0.0)
+            known = inputs.pop("known_latent_frames", None)  # (rows,): a stream chunk's clean frames, see `collate`
+            inputs["timestep"] = per_token_timesteps(inputs["timestep"], None if known is None else known // p_t,
+                                                     f // p_t, (h // p_h) * (w // p_w))
         if len(self.experts) > 1:
             experts = {self._expert(s) for s in batch.states}
             if len(experts) > 1:

@@ -58,10 +58,8 @@ ACTIVE_STATUSES = ("queued", "in_progress")
 STATUSES = ACTIVE_STATUSES + ("completed", "failed")
 #: Video ids: ``video_`` + 12 hex digits of the creation time in ms + 20 random hex digits, so
 #: ids sort by creation time.
-_ID = re.compile(r"^video_[0-9a-f]{32}$")
-
-
-#: What `new_video_id` makes: ``video_`` + 12 hex digits of milliseconds + 20 random hex digits.
+#: What `new_video_id` makes: ``video_`` + 12 hex digits of milliseconds + 20 random hex digits
+#: (match with ``fullmatch``).
 VIDEO_ID = re.compile(r"video_[0-9a-f]{32}")
 
 
@@ -307,7 +305,7 @@ class LocalVideoStore(VideoStore):
             return None
 
     def delete(self, job_id: str) -> VideoJob | None:
-        if not _ID.match(job_id):
+        if not VIDEO_ID.fullmatch(job_id):
             return None
         with self._locked():
             job = self._read(job_id)
@@ -353,7 +351,7 @@ class LocalVideoStore(VideoStore):
         return self.root / f"{job_id}.mp4"
 
     def _read(self, job_id: str) -> VideoJob | None:
-        if not _ID.match(job_id):
+        if not VIDEO_ID.fullmatch(job_id):
             return None
         try:
             return VideoJob.from_json(self._job_path(job_id).read_text())

@@ -49,7 +49,7 @@ DIRECTION_NAMES: tuple[str, ...] = tuple(DIRECTIONS)
 #: Pixels the digit moves per frame.
 SPEED = 1
 #: Fraction of training clips that are switch clips (frame 0 shows another digit; module docstring).
-SWITCH_PROB = 0.1
+SWITCH_PROB = 0.15
 
 #: Motion phrases of the prompts; ``{dir}`` is a direction name.
 MOTION_TEMPLATES: tuple[str, ...] = (

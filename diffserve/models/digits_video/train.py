@@ -58,6 +58,7 @@ from diffserve.models.digits import data as digit_data
 from diffserve.models.digits_video import data
 from diffserve.models.digits_video.tokenizer import VOCABULARY_WORDS, build_umt5_tokenizer
 from diffserve.models.training import QUALITY_BEGIN, QUALITY_END, folder_bytes, loss_table
+from diffserve.pipelines.video_chunks import per_token_timesteps
 from diffserve.pipelines.wan_context_folding import (
     append_folded_row,
     install_folded_cross_attention,
@@ -119,7 +120,7 @@ class TrainConfig(training.TrainConfig):
     #: latent pool: clips per training digit encoded once for the denoiser phase
     clips_per_digit: int = 12
     #: fraction of switch clips (frame 0 shows another digit; ``data.SWITCH_PROB``)
-    switch_prob: float = 0.15
+    switch_prob: float = data.SWITCH_PROB
     #: fraction of denoiser examples whose latent frame 0 is clean with timestep-0 tokens
     #: (first-frame conditioning, :func:`rectified_flow_loss`)
     first_frame_prob: float = 0.3
@@ -397,9 +398,7 @@ def rectified_flow_loss(
     first = conditioned.view(-1, 1, 1, 1)
     x_t[:, :, 0] = torch.where(first, x0[:, :, 0], x_t[:, :, 0])
     p_t, p_h, p_w = pipe.transformer.config.patch_size
-    per_frame = (x0.shape[3] // p_h) * (x0.shape[4] // p_w)
-    timestep = (t * 1000)[:, None].repeat(1, (frames // p_t) * per_frame)
-    timestep[:, :per_frame] = torch.where(conditioned[:, None], 0.0, timestep[:, :per_frame])
+    timestep = per_token_timesteps(t * 1000, conditioned.long(), frames // p_t, (x0.shape[3] // p_h) * (x0.shape[4] // p_w))
     set_max_sequence_length(pipe.transformer, MAX_SEQUENCE_LENGTH if fold else None)
     pred = pipe.transformer(hidden_states=x_t, timestep=timestep, encoder_hidden_states=embeds, return_dict=False)[0]
     weight = torch.ones(batch, 1, frames, 1, 1, device=x0.device)
@@ -638,7 +637,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true",
                         help="tiny architecture, short phases and a small latent pool, for smoke tests")
     training.add_card_argument(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for flag in ("switch_prob", "first_frame_prob"):
+        value = getattr(args, flag)
+        if value is not None and not 0.0 <= value <= 1.0:
+            parser.error(f"--{flag.replace('_', '-')} must be a fraction in [0, 1], got {value}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> Path:

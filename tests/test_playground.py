@@ -165,6 +165,8 @@ def enter_api_key(page: Page) -> None:
     page.fill("#key-input", API_KEY)
     page.keyboard.press("Enter")
     expect(dialog).to_be_hidden()
+    # the dialog's "close" event (whose handler stores the key) fires in a later task than the hiding
+    page.wait_for_function("key => sessionStorage.getItem('diffserve.apiKey') === key", arg=API_KEY, timeout=10_000)
     assert page.evaluate("sessionStorage.getItem('diffserve.apiKey')") == API_KEY
 
 

@@ -10,8 +10,10 @@ and reports medians with ranges; `--json` ends with a machine-readable line):
   (c) diffserve `request` mode: static batches run to completion;
   (d) diffserve `step` mode: continuous batching, one denoising step at a time;
   optional arms: step mode with encode/decode inline instead of on the executor's side thread
-  (`step_inline`), and on 2 worker processes, CFG-parallel (`step_cfg2`) or Ulysses
-  (`step_ulysses2`), e.g. `--arms step,step_inline,step_cfg2,step_ulysses2 --repeats 3`.
+  (`step_inline`), with each prompt encoded alone instead of the texts of requests admitted
+  together in one encoder forward (`step_encode_alone`), and on 2 worker processes,
+  CFG-parallel (`step_cfg2`) or Ulysses (`step_ulysses2`), e.g.
+  `--arms step,step_inline,step_cfg2,step_ulysses2 --repeats 3`.
 
 Load: `--concurrency N` keeps N requests outstanding (closed loop), or `--request-rate R`
 sends Poisson arrivals at R requests/s (open loop; `--request-rate auto` = 80% of the step
@@ -20,10 +22,13 @@ mode's capacity measured at `--concurrency`). Prompts are mixed; `--mixed-steps`
 
 It also prints the ceiling (the bare transformer forward at the batch size step mode reached,
 vs batch 1) and the engine overhead at batch 1 (diffserve's time per step vs the bare adapter
-forward + diffusion-scheduler step on the same inputs). Both are measured inside every repeat,
-the ceiling right after that repeat's step arm, and each repeat's step throughput is compared
-with its own ceiling: on a shared machine a ceiling measured once, apart from the arms, can
-land in a slower or faster spell than they did (one such run read "112 % of the ceiling").
+forward + diffusion-scheduler step on the same inputs). Both are measured inside every repeat.
+The ceiling is a throughput like the arms': as many back-to-back forwards as the step arm
+has steps, right before and right after it (their mean, so a machine speeding up or slowing
+down during the arm favours neither), total time / count; each repeat's step throughput is
+compared with its own ceiling (on a shared machine a ceiling measured once, apart from the
+arms, once read "112 % of the ceiling"). The overhead is the median of back-to-back pairs
+(one diffserve request, one bare loop, order alternating).
 
 Usage:
     python benchmarks/serving.py --concurrency 16 --steps 20              # built-in model
@@ -41,7 +46,9 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
+import itertools
 import json
 import random
 import statistics
@@ -92,6 +99,8 @@ def make_workload(args, spec) -> list[Job]:
     for i in range(args.num_requests):
         d = rng.randrange(10)
         prompt = rng.choice(PROMPTS).format(d=d, w=WORDS[d])
+        if args.unique_prompts:  # every request its own text (`fresh` renames them per arm run)
+            prompt = f"{prompt}, sample {i}"
         steps = args.steps if not args.mixed_steps else rng.choice([args.steps // 2, args.steps, args.steps * 2])
         h, w = args.size or (spec.default_height, spec.default_width)
         if args.mixed_sizes:  # smaller variants: always within the model's maximum size
@@ -211,10 +220,12 @@ def run_engine(engine: DiffusionEngine, name: str, jobs: list[Job], concurrency:
     return ArmResult(name, latencies, max(finish.values()), len(jobs), rows_seen)
 
 
-def time_forward(runner: ModelRunner, rows: int, steps: int, size: tuple[int, int], repeats: int = 9,
-                 num_frames: int | None = None) -> float:
-    """Seconds per bare denoiser forward at `rows` rows of `size` (height, width) pixels
-    (no engine, no scheduler step): the median of `repeats` timed forwards after one warm-up."""
+def time_forward(runner: ModelRunner, rows: int, steps: int, size: tuple[int, int], forwards: int = 9,
+                 num_frames: int | None = None, median: bool = False) -> float:
+    """Seconds per bare denoiser forward at `rows` rows of `size` (height, width) pixels (no
+    engine, no scheduler step), after one warm-up: the total time of `forwards` back-to-back
+    forwards divided by their number (a throughput, measured as the arms' are: slow spells
+    count), or with `median` the median forward."""
     adapter = runner.adapter
     no_cfg = 1.0 if adapter.spec.default_guidance_scale is not None else None
     params = SamplingParams(num_inference_steps=steps, guidance_scale=no_cfg, seed=0, num_images_per_prompt=rows,
@@ -228,22 +239,23 @@ def time_forward(runner: ModelRunner, rows: int, steps: int, size: tuple[int, in
     times = []
     with torch.inference_mode():
         adapter.denoise(batch)
-        for _ in range(repeats):
+        for _ in range(forwards):
             t = time.perf_counter()
             adapter.denoise(batch)
             times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(times) if median else sum(times) / len(times)
 
 
 def engine_overhead(runner: ModelRunner, engine: DiffusionEngine, steps: int, guidance: float | None,
-                    size: tuple[int, int], num_frames: int | None = None, runs: int = 15) -> tuple[float, float]:
-    """(diffserve s/step, bare adapter collate + forward + guidance + scheduler step s/step) at
-    batch 1: medians of `runs` runs of each, interleaved one by one."""
+                    size: tuple[int, int], num_frames: int | None = None, runs: int = 15) -> list[tuple[float, float]]:
+    """`runs` pairs (diffserve s/step, bare adapter collate + forward + guidance + scheduler
+    step s/step) of one request (batch 1), each pair run back to back, which one goes first
+    alternating (so a drifting machine speed favours neither)."""
     params = SamplingParams(num_inference_steps=steps, guidance_scale=guidance, seed=0, output_type="latent",
                             height=size[0], width=size[1], num_frames=num_frames)
     adapter = runner.adapter
-    bare, served = [], []
-    for _ in range(runs):
+
+    def bare() -> float:
         state = RequestState("bare", "digit 5", params.resolve(adapter.spec, runner.config.limits))
         with torch.inference_mode():
             adapter.prepare(state)
@@ -251,10 +263,21 @@ def engine_overhead(runner: ModelRunner, engine: DiffusionEngine, steps: int, gu
             while not state.done:
                 batch = adapter.collate([state])
                 adapter.step(batch, adapter.combine(batch, adapter.denoise(batch)))
-            bare.append((time.perf_counter() - t) / steps)
+            return (time.perf_counter() - t) / steps
+
+    def served() -> float:
         [out] = engine.generate("digit 5", params)
-        served.append(out.metrics.denoise_s / steps)
-    return statistics.median(served), statistics.median(bare)
+        return out.metrics.denoise_s / steps
+
+    pairs = []
+    for i in range(runs):
+        if i % 2:
+            b = bare()
+            pairs.append((served(), b))
+        else:
+            d = served()
+            pairs.append((d, bare()))
+    return pairs
 
 
 def main() -> None:
@@ -269,6 +292,9 @@ def main() -> None:
     ap.add_argument("--size", type=_size, default=None,
                     help="WIDTHxHEIGHT or a square side in pixels (default: the model's)")
     ap.add_argument("--num-frames", type=int, default=None, help="video models: frames (default: the model's)")
+    ap.add_argument("--unique-prompts", action="store_true",
+                    help="every request a distinct prompt (the prompt cache never hits, every arm encodes "
+                         "every prompt; repeats use new prompts)")
     ap.add_argument("--mixed-steps", action="store_true")
     ap.add_argument("--mixed-sizes", action="store_true")
     ap.add_argument("--max-batch-size", type=int, default=32, help="transformer rows per step")
@@ -277,7 +303,9 @@ def main() -> None:
                     help="comma list of baseline (diffusers one at a time), static (diffusers static "
                          "batches), request, step; also step_inline (step mode with prompt encoding and VAE "
                          "decode inline, overlap_stages=False: the engine before the executor's side "
-                         "thread), step_cfg2 (2 worker processes, one CFG branch each), step_ulysses2 (2 "
+                         "thread), step_encode_alone (step mode encoding each text alone, not the texts of "
+                         "requests admitted together in one encoder forward), "
+                         "step_cfg2 (2 worker processes, one CFG branch each), step_ulysses2 (2 "
                          "worker processes, Ulysses sequence parallel); the 2-rank arms give each rank "
                          "--threads / 2 torch threads (at least 1), so all arms use the same cores")
     ap.add_argument("--compile", action="store_true", help="regional torch.compile in the diffserve arms")
@@ -345,6 +373,8 @@ def main() -> None:
         arms.remove("static")
     engines = {mode: DiffusionEngine(EngineConfig(**{**vars(config), "execution_mode": mode}), runner=runner)
                for mode in ("request", "step") if mode in arms}
+    if "step_encode_alone" in arms:
+        engines["step_encode_alone"] = DiffusionEngine(config, runner=runner)
     if "step_inline" in arms:
         engines["step_inline"] = DiffusionEngine(EngineConfig(**{**vars(config), "overlap_stages": False}),
                                                  runner=runner)
@@ -357,24 +387,49 @@ def main() -> None:
     runs: dict[str, list[ArmResult]] = {}
     size = (side_h, side_w)
     cfg_rows = runner.adapter.rows(jobs[0].params.resolve(runner.adapter.spec, config.limits, 0))
-    ceilings: list[dict] = []  # per repeat, measured right after that repeat's step arm
-    overheads: list[tuple[float, float]] = []  # per repeat: (diffserve s/step, bare s/step) at batch 1
+    ceilings: list[dict] = []  # per repeat: bare-forward throughput bracketing that repeat's step arm
+    overheads: list[list[tuple[float, float]]] = []  # per repeat: (diffserve s/step, bare s/step) pairs, batch 1
     overhead_engine = DiffusionEngine(config, runner=runner)
+    # the ceiling's forwards: as many as the step arm's steps at full batch (about as long as it)
+    n_forwards = max(9, args.steps * -(-len(jobs) // (concurrency or 16)))
+    guess_rows = min(args.max_batch_size, (concurrency or 16) * cfg_rows)
+    runs_made = itertools.count()
+
+    def fresh(jobs: list[Job]) -> list[Job]:
+        """With --unique-prompts, prompts no earlier arm run used (no prompt-cache hits)."""
+        if not args.unique_prompts:
+            return jobs
+        tag = next(runs_made)
+        return [dataclasses.replace(j, prompt=f"{j.prompt} (run {tag})") for j in jobs]
+
     for _ in range(args.repeats):  # arms, the ceiling and the batch-1 overhead interleaved within each repeat
         if "baseline" in arms:
-            runs.setdefault("diffusers", []).append(run_baseline(pipe, jobs, concurrency))
+            runs.setdefault("diffusers", []).append(run_baseline(pipe, fresh(jobs), concurrency))
         if "static" in arms:
             runs.setdefault("diffusers_static_batch", []).append(
-                run_static_batches(pipe, jobs, concurrency, concurrency or args.max_batch_size))
+                run_static_batches(pipe, fresh(jobs), concurrency, concurrency or args.max_batch_size))
         for mode, engine in engines.items():
-            runs.setdefault(mode, []).append(run_engine(engine, f"diffserve {mode} mode", jobs, concurrency))
+            before = None
+            if mode == "step":
+                before = time_forward(runner, guess_rows, args.steps, size, n_forwards, args.num_frames)
+            text = runner.adapter.text
+            batched = text is not None and text.batched
+            if mode == "step_encode_alone" and text is not None:
+                text.batched = False
+            try:
+                runs.setdefault(mode, []).append(run_engine(engine, f"diffserve {mode} mode", fresh(jobs), concurrency))
+            finally:
+                if text is not None:
+                    text.batched = batched
             if mode == "step" and runs["step"][-1].batch_rows:
                 rows = int(round(statistics.mean(runs["step"][-1].batch_rows)))
-                t1 = time_forward(runner, cfg_rows, args.steps, size, num_frames=args.num_frames)
-                tb = time_forward(runner, rows, args.steps, size, num_frames=args.num_frames)
+                after = time_forward(runner, rows, args.steps, size, n_forwards, args.num_frames)
+                tb = (before + after) / 2 if rows == guess_rows else after
+                t1 = time_forward(runner, cfg_rows, args.steps, size, num_frames=args.num_frames, median=True)
                 ceiling = (rows / cfg_rows) / (args.steps * tb)
                 ceilings.append({"rows": rows, "t1": t1, "tb": tb, "ceiling": ceiling,
                                  "ratio": runs["step"][-1].throughput / ceiling})
+                guess_rows = rows
         overheads.append(engine_overhead(runner, overhead_engine, args.steps, args.guidance, size, args.num_frames))
 
     def median_run(results: list[ArmResult]) -> ArmResult:
@@ -385,7 +440,7 @@ def main() -> None:
             engine.shutdown()
     names = {"diffusers": "diffusers (one at a time)", "diffusers_static_batch": "diffusers (static batches)",
              "request": "diffserve request mode", "step": "diffserve step mode",
-             "step_inline": "step, encode/decode inline", "step_cfg2": "step, CFG-parallel 2 ranks",
+             "step_inline": "step, encode/decode inline", "step_encode_alone": "step, texts encoded alone", "step_cfg2": "step, CFG-parallel 2 ranks",
              "step_ulysses2": "step, Ulysses 2 ranks"}
     base = median_run(runs["diffusers"]).throughput if "diffusers" in runs else None
     print(f"\n{'arm':28s} {'img/s':>8s} {'range':>15s} {'vs base':>8s} {'p50 s':>8s} {'p95 s':>8s} "
@@ -406,17 +461,20 @@ def main() -> None:
         ratios = [c["ratio"] for c in ceilings]
         step_vs_ceiling, ratio_range = statistics.median(ratios), [min(ratios), max(ratios)]
         c = sorted(ceilings, key=lambda c: c["ratio"])[len(ceilings) // 2]
-        print(f"\nceiling (measured right after each repeat's step arm): bare forward {cfg_rows} rows "
-              f"{c['t1'] * 1e3:.2f} ms, {c['rows']} rows {c['tb'] * 1e3:.2f} ms ({c['tb'] / c['t1']:.2f}x the cost for "
-              f"{c['rows'] / cfg_rows:.0f}x the images) -> {c['ceiling']:.2f} img/s; step mode reaches "
-              f"{step_vs_ceiling:.0%} of it [{ratio_range[0]:.0%}-{ratio_range[1]:.0%}] (median of {len(ratios)} "
-              f"repeats, each against its own ceiling)")
-    per_repeat = [served / bare - 1 for served, bare in overheads]
-    overhead, overhead_range = statistics.median(per_repeat), [min(per_repeat), max(per_repeat)]
-    served, bare = sorted(overheads, key=lambda o: o[0] / o[1])[len(overheads) // 2]
+        print(f"\nceiling (bare forwards right before and after each repeat's step arm, {n_forwards} each, "
+              f"total time / count): {c['rows']} rows {c['tb'] * 1e3:.2f} ms, {cfg_rows} rows {c['t1'] * 1e3:.2f} ms "
+              f"(median; {c['tb'] / c['t1']:.2f}x the cost for {c['rows'] / cfg_rows:.0f}x the images) -> "
+              f"{c['ceiling']:.2f} img/s; step mode reaches {step_vs_ceiling:.1%} of it "
+              f"[{ratio_range[0]:.1%}-{ratio_range[1]:.1%}] (median of {len(ratios)} repeats, each against its own "
+              f"ceiling)")
+    pair_ratios = [served / bare - 1 for pairs in overheads for served, bare in pairs]
+    per_repeat = [statistics.median(served / bare - 1 for served, bare in pairs) for pairs in overheads]
+    overhead, overhead_range = statistics.median(pair_ratios), [min(per_repeat), max(per_repeat)]
+    served = statistics.median(p[0] for pairs in overheads for p in pairs)
+    bare = statistics.median(p[1] for pairs in overheads for p in pairs)
     print(f"engine overhead at batch 1: diffserve {served * 1e3:.3f} ms/step vs bare adapter "
-          f"{bare * 1e3:.3f} ms/step -> {overhead:+.1%} [{overhead_range[0]:+.1%}, {overhead_range[1]:+.1%}] "
-          f"(median of {len(per_repeat)} repeats)")
+          f"{bare * 1e3:.3f} ms/step (medians) -> {overhead:+.1%} (median of {len(pair_ratios)} back-to-back "
+          f"pairs; per-repeat medians [{overhead_range[0]:+.1%}, {overhead_range[1]:+.1%}])")
     if args.json:
         print(json.dumps({
             "images_per_s": {k: median_run(v).throughput for k, v in runs.items()},

@@ -61,7 +61,7 @@ def main() -> None:
                                           max_batch_size=64))
     runner, adapter = engine.runner, engine.runner.adapter
     if args.reset_every_step:
-        runner.memory.window = lambda: runner_memory.PeakWindow(runner.memory.device)
+        runner.memory.window = lambda batch=None: runner_memory.PeakWindow(runner.memory.device)
     times: dict[str, list[float]] = defaultdict(list)
     _timed(runner, "step", times["runner"])
     _timed(runner, "_step", times["adapter step"])

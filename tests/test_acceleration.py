@@ -312,3 +312,48 @@ def test_context_folding_matches_full_context(tiny_sd3_dir, tiny_sd3_t5_dir):
     with_t5 = DiffusionEngine(EngineConfig(model=str(tiny_sd3_t5_dir)))
     assert not with_t5.runner.adapter.context_folding
     assert with_t5.runner.acceleration_stats()["context_folding"] == {"enabled": False}
+
+
+@pytest.mark.parametrize("folder, cache_size", [("tiny_sd3_t5_dir", 0), ("tiny_sd3_t5_dir", 256),
+                                                 ("tiny_flux_dir", 256)])
+def test_requests_prepared_together_share_one_encoder_forward(folder, cache_size, request):
+    """Requests admitted together have their new texts (prompts and the shared negative
+    prompt) encoded in ONE batched call, and each gets the rows it gets alone."""
+    from diffserve import DiffusionEngine, EngineConfig
+
+    model = request.getfixturevalue(folder)
+    engine = DiffusionEngine(EngineConfig(model=str(model), prompt_embed_cache_size=cache_size))
+    text = engine.runner.adapter.text
+    calls = []
+    encode = text._encode
+    text._encode = lambda texts, *a, **kw: calls.append(texts) or encode(texts, *a, **kw)
+    cfg = {"true_cfg_scale": 3.0, "negative_prompt": ""} if "flux" in folder else {}
+    prompts = ["a red fox", "a blue bird", "a red fox"]
+    params = [_p(seed, steps=2, **cfg) for seed in (1, 2, 3)]
+    outs = engine.generate(prompts, params)
+    assert all(o.ok for o in outs), [o.error for o in outs]
+    assert calls == [["a red fox", "", "a blue bird"]]  # the distinct texts, in one call
+    alone = DiffusionEngine(EngineConfig(model=str(model), prompt_embed_cache_size=0))
+    for prompt, p, out in zip(prompts, params, outs):
+        [want] = alone.generate(prompt, p)
+        assert np.abs(out.images - want.images).max() <= 1e-5
+
+
+def test_failed_batched_encoding_falls_back_to_one_text_at_a_time(tiny_sd3_t5_dir):
+    from diffserve import DiffusionEngine, EngineConfig
+
+    engine = DiffusionEngine(EngineConfig(model=str(tiny_sd3_t5_dir)))
+    text = engine.runner.adapter.text
+    encode = text._encode
+
+    def no_lists(texts, *a, **kw):
+        if isinstance(texts, list):
+            raise RuntimeError("batched encode broke")
+        return encode(texts, *a, **kw)
+
+    text._encode = no_lists
+    outs = engine.generate(["a red fox", "a blue bird"], [_p(1, steps=2), _p(2, steps=2)])
+    assert all(o.ok for o in outs), [o.error for o in outs]
+    text._encode = encode
+    [want] = engine.generate("a blue bird", _p(2, steps=2))
+    assert np.abs(outs[1].images - want.images).max() <= 1e-5  # (it ran batched with the fox, this alone)

@@ -82,3 +82,61 @@ def test_late_request_joins_a_running_batch_with_overlapped_encode(engine):
     assert finals[late].metrics.batch_sizes == {4: 3}  # all its steps shared a forward
     assert np.abs(finals[late].images - _solo(engine, "a blue car", _p(2, steps=3))).max() <= TOL
     assert np.abs(finals[first].images - _solo(engine, "a red car", _p(1, steps=30))).max() <= TOL
+
+
+def test_cached_batch_reads_each_rows_own_timestep_and_sigma_step(engine):
+    """A batch of requests at different points of different schedules, stepped repeatedly
+    through the adapter (so its `BatchCache` tables are used): every step each row's timestep
+    and Euler step are the ones of its own request, as stepping it alone computes them."""
+    import torch
+
+    from diffserve.pipelines.base import RequestState
+
+    runner = engine.executor.runner
+    adapter = runner.adapter
+    states = []
+    for i, (steps, ahead, images) in enumerate(((6, 0, 1), (9, 3, 2), (4, 1, 1))):
+        params = _p(i, steps=steps, num_images_per_prompt=images).resolve(adapter.spec, runner.config.limits)
+        state = RequestState(f"r{i}", "a cat", params)
+        with torch.inference_mode():
+            adapter.prepare(state)
+            for _ in range(ahead):  # move it along its schedule alone first
+                batch = adapter.collate([state])
+                adapter.step(batch, adapter.combine(batch, adapter.denoise(batch)))
+        states.append(state)
+    for _ in range(3):  # the shortest has 3 steps left
+        want_t = torch.cat([s.timestep.expand(s.num_images) for s in states]).float()
+        want_dt = torch.cat([(s.sigmas[s.step_index + 1] - s.sigmas[s.step_index]).expand(s.num_images)
+                             for s in states])
+        before = [s.latents for s in states]
+        with torch.inference_mode():
+            batch = adapter.collate(states)
+            assert torch.equal(batch.timesteps.float(), want_t)
+            assert torch.equal(batch.inputs["timestep"].float(), want_t.repeat(2))  # both CFG branches
+            guided = adapter.combine(batch, adapter.denoise(batch))
+            assert adapter.step(batch, guided) == {}
+        for state, x0, g, dt in zip(states, before, batch.split(guided), batch.split(want_dt)):
+            assert torch.allclose(state.latents, x0 + dt.view(-1, 1, 1, 1) * g, atol=1e-6)
+    assert batch.cache is not None and batch.cache.ahead == 3  # one set of tables served all 3 steps
+    for state in states:
+        state.release()
+
+
+def test_per_request_diffusion_schedulers_are_independent_copies():
+    """`new_scheduler` shares only the immutable config: a copy's timesteps and multistep
+    history never reach the template or another copy."""
+    import torch
+    from diffusers import DPMSolverMultistepScheduler
+
+    from diffserve.pipelines.diffusion_scheduler import new_scheduler
+
+    template = DPMSolverMultistepScheduler()
+    a, b = new_scheduler(template), new_scheduler(template)
+    assert a.config is template.config and type(a) is type(template)
+    a.set_timesteps(10)
+    b.set_timesteps(4)
+    assert len(a.timesteps) == 10 and len(b.timesteps) == 4 and len(template.timesteps) == 1000
+    x = torch.zeros(1, 4, 8, 8)
+    a.step(torch.ones_like(x), a.timesteps[0], x)
+    assert a.model_outputs[-1] is not None and all(o is None for o in b.model_outputs)
+    assert all(o is None for o in template.model_outputs)

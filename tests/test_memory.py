@@ -359,6 +359,34 @@ def test_per_request_peak_memory_is_reported(engine):
         assert m.as_dict()["request_peak_memory_bytes"] == m.request_peak_memory_bytes
 
 
+def test_cpu_step_windows_read_the_high_water_mark_once_per_batch_composition(engine, monkeypatch):
+    """Between two high-water-mark resets (here: none after the first), an unchanged batch's
+    steps reuse the last read peak; a batch that changes composition is read again. Every step
+    still reports a peak."""
+    import diffserve.runner.memory as memory
+    import diffserve.runner.model_memory as model_memory
+
+    if rss_bytes() is None:
+        pytest.skip("no /proc on this platform")
+    reads = []
+    real = memory._proc_status
+    monkeypatch.setattr(memory, "_proc_status", lambda *keys: reads.append(keys) or real(*keys))
+    monkeypatch.setattr(model_memory, "STEP_RESET_INTERVAL_S", 3600.0)
+    memory._reset_hwm()  # start the interval now
+    steps = []
+    listener = lambda rows, requests, seconds: steps.append(requests)  # noqa: E731
+    engine.add_step_listener(listener)
+    try:
+        outs = engine.generate(["a red fox", "a blue bird"],
+                               [SamplingParams(seed=1, num_inference_steps=8), SamplingParams(seed=2, num_inference_steps=3)])
+    finally:
+        engine._step_listeners.remove(listener)
+    assert all(o.ok and o.metrics.request_peak_memory_bytes is not None for o in outs)
+    assert steps == [2, 2, 2, 1, 1, 1, 1, 1]
+    step_reads = [k for k in reads if k == ("VmHWM",)]
+    assert len(step_reads) == 2  # the 2-request batch's first step, then the 1-request batch's
+
+
 # ------------------------------------------------------------------------- composition
 def test_compile_offload_and_cache_backend_compose(tmp_path_factory):
     """Regional compile + model and layerwise offload + TeaCache: three requests in a row with

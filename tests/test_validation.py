@@ -119,6 +119,24 @@ def test_long_prompt_is_truncated_and_flagged(engine, tiny_sd3_t5_dir):
     assert np.array_equal(out.images, again.images)
 
 
+def test_truncation_verdicts_are_remembered_per_text(engine, monkeypatch):
+    """Each distinct (text, max_sequence_length) is tokenized once; the memo is bounded."""
+    import diffserve.pipelines.text_encoding as text_encoding
+
+    text = engine.executor.runner.adapter.text
+    calls = []
+    real = text._tokenize_is_truncated
+    monkeypatch.setattr(text, "_tokenize_is_truncated", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(text_encoding, "TRUNCATION_MEMO_SIZE", 2)
+    monkeypatch.setattr(text, "_truncated", type(text._truncated)())  # start empty (shared engine)
+    long_prompt = "a very long prompt " * 20
+    assert [text.is_truncated(t) for t in (long_prompt, "a cat", long_prompt, "a cat")] == [True, False, True, False]
+    assert len(calls) == 2
+    text.is_truncated("a dog")  # evicts the least recently used (the long prompt)
+    assert text.is_truncated(long_prompt) and len(calls) == 4
+    assert len(text._truncated) <= 2
+
+
 def test_engine_config_rejects_bad_values():
     for kwargs, field in (({"max_batch_size": 0}, "max_batch_size"), ({"execution_mode": "x"}, "execution_mode"),
                           ({"load_format": "gguf"}, "load_format"), ({"dtype": "int3"}, "dtype"),

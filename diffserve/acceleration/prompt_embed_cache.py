@@ -60,6 +60,11 @@ class PromptEmbedCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, key: Sequence[Hashable]) -> bool:
+        """Whether `key` (as given to `get_or_encode`) is cached; counts as neither hit nor miss."""
+        with self._lock:
+            return (self.model, *key) in self._entries
+
     def get_or_encode(
         self, key: Sequence[Hashable], encode: Callable[[], tuple[torch.Tensor, ...]]
     ) -> tuple[torch.Tensor, ...]:

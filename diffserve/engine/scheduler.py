@@ -103,7 +103,7 @@ class RequestScheduler:
                     admitted.append(request)
                     rows += request.rows
                     memory += request.memory_bytes
-        else:
+        elif self.waiting:
             rows, memory = self.running_rows, self.running_memory
             while self.waiting:
                 head = self.waiting[0]

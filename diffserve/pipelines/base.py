@@ -313,6 +313,17 @@ class PipelineAdapter(ABC):
         (`batch_key`, step key). Default None: constant."""
         return None
 
+    def texts_to_encode(self, prompt: str, params: SamplingParams) -> list[tuple[str, int | None]]:
+        """The (text, max_sequence_length) pairs `prepare` encodes for a request: the prompt
+        and, with two guidance branches, the negative prompt ("" when unset). The runner encodes
+        those of the requests it prepares together in one batched call
+        (`TextEncoder.encoding_together`); a family that encodes other texts overrides it (a
+        wrong list only costs time: each text is still encoded on its own when needed)."""
+        texts = [(prompt, params.max_sequence_length)]
+        if self.branches(params) == 2:
+            texts.append((params.negative_prompt or "", params.max_sequence_length))
+        return texts
+
     def prompt_is_truncated(self, prompt: str, max_sequence_length: int | None = None) -> bool:
         """Whether `prompt` exceeds a text encoder's token limit (it will be truncated)."""
         return self.text.is_truncated(prompt, max_sequence_length) if self.text is not None else False

@@ -23,9 +23,15 @@ if TYPE_CHECKING:
 
 def new_scheduler(template: Any) -> Any:
     """A fresh, independent copy of `template` (one per request; ``set_timesteps`` then gives
-    it its own schedule and state). A deep copy: 3-8x cheaper than ``from_config``, which
-    re-validates the whole config for every request."""
-    return copy.deepcopy(template)
+    it its own schedule and state): every attribute deep-copied except the config, which
+    diffusers keeps in an immutable ``FrozenDict`` and is shared. 1.3-2x cheaper than a whole
+    deep copy (most of whose objects are the config's) and 4-6x cheaper than ``from_config``,
+    which re-validates the config for every request."""
+    config = template.__dict__.get("_internal_dict")
+    new = copy.copy(template)
+    memo = {id(config): config}
+    new.__dict__ = {k: copy.deepcopy(v, memo) for k, v in template.__dict__.items()}
+    return new
 
 
 def batchable_sigmas(scheduler: Any, num_steps: int, begin: int = 0) -> torch.Tensor | None:
@@ -61,10 +67,10 @@ def step_batch(batch: "StepBatch", guided: torch.Tensor) -> dict[str, BaseExcept
     states = batch.states
     cache = batch.cache
     if all(s.sigmas is not None for s in states):
-        if len(states) == 1 and (cache is None or cache.sigma_rows is None):
+        if len(states) == 1 and (cache is None or cache.dt_table is None):
             s = states[0]
             dt = s.sigmas[s.step_index + 1] - s.sigmas[s.step_index]
-        elif cache is not None and cache.sigma_rows is not None:
+        elif cache is not None and cache.dt_table is not None:
             dt = cache.sigma_deltas().view(-1, *([1] * (guided.dim() - 1)))
         else:
             dt = torch.stack([s.sigmas[s.step_index + 1] - s.sigmas[s.step_index] for s in states])

@@ -159,7 +159,7 @@ class FluxAdapter(PipelineAdapter):
             repeated_blocks=tuple(getattr(pipe.transformer, "_repeated_blocks", None) or ()),
         )
         self.text = TextEncoder(self, self._encode_text,
-                                [(pipe.tokenizer, pipe.tokenizer_max_length), (pipe.tokenizer_2, None)])
+                                [(pipe.tokenizer, pipe.tokenizer_max_length), (pipe.tokenizer_2, None)], batched=True)
 
     @classmethod
     def from_components(cls, components, device, dtype, options):
@@ -185,8 +185,10 @@ class FluxAdapter(PipelineAdapter):
         """The T5 length: it sets ``txt_ids``, shared by the batch."""
         return params.max_sequence_length
 
-    def _encode_text(self, text: str, max_sequence_length: int | None):
-        """diffusers' Flux encoding of one text: T5 prompt_embeds (1, L, D) and CLIP pooled (1, P)."""
+    def _encode_text(self, text: str | list[str], max_sequence_length: int | None):
+        """diffusers' Flux encoding of a text (or of n texts, a row each: CLIP and T5 pad to
+        fixed lengths, so a row equals the text alone): T5 prompt_embeds (n, L, D) and CLIP
+        pooled (n, P)."""
         pe, pooled, _ = self.pipe.encode_prompt(prompt=text, prompt_2=None, device=self.device,
                                                 num_images_per_prompt=1, max_sequence_length=max_sequence_length)
         return pe, pooled

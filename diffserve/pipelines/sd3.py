@@ -175,7 +175,7 @@ class StableDiffusion3Adapter(PipelineAdapter):
             self, self._encode_text,
             [(pipe.tokenizer, pipe.tokenizer_max_length), (pipe.tokenizer_2, pipe.tokenizer_max_length),
              (pipe.tokenizer_3, None)],
-            key=("folded" if self.context_folding else "full",),
+            key=("folded" if self.context_folding else "full",), batched=True,
         )
 
     @classmethod
@@ -226,9 +226,10 @@ class StableDiffusion3Adapter(PipelineAdapter):
         """The T5 budget: it sets the text length (and the fold count with folding)."""
         return params.max_sequence_length
 
-    def _encode_text(self, text: str, max_sequence_length: int | None):
-        """diffusers' SD3 encoding of one text: prompt_embeds (1, L_clip + L_t5, D) (L_t5 = 1
-        folded row with context folding) and pooled (1, P)."""
+    def _encode_text(self, text: str | list[str], max_sequence_length: int | None):
+        """diffusers' SD3 encoding of a text (or of n texts, a row each: every encoder pads to
+        a fixed length, so a row equals the text alone): prompt_embeds (n, L_clip + L_t5, D)
+        (L_t5 = 1 folded row with context folding) and pooled (n, P)."""
         pe, _, pooled, _ = self.pipe.encode_prompt(
             prompt=text, prompt_2=None, prompt_3=None, do_classifier_free_guidance=False,
             num_images_per_prompt=1, device=self.device, max_sequence_length=max_sequence_length,

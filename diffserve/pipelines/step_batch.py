@@ -110,8 +110,11 @@ class BatchCache:
         latents / views: the last step's concatenated latents (N, ...) and the per-request
             views of it the states hold; reused as the next forward's input when every state
             still holds its view.
-        t_rows / idx_rows: (N, L) per-row timestep table and (N, 1) long index of each row's
-            current step; sigma_rows: (N, L + 1) float32 sigmas (flow-matching), or None.
+        ahead: steps taken since the composition was cached (row ``ahead`` of the tables).
+        t_table: (S, N) float32 timestep of each latent row ``k`` steps after the cache was
+            built (S: the most steps any request has left; rows past a request's end repeat
+            its last timestep and are never read); dt_table: (S, N) float32 ``sigma_{i+1} -
+            sigma_i`` likewise (flow-matching), or None.
         row_values: per-request value lists -> (N,) tensors (guidance weights).
     """
 
@@ -125,9 +128,11 @@ class BatchCache:
         self.inputs: dict[str, Any] = {}
         self.latents: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
-        self.t_rows: torch.Tensor | None = None
-        self.sigma_rows: torch.Tensor | None = None
-        self.idx_rows: torch.Tensor | None = None
+        self.ahead = 0
+        self.branches = 1
+        self.t_table: torch.Tensor | None = None
+        self.dt_table: torch.Tensor | None = None
+        self._t_by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self.row_values: dict[Any, torch.Tensor] = {}
 
     def matches(self, states: list["RequestState"]) -> bool:
@@ -137,38 +142,55 @@ class BatchCache:
         return all(s.step_index == k + 1 for s, k in zip(states, self.steps))
 
     def reset(self, states: list["RequestState"], inputs: dict[str, Any]) -> None:
-        """Start caching a new batch composition."""
+        """Start caching a new batch composition: its inputs, and the timestep (and sigma
+        step) tables of all its remaining steps, so each step then reads one row of them."""
         self.states = list(states)
         self.steps = [s.step_index for s in states]
         self.inputs = inputs
         self.latents, self.views = None, []
         self.row_values = {}
+        self.ahead = 0
+        self.branches = max(len(states[0].branches), 1)
+        self._t_by_dtype = {}
         device = states[0].latents.device
         counts = torch.tensor([s.num_images for s in states], device=device)
-        longest = max(len(s.timesteps) for s in states)
-        table = torch.stack([F.pad(s.timesteps.to(device, torch.float32), (0, longest - len(s.timesteps)))
-                             for s in states])
-        self.t_rows = table.repeat_interleave(counts, dim=0)
+        horizon = max(max(len(s.timesteps) - s.step_index for s in states), 1)
+
+        def table(per_state: list[torch.Tensor]) -> torch.Tensor:
+            """(S, N) from per-state (S_i,) columns, each cut or padded with its last value to S."""
+            cols = [c[:horizon] if len(c) >= horizon else torch.cat([c, c[-1:].expand(horizon - len(c))])
+                    for c in per_state]
+            return torch.stack(cols).repeat_interleave(counts, dim=0).t().contiguous()
+
+        self.t_table = table([s.timesteps.to(device, torch.float32)[min(s.step_index, len(s.timesteps) - 1):]
+                              for s in states])
         if all(s.sigmas is not None for s in states):
-            sig = torch.stack([F.pad(s.sigmas.to(device), (0, longest + 1 - len(s.sigmas))) for s in states])
-            self.sigma_rows = sig.repeat_interleave(counts, dim=0)
+            deltas = []
+            for s in states:
+                sig = s.sigmas.to(device, torch.float32)
+                i = min(s.step_index, len(sig) - 2)
+                deltas.append(sig[i + 1:] - sig[i:-1])
+            self.dt_table = table(deltas)
         else:
-            self.sigma_rows = None
-        idx = torch.tensor([s.step_index for s in states], device=device).repeat_interleave(counts)
-        self.idx_rows = idx.view(-1, 1)
+            self.dt_table = None
 
     def advance(self) -> None:
         """Record that every state of the batch took one step (after the step)."""
         self.steps = [s.step_index - 1 for s in self.states]
-        self.idx_rows += 1
+        self.ahead += 1
 
-    def timesteps(self, dtype: torch.dtype) -> torch.Tensor:
-        """(N,) each row's current timestep."""
-        return self.t_rows.gather(1, self.idx_rows).view(-1).to(dtype)
+    def timesteps(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each latent row's current timestep (N,) and the same for every forward row,
+        branch-major (B * N,), in `dtype`: views of precomputed tables (no tensor operation)."""
+        tables = self._t_by_dtype.get(dtype)
+        if tables is None:
+            t = self.t_table.to(dtype)
+            tables = self._t_by_dtype[dtype] = (t, t.repeat(1, self.branches))
+        return tables[0][self.ahead], tables[1][self.ahead]
 
     def sigma_deltas(self) -> torch.Tensor:
-        """(N,) float32 ``sigma_{i+1} - sigma_i`` of each row's current step."""
-        return (self.sigma_rows.gather(1, self.idx_rows + 1) - self.sigma_rows.gather(1, self.idx_rows)).view(-1)
+        """(N,) float32 ``sigma_{i+1} - sigma_i`` of each row's current step (a view)."""
+        return self.dt_table[self.ahead]
 
 
 def _pad_to(tensors: list[torch.Tensor], value: float) -> list[torch.Tensor]:
@@ -263,12 +285,13 @@ def collate_branches(states: list["RequestState"], model_input: Callable[["Reque
     else:
         x = torch.cat([model_input(s) for s in states])
     if cache is not None:
-        t = cache.timesteps(states[0].timesteps.dtype)
-    elif len(states) == 1:
-        t = states[0].timestep.expand(states[0].num_images)
+        t, inputs["timestep"] = cache.timesteps(states[0].timesteps.dtype)
     else:
-        t = torch.cat([s.timestep.expand(s.num_images) for s in states])
+        if len(states) == 1:
+            t = states[0].timestep.expand(states[0].num_images)
+        else:
+            t = torch.cat([s.timestep.expand(s.num_images) for s in states])
+        inputs["timestep"] = t if branches <= 1 else t.repeat(branches)
     inputs["hidden_states"] = x if branches <= 1 else torch.cat([x] * branches)
-    inputs["timestep"] = t if branches <= 1 else t.repeat(branches)
     return StepBatch(states=states, branches=max(branches, 1), row_counts=row_counts, inputs=inputs,
                      latents=latents, timesteps=t, cache=cache)

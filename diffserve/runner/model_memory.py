@@ -9,7 +9,7 @@ turns a step's measured peak into the step's own peak above the resident model
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,6 +50,8 @@ class ModelMemory:
                                      pool=self.offload.fixed_components if config.enable_sleep_mode else None)
         self._profile: "MemoryProfile | None" = None
         self._idle_baseline: int | None = None
+        self._read_batch: Hashable = None  # the batch of the last step whose peak was read (CPU)
+        self._last_step_peak: int | None = None
 
     def ready(self) -> None:
         """Pack the sleep pool (``enable_sleep_mode``) and record what the idle engine holds:
@@ -63,19 +65,27 @@ class ModelMemory:
             self._idle_baseline = rss_bytes()
 
     # ------------------------------------------------------------------ per-step peaks
-    def window(self) -> PeakWindow:
-        """A peak-measurement window for one denoising step (on CPU resetting the RSS high-water
-        mark at most every `STEP_RESET_INTERVAL_S`, see `diffserve.runner.memory`)."""
-        return PeakWindow(self.device, min_reset_interval_s=STEP_RESET_INTERVAL_S)
+    def window(self, batch: Hashable = None) -> PeakWindow:
+        """A peak-measurement window for one denoising step. On CPU it resets the RSS
+        high-water mark at most every `STEP_RESET_INTERVAL_S` (see `diffserve.runner.memory`)
+        and reads it only when it reset it or the step's `batch` (any value naming the batch's
+        composition; None = always read) differs from the last read step's: the steps of an
+        unchanged batch between two resets report the last read peak (`step_peak`)."""
+        read = self.device.type == "cuda" or batch is None or batch != self._read_batch
+        return PeakWindow(self.device, min_reset_interval_s=STEP_RESET_INTERVAL_S, read=read)
 
-    def step_peak(self, window: PeakWindow) -> int | None:
+    def step_peak(self, window: PeakWindow, batch: Hashable = None) -> int | None:
         """The step's peak above the resident model, bytes: on CUDA the allocator peak minus
-        the weights on the device; on CPU the RSS high-water mark minus the idle engine's RSS.
-        None when not measurable."""
+        the weights on the device; on CPU the RSS high-water mark minus the idle engine's RSS
+        (the last read one when `window` skipped its read). None when not measurable."""
+        if window.skipped:
+            return self._last_step_peak
         if window.peak is None:
             return None
         baseline = self.offload.resident_weight_bytes() if self.device.type == "cuda" else self._idle_baseline
-        return max(0, window.peak - (baseline or 0))
+        self._last_step_peak = max(0, window.peak - (baseline or 0))
+        self._read_batch = batch
+        return self._last_step_peak
 
     # ------------------------------------------------------------------ admission
     def profile(self, limits) -> "MemoryProfile":

@@ -125,6 +125,14 @@ class ModelRunner:
         return results
 
     def _prepare(self, requests: list[NewRequest]) -> list[Prepared]:
+        text = self.adapter.text
+        if text is None or len(requests) < 2:
+            return self._prepare_each(requests)
+        texts = [pair for new in requests for pair in self.adapter.texts_to_encode(new.prompt, new.params)]
+        with text.encoding_together(texts):  # one encoder forward for the group's new texts
+            return self._prepare_each(requests)
+
+    def _prepare_each(self, requests: list[NewRequest]) -> list[Prepared]:
         results = []
         for new in requests:
             start = time.perf_counter()
@@ -161,13 +169,14 @@ class ModelRunner:
         """
         start = time.perf_counter()
         states = [self.states[i] for i in request_ids]
-        with self.memory.offload.stage("denoise") as loads, self.memory.window() as window:
+        composition = tuple(request_ids)
+        with self.memory.offload.stage("denoise") as loads, self.memory.window(composition) as window:
             if len(states) > 1 and not self.accelerator.shares_forward:
                 out = self._step_alone(states)
             else:
                 out = self._step(states)
         out.offload_loads = loads
-        out.peak_memory_bytes = self.memory.step_peak(window)
+        out.peak_memory_bytes = self.memory.step_peak(window, composition)
         for request_id in out.errors:
             self.free([request_id])
         out.seconds = time.perf_counter() - start

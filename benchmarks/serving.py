@@ -28,7 +28,10 @@ has steps, right before and right after it (their mean, so a machine speeding up
 down during the arm favours neither), total time / count; each repeat's step throughput is
 compared with its own ceiling (on a shared machine a ceiling measured once, apart from the
 arms, once read "112 % of the ceiling"). The overhead is the median of back-to-back pairs
-(one diffserve request, one bare loop, order alternating).
+(one diffserve request, one bare loop, order alternating). Finally the step arm is compared with
+its own forwards (their mean time at that batch size, timed during the arm): the same machine
+speed by construction, so this ratio shows what the engine's own work and the stalls between
+waves (decode, prompt encoding) cost, without the shared machine's drift.
 
 Usage:
     python benchmarks/serving.py --concurrency 16 --steps 20              # built-in model
@@ -246,6 +249,19 @@ def time_forward(runner: ModelRunner, rows: int, steps: int, size: tuple[int, in
     return statistics.median(times) if median else sum(times) / len(times)
 
 
+def _timed_forwards(adapter, into: list[tuple[int, float]]):
+    """`adapter.denoise` (the class's) recording (rows, seconds) of each call into `into`."""
+    denoise = type(adapter).denoise.__get__(adapter)
+
+    def timed(batch, *args, **kwargs):
+        start = time.perf_counter()
+        out = denoise(batch, *args, **kwargs)
+        into.append((batch.num_rows, time.perf_counter() - start))
+        return out
+
+    return timed
+
+
 def engine_overhead(runner: ModelRunner, engine: DiffusionEngine, steps: int, guidance: float | None,
                     size: tuple[int, int], num_frames: int | None = None, runs: int = 15) -> list[tuple[float, float]]:
     """`runs` pairs (diffserve s/step, bare adapter collate + forward + guidance + scheduler
@@ -416,19 +432,26 @@ def main() -> None:
             batched = text is not None and text.batched
             if mode == "step_encode_alone" and text is not None:
                 text.batched = False
+            forwards: list[tuple[int, float]] = []  # step arm: (rows, seconds) of every denoiser forward
+            if mode == "step":
+                runner.adapter.denoise = _timed_forwards(runner.adapter, forwards)
             try:
                 runs.setdefault(mode, []).append(run_engine(engine, f"diffserve {mode} mode", fresh(jobs), concurrency))
             finally:
                 if text is not None:
                     text.batched = batched
+                runner.adapter.__dict__.pop("denoise", None)
             if mode == "step" and runs["step"][-1].batch_rows:
                 rows = int(round(statistics.mean(runs["step"][-1].batch_rows)))
                 after = time_forward(runner, rows, args.steps, size, n_forwards, args.num_frames)
                 tb = (before + after) / 2 if rows == guess_rows else after
                 t1 = time_forward(runner, cfg_rows, args.steps, size, num_frames=args.num_frames, median=True)
                 ceiling = (rows / cfg_rows) / (args.steps * tb)
-                ceilings.append({"rows": rows, "t1": t1, "tb": tb, "ceiling": ceiling,
-                                 "ratio": runs["step"][-1].throughput / ceiling})
+                throughput = runs["step"][-1].throughput
+                at_rows = [t for n, t in forwards if n == rows]
+                in_situ = (rows / cfg_rows) / (args.steps * statistics.mean(at_rows)) if at_rows else None
+                ceilings.append({"rows": rows, "t1": t1, "tb": tb, "ceiling": ceiling, "ratio": throughput / ceiling,
+                                 "in_situ_ratio": throughput / in_situ if in_situ else None})
                 guess_rows = rows
         overheads.append(engine_overhead(runner, overhead_engine, args.steps, args.guidance, size, args.num_frames))
 
@@ -456,7 +479,7 @@ def main() -> None:
         print(f"step mode vs diffusers static batches: "
               f"{median_run(runs['step']).throughput / median_run(runs['diffusers_static_batch']).throughput:.2f}x")
 
-    step_vs_ceiling, ratio_range = None, None
+    step_vs_ceiling, ratio_range, in_situ_ratio, in_situ_range = None, None, None, None
     if ceilings:
         ratios = [c["ratio"] for c in ceilings]
         step_vs_ceiling, ratio_range = statistics.median(ratios), [min(ratios), max(ratios)]
@@ -467,6 +490,12 @@ def main() -> None:
               f"{c['ceiling']:.2f} img/s; step mode reaches {step_vs_ceiling:.1%} of it "
               f"[{ratio_range[0]:.1%}-{ratio_range[1]:.1%}] (median of {len(ratios)} repeats, each against its own "
               f"ceiling)")
+        in_situ = [c["in_situ_ratio"] for c in ceilings if c["in_situ_ratio"] is not None]
+        if in_situ:
+            in_situ_ratio, in_situ_range = statistics.median(in_situ), [min(in_situ), max(in_situ)]
+            print(f"against its own forwards (their mean time at {c['rows']} rows during the arm, so the same "
+                  f"machine speed: what the engine's work and the stalls between waves cost): "
+                  f"{in_situ_ratio:.1%} [{in_situ_range[0]:.1%}-{in_situ_range[1]:.1%}]")
     pair_ratios = [served / bare - 1 for pairs in overheads for served, bare in pairs]
     per_repeat = [statistics.median(served / bare - 1 for served, bare in pairs) for pairs in overheads]
     overhead, overhead_range = statistics.median(pair_ratios), [min(per_repeat), max(per_repeat)]
@@ -482,6 +511,8 @@ def main() -> None:
                                    for k, v in runs.items()},
             "step_vs_ceiling": step_vs_ceiling,
             "step_vs_ceiling_range": ratio_range,
+            "step_vs_in_situ_forwards": in_situ_ratio,
+            "step_vs_in_situ_forwards_range": in_situ_range,
             "overhead_batch1": overhead,
             "overhead_batch1_range": overhead_range,
             "model": config.model_path.name, "device": str(config.torch_device), "threads": torch.get_num_threads(),

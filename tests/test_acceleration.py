@@ -315,7 +315,8 @@ def test_context_folding_matches_full_context(tiny_sd3_dir, tiny_sd3_t5_dir):
 
 
 @pytest.mark.parametrize("folder, cache_size", [("tiny_sd3_t5_dir", 0), ("tiny_sd3_t5_dir", 256),
-                                                 ("tiny_flux_dir", 256)])
+                                                 ("tiny_flux_dir", 256), ("tiny_sd15_dir", 256),
+                                                 ("tiny_sdxl_dir", 256)])
 def test_requests_prepared_together_share_one_encoder_forward(folder, cache_size, request):
     """Requests admitted together have their new texts (prompts and the shared negative
     prompt) encoded in ONE batched call, and each gets the rows it gets alone."""
@@ -327,7 +328,8 @@ def test_requests_prepared_together_share_one_encoder_forward(folder, cache_size
     calls = []
     encode = text._encode
     text._encode = lambda texts, *a, **kw: calls.append(texts) or encode(texts, *a, **kw)
-    cfg = {"true_cfg_scale": 3.0, "negative_prompt": ""} if "flux" in folder else {}
+    # a set negative prompt: Flux runs CFG only with one, SDXL zeroes an unset one
+    cfg = {"true_cfg_scale": 3.0, "negative_prompt": ""} if "flux" in folder else {"negative_prompt": ""}
     prompts = ["a red fox", "a blue bird", "a red fox"]
     params = [_p(seed, steps=2, **cfg) for seed in (1, 2, 3)]
     outs = engine.generate(prompts, params)

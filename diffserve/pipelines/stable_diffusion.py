@@ -48,7 +48,7 @@ from diffserve.pipelines.base import (
 from diffserve.pipelines.diffusion_scheduler import new_scheduler
 from diffserve.pipelines.generation_config import read_generation_config
 from diffserve.pipelines.text_encoding import TextEncoder, repeat_rows
-from diffserve.sampling_params import ModelSpec
+from diffserve.sampling_params import ModelSpec, SamplingParams
 
 logger = logging.getLogger(__name__)
 # diffserve reports truncation itself (GenerationOutput.prompt_truncated).
@@ -102,7 +102,7 @@ class StableDiffusionAdapter(PipelineAdapter):
         # ["BasicTransformerBlock"] (the transformer blocks inside the cross-attention blocks).
         self.capabilities = Capabilities(repeated_blocks=tuple(getattr(pipe.unet, "_repeated_blocks", None) or ()))
         self.text = TextEncoder(self, self._encode_text,
-                                [(t, t.model_max_length) for t in self.tokenizers()])
+                                [(t, t.model_max_length) for t in self.tokenizers()], batched=True)
 
     @classmethod
     def from_components(cls, components, device, dtype, options):
@@ -148,10 +148,16 @@ class StableDiffusionAdapter(PipelineAdapter):
         return h * f, w * f
 
     # ---------------------------------------------------------------- per request
-    def _encode_text(self, text: str, max_sequence_length: int | None):
-        """diffusers' SD encoding of one text: prompt_embeds (1, 77, D_text)."""
+    def _encode_text(self, text: str | list[str], max_sequence_length: int | None):
+        """diffusers' SD encoding of a text (or of n texts, a row each: CLIP pads to 77
+        tokens, so a row equals the text alone): prompt_embeds (n, 77, D_text)."""
         pe, _ = self.pipe.encode_prompt(text, self.device, 1, False)
         return (pe,)
+
+    def texts_to_encode(self, prompt: str, params: SamplingParams) -> list[tuple[str, int | None]]:
+        """The prompt and, with CFG, ``negative_prompt or ""``; CLIP's fixed 77 tokens (no
+        max_sequence_length)."""
+        return [(text, None) for text, _ in super().texts_to_encode(prompt, params)]
 
     def branch_inputs(self, state: RequestState) -> list[dict[str, Any]]:
         """Per CFG branch (negative first) the UNet's text inputs, N rows each: diffusers'

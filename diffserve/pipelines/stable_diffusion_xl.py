@@ -28,6 +28,7 @@ from diffusers import StableDiffusionXLPipeline
 from diffserve.pipelines.base import AdapterOptions, RequestState
 from diffserve.pipelines.stable_diffusion import StableDiffusionAdapter
 from diffserve.pipelines.text_encoding import repeat_rows
+from diffserve.sampling_params import SamplingParams
 
 logging.getLogger("diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl").setLevel(logging.ERROR)
 
@@ -71,12 +72,21 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
         side = self.pipe.default_sample_size * self.pipe.vae_scale_factor
         return side, side
 
-    def _encode_text(self, text: str, max_sequence_length: int | None):
-        """diffusers' SDXL encoding of one text (prompt_2 = text): prompt_embeds
-        (1, 77, D1 + D2) and pooled (1, P)."""
+    def _encode_text(self, text: str | list[str], max_sequence_length: int | None):
+        """diffusers' SDXL encoding of a text (prompt_2 = text; or of n texts, a row each:
+        both CLIPs pad to 77 tokens, so a row equals the text alone): prompt_embeds
+        (n, 77, D1 + D2) and pooled (n, P)."""
         pe, _, pooled, _ = self.pipe.encode_prompt(prompt=text, device=self.device, num_images_per_prompt=1,
                                                    do_classifier_free_guidance=False)
         return pe, pooled
+
+    def texts_to_encode(self, prompt: str, params: SamplingParams) -> list[tuple[str, int | None]]:
+        """As SD's, without the negative prompt when the folder zeroes an unset one
+        (``force_zeros_for_empty_prompt``)."""
+        texts = super().texts_to_encode(prompt, params)
+        if params.negative_prompt is None and self.pipe.config.force_zeros_for_empty_prompt:
+            texts = texts[:1]
+        return texts
 
     def branch_inputs(self, state: RequestState) -> list[dict[str, Any]]:
         """Per CFG branch (negative first): text embeddings and ``added_cond_kwargs``, N rows."""

@@ -15,7 +15,9 @@ What "memory" means per device:
   windows report None. The reset takes the process's memory-map write lock, which waits for
   every thread's page faults in flight: ~25 us typically, but milliseconds on a busy machine;
   so denoising-step windows reset it at most every `STEP_RESET_INTERVAL_S` (``min_reset_interval_s``)
-  and a step's peak then covers the earlier steps since the last reset too (an upper bound).
+  and a step's peak then covers the earlier steps since the last reset too (an upper bound). Reading
+  it right after a denoiser forward costs ~40-80 us (7 us otherwise), so step windows may skip the
+  read (``read=False``, see `ModelMemory.window`).
 """
 
 from __future__ import annotations

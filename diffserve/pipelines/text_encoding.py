@@ -7,8 +7,8 @@ is cached per text; a request repeats the rows for its images at use. So the cac
 entry per distinct text (the shared empty negative prompt is one entry for everyone), and its
 size does not grow with ``num_images_per_prompt``.
 
-Families whose encoders pad every text to a fixed length (SD3's CLIP + T5, Flux's CLIP + T5)
-encode several texts in ONE encoder forward with the same rows as one at a time
+Families whose encoders pad every text to a fixed length (SD3's CLIP + T5, Flux's CLIP + T5,
+SD 1.x/2.x and SDXL's CLIPs) encode several texts in ONE encoder forward with the same rows as one at a time
 (`TextEncoder.encoding_together`): the requests admitted together (a burst of arrivals, a wave
 of a closed loop) cost one forward per encoder instead of one per text, which on the built-in
 model's CPU path is 16 texts in ~8-17 ms instead of ~95-110 ms.
@@ -147,7 +147,9 @@ class TextEncoder:
         each) made on entry for the distinct texts not in the prompt cache. A no-op unless the
         family's encoding is `batched`, or when fewer than 2 texts need encoding. A batched
         call that raises is logged and skipped: each text is then encoded alone, so a bad one
-        fails only its own request. Call from one thread at a time (tokenizers)."""
+        fails only its own request. Each text keeps its own tensors, one row each ((1, L, D)
+        prompt_embeds, (1, P) pooled, ... as `encode` returns them), copied out of the batch so
+        it can be freed. Call from one thread at a time (tokenizers)."""
         if not self.batched:
             yield
             return
@@ -161,7 +163,9 @@ class TextEncoder:
                 group.append(text)
         try:
             for max_sequence_length, group in groups.items():
-                for start in range(0, len(group) if len(group) > 1 else 0, MAX_TEXTS_PER_ENCODE):
+                if len(group) < 2:  # one new text: encoded alone when asked, as without batching
+                    continue
+                for start in range(0, len(group), MAX_TEXTS_PER_ENCODE):
                     chunk = group[start:start + MAX_TEXTS_PER_ENCODE]
                     try:
                         out = tuple(self._encode(chunk, max_sequence_length))

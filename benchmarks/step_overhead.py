@@ -13,6 +13,13 @@ Usage::
     python benchmarks/step_overhead.py                      # built-in model, 1 request, 200 steps
     python benchmarks/step_overhead.py --requests 16 --repeats 3
     python benchmarks/step_overhead.py --reset-every-step   # the memory window's old cost
+    python benchmarks/step_overhead.py --requests 16 --churn --repeats 3   # a new composition every step
+
+With ``--churn`` one request joins and one leaves at every step (each runs ``--requests``
+steps, so that many are in flight): every step's batch is a new composition, as under
+open-loop traffic, and the adapter rebuilds its batch tables each step. The joining request's
+prepare and the leaving one's decode run inside the engine's step there; they are timed and
+left out of the engine's own time (and reported on their own).
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200, help="num_inference_steps of each request (<= 200)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=1, help="runs; medians/means are over all of them")
+    ap.add_argument("--churn", action="store_true",
+                    help="one request joins and one leaves at every step (see above)")
     ap.add_argument("--reset-every-step", action="store_true",
                     help="CPU: reset the RSS high-water mark at every step's memory window (what diffserve did "
                          "before resets were spaced by STEP_RESET_INTERVAL_S), to compare")
@@ -67,6 +76,8 @@ def main() -> None:
     _timed(runner, "_step", times["adapter step"])
     _timed(adapter, "denoise", times["denoiser forward"])
     _timed(runner_memory, "_reset_hwm", times["hwm resets"])
+    _timed(runner, "prepare", times["prepare"])
+    _timed(runner, "decode", times["decode"])
     params = [SamplingParams(num_inference_steps=args.steps, seed=i, output_type="latent") for i in range(args.requests)]
     engine.generate(["digit 5"] * args.requests, [SamplingParams(num_inference_steps=5, seed=0, output_type="latent")
                                                   for _ in range(args.requests)])  # warm-up
@@ -74,17 +85,24 @@ def main() -> None:
     for _ in range(args.repeats):
         for series in times.values():
             series.clear()
-        for p in params:
-            engine.add_request("digit 5", p)
-        engine_times = []
-        while engine.has_unfinished_requests():
-            start = time.perf_counter()
-            engine.step()
-            engine_times.append(time.perf_counter() - start)
+        if args.churn:
+            engine_times = _run_churn(engine, args.requests, args.steps, times)
+            skip, end = args.requests + 20, -args.requests  # full batches only: no ramp-up/down
+        else:
+            for p in params:
+                engine.add_request("digit 5", p)
+            engine_times = []
+            while engine.has_unfinished_requests():
+                start = time.perf_counter()
+                engine.step()
+                engine_times.append(time.perf_counter() - start)
+            skip, end = 20, None  # after warm-up steps
         times["engine"] = engine_times
         for layer in LAYERS:
             steps = times[layer] if layer != "engine" else [t for t in times[layer] if t > 0]
-            kept[layer] += steps[20:]  # after warm-up steps
+            kept[layer] += steps[skip:end]
+        for side in ("prepare", "decode"):
+            kept[side] += times[side]
         kept["hwm resets"] += times["hwm resets"]
     print(f"model={engine.config.model_path.name} requests={args.requests} steps={args.steps} "
           f"threads={args.threads} repeats={args.repeats}")
@@ -98,9 +116,30 @@ def main() -> None:
     if resets:
         print(f"RSS high-water-mark resets: {len(resets)} (median {statistics.median(resets) * 1e6:.0f} us, "
               f"mean {statistics.mean(resets) * 1e6:.0f} us)")
+    if args.churn:
+        for side in ("prepare", "decode"):
+            print(f"{side} (left out of the engine's time): {statistics.median(kept[side]) * 1e6:.0f} us median "
+                  f"per call, {len(kept[side])} calls")
     overhead = medians["engine"] - medians["adapter step"]
     print(f"engine + runner work per step beyond the adapter: {overhead * 1e6:.0f} us "
           f"({overhead / medians['adapter step']:+.1%} of the adapter step)")
+
+
+def _run_churn(engine: DiffusionEngine, in_flight: int, total: int, times: dict[str, list[float]]) -> list[float]:
+    """Add one request (running `in_flight` steps) before each of `total` engine steps, then
+    drain; returns each engine step's seconds minus the prepare/decode time inside it."""
+    engine_times, added = [], 0
+    while added < total or engine.has_unfinished_requests():
+        if added < total:
+            engine.add_request("digit 5", SamplingParams(num_inference_steps=in_flight, seed=added,
+                                                         output_type="latent"))
+            added += 1
+        side = sum(times["prepare"]) + sum(times["decode"])
+        start = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - start
+        engine_times.append(elapsed - (sum(times["prepare"]) + sum(times["decode"]) - side))
+    return engine_times
 
 
 if __name__ == "__main__":

@@ -122,6 +122,37 @@ def test_cached_batch_reads_each_rows_own_timestep_and_sigma_step(engine):
         state.release()
 
 
+def test_step_tables_gather_each_requests_schedule_from_its_step_on():
+    """`_step_tables` (one gather for all requests) against a plain per-request reading:
+    requests of different schedule lengths and positions, some with several latent rows; rows
+    past a request's end repeat its last value; sigma steps are differences of neighbours."""
+    import random
+
+    import torch
+
+    from diffserve.pipelines.step_batch import _step_tables
+
+    rng = random.Random(0)
+    for _ in range(50):
+        lengths = [rng.randint(1, 9) for _ in range(rng.randint(1, 5))]
+        steps = [rng.randrange(n) for n in lengths]
+        images = [rng.choice([1, 1, 2, 3]) for _ in lengths]
+        timesteps = [torch.rand(n) * 1000 for n in lengths]
+        sigmas = [torch.sort(torch.rand(n + 1), descending=True).values for n in lengths]
+        horizon = max(n - i for n, i in zip(lengths, steps))
+        repeats = torch.tensor(images) if any(k != 1 for k in images) else None
+        t, dt = _step_tables(timesteps, sigmas, steps, horizon, torch.device("cpu"), repeats)
+        assert t.shape == dt.shape == (horizon, sum(images)) and t.dtype == dt.dtype == torch.float32
+        assert torch.equal(_step_tables(timesteps, None, steps, horizon, torch.device("cpu"), repeats)[0], t)
+        for k in range(horizon):
+            col = 0
+            for ts, sig, i, n, rows in zip(timesteps, sigmas, steps, lengths, images):
+                j = min(i + k, n - 1)
+                assert torch.equal(t[k, col:col + rows], ts[j].expand(rows))
+                assert torch.equal(dt[k, col:col + rows], (sig[j + 1] - sig[j]).expand(rows))
+                col += rows
+
+
 def test_per_request_diffusion_schedulers_are_independent_copies():
     """`new_scheduler` shares only the immutable config: a copy's timesteps and multistep
     history never reach the template or another copy."""
@@ -140,3 +171,9 @@ def test_per_request_diffusion_schedulers_are_independent_copies():
     a.step(torch.ones_like(x), a.timesteps[0], x)
     assert a.model_outputs[-1] is not None and all(o is None for o in b.model_outputs)
     assert all(o is None for o in template.model_outputs)
+    # tensor attributes are copies too (cloned, not shared): an in-place write stays in its copy
+    c = new_scheduler(template)
+    assert torch.equal(c.betas, template.betas) and torch.equal(c.alphas_cumprod, template.alphas_cumprod)
+    c.betas.mul_(0)
+    c.alphas_cumprod.add_(1)
+    assert template.betas.max() > 0 and a.betas.max() > 0 and template.alphas_cumprod.max() <= 1

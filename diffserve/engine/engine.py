@@ -491,36 +491,44 @@ class DiffusionEngine(SleepMode):
         end = time.perf_counter()
         for listener in self._step_listeners:
             listener(out.num_rows, len(batch), end - start)
-        finished, previews, chunks = [], [], []
+        finished, previews, chunks, events = [], [], [], []
+        errors, steps_done, num_steps, step_keys = out.errors, out.steps_done, out.num_steps, out.step_keys
+        rows, loads, peak = out.num_rows, out.offload_loads, out.peak_memory_bytes
+        progress = EventType.PROGRESS
         with self._lock:
             for request in batch:
-                error = out.errors.get(request.request_id)
-                if error is not None:
+                request_id = request.request_id
+                if errors and request_id in errors:
                     self.scheduler.finish(request)
-                    self._close(request, RequestStatus.FAILED, error=error)
+                    self._close(request, RequestStatus.FAILED, error=errors[request_id])
                     continue
                 m = request.metrics
                 m.num_steps += 1
-                m.offload_loads += out.offload_loads
-                if out.peak_memory_bytes is not None:
-                    m.request_peak_memory_bytes = max(m.request_peak_memory_bytes or 0, out.peak_memory_bytes)
-                m.batch_sizes[out.num_rows] = m.batch_sizes.get(out.num_rows, 0) + 1
+                m.offload_loads += loads
+                if peak is not None and (m.request_peak_memory_bytes is None or peak > m.request_peak_memory_bytes):
+                    m.request_peak_memory_bytes = peak
+                sizes = m.batch_sizes
+                sizes[rows] = sizes.get(rows, 0) + 1
                 m.denoise_s = end - request.first_step_time
-                request.steps_done = out.steps_done.get(request.request_id, request.steps_done + 1)
-                request.num_steps = out.num_steps.get(request.request_id, request.num_steps)
-                request.step_key = out.step_keys.get(request.request_id, request.step_key)
-                self._emit([StreamEvent(request.request_id, EventType.PROGRESS,
-                                        step=request.steps_done, total=request.num_steps,
-                                        chunk_index=request.chunk_index if request.streaming else None)])
-                if request.steps_done >= request.num_steps and request.streaming:
+                done = request.steps_done = steps_done.get(request_id, request.steps_done + 1)
+                if num_steps:
+                    request.num_steps = num_steps.get(request_id, request.num_steps)
+                if step_keys:
+                    request.step_key = step_keys.get(request_id, request.step_key)
+                total = request.num_steps
+                streaming = request.streaming
+                events.append(StreamEvent(request_id, progress, step=done, total=total,
+                                          chunk_index=request.chunk_index if streaming else None))
+                if done >= total and streaming:
                     request.phase = Phase.BETWEEN_CHUNKS
-                    chunks.append(ChunkWork(request.request_id, request.interactions))
+                    chunks.append(ChunkWork(request_id, request.interactions))
                     request.interactions = []
-                elif request.steps_done >= request.num_steps:
+                elif done >= total:
                     request.phase = Phase.DECODING
-                    finished.append(request.request_id)
-                elif request.steps_done in request.preview_steps and not request.abort_requested:
-                    previews.append(request.request_id)
+                    finished.append(request_id)
+                elif request.preview_steps and done in request.preview_steps and not request.abort_requested:
+                    previews.append(request_id)
+            self._emit(events)
         if previews:
             self._decode_work.append((self.executor.submit_decode(previews, preview=True), previews))
         if finished:

@@ -359,9 +359,10 @@ class PipelineAdapter(ABC):
         the same requests as the previous step reuses all of it but latents and timesteps
         (`step_batch.BatchCache`)."""
         caches = self.__dict__.setdefault("_batch_caches", OrderedDict())
-        for old in [k for k, c in caches.items() if any(s.latents is None for s in c.states)]:
-            del caches[old]  # a request of that batch finished: drop its tensors now
         key = tuple(id(s) for s in states)  # safe: a cache holds its states alive
+        if key not in caches:  # a new composition: drop caches of batches a request of which finished
+            for old in [k for k, c in caches.items() if any(s.latents is None for s in c.states)]:
+                del caches[old]
         cache = caches.pop(key, None) or BatchCache()
         caches[key] = cache
         while len(caches) > _BATCH_CACHES:

@@ -26,10 +26,14 @@ def new_scheduler(template: Any) -> Any:
     it its own schedule and state): every attribute deep-copied except the config, which
     diffusers keeps in an immutable ``FrozenDict`` and is shared. 1.3-2x cheaper than a whole
     deep copy (most of whose objects are the config's) and 4-6x cheaper than ``from_config``,
-    which re-validates the config for every request."""
+    which re-validates the config for every request. Tensor attributes (timesteps, sigmas) are
+    cloned rather than deep-copied (same independence, a fraction of the cost)."""
     config = template.__dict__.get("_internal_dict")
     new = copy.copy(template)
-    memo = {id(config): config}
+    memo: dict[int, Any] = {id(config): config}
+    for value in template.__dict__.values():
+        if isinstance(value, torch.Tensor):
+            memo[id(value)] = value.clone()  # ~20x cheaper than Tensor.__deepcopy__, equally independent
     new.__dict__ = {k: copy.deepcopy(v, memo) for k, v in template.__dict__.items()}
     return new
 
@@ -66,12 +70,13 @@ def step_batch(batch: "StepBatch", guided: torch.Tensor) -> dict[str, BaseExcept
     """
     states = batch.states
     cache = batch.cache
-    if all(s.sigmas is not None for s in states):
-        if len(states) == 1 and (cache is None or cache.dt_table is None):
+    cached_deltas = cache is not None and cache.dt_table is not None  # built only when every state has sigmas
+    if cached_deltas or all(s.sigmas is not None for s in states):
+        if cached_deltas:
+            dt = cache.sigma_deltas().view(-1, *([1] * (guided.dim() - 1)))
+        elif len(states) == 1:
             s = states[0]
             dt = s.sigmas[s.step_index + 1] - s.sigmas[s.step_index]
-        elif cache is not None and cache.dt_table is not None:
-            dt = cache.sigma_deltas().view(-1, *([1] * (guided.dim() - 1)))
         else:
             dt = torch.stack([s.sigmas[s.step_index + 1] - s.sigmas[s.step_index] for s in states])
             dt = dt.to(guided.device)

@@ -153,26 +153,14 @@ class BatchCache:
         self.branches = max(len(states[0].branches), 1)
         self._t_by_dtype = {}
         device = states[0].latents.device
-        counts = torch.tensor([s.num_images for s in states], device=device)
-        horizon = max(max(len(s.timesteps) - s.step_index for s in states), 1)
-
-        def table(per_state: list[torch.Tensor]) -> torch.Tensor:
-            """(S, N) from per-state (S_i,) columns, each cut or padded with its last value to S."""
-            cols = [c[:horizon] if len(c) >= horizon else torch.cat([c, c[-1:].expand(horizon - len(c))])
-                    for c in per_state]
-            return torch.stack(cols).repeat_interleave(counts, dim=0).t().contiguous()
-
-        self.t_table = table([s.timesteps.to(device, torch.float32)[min(s.step_index, len(s.timesteps) - 1):]
-                              for s in states])
-        if all(s.sigmas is not None for s in states):
-            deltas = []
-            for s in states:
-                sig = s.sigmas.to(device, torch.float32)
-                i = min(s.step_index, len(sig) - 2)
-                deltas.append(sig[i + 1:] - sig[i:-1])
-            self.dt_table = table(deltas)
-        else:
-            self.dt_table = None
+        timesteps = [s.timesteps for s in states]
+        horizon = max(max(t.shape[0] - i for t, i in zip(timesteps, self.steps)), 1)
+        counts = [s.num_images for s in states]
+        repeats = None if all(n == 1 for n in counts) else torch.tensor(counts, device=device)
+        sigmas = [s.sigmas for s in states]
+        if any(x is None or x.shape[0] != t.shape[0] + 1 for x, t in zip(sigmas, timesteps)):
+            sigmas = None  # not every request steps by flow-matching Euler: no sigma-step table
+        self.t_table, self.dt_table = _step_tables(timesteps, sigmas, self.steps, horizon, device, repeats)
 
     def advance(self) -> None:
         """Record that every state of the batch took one step (after the step)."""
@@ -191,6 +179,40 @@ class BatchCache:
     def sigma_deltas(self) -> torch.Tensor:
         """(N,) float32 ``sigma_{i+1} - sigma_i`` of each row's current step (a view)."""
         return self.dt_table[self.ahead]
+
+
+def _step_tables(timesteps: list[torch.Tensor], sigmas: list[torch.Tensor] | None, steps: list[int], horizon: int,
+                 device: torch.device, repeats: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(S, N) float32 timestep and sigma-step tables of several requests, built with one index
+    computation and one gather each (no per-request tensor operation).
+
+    Row ``k``, column ``i`` of the timestep table is ``timesteps[i][j]`` with ``j = min(steps[i]
+    + k, T_i - 1)`` (``T_i`` its number of steps: past the end the last value repeats); of the
+    sigma-step table ``sigmas[i][j + 1] - sigmas[i][j]`` for the same ``j`` (``sigmas[i]`` holds
+    ``T_i + 1`` noise levels). `repeats` (n,) repeats each request's column for its latent rows
+    (None: one row each).
+
+    Args:
+        timesteps: n (T_i,) tensors, any float dtype, on one device.
+        sigmas: n (T_i + 1,) tensors, or None (no flow-matching Euler step: no sigma table).
+        steps: each request's current step index.
+        horizon: S, the rows to build.
+    """
+    lengths = [t.shape[0] for t in timesteps]
+    ahead = torch.arange(horizon)[:, None]
+    meta = torch.tensor([steps, lengths])  # (2, n) int64
+    position = torch.minimum(meta[0] + ahead, meta[1] - 1)  # (S, n) index into each request's own schedule
+    index = (position + (meta[1].cumsum(0) - meta[1])).to(device, non_blocking=True)
+    t_table = torch.cat(timesteps).to(device, torch.float32)[index]
+    dt_table = None
+    if sigmas is not None:
+        flat = torch.cat(sigmas).to(device, torch.float32)
+        index = index + torch.arange(len(steps), device=device)  # each sigma schedule is one longer
+        dt_table = flat[index + 1] - flat[index]
+    if repeats is not None:
+        t_table = t_table.repeat_interleave(repeats, dim=1)
+        dt_table = None if dt_table is None else dt_table.repeat_interleave(repeats, dim=1)
+    return t_table.contiguous(), None if dt_table is None else dt_table.contiguous()
 
 
 def _pad_to(tensors: list[torch.Tensor], value: float) -> list[torch.Tensor]:

@@ -196,13 +196,20 @@ class ModelRunner:
             logger.warning("batched step failed (%s); retrying %d requests alone", exc, len(states))
             return self._step_alone(states)
         out = StepOutput(num_rows=batch.num_rows)
-        for state in states:
-            if state.request_id in failures:
-                out.errors[state.request_id] = WorkError.of(failures[state.request_id])
-            else:
-                out.steps_done[state.request_id] = state.step_index
-                out.step_keys[state.request_id] = adapter.step_key(state)
+        if failures:
+            out.errors = {i: WorkError.of(e) for i, e in failures.items()}
+            states = [s for s in states if s.request_id not in failures]
+        out.steps_done = {s.request_id: s.step_index for s in states}
+        if self._step_keys_vary:
+            out.step_keys = {s.request_id: adapter.step_key(s) for s in states}
         return out
+
+    @property
+    def _step_keys_vary(self) -> bool:
+        """Whether the adapter's step key can change while a request runs (it overrides
+        `PipelineAdapter.step_key`); if not, steps report none and the engine keeps the one
+        `prepare` reported."""
+        return type(self.adapter).step_key is not PipelineAdapter.step_key
 
     def _denoise(self, batch):
         """The batch's forward; with CFG parallelism each rank runs its share of the rows."""

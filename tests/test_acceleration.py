@@ -124,7 +124,9 @@ def test_cache_state_resets_between_requests(tiny_sd3_dir, name):
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_mixed_step_batch_equals_solo_runs(tiny_sd3_dir, name):
-    engine = _engine(tiny_sd3_dir, name)
+    # Inline encode/decode (no side thread): the first request really runs 3 steps ahead, so
+    # which requests share a forward does not depend on how fast the machine prepares them.
+    engine = _engine(tiny_sd3_dir, name, overlap_stages=False)
     forwards: list[list[bool]] = []  # teacache: each forward's per-request compute decisions
     if name == "teacache":
         backend = engine.runner.accelerator.backend

@@ -132,8 +132,9 @@ def test_cache_backends(engine, tiny_qwen_image_dir, backend, options, skips):
     stats = cached.runner.acceleration_stats()["cache_backend"]
     assert (stats["skipped"] > 0) is skips
     for (prompt, params), out in zip(jobs, outs):
-        if not skips:  # nothing cached: the uncached engine's result
-            assert np.abs(out.images - _solo(engine, prompt, params).images).max() <= 1e-5
+        if not skips:  # nothing cached: the uncached engine's result (batched vs solo: float
+            # noise, 1.0e-5 measured on an AMD EPYC with 1 thread, below 5e-6 on others)
+            assert np.abs(out.images - _solo(engine, prompt, params).images).max() <= TOL
         # per-request caching: a batched request equals its solo run with the same backend
         assert np.abs(out.images - _solo(cached, prompt, params).images).max() <= TOL
     if backend == "teacache":

@@ -28,7 +28,10 @@ has steps, right before and right after it (their mean, so a machine speeding up
 down during the arm favours neither), total time / count; each repeat's step throughput is
 compared with its own ceiling (on a shared machine a ceiling measured once, apart from the
 arms, once read "112 % of the ceiling"). The overhead is the median of back-to-back pairs
-(one diffserve request, one bare loop, order alternating). Finally the step arm is compared with
+(one diffserve request, one bare loop, order alternating); the same pairs also give it between
+forwards: each side's median gap from the end of one denoiser forward to the start of the next
+(everything a step does besides its forward), the difference divided by a bare step, which
+leaves the forwards' own run-to-run noise out. Finally the step arm is compared with
 its own forwards (their mean time at that batch size, timed during the arm): the same machine
 speed by construction, so this ratio shows what the engine's own work and the stalls between
 waves (decode, prompt encoding) cost, without the shared machine's drift.
@@ -223,12 +226,9 @@ def run_engine(engine: DiffusionEngine, name: str, jobs: list[Job], concurrency:
     return ArmResult(name, latencies, max(finish.values()), len(jobs), rows_seen)
 
 
-def time_forward(runner: ModelRunner, rows: int, steps: int, size: tuple[int, int], forwards: int = 9,
-                 num_frames: int | None = None, median: bool = False) -> float:
-    """Seconds per bare denoiser forward at `rows` rows of `size` (height, width) pixels (no
-    engine, no scheduler step), after one warm-up: the total time of `forwards` back-to-back
-    forwards divided by their number (a throughput, measured as the arms' are: slow spells
-    count), or with `median` the median forward."""
+def _forward_batch(runner: ModelRunner, rows: int, steps: int, size: tuple[int, int], num_frames: int | None):
+    """A prepared `StepBatch` of `rows` denoiser rows of `size` (height, width) pixels: one
+    request with `rows` images and guidance off."""
     adapter = runner.adapter
     no_cfg = 1.0 if adapter.spec.default_guidance_scale is not None else None
     params = SamplingParams(num_inference_steps=steps, guidance_scale=no_cfg, seed=0, num_images_per_prompt=rows,
@@ -238,7 +238,45 @@ def time_forward(runner: ModelRunner, rows: int, steps: int, size: tuple[int, in
     state = RequestState("bench", "a handwritten digit 3", params.resolve(adapter.spec, limits))
     with torch.inference_mode():
         adapter.prepare(state)
-    batch = adapter.collate([state])
+    return adapter.collate([state])
+
+
+def forward_flops(runner: ModelRunner, rows: int, steps: int, size: tuple[int, int],
+                  num_frames: int | None = None) -> int:
+    """Model FLOPs of one denoiser forward at `rows` rows of `size` pixels, counted by
+    `torch.utils.flop_counter.FlopCounterMode` (matrix multiplies, convolutions and attention,
+    2 FLOPs per multiply-add: the count model FLOPs utilisation uses, as in Chowdhery et al.
+    2022, "PaLM", appendix B)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    batch = _forward_batch(runner, rows, steps, size, num_frames)
+    counter = FlopCounterMode(display=False)
+    with torch.inference_mode(), counter:
+        runner.adapter.denoise(batch)
+    return int(counter.get_total_flops())
+
+
+#: Peak dense tensor-core TFLOP/s in bf16 / fp16 (NVIDIA datasheets, SXM parts), by device-name substring.
+PEAK_TFLOPS_16BIT = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
+
+
+def known_peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The datasheet peak of `device` for `dtype` (bf16 / fp16 on the GPUs of
+    `PEAK_TFLOPS_16BIT`), else None."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_TFLOPS_16BIT.items() if k in name), None)
+
+
+def time_forward(runner: ModelRunner, rows: int, steps: int, size: tuple[int, int], forwards: int = 9,
+                 num_frames: int | None = None, median: bool = False) -> float:
+    """Seconds per bare denoiser forward at `rows` rows of `size` (height, width) pixels (no
+    engine, no scheduler step), after one warm-up: the total time of `forwards` back-to-back
+    forwards divided by their number (a throughput, measured as the arms' are: slow spells
+    count), or with `median` the median forward."""
+    adapter = runner.adapter
+    batch = _forward_batch(runner, rows, steps, size, num_frames)
     times = []
     with torch.inference_mode():
         adapter.denoise(batch)
@@ -249,24 +287,44 @@ def time_forward(runner: ModelRunner, rows: int, steps: int, size: tuple[int, in
     return statistics.median(times) if median else sum(times) / len(times)
 
 
-def _timed_forwards(adapter, into: list[tuple[int, float]]):
-    """`adapter.denoise` (the class's) recording (rows, seconds) of each call into `into`."""
+def _recorded_forwards(adapter, into: list[tuple[int, float, float]]):
+    """`adapter.denoise` (the class's) recording (rows, start, end) of each call into `into`
+    (perf_counter seconds)."""
     denoise = type(adapter).denoise.__get__(adapter)
 
-    def timed(batch, *args, **kwargs):
+    def recorded(batch, *args, **kwargs):
         start = time.perf_counter()
         out = denoise(batch, *args, **kwargs)
-        into.append((batch.num_rows, time.perf_counter() - start))
+        into.append((batch.num_rows, start, time.perf_counter()))
         return out
 
-    return timed
+    return recorded
+
+
+@dataclass
+class OverheadPair:
+    """One back-to-back pair of the batch-1 overhead measure (seconds): each side's time per
+    step, and the gaps between consecutive denoiser forwards inside each run (end of one
+    forward to the start of the next: everything a step does besides its forward)."""
+
+    served: float
+    bare: float
+    served_gaps: list[float]
+    bare_gaps: list[float]
+    bare_forwards: list[float]
+
+
+def _gaps(marks: list[tuple[int, float, float]]) -> list[float]:
+    """Seconds from the end of each recorded forward to the start of the next."""
+    return [b[1] - a[2] for a, b in zip(marks, marks[1:])]
 
 
 def engine_overhead(runner: ModelRunner, engine: DiffusionEngine, steps: int, guidance: float | None,
-                    size: tuple[int, int], num_frames: int | None = None, runs: int = 15) -> list[tuple[float, float]]:
-    """`runs` pairs (diffserve s/step, bare adapter collate + forward + guidance + scheduler
-    step s/step) of one request (batch 1), each pair run back to back, which one goes first
-    alternating (so a drifting machine speed favours neither)."""
+                    size: tuple[int, int], num_frames: int | None = None, runs: int = 15) -> list[OverheadPair]:
+    """`runs` pairs of one request (batch 1): diffserve s/step vs the bare adapter's collate +
+    forward + guidance + scheduler step s/step, each pair run back to back, which one goes
+    first alternating (so a drifting machine speed favours neither), with the gaps between
+    their forwards."""
     params = SamplingParams(num_inference_steps=steps, guidance_scale=guidance, seed=0, output_type="latent",
                             height=size[0], width=size[1], num_frames=num_frames)
     adapter = runner.adapter
@@ -287,12 +345,17 @@ def engine_overhead(runner: ModelRunner, engine: DiffusionEngine, steps: int, gu
 
     pairs = []
     for i in range(runs):
-        if i % 2:
-            b = bare()
-            pairs.append((served(), b))
-        else:
-            d = served()
-            pairs.append((d, bare()))
+        marks = {"served": [], "bare": []}
+        order = ("bare", "served") if i % 2 else ("served", "bare")
+        times = {}
+        for arm in order:
+            adapter.denoise = _recorded_forwards(adapter, marks[arm])
+            try:
+                times[arm] = (served if arm == "served" else bare)()
+            finally:
+                adapter.__dict__.pop("denoise", None)
+        pairs.append(OverheadPair(times["served"], times["bare"], _gaps(marks["served"]), _gaps(marks["bare"]),
+                                  [end - start for _, start, end in marks["bare"]]))
     return pairs
 
 
@@ -334,6 +397,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every arm this many times, interleaved; report medians and ranges")
     ap.add_argument("--json", action="store_true", help="print a final machine-readable JSON line")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="the device's peak dense TFLOP/s in the model dtype, for model FLOPs utilisation "
+                         "(default: known for H100 / H200 / A100 in bf16 / fp16; else only achieved TFLOP/s)")
     args = ap.parse_args()
     if args.concurrency is None and args.request_rate is None:
         args.concurrency = 16
@@ -404,7 +470,7 @@ def main() -> None:
     size = (side_h, side_w)
     cfg_rows = runner.adapter.rows(jobs[0].params.resolve(runner.adapter.spec, config.limits, 0))
     ceilings: list[dict] = []  # per repeat: bare-forward throughput bracketing that repeat's step arm
-    overheads: list[list[tuple[float, float]]] = []  # per repeat: (diffserve s/step, bare s/step) pairs, batch 1
+    overheads: list[list[OverheadPair]] = []  # per repeat: diffserve vs bare adapter pairs, batch 1
     overhead_engine = DiffusionEngine(config, runner=runner)
     # the ceiling's forwards: as many as the step arm's steps at full batch (about as long as it)
     n_forwards = max(9, args.steps * -(-len(jobs) // (concurrency or 16)))
@@ -432,9 +498,9 @@ def main() -> None:
             batched = text is not None and text.batched
             if mode == "step_encode_alone" and text is not None:
                 text.batched = False
-            forwards: list[tuple[int, float]] = []  # step arm: (rows, seconds) of every denoiser forward
+            forwards: list[tuple[int, float, float]] = []  # step arm: (rows, start, end) of every denoiser forward
             if mode == "step":
-                runner.adapter.denoise = _timed_forwards(runner.adapter, forwards)
+                runner.adapter.denoise = _recorded_forwards(runner.adapter, forwards)
             try:
                 runs.setdefault(mode, []).append(run_engine(engine, f"diffserve {mode} mode", fresh(jobs), concurrency))
             finally:
@@ -448,7 +514,7 @@ def main() -> None:
                 t1 = time_forward(runner, cfg_rows, args.steps, size, num_frames=args.num_frames, median=True)
                 ceiling = (rows / cfg_rows) / (args.steps * tb)
                 throughput = runs["step"][-1].throughput
-                at_rows = [t for n, t in forwards if n == rows]
+                at_rows = [end - start for n, start, end in forwards if n == rows]
                 in_situ = (rows / cfg_rows) / (args.steps * statistics.mean(at_rows)) if at_rows else None
                 ceilings.append({"rows": rows, "t1": t1, "tb": tb, "ceiling": ceiling, "ratio": throughput / ceiling,
                                  "in_situ_ratio": throughput / in_situ if in_situ else None})
@@ -496,14 +562,41 @@ def main() -> None:
             print(f"against its own forwards (their mean time at {c['rows']} rows during the arm, so the same "
                   f"machine speed: what the engine's work and the stalls between waves cost): "
                   f"{in_situ_ratio:.1%} [{in_situ_range[0]:.1%}-{in_situ_range[1]:.1%}]")
-    pair_ratios = [served / bare - 1 for pairs in overheads for served, bare in pairs]
-    per_repeat = [statistics.median(served / bare - 1 for served, bare in pairs) for pairs in overheads]
+    pair_ratios = [p.served / p.bare - 1 for pairs in overheads for p in pairs]
+    per_repeat = [statistics.median(p.served / p.bare - 1 for p in pairs) for pairs in overheads]
     overhead, overhead_range = statistics.median(pair_ratios), [min(per_repeat), max(per_repeat)]
-    served = statistics.median(p[0] for pairs in overheads for p in pairs)
-    bare = statistics.median(p[1] for pairs in overheads for p in pairs)
+    served = statistics.median(p.served for pairs in overheads for p in pairs)
+    bare = statistics.median(p.bare for pairs in overheads for p in pairs)
     print(f"engine overhead at batch 1: diffserve {served * 1e3:.3f} ms/step vs bare adapter "
           f"{bare * 1e3:.3f} ms/step (medians) -> {overhead:+.1%} (median of {len(pair_ratios)} back-to-back "
           f"pairs; per-repeat medians [{overhead_range[0]:+.1%}, {overhead_range[1]:+.1%}])")
+
+    def between_forwards(pairs: list[OverheadPair]) -> tuple[float, float, float, float]:
+        served_gap = statistics.median(g for p in pairs for g in p.served_gaps)
+        bare_gap = statistics.median(g for p in pairs for g in p.bare_gaps)
+        forward = statistics.median(f for p in pairs for f in p.bare_forwards)
+        return (served_gap - bare_gap) / (forward + bare_gap), served_gap, bare_gap, forward
+
+    gap_overhead, served_gap, bare_gap, forward = between_forwards([p for pairs in overheads for p in pairs])
+    gap_per_repeat = [between_forwards(pairs)[0] for pairs in overheads]
+    gap_range = [min(gap_per_repeat), max(gap_per_repeat)]
+    print(f"same pairs, between forwards (each side's median gap from one forward's end to the next one's start, "
+          f"so the forwards' own noise drops out): diffserve {served_gap * 1e6:.0f} us vs bare {bare_gap * 1e6:.0f} us "
+          f"per step, forward {forward * 1e3:.3f} ms -> {gap_overhead:+.2%} of a bare step "
+          f"(per-repeat [{gap_range[0]:+.2%}, {gap_range[1]:+.2%}])")
+    flops = None
+    if ceilings:  # model FLOPs utilisation of the step arm and of the ceiling
+        c = sorted(ceilings, key=lambda c: c["ratio"])[len(ceilings) // 2]
+        per_image_step = forward_flops(runner, c["rows"], args.steps, size, args.num_frames) / (c["rows"] / cfg_rows)
+        peak = args.peak_tflops or known_peak_tflops(config.torch_device, config.torch_dtype)
+        achieved = {"step": median_run(runs["step"]).throughput * args.steps * per_image_step / 1e12,
+                    "ceiling": c["ceiling"] * args.steps * per_image_step / 1e12}
+        flops = {"model_gflops_per_image_step": per_image_step / 1e9, "achieved_tflops": achieved,
+                 "peak_tflops": peak, "mfu": {k: v / peak for k, v in achieved.items()} if peak else None}
+        mfu = (f" = {flops['mfu']['step']:.1%} MFU (ceiling {flops['mfu']['ceiling']:.1%}; peak {peak:g} TFLOP/s)"
+               if peak else " (no peak known for this device: --peak-tflops gives MFU)")
+        print(f"model FLOPs (FlopCounterMode): {per_image_step / 1e9:.2f} GFLOP per image per step; step mode "
+              f"{achieved['step']:.3f} TFLOP/s, ceiling {achieved['ceiling']:.3f} TFLOP/s{mfu}")
     if args.json:
         print(json.dumps({
             "images_per_s": {k: median_run(v).throughput for k, v in runs.items()},
@@ -515,6 +608,9 @@ def main() -> None:
             "step_vs_in_situ_forwards_range": in_situ_range,
             "overhead_batch1": overhead,
             "overhead_batch1_range": overhead_range,
+            "overhead_batch1_between_forwards": gap_overhead,
+            "overhead_batch1_between_forwards_range": gap_range,
+            "flops": flops,
             "model": config.model_path.name, "device": str(config.torch_device), "threads": torch.get_num_threads(),
             "concurrency": concurrency, "request_rate": args.request_rate, "steps": args.steps,
             "context_folding": bool(getattr(runner.adapter, "context_folding", False)),

@@ -53,6 +53,34 @@ def test_request_added_mid_run_joins_next_step(sync_engine):
     assert np.abs(finals[first].images - _solo(engine, "a red car", _p(1, steps=6))).max() <= TOL
 
 
+def test_steps_of_an_unchanged_batch_are_booked_exactly(sync_engine):
+    """The engine books the steps of an unchanged batch once for all its requests (`StepRun`):
+    metrics, previews and progress events still come out step-exact when a request joins,
+    leaves, previews, asks for no progress events, or is aborted mid-run."""
+    engine = sync_engine
+    a = engine.add_request("a red car", _p(1, steps=7), preview_steps=[4])
+    events = engine.step() + engine.step()  # `a` alone: steps 1-2
+    b = engine.add_request("a blue car", _p(2, steps=3), progress=False)  # shares a's steps 3-5
+    c = engine.add_request("a green car", _p(3, steps=9, guidance=1.0))  # no CFG: its own batch key
+    finals = {}
+    while engine.has_unfinished_requests():
+        step_events = engine.step()
+        events += step_events
+        if any(e.request_id == c and e.type is EventType.PROGRESS and e.step == 2 for e in step_events):
+            engine.abort(c)
+        finals.update({e.request_id: e.output for e in step_events if e.type.is_final})
+    progress = [(e.request_id, e.step, e.total) for e in events if e.type is EventType.PROGRESS]
+    assert [(s, t) for r, s, t in progress if r == a] == [(s, 7) for s in range(1, 8)]
+    assert not any(r == b for r, _, _ in progress)  # it asked for none
+    assert [e.step for e in events if e.type is EventType.PARTIAL and e.request_id == a] == [4]
+    assert (finals[a].metrics.num_steps, finals[a].metrics.batch_sizes) == (7, {2: 4, 4: 3})
+    assert (finals[b].metrics.num_steps, finals[b].metrics.batch_sizes) == (3, {4: 3})
+    assert finals[c].status == "aborted" and finals[c].metrics.num_steps == 2
+    assert finals[b].metrics.denoise_s < finals[a].metrics.denoise_s
+    assert np.abs(finals[b].images - _solo(engine, "a blue car", _p(2, steps=3))).max() <= TOL
+    assert np.abs(finals[a].images - _solo(engine, "a red car", _p(1, steps=7))).max() <= TOL
+
+
 def test_arrival_order_does_not_change_outputs(engine):
     prompts = ["one", "two", "three"]
     params = [_p(21, steps=2), _p(22, steps=3), _p(23, steps=4, guidance=1.0)]

@@ -17,6 +17,7 @@ from diffserve import (
     EngineConfig,
     EngineDeadError,
     RequestStatus,
+    EventType,
     SamplingParams,
     UnsupportedModelError,
 )
@@ -83,6 +84,27 @@ def test_generate_beside_a_running_async_engine(engine):
 
 
 # --------------------------------------------------------------- non-finite outputs
+def test_progress_events_are_opt_in_per_request(engine):
+    """A consumer that only waits for the result asks for no per-step progress events (the
+    HTTP server's non-streaming requests): the async engine then hands it queued, started and
+    finished only, while a request beside it still gets one per step."""
+    async def run():
+        front = AsyncDiffusionEngine(engine=engine)
+
+        async def events(rid, progress):
+            return [e async for e in front.generate("a cat", _p(1), request_id=rid, progress=progress)]
+
+        try:
+            return await asyncio.gather(events("quiet", False), events("chatty", True))
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, front.shutdown)
+
+    quiet, chatty = asyncio.run(run())
+    assert [e.type for e in quiet] == [EventType.QUEUED, EventType.STARTED, EventType.FINISHED]
+    assert [e.step for e in chatty if e.type is EventType.PROGRESS] == [1, 2, 3]
+    assert quiet[-1].output.metrics.num_steps == 3 == chatty[-1].output.metrics.num_steps
+
+
 def test_non_finite_latents_fail_only_that_request(engine, monkeypatch):
     adapter = engine.runner.adapter
     original = adapter.combine

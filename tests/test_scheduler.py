@@ -50,6 +50,7 @@ def _admit(s: RequestScheduler) -> list[Request]:
     admitted = s.admit()
     for r in admitted:
         r.phase = Phase.DENOISING
+    s.changed()
     return admitted
 
 
@@ -61,6 +62,7 @@ def test_scheduler_steps_only_denoising_requests():
     assert s.select_batch() == [] and s.running_rows == 6  # preparing: holds rows, not stepped
     admitted[1].phase = Phase.DENOISING
     admitted[2].phase = Phase.DECODING
+    s.changed()
     assert s.select_batch() == [admitted[1]] and s.running_rows == 4  # decoding frees its rows
 
 
@@ -84,9 +86,31 @@ def test_scheduler_batches_by_step_key_too():
         s.add(_req(i))
     r0, r1, r2 = _admit(s)
     r1.step_key = 1
+    s.changed()
     assert s.select_batch() == [r0, r2]
     r0.step_key = 1  # the oldest crossed to the other expert
+    s.changed()
     assert s.select_batch() == [r0, r1]
+
+
+def test_scheduler_reuses_its_batch_until_something_changes():
+    """An unchanged batch is returned as the same list (no per-request work per step); an
+    admission, a finish or `changed` (a phase or step key moved) makes it select again."""
+    s = RequestScheduler(max_batch_size=4, max_waiting=10)
+    for i in range(3):
+        s.add(_req(i))
+    r0, r1 = _admit(s)
+    batch = s.select_batch()
+    assert batch == [r0, r1] and s.select_batch() is batch
+    r1.phase = Phase.DECODING
+    assert s.select_batch() is batch  # not told: the engine calls `changed` after such a move
+    s.changed()
+    assert s.select_batch() == [r0]
+    s.finish(r1)
+    [r2] = _admit(s)
+    assert s.select_batch() == [r0, r2]
+    s.finish(r0)
+    assert s.select_batch() == [r2]
 
 
 def test_scheduler_queue_bound():

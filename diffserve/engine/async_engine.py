@@ -100,11 +100,16 @@ class AsyncDiffusionEngine:
         request_id: str | None = None,
         preview_steps: Sequence[int] = (),
         inputs: Any = None,
+        progress: bool = True,
     ) -> AsyncIterator[StreamEvent]:
         """Submit one request and stream its events until the final one.
 
+        Args:
+            progress: also stream a ``progress`` event after every denoising step (False: a
+                consumer that waits for the result saves one cross-thread hand-off per step).
+
         Yields:
-            `StreamEvent`s: queued, started, progress(step, total), partial(preview) at
+            `StreamEvent`s: queued, started, progress(step, total) (with `progress`), partial(preview) at
             `preview_steps`, chunk(frames) per chunk of a stream (``num_chunks``), then
             finished(output) / failed(error) / aborted.
 
@@ -132,7 +137,7 @@ class AsyncDiffusionEngine:
         added = False
         try:
             self.engine.add_request(prompt, params, request_id=request_id, preview_steps=preview_steps,
-                                    inputs=inputs, listener=listener)
+                                    inputs=inputs, listener=listener, progress=progress)
             added = True
             self._wake.set()
             while True:

@@ -43,6 +43,7 @@ from typing import Any
 from diffserve.config import EngineConfig
 from diffserve.engine.request import Phase, Request
 from diffserve.engine.scheduler import RequestScheduler
+from diffserve.engine.step_run import StepRun
 from diffserve.engine.sleep_mode import SleepMode
 from diffserve.errors import InteractionRefusedError, InvalidRequestError
 from diffserve.executor import Executor, InProcessExecutor, build_executor
@@ -98,6 +99,10 @@ class DiffusionEngine(SleepMode):
         self._mail = threading.Condition(self._lock)
         self._step_lock = threading.Lock()
         self._requests: dict[str, Request] = {}
+        #: ids of running requests whose abort was asked and not yet applied
+        self._aborting: set[str] = set()
+        #: the steps of the current unchanged batch, not yet booked on its requests
+        self._run: StepRun | None = None
         self._pending: list[StreamEvent] = []
         #: background work in flight: (future, request ids), in submission order
         self._prepare_work: list[tuple[Future, list[str]]] = []
@@ -132,6 +137,7 @@ class DiffusionEngine(SleepMode):
         preview_steps: Sequence[int] = (),
         inputs: Any = None,
         listener: Callable[[StreamEvent], None] | None = None,
+        progress: bool = True,
     ) -> str:
         """Validate and queue one request; returns its id (a fresh uuid when not given).
 
@@ -144,6 +150,8 @@ class DiffusionEngine(SleepMode):
                 `diffserve.inputs.make_inputs` takes).
             listener: receives each of this request's events (on the stepping thread) instead
                 of `step()` returning them.
+            progress: emit a ``progress`` event after every denoising step (False: the other
+                events only).
 
         Raises:
             InvalidRequestError: a field is invalid (named in the message), or the request
@@ -172,6 +180,7 @@ class DiffusionEngine(SleepMode):
             arrival_time=time.perf_counter(),
             preview_steps=frozenset(int(s) for s in preview_steps),
             listener=listener,
+            progress=bool(progress),
             memory_bytes=memory_bytes,
             num_steps=plan.num_steps,
         )
@@ -199,6 +208,7 @@ class DiffusionEngine(SleepMode):
                 self._close(request, RequestStatus.ABORTED)
             else:
                 request.abort_requested = True
+                self._aborting.add(request_id)
             return True
 
     def submit_interaction(self, request_id: str, interaction: Mapping[str, Any]) -> str:
@@ -370,7 +380,10 @@ class DiffusionEngine(SleepMode):
     def _apply_aborts(self) -> None:
         """Abort running requests that asked for it (lock held). Requests being prepared or
         decoded are closed when their work comes back."""
-        for request in [r for r in self._requests.values() if r.abort_requested]:
+        if not self._aborting:
+            return
+        asked = sorted((self._requests[i] for i in self._aborting if i in self._requests), key=lambda r: r.seq)
+        for request in asked:
             if request.phase in (Phase.PREPARING, Phase.DECODING, Phase.BETWEEN_CHUNKS):
                 continue
             self.scheduler.remove_waiting(request.request_id)
@@ -427,6 +440,7 @@ class DiffusionEngine(SleepMode):
                 request.num_steps = result.num_steps
                 request.step_key = result.step_key
                 request.phase = Phase.DENOISING
+                self.scheduler.changed()
                 if request.abort_requested:
                     self._apply_aborts()
 
@@ -481,54 +495,100 @@ class DiffusionEngine(SleepMode):
                 request.steps_done = 0
                 request.step_key = result.step_key
                 request.phase = Phase.DENOISING
+                self.scheduler.changed()
 
     def _denoise_step(self, batch: list[Request]) -> None:
+        """ONE denoising step of `batch`, booked on the current `StepRun` (a new one when the
+        batch changed); each request's own bookkeeping (finish, preview, failure, step key)
+        only at the steps where the run says some request needs it (`StepRun.until`) or the
+        executor reported something about single requests."""
         start = time.perf_counter()
-        for request in batch:
-            if request.first_step_time is None:
-                request.first_step_time = start
-        out = self.executor.step([r.request_id for r in batch])
+        run = self._run
+        if run is None or run.batch is not batch:
+            self._end_run()
+            run = self._run = StepRun.start(batch, start)
+        out = self.executor.step(run.ids)
         end = time.perf_counter()
         for listener in self._step_listeners:
             listener(out.num_rows, len(batch), end - start)
-        finished, previews, chunks, events = [], [], [], []
+        with self._lock:
+            if out.errors or out.steps_done or out.num_steps:  # per-request outcomes: book each request
+                self._end_run()
+                self._book_each(batch, out, end)
+                return
+            run.book(out.num_rows, out.offload_loads, out.peak_memory_bytes, end)
+            if run.progress:
+                self._emit([StreamEvent(r.request_id, EventType.PROGRESS, step=done + run.steps, total=r.num_steps,
+                                        chunk_index=r.chunk_index if r.streaming else None)
+                            for r, done in run.progress])
+            moved = out.step_keys and [r for r in batch if out.step_keys.get(r.request_id, r.step_key) != r.step_key]
+            if run.steps < run.until and not moved:
+                return
+            self._end_run()
+            for request in moved or ():
+                request.step_key = out.step_keys[request.request_id]
+            if moved:
+                self.scheduler.changed()
+            self._after_steps(batch)
+
+    def _end_run(self) -> None:
+        """Fold the current `StepRun` into its requests (lock held or stepping thread)."""
+        run, self._run = self._run, None
+        if run is not None:
+            run.fold()
+
+    def _book_each(self, batch: list[Request], out, end: float) -> None:
+        """Book one step request by request (lock held): the executor reported failures, or
+        steps done / totals of its own (the whole-request runner)."""
         errors, steps_done, num_steps, step_keys = out.errors, out.steps_done, out.num_steps, out.step_keys
         rows, loads, peak = out.num_rows, out.offload_loads, out.peak_memory_bytes
-        progress = EventType.PROGRESS
-        with self._lock:
-            for request in batch:
-                request_id = request.request_id
-                if errors and request_id in errors:
-                    self.scheduler.finish(request)
-                    self._close(request, RequestStatus.FAILED, error=errors[request_id])
-                    continue
-                m = request.metrics
-                m.num_steps += 1
-                m.offload_loads += loads
-                if peak is not None and (m.request_peak_memory_bytes is None or peak > m.request_peak_memory_bytes):
-                    m.request_peak_memory_bytes = peak
-                sizes = m.batch_sizes
-                sizes[rows] = sizes.get(rows, 0) + 1
-                m.denoise_s = end - request.first_step_time
-                done = request.steps_done = steps_done.get(request_id, request.steps_done + 1)
-                if num_steps:
-                    request.num_steps = num_steps.get(request_id, request.num_steps)
-                if step_keys:
-                    request.step_key = step_keys.get(request_id, request.step_key)
-                total = request.num_steps
-                streaming = request.streaming
-                events.append(StreamEvent(request_id, progress, step=done, total=total,
-                                          chunk_index=request.chunk_index if streaming else None))
-                if done >= total and streaming:
+        stepped, events, keys_moved = [], [], False
+        for request in batch:
+            request_id = request.request_id
+            if errors and request_id in errors:
+                self.scheduler.finish(request)
+                self._close(request, RequestStatus.FAILED, error=errors[request_id])
+                continue
+            m = request.metrics
+            m.num_steps += 1
+            m.offload_loads += loads
+            if peak is not None and (m.request_peak_memory_bytes is None or peak > m.request_peak_memory_bytes):
+                m.request_peak_memory_bytes = peak
+            m.batch_sizes[rows] = m.batch_sizes.get(rows, 0) + 1
+            m.denoise_s = end - request.first_step_time
+            request.steps_done = steps_done.get(request_id, request.steps_done + 1)
+            request.num_steps = num_steps.get(request_id, request.num_steps)
+            key = step_keys.get(request_id, request.step_key)
+            keys_moved = keys_moved or key != request.step_key
+            request.step_key = key
+            if request.progress:
+                events.append(StreamEvent(request_id, EventType.PROGRESS, step=request.steps_done,
+                                          total=request.num_steps,
+                                          chunk_index=request.chunk_index if request.streaming else None))
+            stepped.append(request)
+        self._emit(events)
+        if keys_moved:
+            self.scheduler.changed()
+        self._after_steps(stepped)
+
+    def _after_steps(self, requests: list[Request]) -> None:
+        """Requests whose steps are booked (lock held): those done denoising go to decode (or
+        to their chunk boundary), those at a preview step get a preview decode."""
+        finished, previews, chunks = [], [], []
+        for request in requests:
+            done = request.steps_done
+            if done >= request.num_steps:
+                if request.streaming:
                     request.phase = Phase.BETWEEN_CHUNKS
-                    chunks.append(ChunkWork(request_id, request.interactions))
+                    chunks.append(ChunkWork(request.request_id, request.interactions))
                     request.interactions = []
-                elif done >= total:
+                else:
                     request.phase = Phase.DECODING
-                    finished.append(request_id)
-                elif request.preview_steps and done in request.preview_steps and not request.abort_requested:
-                    previews.append(request_id)
-            self._emit(events)
+                    finished.append(request.request_id)
+            elif request.preview_steps and done in request.preview_steps and not request.abort_requested:
+                previews.append(request.request_id)
+        if finished or chunks:
+            self.scheduler.changed()
         if previews:
             self._decode_work.append((self.executor.submit_decode(previews, preview=True), previews))
         if finished:
@@ -539,6 +599,8 @@ class DiffusionEngine(SleepMode):
     def _close(self, request: Request, status: RequestStatus, images=None,
                error: BaseException | WorkError | None = None) -> None:
         """Close a request: fill metrics, emit its final event, forget it (lock held)."""
+        if request.phase is Phase.DENOISING:  # it may be stepping in the current run: book it first
+            self._end_run()
         request.status = status
         request.phase = Phase.DONE
         m = request.metrics
@@ -571,22 +633,28 @@ class DiffusionEngine(SleepMode):
                       RequestStatus.ABORTED: EventType.ABORTED}[status]
         self._emit([StreamEvent(request.request_id, event_type, output=output, error=message)])
         self._requests.pop(request.request_id, None)
+        self._aborting.discard(request.request_id)
         self._ended[request.request_id] = None
         while len(self._ended) > _ENDED_IDS:
             self._ended.popitem(last=False)
 
     def _emit(self, events: list[StreamEvent]) -> None:
-        """Route events (lock held): to their request's listener, else to `step()`'s return."""
+        """Route events (lock held): to their request's listener, else to `step()`'s return;
+        then wake the threads waiting in `generate` (once per call, not per event)."""
+        delivered = False
         for event in events:
             request = self._requests.get(event.request_id)
             listener = request.listener if request is not None else None
             if listener is None:
                 self._pending.append(event)
             else:
+                delivered = True
                 try:
                     listener(event)
                 except Exception:  # noqa: BLE001 - a consumer's bug must not break the engine
                     logger.exception("event listener for %s raised", event.request_id)
+        if delivered:
+            self._mail.notify_all()
 
     # -------------------------------------------------------------------- offline API
     def generate(
@@ -650,13 +718,12 @@ class DiffusionEngine(SleepMode):
         mailbox: list[StreamEvent] = []
 
         def deliver(event: StreamEvent) -> None:
-            mailbox.append(event)  # the lock is held by the emitting thread
-            self._mail.notify_all()
+            mailbox.append(event)  # the lock is held by the emitting thread; `_emit` then wakes waiters
 
         ids: list[str] = []
         try:
             for prompt, p, x in zip(prompts, params_list, inputs_list):
-                ids.append(self.add_request(prompt, p, inputs=x, listener=deliver))
+                ids.append(self.add_request(prompt, p, inputs=x, listener=deliver, progress=on_event is not None))
         except BaseException:
             for request_id in ids:
                 self.abort(request_id)

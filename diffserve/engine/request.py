@@ -45,6 +45,9 @@ class Request:
         listener: called with each of the request's events on the stepping thread (instead of
             returning them from `DiffusionEngine.step`); how `generate` and the async engine
             receive their events whichever thread steps.
+        progress: whether the request emits a ``progress`` event after every denoising step
+            (False: only its other events; what a caller that waits for the result alone asks,
+            so a step's bookkeeping does not create and route one event per request).
         chunk_index: streams: the chunk being denoised (or whose boundary work is in flight).
         interactions: streams: interactions received and not yet sent to the workers (they go
             with the next chunk boundary's `ChunkWork`).
@@ -68,6 +71,7 @@ class Request:
     first_step_time: float | None = None
     preview_steps: frozenset[int] = frozenset()
     listener: Callable[[StreamEvent], None] | None = None
+    progress: bool = True
     memory_bytes: int = 0
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     step_key: Hashable = None

@@ -53,6 +53,13 @@ class RequestScheduler:
         self.memory_limit = memory_limit
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        #: the last `select_batch` result, reused until something it depends on changes
+        self._batch: list[Request] | None = None
+
+    def changed(self) -> None:
+        """Forget the last selected batch: a running request's phase or step key changed
+        (the engine calls this; admission and `finish` call it themselves)."""
+        self._batch = None
 
     @property
     def running_rows(self) -> int:
@@ -113,12 +120,20 @@ class RequestScheduler:
                 admitted.append(self.waiting.popleft())
                 rows += head.rows
                 memory += head.memory_bytes
-        self.running.extend(admitted)
+        if admitted:
+            self.running.extend(admitted)
+            self._batch = None
         return admitted
 
     def select_batch(self) -> list[Request]:
         """Requests for the next denoising step: the oldest denoising request's (batch key,
-        step key), oldest first, up to `max_batch_size` rows (the oldest always included)."""
+        step key), oldest first, up to `max_batch_size` rows (the oldest always included).
+
+        While nothing it depends on changed (no admission, `finish` or `changed` since), the
+        previous call's list is returned again, as is (the same object: callers must not
+        modify it), so a step of an unchanged batch costs no per-request work here."""
+        if self._batch is not None:
+            return self._batch
         ordered = sorted((r for r in self.running if r.phase is Phase.DENOISING), key=lambda r: r.seq)
         if not ordered:
             return []
@@ -132,9 +147,11 @@ class RequestScheduler:
                 continue
             batch.append(request)
             rows += request.rows
+        self._batch = batch
         return batch
 
     def finish(self, request: Request) -> None:
         """Remove a request from `running` (finished, failed or aborted)."""
         if request in self.running:
             self.running.remove(request)
+            self._batch = None

@@ -81,7 +81,9 @@ class StepOutput:
     Attributes:
         num_rows: denoiser rows in the forward (all requests, guidance branches included); the
             largest forward's when requests had to run alone.
-        steps_done: request_id -> denoising steps done after this step (requests that stepped).
+        steps_done: request_id -> denoising steps done after this step, for the requests whose
+            count is not simply one more (the whole-request runner reports its own); a request
+            that stepped and is absent advanced by one step.
         errors: request_id -> failure (those requests are gone from the worker).
         num_steps: request_id -> its total denoising steps, when the worker learned it only
             while running (whole-request pipelines: img2img strength shortens the schedule).

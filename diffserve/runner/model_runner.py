@@ -75,6 +75,10 @@ class ModelRunner:
         #: streams' chunk bookkeeping, by request id (`streaming.StreamState`)
         self.streams: dict[str, StreamState] = {}
         self.nonfinite_count = 0
+        #: the last step's request-id list and its (states, composition), reused while the
+        #: caller passes that same list object again (dropped by `free`)
+        self._last_ids: list[str] | None = None
+        self._last_states: tuple[list[RequestState], tuple[str, ...]] = ([], ())
         # offload placement, sleep mode, memory profile, per-step peaks
         self.memory = ModelMemory(self.adapter, config, self.device,
                                   denoising=lambda: any(not s.done for s in list(self.states.values())))
@@ -146,6 +150,7 @@ class ModelRunner:
                 results.append(Prepared(new.request_id, error=WorkError.of(exc)))
                 continue
             self.states[new.request_id] = state
+            self._last_ids = None
             if new.params.num_chunks is not None:
                 self.streams[new.request_id] = StreamState(new.params.num_chunks)
             results.append(Prepared(new.request_id, num_steps=state.num_steps,
@@ -158,6 +163,8 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, request_ids: list[str]) -> StepOutput:
         """Run ONE denoising step for `request_ids` (same batch key) in one denoiser forward.
+        Passing the previous step's list object again means the same requests (a caller does
+        not modify a list it passed).
 
         If the batched forward raises, each request is retried alone so only the ones that
         fail on their own are reported; a failing diffusion-scheduler step fails only its
@@ -168,8 +175,11 @@ class ModelRunner:
         (`ModelMemory.step_peak`).
         """
         start = time.perf_counter()
-        states = [self.states[i] for i in request_ids]
-        composition = tuple(request_ids)
+        if request_ids is self._last_ids:  # the engine's unchanged batch sends the same list every step
+            states, composition = self._last_states
+        else:
+            states, composition = [self.states[i] for i in request_ids], tuple(request_ids)
+            self._last_ids, self._last_states = request_ids, (states, composition)
         with self.memory.offload.stage("denoise") as loads, self.memory.window(composition) as window:
             if len(states) > 1 and not self.accelerator.shares_forward:
                 out = self._step_alone(states)
@@ -195,11 +205,10 @@ class ModelRunner:
                                   errors={states[0].request_id: WorkError.of(exc)})
             logger.warning("batched step failed (%s); retrying %d requests alone", exc, len(states))
             return self._step_alone(states)
-        out = StepOutput(num_rows=batch.num_rows)
+        out = StepOutput(num_rows=batch.num_rows)  # every other state advanced one step
         if failures:
             out.errors = {i: WorkError.of(e) for i, e in failures.items()}
             states = [s for s in states if s.request_id not in failures]
-        out.steps_done = {s.request_id: s.step_index for s in states}
         if self._step_keys_vary:
             out.step_keys = {s.request_id: adapter.step_key(s) for s in states}
         return out
@@ -227,7 +236,6 @@ class ModelRunner:
         for state in states:
             single = self._step([state])
             out.num_rows = max(out.num_rows, single.num_rows)
-            out.steps_done.update(single.steps_done)
             out.step_keys.update(single.step_keys)
             out.errors.update(single.errors)
         return out
@@ -350,6 +358,7 @@ class ModelRunner:
 
     def free(self, request_ids: list[str]) -> None:
         """Drop the states of finished, failed or aborted requests (unknown ids are ignored)."""
+        self._last_ids = None
         for request_id in request_ids:
             self.streams.pop(request_id, None)
             state = self.states.pop(request_id, None)

@@ -42,15 +42,18 @@ class RequestGroup:
         metrics: the server's metrics.
         preview_steps: denoising steps after which previews are decoded (``partial`` events).
         inputs: input images of every request (`RequestInputs`), or None.
+        progress: whether the requests emit ``progress`` events (one per denoising step).
     """
 
     def __init__(self, engine: AsyncDiffusionEngine, request_id: str, prompt: str, params: Sequence[SamplingParams],
-                 metrics: ServerMetrics, preview_steps: Sequence[int] = (), inputs: RequestInputs | None = None):
+                 metrics: ServerMetrics, preview_steps: Sequence[int] = (), inputs: RequestInputs | None = None,
+                 progress: bool = True):
         self._engine = engine
         self._prompt = prompt
         self._params = list(params)
         self._preview_steps = list(preview_steps)
         self._inputs = inputs
+        self._progress = progress
         self._metrics = metrics
         self._unreported = set(range(len(self._params)))
         self.ids = [f"{request_id}-{i}" for i in range(len(self._params))]
@@ -74,7 +77,7 @@ class RequestGroup:
             EngineDeadError: the engine loop stopped before the first events came.
         """
         gens = [self._engine.generate(self._prompt, params, request_id=rid, preview_steps=self._preview_steps,
-                                      inputs=self._inputs)
+                                      inputs=self._inputs, progress=self._progress)
                 for rid, params in zip(self.ids, self._params)]
 
         async def first_event(gen):

@@ -214,7 +214,8 @@ class ImageGenerationService:
     def _group(self, plan: _Plan) -> RequestGroup:
         """The engine requests of `plan` (not submitted yet)."""
         return RequestGroup(self.engine, plan.request_id, plan.prompt, plan.params, self.metrics,
-                            preview_steps=plan.preview_steps, inputs=plan.inputs)
+                            preview_steps=plan.preview_steps, inputs=plan.inputs,
+                            progress=plan.stream_progress)  # only diffserve.progress SSE events read them
 
     def _plan(self, body: ImageGenerationRequest | ImageEditRequest, inputs: RequestInputs | None = None) -> _Plan:
         if body.model is not None and body.model != self.model_name:

@@ -31,10 +31,15 @@ arms, once read "112 % of the ceiling"). The overhead is the median of back-to-b
 (one diffserve request, one bare loop, order alternating); the same pairs also give it between
 forwards: each side's median gap from the end of one denoiser forward to the start of the next
 (everything a step does besides its forward), the difference divided by a bare step, which
-leaves the forwards' own run-to-run noise out. Finally the step arm is compared with
+leaves the forwards' own run-to-run noise out (on CUDA the forwards are timed on the host, without
+a synchronisation that would change what is measured: there the gaps and the in-situ ratio below
+measure host work; the ceiling's forwards are synchronised). Finally the step arm is compared with
 its own forwards (their mean time at that batch size, timed during the arm): the same machine
 speed by construction, so this ratio shows what the engine's own work and the stalls between
-waves (decode, prompt encoding) cost, without the shared machine's drift.
+waves (decode, prompt encoding) cost, without the shared machine's drift. Model FLOPs
+utilisation: the denoiser's FLOPs per image and step (counted once by `FlopCounterMode` at the
+ceiling's rows) times the images/s x steps of the step arm and of the ceiling, over the device's
+peak (`--peak-tflops`, or the datasheet's for H100 / H200 / A100 in bf16 / fp16).
 
 Usage:
     python benchmarks/serving.py --concurrency 16 --steps 20              # built-in model
@@ -270,19 +275,24 @@ def known_peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:
 
 
 def time_forward(runner: ModelRunner, rows: int, steps: int, size: tuple[int, int], forwards: int = 9,
-                 num_frames: int | None = None, median: bool = False) -> float:
+                 num_frames: int | None = None, median: bool = False, denoise=None) -> float:
     """Seconds per bare denoiser forward at `rows` rows of `size` (height, width) pixels (no
     engine, no scheduler step), after one warm-up: the total time of `forwards` back-to-back
     forwards divided by their number (a throughput, measured as the arms' are: slow spells
-    count), or with `median` the median forward."""
-    adapter = runner.adapter
+    count), or with `median` the median forward. `denoise` replaces ``adapter.denoise`` (e.g. a
+    runner's ``accelerator.denoise``, CUDA graphs); on CUDA the device is synchronised around
+    each forward."""
+    denoise = denoise or runner.adapter.denoise
     batch = _forward_batch(runner, rows, steps, size, num_frames)
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     times = []
     with torch.inference_mode():
-        adapter.denoise(batch)
+        denoise(batch)
+        sync()
         for _ in range(forwards):
             t = time.perf_counter()
-            adapter.denoise(batch)
+            denoise(batch)
+            sync()
             times.append(time.perf_counter() - t)
     return statistics.median(times) if median else sum(times) / len(times)
 
@@ -386,7 +396,10 @@ def main() -> None:
                          "requests admitted together in one encoder forward), "
                          "step_cfg2 (2 worker processes, one CFG branch each), step_ulysses2 (2 "
                          "worker processes, Ulysses sequence parallel); the 2-rank arms give each rank "
-                         "--threads / 2 torch threads (at least 1), so all arms use the same cores")
+                         "--threads / 2 torch threads (at least 1), so all arms use the same cores; "
+                         "step_graphs (CUDA devices: step mode replaying the denoiser from CUDA graphs, "
+                         "captured in a warm-up run of the workload; its forward is also timed against the "
+                         "eager ceiling's: the launch overhead the graphs remove)")
     ap.add_argument("--compile", action="store_true", help="regional torch.compile in the diffserve arms")
     ap.add_argument("--no-context-folding", dest="context_folding", action="store_false",
                     help="diffserve arms: run the placeholder / padding context rows one by one "
@@ -397,6 +410,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every arm this many times, interleaved; report medians and ranges")
     ap.add_argument("--json", action="store_true", help="print a final machine-readable JSON line")
+    ap.add_argument("--overhead-runs", type=int, default=15,
+                    help="back-to-back pairs of the batch-1 overhead measure per repeat")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the device's peak dense TFLOP/s in the model dtype, for model FLOPs utilisation "
                          "(default: known for H100 / H200 / A100 in bf16 / fp16; else only achieved TFLOP/s)")
@@ -460,6 +475,12 @@ def main() -> None:
     if "step_inline" in arms:
         engines["step_inline"] = DiffusionEngine(EngineConfig(**{**vars(config), "overlap_stages": False}),
                                                  runner=runner)
+    graph_runner = None
+    if "step_graphs" in arms:  # its own runner (graphs live in the accelerator), the same loaded adapter
+        graph_config = EngineConfig(**{**vars(config), "cuda_graphs": True})
+        graph_runner = ModelRunner(graph_config, adapter=runner.adapter)
+        engines["step_graphs"] = DiffusionEngine(graph_config, runner=graph_runner)
+        run_engine(engines["step_graphs"], "warm-up", jobs, concurrency)  # captures the buckets it uses
     per_rank = {"num_threads": max(1, args.threads // 2), "executor": "multiprocess"}
     for arm, sizes in (("step_cfg2", {"cfg_parallel_size": 2}), ("step_ulysses2", {"ulysses_degree": 2})):
         if arm in arms:  # worker processes of their own (own weights, loaded from the folder)
@@ -519,7 +540,8 @@ def main() -> None:
                 ceilings.append({"rows": rows, "t1": t1, "tb": tb, "ceiling": ceiling, "ratio": throughput / ceiling,
                                  "in_situ_ratio": throughput / in_situ if in_situ else None})
                 guess_rows = rows
-        overheads.append(engine_overhead(runner, overhead_engine, args.steps, args.guidance, size, args.num_frames))
+        overheads.append(engine_overhead(runner, overhead_engine, args.steps, args.guidance, size, args.num_frames,
+                                         runs=args.overhead_runs))
 
     def median_run(results: list[ArmResult]) -> ArmResult:
         return sorted(results, key=lambda r: r.throughput)[len(results) // 2]
@@ -529,7 +551,7 @@ def main() -> None:
             engine.shutdown()
     names = {"diffusers": "diffusers (one at a time)", "diffusers_static_batch": "diffusers (static batches)",
              "request": "diffserve request mode", "step": "diffserve step mode",
-             "step_inline": "step, encode/decode inline", "step_encode_alone": "step, texts encoded alone", "step_cfg2": "step, CFG-parallel 2 ranks",
+             "step_inline": "step, encode/decode inline", "step_graphs": "step, CUDA graphs", "step_encode_alone": "step, texts encoded alone", "step_cfg2": "step, CFG-parallel 2 ranks",
              "step_ulysses2": "step, Ulysses 2 ranks"}
     base = median_run(runs["diffusers"]).throughput if "diffusers" in runs else None
     print(f"\n{'arm':28s} {'img/s':>8s} {'range':>15s} {'vs base':>8s} {'p50 s':>8s} {'p95 s':>8s} "
@@ -584,6 +606,19 @@ def main() -> None:
           f"so the forwards' own noise drops out): diffserve {served_gap * 1e6:.0f} us vs bare {bare_gap * 1e6:.0f} us "
           f"per step, forward {forward * 1e3:.3f} ms -> {gap_overhead:+.2%} of a bare step "
           f"(per-repeat [{gap_range[0]:+.2%}, {gap_range[1]:+.2%}])")
+    graphs = None
+    if graph_runner is not None and ceilings:  # the launch overhead CUDA graphs remove, at the ceiling's rows
+        c = sorted(ceilings, key=lambda c: c["ratio"])[len(ceilings) // 2]
+        eager = time_forward(runner, c["rows"], args.steps, size, n_forwards, args.num_frames)
+        replay = time_forward(runner, c["rows"], args.steps, size, n_forwards, args.num_frames,
+                              denoise=graph_runner.accelerator.denoise)
+        graphs = {"rows": c["rows"], "eager_forward_s": eager, "graph_forward_s": replay,
+                  "forward_time_removed": 1 - replay / eager,
+                  "step_graphs_vs_ceiling": median_run(runs["step_graphs"]).throughput / c["ceiling"],
+                  "stats": graph_runner.acceleration_stats()["cuda_graphs"]}
+        print(f"CUDA graphs at {c['rows']} rows: forward {eager * 1e3:.3f} ms eager vs {replay * 1e3:.3f} ms replayed "
+              f"({graphs['forward_time_removed']:.1%} of it removed); step mode with graphs reaches "
+              f"{graphs['step_graphs_vs_ceiling']:.1%} of the eager ceiling")
     flops = None
     if ceilings:  # model FLOPs utilisation of the step arm and of the ceiling
         c = sorted(ceilings, key=lambda c: c["ratio"])[len(ceilings) // 2]
@@ -611,6 +646,7 @@ def main() -> None:
             "overhead_batch1_between_forwards": gap_overhead,
             "overhead_batch1_between_forwards_range": gap_range,
             "flops": flops,
+            "cuda_graphs": graphs,
             "model": config.model_path.name, "device": str(config.torch_device), "threads": torch.get_num_threads(),
             "concurrency": concurrency, "request_rate": args.request_rate, "steps": args.steps,
             "context_folding": bool(getattr(runner.adapter, "context_folding", False)),

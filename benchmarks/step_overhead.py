@@ -14,6 +14,7 @@ Usage::
     python benchmarks/step_overhead.py --requests 16 --repeats 3
     python benchmarks/step_overhead.py --reset-every-step   # the memory window's old cost
     python benchmarks/step_overhead.py --requests 16 --churn --repeats 3   # a new composition every step
+    python benchmarks/step_overhead.py --requests 32 --null-forward        # the layers' work alone
 
 With ``--churn`` one request joins and one leaves at every step (each runs ``--requests``
 steps, so that many are in flight): every step's batch is a new composition, as under
@@ -61,14 +62,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="runs; medians/means are over all of them")
     ap.add_argument("--churn", action="store_true",
                     help="one request joins and one leaves at every step (see above)")
+    ap.add_argument("--null-forward", action="store_true",
+                    help="replace the denoiser forward by zeros of its output's shape: the layers' own work "
+                         "without the forward evicting the CPU caches first (what a GPU's host does while an "
+                         "asynchronous forward runs)")
     ap.add_argument("--reset-every-step", action="store_true",
                     help="CPU: reset the RSS high-water mark at every step's memory window (what diffserve did "
                          "before resets were spaced by STEP_RESET_INTERVAL_S), to compare")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = DiffusionEngine(EngineConfig(model=args.model, num_threads=args.threads, overlap_stages=False,
-                                          max_batch_size=64))
+                                          max_batch_size=max(64, 2 * args.requests)))
     runner, adapter = engine.runner, engine.runner.adapter
+    if args.null_forward:
+        adapter.denoise = lambda batch, call=None: torch.zeros(batch.num_rows, *batch.latents.shape[1:],
+                                                               dtype=batch.latents.dtype, device=batch.latents.device)
     if args.reset_every_step:
         runner.memory.window = lambda batch=None: runner_memory.PeakWindow(runner.memory.device)
     times: dict[str, list[float]] = defaultdict(list)

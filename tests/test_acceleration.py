@@ -361,3 +361,10 @@ def test_failed_batched_encoding_falls_back_to_one_text_at_a_time(tiny_sd3_t5_di
     text._encode = encode
     [want] = engine.generate("a blue bird", _p(2, steps=2))
     assert np.abs(outs[1].images - want.images).max() <= 1e-5  # (it ran batched with the fox, this alone)
+
+
+def test_cuda_graphs_are_refused_without_a_cuda_device(tiny_sd3_dir):
+    """CUDA graphs replay recorded GPU kernels: a CPU engine refuses the option by name (the
+    replays themselves are tested on a CUDA device: tests/test_cuda_graphs.py)."""
+    with pytest.raises(InvalidRequestError, match="cuda_graphs.*CUDA device"):
+        DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), device="cpu", cuda_graphs=True))

@@ -81,6 +81,34 @@ def test_steps_of_an_unchanged_batch_are_booked_exactly(sync_engine):
     assert np.abs(finals[a].images - _solo(engine, "a red car", _p(1, steps=7))).max() <= TOL
 
 
+def test_a_preview_shows_its_own_step_while_the_batch_steps_on_in_place(engine, sync_engine, monkeypatch):
+    """An unchanged batch steps its latents in place; a preview decoded on the side thread while
+    the steps go on (here: a slow VAE) still shows the latents of its own step."""
+    import time
+
+    adapter = engine.runner.adapter
+    decode_many = adapter.decode_many
+
+    def slow_decode(states, latents):
+        time.sleep(0.05)  # several steps run meanwhile
+        return decode_many(states, latents)
+
+    monkeypatch.setattr(adapter, "decode_many", slow_decode)
+
+    def previews(eng, jobs):
+        ids = [eng.add_request(prompt, params, preview_steps=[3]) for prompt, params in jobs]
+        got = {}
+        while eng.has_unfinished_requests():
+            got.update({e.request_id: e.preview for e in eng.step() if e.type is EventType.PARTIAL})
+        return [got[i] for i in ids]
+
+    jobs = [("a red car", _p(1, steps=12)), ("a blue car", _p(2, steps=12))]
+    batched = previews(engine, jobs)
+    for job, preview in zip(jobs, batched):
+        [alone] = previews(sync_engine, [job])  # decoded inline, before any further step
+        assert np.abs(np.asarray(preview) - np.asarray(alone)).max() <= TOL
+
+
 def test_arrival_order_does_not_change_outputs(engine):
     prompts = ["one", "two", "three"]
     params = [_p(21, steps=2), _p(22, steps=3), _p(23, steps=4, guidance=1.0)]
@@ -136,7 +164,7 @@ def test_cached_batch_reads_each_rows_own_timestep_and_sigma_step(engine):
         want_t = torch.cat([s.timestep.expand(s.num_images) for s in states]).float()
         want_dt = torch.cat([(s.sigmas[s.step_index + 1] - s.sigmas[s.step_index]).expand(s.num_images)
                              for s in states])
-        before = [s.latents for s in states]
+        before = [s.latents.clone() for s in states]  # an unchanged batch steps its latents in place
         with torch.inference_mode():
             batch = adapter.collate(states)
             assert torch.equal(batch.timesteps.float(), want_t)

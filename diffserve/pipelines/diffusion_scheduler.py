@@ -66,7 +66,9 @@ def step_batch(batch: "StepBatch", guided: torch.Tensor) -> dict[str, BaseExcept
     Returns:
         request_id -> exception for requests whose step failed (per-request path only); the
         others advanced by one step. The batched path is all-or-nothing: it raises before any
-        request's latents change.
+        request's latents change. From the second step of an unchanged batch on, it updates
+        the batch's latents in place (each request's ``latents`` is a view of them): whoever
+        keeps a request's latents past a step must copy them (`ModelRunner.snapshot` does).
     """
     states = batch.states
     cache = batch.cache
@@ -83,6 +85,18 @@ def step_batch(batch: "StepBatch", guided: torch.Tensor) -> dict[str, BaseExcept
             if any(n != 1 for n in batch.row_counts):
                 dt = dt.repeat_interleave(torch.tensor(batch.row_counts, device=dt.device))
             dt = dt.view(-1, *([1] * (guided.dim() - 1)))
+        if cache is not None and batch.latents is cache.latents and cache.latents.dtype == guided.dtype:
+            # the batch's own concatenated latents from its previous step, which the states hold
+            # views of: step them in place (no new tensor, no per-request split; same arithmetic)
+            buffer = cache.latents
+            if buffer.dtype == torch.float32:
+                buffer.add_(dt * guided)
+            else:
+                buffer.copy_(buffer.to(torch.float32) + dt * guided)
+            for state in states:
+                state.step_index += 1
+            cache.advance()
+            return {}
         new = (batch.latents.to(torch.float32) + dt * guided).to(guided.dtype)
         views = batch.split(new)
         for state, latents in zip(states, views):

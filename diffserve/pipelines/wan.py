@@ -64,6 +64,9 @@ DEFAULT_MAX_SEQUENCE_LENGTH = 512
 DEFAULT_FPS = 16
 #: Wan's UMT5 context length (``text_len`` in the Wan repository).
 MAX_SEQUENCE_LENGTH_LIMIT = 512
+#: Wan 2.2 two-expert folders: ``RequestState.extra`` key of the number of leading steps the
+#: high-noise expert runs (those with timestep >= the boundary).
+HIGH_NOISE_STEPS = "wan_high_noise_steps"
 
 #: TeaCache4Wan2.1 (github.com/ali-vilab/TeaCache, TeaCache4Wan2.1/teacache_generate.py, T2V,
 #: modulated input = the time embedding ``e``, first and last step computed): rescaling
@@ -281,6 +284,8 @@ class WanAdapter(PipelineAdapter):
         state.timesteps = scheduler.timesteps
         state.sigmas = batchable_sigmas(scheduler, len(state.timesteps))
         state.step_index = 0
+        if self.boundary is not None:  # the timesteps decrease: the first k steps are the high-noise expert's
+            state.extra[HIGH_NOISE_STEPS] = int((scheduler.timesteps.double() >= self.boundary).sum())
 
     def _latent_stats(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The VAE's per-channel ``latents_mean`` and ``1 / latents_std``, (1, C, 1, 1, 1)."""
@@ -317,7 +322,9 @@ class WanAdapter(PipelineAdapter):
         return self._expert(state)
 
     def _expert(self, state: RequestState) -> int:
-        return 0 if self.boundary is None or float(state.timestep) >= self.boundary else 1
+        """0 (high noise) while the step's timestep >= the boundary, else 1; read from the step
+        count fixed with the schedule, so a step reads no timestep back from the device."""
+        return 0 if self.boundary is None or state.step_index < state.extra[HIGH_NOISE_STEPS] else 1
 
     # ------------------------------------------------------------------ per step
     def denoise(self, batch: StepBatch, call: DenoiserCall | None = None) -> torch.Tensor:

@@ -241,10 +241,11 @@ class ModelRunner:
         return out
 
     def snapshot(self, request_ids: list[str]) -> dict[str, tuple[torch.Tensor, int]]:
-        """Each request's current (latents, steps done). Steps replace a request's latents
-        with a new tensor (never write in place), so the references stay valid snapshots while
-        the request keeps stepping: what a preview decoded later must use."""
-        return {i: (self.states[i].latents, self.states[i].step_index) for i in request_ids if i in self.states}
+        """Each request's current (latents copy, steps done): a batch steps its latents in
+        place (`diffusion_scheduler.step_batch`), so a preview or decode that runs later, beside
+        the next steps, reads this copy."""
+        return {i: (self.states[i].latents.clone(), self.states[i].step_index)
+                for i in request_ids if i in self.states}
 
     @torch.inference_mode()
     def decode(self, request_ids: list[str], preview: bool = False,

@@ -62,6 +62,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="runs; medians/means are over all of them")
     ap.add_argument("--churn", action="store_true",
                     help="one request joins and one leaves at every step (see above)")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="the requests ask for no per-step progress events (as `generate` without on_event and "
+                         "the server's non-streaming requests): the engine's work per step no longer grows with them")
     ap.add_argument("--null-forward", action="store_true",
                     help="replace the denoiser forward by zeros of its output's shape: the layers' own work "
                          "without the forward evicting the CPU caches first (what a GPU's host does while an "
@@ -89,16 +92,17 @@ def main() -> None:
     params = [SamplingParams(num_inference_steps=args.steps, seed=i, output_type="latent") for i in range(args.requests)]
     engine.generate(["digit 5"] * args.requests, [SamplingParams(num_inference_steps=5, seed=0, output_type="latent")
                                                   for _ in range(args.requests)])  # warm-up
+    progress = {"progress": False} if args.no_progress else {}
     kept: dict[str, list[float]] = defaultdict(list)
     for _ in range(args.repeats):
         for series in times.values():
             series.clear()
         if args.churn:
-            engine_times = _run_churn(engine, args.requests, args.steps, times)
+            engine_times = _run_churn(engine, args.requests, args.steps, times, progress)
             skip, end = args.requests + 20, -args.requests  # full batches only: no ramp-up/down
         else:
             for p in params:
-                engine.add_request("digit 5", p)
+                engine.add_request("digit 5", p, **progress)
             engine_times = []
             while engine.has_unfinished_requests():
                 start = time.perf_counter()
@@ -133,14 +137,16 @@ def main() -> None:
           f"({overhead / medians['adapter step']:+.1%} of the adapter step)")
 
 
-def _run_churn(engine: DiffusionEngine, in_flight: int, total: int, times: dict[str, list[float]]) -> list[float]:
-    """Add one request (running `in_flight` steps) before each of `total` engine steps, then
-    drain; returns each engine step's seconds minus the prepare/decode time inside it."""
+def _run_churn(engine: DiffusionEngine, in_flight: int, total: int, times: dict[str, list[float]],
+               progress: dict) -> list[float]:
+    """Add one request (running `in_flight` steps; `progress`: add_request's progress option)
+    before each of `total` engine steps, then drain; returns each engine step's seconds minus
+    the prepare/decode time inside it."""
     engine_times, added = [], 0
     while added < total or engine.has_unfinished_requests():
         if added < total:
             engine.add_request("digit 5", SamplingParams(num_inference_steps=in_flight, seed=added,
-                                                         output_type="latent"))
+                                                         output_type="latent"), **progress)
             added += 1
         side = sum(times["prepare"]) + sum(times["decode"])
         start = time.perf_counter()

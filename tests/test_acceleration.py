@@ -368,3 +368,24 @@ def test_cuda_graphs_are_refused_without_a_cuda_device(tiny_sd3_dir):
     replays themselves are tested on a CUDA device: tests/test_cuda_graphs.py)."""
     with pytest.raises(InvalidRequestError, match="cuda_graphs.*CUDA device"):
         DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), device="cpu", cuda_graphs=True))
+
+
+def test_teacache_state_is_not_advanced_twice_when_a_shared_step_is_retried(tiny_sd3_dir, monkeypatch):
+    """A shared step that fails after its forward is retried request by request; the healthy
+    request's TeaCache state is put back first, so it ends as its solo run."""
+    engine = _engine(tiny_sd3_dir, "teacache", overlap_stages=False)
+    adapter = engine.runner.adapter
+    step = adapter.step
+
+    def failing_step(batch, guided):
+        if any(s.prompt == "bad" and s.step_index == 3 for s in batch.states):
+            raise RuntimeError("injected")
+        return step(batch, guided)
+
+    monkeypatch.setattr(adapter, "step", failing_step)
+    job = ("a red house", _p(3, steps=10))
+    good, bad = engine.generate([job[0], "bad"], [job[1], _p(4, steps=10)])
+    assert good.ok and bad.status == "failed"
+    assert np.abs(good.images - _run(_engine(tiny_sd3_dir, "teacache"), *job)).max() <= TOL
+    # the good request's 10 steps; the bad one's 3 shared steps and the forward of its failing retry
+    assert engine.runner.acceleration_stats()["cache_backend"]["transformer_calls"] == 10 + 3 + 1

@@ -83,7 +83,6 @@ def test_generate_beside_a_running_async_engine(engine):
     assert np.abs(async_out.images - solo_async).max() <= TOL
 
 
-# --------------------------------------------------------------- non-finite outputs
 def test_progress_events_are_opt_in_per_request(engine):
     """A consumer that only waits for the result asks for no per-step progress events (the
     HTTP server's non-streaming requests): the async engine then hands it queued, started and
@@ -103,6 +102,52 @@ def test_progress_events_are_opt_in_per_request(engine):
     assert [e.type for e in quiet] == [EventType.QUEUED, EventType.STARTED, EventType.FINISHED]
     assert [e.step for e in chatty if e.type is EventType.PROGRESS] == [1, 2, 3]
     assert quiet[-1].output.metrics.num_steps == 3 == chatty[-1].output.metrics.num_steps
+
+
+# --------------------------------------------------------------- non-finite outputs
+def test_abort_while_preparing_wins_over_a_failing_prepare(tiny_sd3_dir, monkeypatch):
+    """abort() said True for a request being prepared: when its prepare then fails, it still
+    ends aborted (as when its decode or chunk work comes back)."""
+    engine = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir)))  # prepare on the side thread
+    started = threading.Event()
+
+    def failing_prepare(state):
+        started.set()
+        time.sleep(0.2)
+        raise RuntimeError("prepare failed")
+
+    monkeypatch.setattr(engine.runner.adapter, "prepare", failing_prepare)
+    rid = engine.add_request("a cat", _p(1))
+    engine.step()
+    assert started.wait(5) and engine.abort(rid)
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [e for e in engine.step() if e.type.is_final]
+    assert [e.output.status for e in finals] == [RequestStatus.ABORTED]
+
+
+def test_a_failed_shared_step_is_retried_alone_and_books_each_requests_own_forward(sync_engine, monkeypatch):
+    """A shared step that raises after its forward is retried request by request: the healthy
+    requests end as their solo runs, each booking the rows of its own retry forward."""
+    adapter = sync_engine.runner.adapter
+    step = adapter.step
+
+    def failing_step(batch, guided):  # "bad" fails its second step, shared or alone
+        if any(s.prompt == "bad" and s.step_index == 1 for s in batch.states):
+            raise RuntimeError("injected")
+        return step(batch, guided)
+
+    monkeypatch.setattr(adapter, "step", failing_step)
+    jobs = [("a red car", _p(1)), ("a blue car", _p(2, num_images_per_prompt=3)), ("bad", _p(3))]
+    outs = sync_engine.generate([p for p, _ in jobs], [q for _, q in jobs])
+    assert [o.status for o in outs] == [RequestStatus.FINISHED, RequestStatus.FINISHED, RequestStatus.FAILED]
+    # step 1 shared (2 + 6 + 2 rows), step 2 failed shared and retried alone, step 3 shared again
+    assert outs[0].metrics.batch_sizes == {10: 1, 2: 1, 8: 1}
+    assert outs[1].metrics.batch_sizes == {10: 1, 6: 1, 8: 1}
+    monkeypatch.setattr(adapter, "step", step)
+    for (prompt, params), out in zip(jobs[:2], outs):
+        [alone] = sync_engine.generate(prompt, params)
+        assert np.abs(out.images - alone.images).max() <= TOL
 
 
 def test_non_finite_latents_fail_only_that_request(engine, monkeypatch):

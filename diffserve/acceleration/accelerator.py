@@ -104,6 +104,15 @@ class Accelerator:
         """Whether requests of a step batch may share one denoiser forward."""
         return self.backend.shares_forward
 
+    def save(self, states: list["RequestState"]):
+        """The cache backend's per-request state of `states`, to `restore` if a shared step
+        fails after its forward (`CacheBackend.save`)."""
+        return self.backend.save(states)
+
+    def restore(self, states: list["RequestState"], saved) -> None:
+        """Put back what `save` returned (`CacheBackend.restore`)."""
+        self.backend.restore(states, saved)
+
     def reset(self, state: "RequestState") -> None:
         """Fresh caching state for a request (after `prepare`: its step count is known)."""
         self.backend.reset(state)

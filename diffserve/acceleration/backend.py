@@ -40,6 +40,15 @@ class CacheBackend:
         """Start a request's caching state from scratch (called after `prepare`, so
         ``state.num_steps`` and the latent size are known)."""
 
+    def save(self, states: list["RequestState"]) -> Any:
+        """What `restore` needs to put the requests' caching state (and the counters) back as
+        it is now: taken before a shared step, so that if the step fails after the forward and
+        each request is retried alone, no request's state advances twice. None: no state."""
+        return None
+
+    def restore(self, states: list["RequestState"], saved: Any) -> None:
+        """Put back what `save` returned for the same `states`."""
+
     def denoise(self, adapter: "PipelineAdapter", batch: "StepBatch") -> torch.Tensor:
         """One denoising forward for `batch` (``adapter.denoise``); returns the (rows, ...)
         predictions."""

@@ -88,6 +88,10 @@ def stage_components(adapter: "PipelineAdapter") -> dict[str, list[str]]:
     return stages
 
 
+#: The context of a stage whose components all stay where they are (reusable: no state).
+_NOTHING_MOVED = contextlib.nullcontext(0)
+
+
 def _move(module: torch.nn.Module, device: torch.device) -> None:
     # outside inference mode: the parameters must not turn into inference tensors
     with torch.inference_mode(False), torch.no_grad():
@@ -270,27 +274,30 @@ class OffloadManager:
             names += self.stages["decode"]
         return names
 
-    @contextlib.contextmanager
-    def stage(self, stage: str, with_images: bool = False) -> Iterator[int]:
-        """Hold `stage`'s components on the device for one work item; yields how many
-        components were moved in for it (0 when all were resident).
+    def stage(self, stage: str, with_images: bool = False) -> contextlib.AbstractContextManager[int]:
+        """Hold `stage`'s components on the device for one work item; the context gives how
+        many components were moved in for it (0 when all were resident; without model offload
+        a shared no-op context, nothing to do per step).
 
         Args:
             stage: ``encode``, ``denoise`` or ``decode``.
             with_images: an ``encode`` item with input images (the VAE encodes them).
         """
+        if not self.managed:
+            return _NOTHING_MOVED
         names = [n for n in self._needed(stage, with_images) if n in self.managed]
-        loads = 0
-        if names:
-            with self._lock:
-                loads = self._ensure(names)
-                self.in_use.update(names)
+        return self._hold(names) if names else _NOTHING_MOVED
+
+    @contextlib.contextmanager
+    def _hold(self, names: list[str]) -> Iterator[int]:
+        with self._lock:
+            loads = self._ensure(names)
+            self.in_use.update(names)
         try:
             yield loads
         finally:
-            if names:
-                with self._lock:
-                    self.in_use.subtract(names)
+            with self._lock:
+                self.in_use.subtract(names)
 
     def _ensure(self, names: list[str]) -> int:
         missing = [n for n in names if n not in self.resident]

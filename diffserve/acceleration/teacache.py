@@ -32,6 +32,7 @@ model's calibrated preset); calibrate a model with
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -153,6 +154,17 @@ class TeaCacheBackend(CacheBackend):
     def reset(self, state: "RequestState") -> None:
         """Fresh `TeaCacheState` for the request (no residual, zero accumulated distance)."""
         state.extra[STATE_KEY] = TeaCacheState(num_steps=state.num_steps)
+
+    def save(self, states: list["RequestState"]) -> Any:
+        """Copies of the requests' `TeaCacheState` (its tensors are replaced, never written in
+        place, so a shallow copy keeps them) and the skip counters."""
+        return [copy.copy(s.extra[STATE_KEY]) for s in states], self.transformer_calls, self.skipped
+
+    def restore(self, states: list["RequestState"], saved: Any) -> None:
+        """Put back the `save` copies and counters."""
+        copies, self.transformer_calls, self.skipped = saved
+        for state, st in zip(states, copies):
+            state.extra[STATE_KEY] = st
 
     def _decide(self, st: TeaCacheState, modulated: torch.Tensor) -> tuple[bool, float]:
         """(compute?, new accumulated distance) of one request at its current step."""

@@ -433,9 +433,12 @@ class DiffusionEngine(SleepMode):
                 request.metrics.offload_loads += result.offload_loads
                 request.prompt_truncated = result.prompt_truncated
                 request.negative_prompt_truncated = result.negative_prompt_truncated
-                if result.error is not None:
+                if result.error is not None:  # an abort asked meanwhile wins, as for decode and chunks
                     self.scheduler.finish(request)
-                    self._close(request, RequestStatus.FAILED, error=result.error)
+                    if request.abort_requested:
+                        self._close(request, RequestStatus.ABORTED)
+                    else:
+                        self._close(request, RequestStatus.FAILED, error=result.error)
                     continue
                 request.num_steps = result.num_steps
                 request.step_key = result.step_key
@@ -512,7 +515,7 @@ class DiffusionEngine(SleepMode):
         for listener in self._step_listeners:
             listener(out.num_rows, len(batch), end - start)
         with self._lock:
-            if out.errors or out.steps_done or out.num_steps:  # per-request outcomes: book each request
+            if out.errors or out.steps_done or out.num_steps or out.request_rows:  # per-request outcomes
                 self._end_run()
                 self._book_each(batch, out, end)
                 return
@@ -538,10 +541,10 @@ class DiffusionEngine(SleepMode):
             run.fold()
 
     def _book_each(self, batch: list[Request], out, end: float) -> None:
-        """Book one step request by request (lock held): the executor reported failures, or
-        steps done / totals of its own (the whole-request runner)."""
+        """Book one step request by request (lock held): the executor reported failures, forwards
+        of each request's own, or steps done / totals of its own (the whole-request runner)."""
         errors, steps_done, num_steps, step_keys = out.errors, out.steps_done, out.num_steps, out.step_keys
-        rows, loads, peak = out.num_rows, out.offload_loads, out.peak_memory_bytes
+        loads, peak, request_rows = out.offload_loads, out.peak_memory_bytes, out.request_rows
         stepped, events, keys_moved = [], [], False
         for request in batch:
             request_id = request.request_id
@@ -554,6 +557,7 @@ class DiffusionEngine(SleepMode):
             m.offload_loads += loads
             if peak is not None and (m.request_peak_memory_bytes is None or peak > m.request_peak_memory_bytes):
                 m.request_peak_memory_bytes = peak
+            rows = request_rows.get(request_id, out.num_rows)
             m.batch_sizes[rows] = m.batch_sizes.get(rows, 0) + 1
             m.denoise_s = end - request.first_step_time
             request.steps_done = steps_done.get(request_id, request.steps_done + 1)
@@ -731,8 +735,10 @@ class DiffusionEngine(SleepMode):
         outputs: dict[str, GenerationOutput] = {}
         try:
             while len(outputs) < len(ids):
-                with self._lock:
-                    got, mailbox[:] = list(mailbox), []
+                got = []
+                if mailbox:  # (read without the lock: appends only happen under it, and are seen next time)
+                    with self._lock:
+                        got, mailbox[:] = list(mailbox), []
                 for event in got:
                     if on_event is not None:
                         on_event(event)

@@ -81,6 +81,9 @@ class StepOutput:
     Attributes:
         num_rows: denoiser rows in the forward (all requests, guidance branches included); the
             largest forward's when requests had to run alone.
+        request_rows: request_id -> rows of the forward it took part in, when requests ran in
+            forwards of their own (a cache backend that cannot share forwards, or the retry of a
+            failed shared step); empty when all shared one forward of `num_rows`.
         steps_done: request_id -> denoising steps done after this step, for the requests whose
             count is not simply one more (the whole-request runner reports its own); a request
             that stepped and is absent advanced by one step.
@@ -96,6 +99,7 @@ class StepOutput:
     """
 
     num_rows: int = 0
+    request_rows: dict[str, int] = field(default_factory=dict)
     steps_done: dict[str, int] = field(default_factory=dict)
     num_steps: dict[str, int] = field(default_factory=dict)
     errors: dict[str, WorkError] = field(default_factory=dict)

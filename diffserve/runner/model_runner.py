@@ -194,6 +194,7 @@ class ModelRunner:
 
     def _step(self, states: list[RequestState]) -> StepOutput:
         adapter = self.adapter
+        saved = self.accelerator.save(states) if len(states) > 1 else None
         try:
             batch = adapter.collate(states)
             guided = adapter.combine(batch, self._denoise(batch))
@@ -204,6 +205,7 @@ class ModelRunner:
                 return StepOutput(num_rows=adapter.rows(states[0].params),
                                   errors={states[0].request_id: WorkError.of(exc)})
             logger.warning("batched step failed (%s); retrying %d requests alone", exc, len(states))
+            self.accelerator.restore(states, saved)  # the shared forward may have advanced their caching state
             return self._step_alone(states)
         out = StepOutput(num_rows=batch.num_rows)  # every other state advanced one step
         if failures:
@@ -231,11 +233,12 @@ class ModelRunner:
         return self.accelerator.denoise(batch)
 
     def _step_alone(self, states: list[RequestState]) -> StepOutput:
-        """One forward per request; num_rows is the largest forward's."""
+        """One forward per request; num_rows is the largest forward's, request_rows each one's."""
         out = StepOutput()
         for state in states:
             single = self._step([state])
             out.num_rows = max(out.num_rows, single.num_rows)
+            out.request_rows[state.request_id] = single.num_rows
             out.step_keys.update(single.step_keys)
             out.errors.update(single.errors)
         return out

@@ -104,12 +104,12 @@ class Accelerator:
         """Whether requests of a step batch may share one denoiser forward."""
         return self.backend.shares_forward
 
-    def save(self, states: list["RequestState"]):
-        """The cache backend's per-request state of `states`, to `restore` if a shared step
-        fails after its forward (`CacheBackend.save`)."""
+    def save(self, states: list["RequestState"]) -> Any:
+        """The cache backend's per-request state of `states` (opaque; None for the ``none``
+        backend), to `restore` if a shared step fails after its forward (`CacheBackend.save`)."""
         return self.backend.save(states)
 
-    def restore(self, states: list["RequestState"], saved) -> None:
+    def restore(self, states: list["RequestState"], saved: Any) -> None:
         """Put back what `save` returned (`CacheBackend.restore`)."""
         self.backend.restore(states, saved)
 

@@ -24,6 +24,8 @@ _ADAPTERS: dict[str, str] = {
     "WanPipeline": "diffserve.pipelines.wan:WanAdapter",
     "StableDiffusionPipeline": "diffserve.pipelines.stable_diffusion:StableDiffusionAdapter",
     "StableDiffusionXLPipeline": "diffserve.pipelines.stable_diffusion_xl:StableDiffusionXLAdapter",
+    "GlmImagePipeline": "diffserve.pipelines.glm_image.adapter:GlmImageAdapter",
+    "DigitsReasoningPipeline": "diffserve.pipelines.digits_reasoning.adapter:DigitsReasoningAdapter",
 }
 
 

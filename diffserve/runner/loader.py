@@ -26,9 +26,10 @@ logger = logging.getLogger(__name__)
 silence_inapplicable_library_warnings()
 _LIBRARIES = ("diffusers", "transformers")
 #: diffusers pipeline packages that folders name as a component's library for classes of their
-#: own (SD 1.x/2.x: ``"safety_checker": ["stable_diffusion", "StableDiffusionSafetyChecker"]``);
+#: own (SD 1.x/2.x: ``"safety_checker": ["stable_diffusion", "StableDiffusionSafetyChecker"]``; GLM-Image:
+#: ``"vision_language_encoder": ["glm_image", "GlmImageForConditionalGeneration"]``, as diffusers saves it);
 #: loaded from ``diffusers.pipelines.<name>`` (the class is a transformers model).
-_PIPELINE_PACKAGES = ("stable_diffusion",)
+_PIPELINE_PACKAGES = ("stable_diffusion", "glm_image")
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

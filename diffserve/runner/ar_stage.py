@@ -1,0 +1,391 @@
+"""`ARStageRunner`: runs a model's autoregressive (AR) stage for many requests at once, beside
+the DiT stage.
+
+Requests are submitted as they arrive (`ARStageRunner.submit`, non-blocking; a
+``concurrent.futures.Future`` per request). Two ways to batch them, chosen by the family's
+`diffserve.pipelines.ar_stage.ARStageModel`:
+
+- **continuous batching** (transformers' own, ``init_continuous_batching``): ONE manager is
+  created at start-up, warmed up once and kept alive; each request is added to it as soon as it
+  is submitted, and transformers batches the prefill and decode steps of all requests in flight
+  (a request joins and leaves between decode steps);
+- **batched generate** otherwise: a scheduler thread takes the waiting requests, up to
+  ``max_batch`` of one group, and runs one batched ``generate`` (each row sampled with its own
+  seed), while new requests wait for the next round.
+
+When requests finish generating, their payloads are made in one batched call
+(`ARStageModel.products`, e.g. one forward exporting the LM's K/V) and put into the connector;
+the future resolves with an `ARDone` (the `PayloadHandle`, the text, timings and bytes).
+
+Failures stay per request: a generation error, a failing batched generate (retried one request
+at a time) or a failing payload export fails only the requests concerned, with the error in the
+future. `abort` cancels a request wherever it is (waiting, generating, exporting); its payloads
+are never put, or freed at once. `free` drops the payloads of finished requests (the engine calls
+it when a request ends in any stage).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from diffserve.connector.base import Connector
+from diffserve.connector.handles import PayloadHandle
+from diffserve.pipelines.ar_stage import ARInput, ARProduct, ARStageModel, cut_at_eos
+from diffserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+#: Longest the scheduler / collector threads block before re-checking (seconds).
+_POLL_S = 0.02
+
+
+class ARAbortedError(RuntimeError):
+    """The request was aborted before its AR stage finished."""
+
+
+@dataclass
+class ARDone:
+    """A request's finished AR stage.
+
+    Attributes:
+        handle: its payloads in the connector.
+        text: the AR stage's text (e.g. the LM's answer), or None.
+        num_tokens: tokens generated.
+        queue_s: seconds from submission to the start of its generation.
+        generate_s: seconds generating (its share of batched rounds: wall time of its rounds).
+        export_s: seconds making and putting its payloads (wall time of its batch's call).
+        nbytes: bytes of its payloads (all branches).
+    """
+
+    handle: PayloadHandle
+    text: str | None
+    num_tokens: int
+    queue_s: float
+    generate_s: float
+    export_s: float
+    nbytes: int
+
+
+@dataclass
+class _Work:
+    ar_input: ARInput
+    future: Future
+    submitted: float
+    started: float | None = None
+    generated: list[int] | None = None
+    finished: float | None = None
+
+
+class ARStageRunner:
+    """Runs an `ARStageModel` (see the module docstring).
+
+    Args:
+        model: the family's AR stage model.
+        connector: where the payloads go (the producer side).
+        max_batch: most requests in one batched ``generate`` round.
+        continuous_batching: override the model's choice (None: `ARStageModel.continuous_batching`).
+        warmup: run one short request through continuous batching at start-up (its first use
+            is slow: the manager sizes its cache).
+    """
+
+    def __init__(self, model: ARStageModel, connector: Connector, max_batch: int = 32,
+                 continuous_batching: bool | None = None, warmup: bool = True):
+        self.model = model
+        self.connector = connector
+        self.max_batch = max_batch
+        self.continuous_batching = model.continuous_batching if continuous_batching is None else continuous_batching
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._waiting: deque[_Work] = deque()
+        self._running: dict[str, _Work] = {}
+        self._finished: deque[_Work] = deque()
+        self._aborted: set[str] = set()
+        self._done_ids: set[str] = set()
+        self._stop = False
+        self.counters = {"requests": 0, "finished": 0, "failed": 0, "aborted": 0, "tokens": 0, "rounds": 0,
+                         "generate_s": 0.0, "export_s": 0.0}
+        self._manager = None
+        if self.continuous_batching:
+            self._start_manager(warmup)
+        self._threads = [threading.Thread(target=self._export_loop, name="ar-export", daemon=True)]
+        self._threads.append(threading.Thread(
+            target=self._collect_loop if self.continuous_batching else self._generate_loop,
+            name="ar-generate", daemon=True))
+        for thread in self._threads:
+            thread.start()
+
+    # ------------------------------------------------------------------ API
+    def submit(self, request_id: str, prompt: str, params: SamplingParams) -> "Future[ARDone]":
+        """Queue a request's AR stage; returns its future (`ARDone`, or the request's own error).
+
+        Raises:
+            InvalidRequestError: the prompt does not fit the LM (`ARStageModel.inputs`).
+        """
+        ar_input = self.model.inputs(request_id, prompt, params)
+        work = _Work(ar_input, Future(), time.perf_counter())
+        with self._lock:
+            if self._stop:
+                raise RuntimeError("the AR stage is shut down")
+            self.counters["requests"] += 1
+            self._aborted.discard(request_id)
+            if self.continuous_batching:
+                work.started = time.perf_counter()
+                self._running[request_id] = work
+            else:
+                self._waiting.append(work)
+                self._wake.notify_all()
+        if self.continuous_batching:
+            added = self._manager.add_request(ar_input.prompt_ids, request_id=request_id,
+                                              max_new_tokens=ar_input.max_new_tokens)
+            if added is None:
+                with self._lock:
+                    self._running.pop(request_id, None)
+                work.future.set_exception(RuntimeError("the continuous-batching manager refused the request"))
+        return work.future
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request's AR stage wherever it is; its future fails with `ARAbortedError` (if
+        not resolved yet) and its payloads are freed."""
+        with self._lock:
+            self._aborted.add(request_id)
+            work = next((w for w in self._waiting if w.ar_input.request_id == request_id), None)
+            if work is not None:
+                self._waiting.remove(work)
+            running = self._running.pop(request_id, None) if self.continuous_batching else None
+            work = work or running
+        if running is not None:
+            self._manager.cancel_request(request_id)
+        if work is not None:
+            self._fail(work, ARAbortedError(f"request {request_id!r} aborted during its AR stage"), aborted=True)
+        self.free([request_id])
+
+    def free(self, request_ids: list[str]) -> None:
+        """Drop finished requests' payloads (idempotent)."""
+        for request_id in request_ids:
+            self.connector.free(request_id)
+        with self._lock:
+            self._done_ids.difference_update(request_ids)
+            if len(self._aborted) > 4096:
+                self._aborted.clear()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (requests, finished, failed, aborted, tokens, generate rounds, seconds) and
+        the connector's accounting."""
+        with self._lock:
+            out = dict(self.counters, waiting=len(self._waiting), running=len(self._running),
+                       continuous_batching=self.continuous_batching)
+        out["connector"] = self.connector.stats().as_dict()
+        return out
+
+    def shutdown(self) -> None:
+        """Stop the threads and the continuous-batching manager; pending requests fail."""
+        with self._lock:
+            self._stop = True
+            pending = list(self._waiting) + list(self._running.values()) + list(self._finished)
+            self._waiting.clear()
+            self._running.clear()
+            self._finished.clear()
+            self._wake.notify_all()
+        for work in pending:
+            self._fail(work, RuntimeError("the AR stage shut down"))
+        if self._manager is not None:
+            try:
+                self._manager.stop(block=True, timeout=5)
+            except Exception:  # noqa: BLE001
+                logger.exception("stopping the continuous-batching manager failed")
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    # ------------------------------------------------------------------ continuous batching
+    def continuous_batching_config(self) -> Any:
+        """transformers' ``ContinuousBatchingConfig`` sized for this stage: ``max_batch`` requests
+        of at most `ARStageModel.max_context_tokens` tokens each. (Left to itself, the manager
+        sizes its paged cache from the free memory: on a CPU that is most of the RAM, ~12 GB and
+        ~25 s of start-up for a 400 k-parameter LM.)"""
+        from transformers import ContinuousBatchingConfig
+
+        tokens = max(int(self.model.max_context_tokens()), 1)
+        page = max(16, min(256, 1 << (tokens - 1).bit_length()))
+        pages = -(-tokens // page)
+        return ContinuousBatchingConfig(page_size=page, num_blocks=self.max_batch * pages + 1,
+                                        max_batch_tokens=max(page, self.max_batch * tokens),
+                                        max_requests_per_batch=self.max_batch)
+
+    def _start_manager(self, warmup: bool) -> None:
+        lm = self.model.language_model
+        with torch.inference_mode():
+            self._manager = lm.init_continuous_batching(generation_config=self.model.generation_config(),
+                                                        continuous_batching_config=self.continuous_batching_config())
+            self._manager.start()
+        if warmup:
+            self._manager.add_request([int(self.model.generation_config().bos_token_id or 0)],
+                                      request_id="__warmup__", max_new_tokens=1)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                result = self._manager.get_result(timeout=0.5)
+                if result is not None and result.is_finished():
+                    break
+
+    def _collect_loop(self) -> None:
+        """Take finished generations from the manager (continuous batching)."""
+        while not self._stop:
+            try:
+                result = self._manager.get_result(timeout=_POLL_S * 5)
+            except Exception:  # noqa: BLE001
+                logger.exception("continuous batching failed")
+                self._fail_running(RuntimeError("the continuous-batching manager failed"))
+                return
+            if result is None:
+                if not self._manager.is_running() and not self._stop:
+                    self._fail_running(RuntimeError("the continuous-batching generation thread stopped"))
+                    return
+                continue
+            if not result.is_finished():
+                continue
+            with self._lock:
+                work = self._running.pop(result.request_id, None)
+            if work is None:  # warm-up, or aborted meanwhile
+                continue
+            if result.error is not None:
+                self._fail(work, RuntimeError(f"AR generation failed: {result.error}"))
+                continue
+            eos = self.model.generation_config().eos_token_id
+            work.generated = cut_at_eos(list(result.generated_tokens), eos)
+            work.finished = time.perf_counter()
+            self._hand_to_export([work])
+
+    def _fail_running(self, error: BaseException) -> None:
+        with self._lock:
+            works = list(self._running.values())
+            self._running.clear()
+        for work in works:
+            self._fail(work, error)
+
+    # ------------------------------------------------------------------ batched generate
+    def _generate_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._waiting and not self._stop:
+                    self._wake.wait(timeout=0.5)
+                if self._stop:
+                    return
+                first = self._waiting[0]
+                batch = [w for w in self._waiting if w.ar_input.group == first.ar_input.group][: self.max_batch]
+                for work in batch:
+                    self._waiting.remove(work)
+                    self._running[work.ar_input.request_id] = work
+            self._run_round(batch)
+
+    def _run_round(self, batch: list[_Work]) -> None:
+        start = time.perf_counter()
+        for work in batch:
+            work.started = start
+        try:
+            generated = self._generate(batch)
+        except Exception as exc:  # noqa: BLE001
+            if len(batch) == 1:
+                self._finish_round(batch)
+                self._fail(batch[0], RuntimeError(f"AR generation failed: {exc}"))
+                return
+            logger.warning("batched AR generation failed (%s); retrying %d requests alone", exc, len(batch))
+            for work in batch:
+                self._run_round([work])
+            return
+        end = time.perf_counter()
+        self.counters["rounds"] += 1
+        for work, tokens in zip(batch, generated):
+            work.generated, work.finished = tokens, end
+        self._finish_round(batch)
+        self._hand_to_export([w for w in batch if w.ar_input.request_id not in self._aborted])
+
+    def _generate(self, batch: list[_Work]) -> list[list[int]]:
+        with torch.inference_mode():
+            return self.model.generate([w.ar_input for w in batch])
+
+    def _finish_round(self, batch: list[_Work]) -> None:
+        with self._lock:
+            for work in batch:
+                self._running.pop(work.ar_input.request_id, None)
+
+    # ------------------------------------------------------------------ payloads
+    def _hand_to_export(self, works: list[_Work]) -> None:
+        with self._lock:
+            self._finished.extend(works)
+            self._wake.notify_all()
+
+    def _export_loop(self) -> None:
+        """Make and put the payloads of every request that finished generating, in one batch."""
+        while True:
+            with self._lock:
+                while not self._finished and not self._stop:
+                    self._wake.wait(timeout=0.5)
+                if self._stop:
+                    return
+                batch = [w for w in self._finished if w.ar_input.request_id not in self._aborted]
+                self._finished.clear()
+            if batch:
+                self._export(batch)
+
+    def _export(self, batch: list[_Work]) -> None:
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                products = self.model.products([w.ar_input for w in batch], [w.generated for w in batch])
+        except Exception as exc:  # noqa: BLE001 - retry alone to isolate the failing request
+            if len(batch) == 1:
+                self._fail(batch[0], RuntimeError(f"AR payload export failed: {exc}"))
+                return
+            for work in batch:
+                self._export([work])
+            return
+        for work, product in zip(batch, products):
+            request_id = work.ar_input.request_id
+            if isinstance(product, BaseException):
+                self._fail(work, RuntimeError(f"AR payload export failed: {product}"))
+                continue
+            try:
+                handle = self.connector.put(request_id, product.parts)
+            except Exception as exc:  # noqa: BLE001
+                self._fail(work, RuntimeError(f"putting the AR payload into the connector failed: {exc}"))
+                continue
+            with self._lock:
+                aborted = request_id in self._aborted
+                if not aborted:
+                    self._done_ids.add(request_id)
+            if aborted:  # aborted while exporting: never hand it on
+                self.connector.free(request_id)
+                continue
+            end = time.perf_counter()
+            done = ARDone(handle=handle, text=product.text, num_tokens=len(work.generated),
+                          queue_s=(work.started or work.submitted) - work.submitted,
+                          generate_s=(work.finished or end) - (work.started or work.submitted),
+                          export_s=end - start, nbytes=handle.nbytes)
+            self.counters["finished"] += 1
+            self.counters["tokens"] += done.num_tokens
+            self.counters["generate_s"] += done.generate_s
+            self.counters["export_s"] += done.export_s
+            if not work.future.set_running_or_notify_cancel():
+                self.connector.free(request_id)
+                continue
+            work.future.set_result(done)
+
+    def _fail(self, work: _Work, error: BaseException, aborted: bool = False) -> None:
+        self.counters["aborted" if aborted else "failed"] += 1
+        if not aborted:
+            logger.error("AR stage failed for %s: %s", work.ar_input.request_id, error)
+        if not work.future.done():
+            try:
+                work.future.set_exception(error)
+            except Exception:  # noqa: BLE001 - resolved meanwhile
+                pass
+
+
+__all__ = ["ARAbortedError", "ARDone", "ARStageRunner"]

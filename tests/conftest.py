@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from tiny_models import (  # noqa: E402
     build_tiny_flux,
     build_tiny_flux_kontext,
+    build_tiny_glm_image,
     build_tiny_qwen_image,
     build_tiny_qwen_image_edit,
     build_tiny_sd3,
@@ -42,6 +43,12 @@ def one_torch_thread():
 def tiny_sd3_dir(tmp_path_factory) -> Path:
     """A tiny SD3 folder without T5 (CLIP x2), 64x64 default, resolution factor 16."""
     return build_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_glm_image_dir(tmp_path_factory) -> Path:
+    """A tiny GLM-Image folder (AR stage writing 32-code prior tokens + DiT); sizes 32 x k."""
+    return build_tiny_glm_image(tmp_path_factory.mktemp("tiny_glm_image"))
 
 
 @pytest.fixture(scope="session")

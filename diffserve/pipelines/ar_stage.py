@@ -119,6 +119,11 @@ class ARStageModel(ABC):
                           **kwargs)
         return [cut_at_eos(row, config.eos_token_id)[: r.max_new_tokens] for r, row in zip(batch, out[:, longest:].tolist())]
 
+    def text(self, generated: list[int]) -> str | None:
+        """The user-facing text of generated tokens (streamed as they come), None when the AR
+        stage writes no text (image tokens). Default: None."""
+        return None
+
     @abstractmethod
     def products(self, batch: Sequence[ARInput], generated: Sequence[list[int]]) -> list[ARProduct | BaseException]:
         """Each request's payloads and text from its generated ids (one result or exception per

@@ -32,7 +32,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -82,6 +82,8 @@ class _Work:
     started: float | None = None
     generated: list[int] | None = None
     finished: float | None = None
+    on_delta: Callable[[str], None] | None = None
+    text_so_far: str = ""
 
 
 class ARStageRunner:
@@ -123,14 +125,20 @@ class ARStageRunner:
             thread.start()
 
     # ------------------------------------------------------------------ API
-    def submit(self, request_id: str, prompt: str, params: SamplingParams) -> "Future[ARDone]":
+    def submit(self, request_id: str, prompt: str, params: SamplingParams,
+               on_delta: Callable[[str], None] | None = None) -> "Future[ARDone]":
         """Queue a request's AR stage; returns its future (`ARDone`, or the request's own error).
+
+        Args:
+            on_delta: called (on a runner thread) with each new piece of the request's text as
+                it is generated: token by token with continuous batching, the whole text at the
+                end otherwise; the pieces add up to `ARDone.text`.
 
         Raises:
             InvalidRequestError: the prompt does not fit the LM (`ARStageModel.inputs`).
         """
         ar_input = self.model.inputs(request_id, prompt, params)
-        work = _Work(ar_input, Future(), time.perf_counter())
+        work = _Work(ar_input, Future(), time.perf_counter(), on_delta=on_delta)
         with self._lock:
             if self._stop:
                 raise RuntimeError("the AR stage is shut down")
@@ -144,7 +152,7 @@ class ARStageRunner:
                 self._wake.notify_all()
         if self.continuous_batching:
             added = self._manager.add_request(ar_input.prompt_ids, request_id=request_id,
-                                              max_new_tokens=ar_input.max_new_tokens)
+                                              max_new_tokens=ar_input.max_new_tokens, streaming=on_delta is not None)
             if added is None:
                 with self._lock:
                     self._running.pop(request_id, None)
@@ -249,6 +257,10 @@ class ARStageRunner:
                     return
                 continue
             if not result.is_finished():
+                with self._lock:
+                    work = self._running.get(result.request_id)
+                if work is not None and work.on_delta is not None and result.error is None:
+                    self._stream(work, list(result.generated_tokens))
                 continue
             with self._lock:
                 work = self._running.pop(result.request_id, None)
@@ -261,6 +273,18 @@ class ARStageRunner:
             work.generated = cut_at_eos(list(result.generated_tokens), eos)
             work.finished = time.perf_counter()
             self._hand_to_export([work])
+
+    def _stream(self, work: _Work, tokens: list[int]) -> None:
+        """Send the text `tokens` add to what `work` already streamed (the text is decoded
+        whole, so a token that completes a multi-byte character is sent with it)."""
+        text = self.model.text(tokens)
+        if text is None or not text.startswith(work.text_so_far) or len(text) == len(work.text_so_far):
+            return
+        delta, work.text_so_far = text[len(work.text_so_far):], text
+        try:
+            work.on_delta(delta)
+        except Exception:  # noqa: BLE001 - a consumer's bug must not stop the stage
+            logger.exception("AR text listener for %s raised", work.ar_input.request_id)
 
     def _fail_running(self, error: BaseException) -> None:
         with self._lock:
@@ -375,6 +399,15 @@ class ARStageRunner:
             if not work.future.set_running_or_notify_cancel():
                 self.connector.free(request_id)
                 continue
+            if work.on_delta is not None and product.text is not None and product.text != work.text_so_far:
+                if product.text.startswith(work.text_so_far):
+                    delta = product.text[len(work.text_so_far):]
+                else:  # pragma: no cover - the final text is not an extension of the streamed one
+                    delta = product.text
+                try:
+                    work.on_delta(delta)
+                except Exception:  # noqa: BLE001
+                    logger.exception("AR text listener for %s raised", request_id)
             work.future.set_result(done)
 
     def _fail(self, work: _Work, error: BaseException, aborted: bool = False) -> None:

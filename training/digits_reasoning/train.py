@@ -54,6 +54,17 @@ DEFAULT_WEIGHTS_DIR = REPO_ROOT / "diffserve" / "models" / "digits_reasoning" / 
 PACKAGE_MODEL_CARD = DEFAULT_WEIGHTS_DIR.parent / "MODEL_CARD.md"
 #: Sampling defaults shipped with the model (diffserve reads generation_config.json).
 GENERATION_DEFAULTS = {"num_inference_steps": 20, "guidance_scale": 4.0, "height": 8, "width": 8}
+#: The grammar as a markdown table (model card).
+PROMPT_TABLE = """`X`, `Y`: number words `zero` .. `nine` or digits `0` .. `9`; every answer is a single digit.
+
+| prompt | condition | answer |
+|---|---|---|
+| `X plus Y` | X + Y <= 9 | X + Y |
+| `X minus Y` | X >= Y | X - Y |
+| `the number after X` | X <= 8 | X + 1 |
+| `the number before X` | X >= 1 | X - 1 |
+| `half of X` | X even | X / 2 |
+| `twice X` | X <= 4 | 2 X |"""
 #: Longest answer the LM writes (answer word + EOS, with room to spare).
 MAX_NEW_TOKENS = 4
 
@@ -227,7 +238,7 @@ diffserve generate --model digits-reasoning "three plus four"
 
 ## Prompts
 
-{grammar.__doc__.split("Prompts (")[1].split("Each problem")[0].strip().replace("``", "`")}
+{PROMPT_TABLE}
 
 Prompts are lower-cased and split into words; other words become `<unk>`. {len(train)} prompts are
 trained, {len(held)} held out (`training/digits_reasoning/grammar.py`: each held-out prompt asks a

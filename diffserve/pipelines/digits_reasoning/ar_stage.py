@@ -99,6 +99,10 @@ class DigitsReasoningARStage(ARStageModel):
             self._negatives.move_to_end(key)
         return kv
 
+    def text(self, generated: list[int]) -> str:
+        """The answer: the generated tokens decoded without special tokens, stripped."""
+        return self.tokenizer.decode(generated, skip_special_tokens=True).strip()
+
     def products(self, batch: Sequence[ARInput], generated: Sequence[list[int]]) -> list[ARProduct | BaseException]:
         """One batched K/V export of every request's prompt and answer; negative branches from
         the LRU (see the module docstring)."""
@@ -110,8 +114,7 @@ class DigitsReasoningARStage(ARStageModel):
             negative_ids = (r.model_inputs or {}).get("negative_ids")
             if negative_ids is not None:
                 parts = {"negative": self._payload(self._negative(negative_ids), negative_ids), **parts}
-            text = self.tokenizer.decode(g, skip_special_tokens=True).strip()
-            out.append(ARProduct(parts, text=text, num_tokens=len(g)))
+            out.append(ARProduct(parts, text=self.text(list(g)), num_tokens=len(g)))
         return out
 
 

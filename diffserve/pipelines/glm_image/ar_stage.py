@@ -52,9 +52,9 @@ class GlmImageARStage(ARStageModel):
 
     def _chat(self, prompts: list[str], height: int, width: int) -> Any:
         messages = [[{"role": "user", "content": [{"type": "text", "text": p}]}] for p in prompts]
-        return self.processor.apply_chat_template(messages, tokenize=True, padding=len(prompts) > 1,
-                                                  target_h=height, target_w=width, return_dict=True,
-                                                  return_tensors="pt")
+        return self.processor.apply_chat_template(
+            messages, tokenize=True, return_dict=True,
+            processor_kwargs={"padding": len(prompts) > 1, "target_h": height, "target_w": width, "return_tensors": "pt"})
 
     def inputs(self, request_id: str, prompt: str, params: SamplingParams) -> ARInput:
         encoded = self._chat([prompt], params.height, params.width)

@@ -12,7 +12,6 @@ torchao's ``set_inductor_config`` is turned off: it changes inductor's process-w
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -21,24 +20,12 @@ from diffserve.errors import InvalidRequestError
 from diffserve.quantization.spec import METHODS
 
 
-class _DropMissingKernels(logging.Filter):
-    """Drops torchao's import-time ``Failed to load .../_C_cutlass_90a.so`` lines: its CUDA-only
-    kernel libraries cannot load on a machine without CUDA, which changes nothing for the
-    methods that run there."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.getMessage().startswith("Failed to load") and not torch.cuda.is_available())
-
-
 def import_torchao() -> Any:
-    """Import torchao (its missing-CUDA-kernel warnings dropped on CPU-only machines).
+    """Import torchao.
 
     Raises:
         InvalidRequestError: field ``quantization``: torchao is not installed.
     """
-    logger = logging.getLogger("torchao")
-    if not any(isinstance(f, _DropMissingKernels) for f in logger.filters):
-        logger.addFilter(_DropMissingKernels())
     try:
         import torchao
         import torchao.quantization  # noqa: F401

@@ -104,13 +104,14 @@ class ARStageRunner:
         self.connector = connector
         self.max_batch = max_batch
         self.continuous_batching = model.continuous_batching if continuous_batching is None else continuous_batching
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self._waiting: deque[_Work] = deque()
         self._running: dict[str, _Work] = {}
         self._finished: deque[_Work] = deque()
         self._aborted: set[str] = set()
-        self._done_ids: set[str] = set()
+        #: requests whose future is not resolved yet
+        self._inflight: set[str] = set()
         self._stop = False
         self.counters = {"requests": 0, "finished": 0, "failed": 0, "aborted": 0, "tokens": 0, "rounds": 0,
                          "generate_s": 0.0, "export_s": 0.0}
@@ -144,6 +145,7 @@ class ARStageRunner:
                 raise RuntimeError("the AR stage is shut down")
             self.counters["requests"] += 1
             self._aborted.discard(request_id)
+            self._inflight.add(request_id)
             if self.continuous_batching:
                 work.started = time.perf_counter()
                 self._running[request_id] = work
@@ -160,29 +162,39 @@ class ARStageRunner:
         return work.future
 
     def abort(self, request_id: str) -> None:
-        """Stop a request's AR stage wherever it is; its future fails with `ARAbortedError` (if
-        not resolved yet) and its payloads are freed."""
+        """Stop a request's AR stage wherever it is (waiting, generating, exporting); its future
+        fails with `ARAbortedError` (if not resolved yet) and its payloads are freed, now or
+        (while they are being exported) as soon as they are put."""
+        work, cancel = None, False
         with self._lock:
-            self._aborted.add(request_id)
-            work = next((w for w in self._waiting if w.ar_input.request_id == request_id), None)
-            if work is not None:
-                self._waiting.remove(work)
-            running = self._running.pop(request_id, None) if self.continuous_batching else None
-            work = work or running
-        if running is not None:
+            if request_id in self._inflight:
+                self._aborted.add(request_id)
+                work = next((w for w in self._waiting if w.ar_input.request_id == request_id), None)
+                if work is not None:
+                    self._waiting.remove(work)
+                elif request_id in self._running:  # generating
+                    work = self._running[request_id]
+                    if self.continuous_batching:
+                        del self._running[request_id]
+                        cancel = True
+                else:  # generated, waiting for its export (or being exported: `_export` checks)
+                    work = next((w for w in self._finished if w.ar_input.request_id == request_id), None)
+                    if work is not None:
+                        self._finished.remove(work)
+        if cancel:
             self._manager.cancel_request(request_id)
         if work is not None:
             self._fail(work, ARAbortedError(f"request {request_id!r} aborted during its AR stage"), aborted=True)
-        self.free([request_id])
+        self.connector.free(request_id)
 
     def free(self, request_ids: list[str]) -> None:
-        """Drop finished requests' payloads (idempotent)."""
+        """Drop requests' payloads (idempotent); a request still in its AR stage is aborted."""
         for request_id in request_ids:
+            with self._lock:
+                in_flight = request_id in self._inflight
+            if in_flight:
+                self.abort(request_id)
             self.connector.free(request_id)
-        with self._lock:
-            self._done_ids.difference_update(request_ids)
-            if len(self._aborted) > 4096:
-                self._aborted.clear()
 
     def stats(self) -> dict[str, Any]:
         """Counters (requests, finished, failed, aborted, tokens, generate rounds, seconds) and
@@ -380,45 +392,45 @@ class ARStageRunner:
             except Exception as exc:  # noqa: BLE001
                 self._fail(work, RuntimeError(f"putting the AR payload into the connector failed: {exc}"))
                 continue
-            with self._lock:
-                aborted = request_id in self._aborted
-                if not aborted:
-                    self._done_ids.add(request_id)
-            if aborted:  # aborted while exporting: never hand it on
-                self.connector.free(request_id)
-                continue
             end = time.perf_counter()
             done = ARDone(handle=handle, text=product.text, num_tokens=len(work.generated),
                           queue_s=(work.started or work.submitted) - work.submitted,
                           generate_s=(work.finished or end) - (work.started or work.submitted),
                           export_s=end - start, nbytes=handle.nbytes)
-            self.counters["finished"] += 1
-            self.counters["tokens"] += done.num_tokens
-            self.counters["generate_s"] += done.generate_s
-            self.counters["export_s"] += done.export_s
-            if not work.future.set_running_or_notify_cancel():
-                self.connector.free(request_id)
-                continue
             if work.on_delta is not None and product.text is not None and product.text != work.text_so_far:
-                if product.text.startswith(work.text_so_far):
-                    delta = product.text[len(work.text_so_far):]
-                else:  # pragma: no cover - the final text is not an extension of the streamed one
-                    delta = product.text
+                delta = product.text[len(work.text_so_far):] if product.text.startswith(work.text_so_far) \
+                    else product.text
                 try:
                     work.on_delta(delta)
                 except Exception:  # noqa: BLE001
                     logger.exception("AR text listener for %s raised", request_id)
-            work.future.set_result(done)
+            with self._lock:
+                delivered = request_id not in self._aborted and not work.future.done()
+                if delivered:
+                    work.future.set_result(done)
+                    self._inflight.discard(request_id)
+                    self.counters["finished"] += 1
+                    self.counters["tokens"] += done.num_tokens
+                    self.counters["generate_s"] += done.generate_s
+                    self.counters["export_s"] += done.export_s
+            if not delivered:  # aborted while exporting: never handed on
+                self.connector.free(request_id)
+                self._fail(work, ARAbortedError(f"request {request_id!r} aborted during its AR stage"), aborted=True)
 
     def _fail(self, work: _Work, error: BaseException, aborted: bool = False) -> None:
-        self.counters["aborted" if aborted else "failed"] += 1
-        if not aborted:
-            logger.error("AR stage failed for %s: %s", work.ar_input.request_id, error)
-        if not work.future.done():
+        """Resolve `work`'s future with `error` (once: later calls for the same work do nothing)."""
+        with self._lock:
+            if work.future.done():
+                return
             try:
                 work.future.set_exception(error)
             except Exception:  # noqa: BLE001 - resolved meanwhile
-                pass
+                return
+            self._inflight.discard(work.ar_input.request_id)
+            self._aborted.discard(work.ar_input.request_id)
+            self.counters["aborted" if aborted else "failed"] += 1
+        if not aborted:
+            logger.error("AR stage failed for %s: %s", work.ar_input.request_id, error)
 
 
 __all__ = ["ARAbortedError", "ARDone", "ARStageRunner"]

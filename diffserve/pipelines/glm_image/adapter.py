@@ -21,6 +21,7 @@ import torch
 from diffusers import GlmImagePipeline
 from diffusers.pipelines.glm_image.pipeline_glm_image import calculate_shift, retrieve_timesteps
 
+from diffserve.errors import InvalidRequestError
 from diffserve.pipelines.base import AdapterOptions, PipelineAdapter, RequestState, StepBatch, checked_pixels
 from diffserve.pipelines.diffusion_scheduler import batchable_sigmas, new_scheduler
 from diffserve.pipelines.generation_config import read_generation_config
@@ -85,6 +86,14 @@ class GlmImageAdapter(PipelineAdapter):
     def context_branches(self, params: SamplingParams) -> tuple[str, ...]:
         """The prior tokens (``"cond"``); the unconditional branch drops them, so needs no payload."""
         return ("cond",)
+
+    def check_params(self, params: SamplingParams, inputs) -> None:
+        """Text-to-image only; no negative prompt (GLM-Image's unconditional branch is fixed:
+        the glyphs of ``""`` and the prior tokens dropped, as in diffusers)."""
+        super().check_params(params, inputs)
+        if params.negative_prompt is not None:
+            raise InvalidRequestError("negative_prompt", params.negative_prompt,
+                                      "unset: GLM-Image's unconditional branch takes no negative prompt")
 
     def pad_keys(self) -> dict[str, tuple[str | None, float]]:
         return {"encoder_hidden_states": ("glyph_mask", 0.0)}

@@ -173,10 +173,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     engines = {}
     if "pipelined" in arms:
         engines["pipelined"] = DiffusionEngine(EngineConfig(model=str(folder), num_threads=args.threads,
-                                                            max_batch_size=args.concurrency))
+                                                            max_batch_size=2 * args.concurrency))
     if "pipelined_mp" in arms:
         engines["pipelined_mp"] = DiffusionEngine(EngineConfig(model=str(folder), num_threads=args.threads,
-                                                               max_batch_size=args.concurrency,
+                                                               max_batch_size=2 * args.concurrency,
                                                                executor="multiprocess"))
     prompts = workload(args.num_requests)
     warm = prompts[: args.concurrency]

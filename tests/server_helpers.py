@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import httpx
 import uvicorn
 
-from diffserve.entrypoints.openai.api_server import uvicorn_config
+from diffserve.entrypoints.openai.server import uvicorn_config
 from diffserve.entrypoints.openai.http_protocol import ConnectionLimits
 
 

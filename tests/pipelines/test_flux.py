@@ -234,7 +234,7 @@ def test_http_generation_with_flux_fields(tiny_flux_dev_dir, tiny_flux_dir):
     import httpx
     import openai
     from PIL import Image
-    from test_api_server import assert_openai_error, new_engine, serve
+    from server_helpers import assert_openai_error, new_engine, serve
 
     from diffserve.entrypoints.openai.app import create_app
 

@@ -26,14 +26,13 @@ import torch
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from diffserve import AsyncDiffusionEngine, EngineConfig
 from diffserve.entrypoints.openai.app import create_app
 from diffserve.entrypoints.openai.stores.image_store import ImageStore
 from diffserve.entrypoints.openai.ops.metrics import ServerMetrics
 from diffserve.entrypoints.openai.protocol import ImageGenerationRequest
 from diffserve.entrypoints.openai.services.images import ImageGenerationService
 from diffserve.core.errors import EngineOverloadedError
-from server_helpers import assert_openai_error, serve, wait_until
+from server_helpers import LONG_STEPS, assert_openai_error, new_engine, serve, wait_until
 
 torch.set_num_threads(1)
 
@@ -42,16 +41,6 @@ FAST = {"num_inference_steps": 2}
 
 
 # ------------------------------------------------------------------------------- helpers
-#: Steps of a request meant to still be running when the test acts on it (aborted long before
-#: the end: a step takes ~1 ms on the tiny model, so this leaves seconds of margin).
-LONG_STEPS = 20_000
-
-
-def new_engine(model_dir, **overrides) -> AsyncDiffusionEngine:
-    overrides.setdefault("max_num_inference_steps", LONG_STEPS)
-    return AsyncDiffusionEngine(EngineConfig(model=str(model_dir), num_threads=1, **overrides))
-
-
 def decode(b64: str) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"), dtype=np.int16)
 

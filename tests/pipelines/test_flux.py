@@ -187,13 +187,15 @@ def test_cache_dit_caches_both_block_lists_per_request(flux_dev_blocks, taylorse
 
 
 def test_cache_dit_needs_blocks_to_cache_in_each_list(tiny_flux_dir):
-    with pytest.raises(InvalidRequestError) as info:  # 1 double + 1 single block
-        _engine(tiny_flux_dir, "cache_dit", {"Fn_compute_blocks": 1})
+    with pytest.raises(InvalidRequestError) as info:  # 2 double + 2 single blocks
+        _engine(tiny_flux_dir, "cache_dit", {"Fn_compute_blocks": 2})
     assert info.value.field == "cache_config.Fn_compute_blocks"
 
 
-def test_regional_compile_without_recompiles(tiny_flux_dev_dir, tmp_path):
-    folder = shutil.copytree(tiny_flux_dev_dir, tmp_path / "flux")  # 1 block of each kind: fewer graphs
+def test_regional_compile_without_recompiles(tmp_path):
+    from tiny_models import build_tiny_flux
+
+    folder = build_tiny_flux(tmp_path / "flux", variant="dev")  # 1 block of each kind: fewer graphs
     (folder / "generation_config.json").write_text(json.dumps({"height": 32, "width": 32, "max_sequence_length": L}))
     engine = _engine(folder, compile=True, max_batch_size=2)  # warm-up at the default size, 1 and 2 rows
     eager = _engine(folder)

@@ -21,7 +21,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
-from diffserve.errors import EngineDeadError
+from diffserve.core.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from diffserve.connector.payload import Payload
-from diffserve.sampling_params import SamplingParams
+from diffserve.core.sampling_params import SamplingParams
 
 
 @dataclass

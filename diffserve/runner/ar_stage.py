@@ -39,7 +39,7 @@ import torch
 from diffserve.connector.base import Connector
 from diffserve.connector.handles import PayloadHandle
 from diffserve.pipelines.ar_stage import ARInput, ARProduct, ARStageModel, cut_at_eos
-from diffserve.sampling_params import SamplingParams
+from diffserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from diffserve.acceleration.accelerator import Accelerator
-from diffserve.acceleration.offload import weights_device
+from diffserve.memory.offload import weights_device
 from diffserve.config import EngineConfig
-from diffserve.errors import InvalidRequestError, NonFiniteOutputError
-from diffserve.executor.messages import (
+from diffserve.core.errors import InvalidRequestError, UnsupportedModelError, NonFiniteOutputError
+from diffserve.core.messages import (
     ChunkDone,
     ChunkWork,
     Decoded,
@@ -32,10 +32,10 @@ from diffserve.executor.messages import (
 )
 from diffserve.pipelines.base import PipelineAdapter, RequestState, is_finite
 from diffserve.runner.loader import load_adapter
-from diffserve.runner.memory import peak_memory_bytes
+from diffserve.memory.accounting import peak_memory_bytes
 from diffserve.runner.model_memory import ModelMemory
 from diffserve.runner.streaming import StreamState, assemble_video
-from diffserve.sampling_params import SamplingParams
+from diffserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,14 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         self.device = config.torch_device
         self.parallel = parallel
+        if adapter is None:
+            from diffserve.models.model_index import read_model_index
+            from diffserve.pipelines.registry import adapter_class, has_adapter
+
+            class_name = read_model_index(config.model_path).get("_class_name", "")
+            if has_adapter(class_name) and adapter_class(class_name).ar_stage_components:
+                raise UnsupportedModelError(f"{class_name} has an autoregressive stage before its DiT stage; the "
+                                            "engine does not run such stages yet (issue 25: being integrated)")
         self.adapter = adapter or load_adapter(config.model_path, self.device, config.torch_dtype,
                                                config.load_format,
                                                config.context_folding and config.ulysses_degree == 1,

@@ -22,7 +22,7 @@ Phases, under one wall-clock budget:
    {answer} <eos>`` exactly as served; with probability 0.1 the K/V of the empty negative
    prompt (``<bos> =``) instead, for classifier-free guidance. The DiT's own text stream is a
    constant token, so the K/V are its only conditioning. AdamW, EMA
-   (`diffserve.models.training.train_denoiser`).
+   (`training.common.train_denoiser`).
 
 The result is a `DigitsReasoningPipeline` folder (`DigitsReasoningPipeline.from_pretrained`).
 """
@@ -41,9 +41,9 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-from diffserve.models import training
+from training import common as training
 from diffserve.models.digits import DEFAULT_MODEL_PATH as DIGITS_MODEL_PATH
-from diffserve.models.digits import data as digits_data
+from training.digits import data as digits_data
 from diffserve.pipelines.ar_context import export_kv, prompt_input_ids
 from diffserve.pipelines.digits_reasoning.pipeline import DigitsReasoningPipeline, pad_contexts
 from training.digits_reasoning import grammar

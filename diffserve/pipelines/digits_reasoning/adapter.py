@@ -17,14 +17,14 @@ import torch
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 
-from diffserve.errors import InvalidRequestError
+from diffserve.core.errors import InvalidRequestError
 from diffserve.pipelines.base import AdapterOptions, PipelineAdapter, RequestState, StepBatch, checked_pixels
 from diffserve.pipelines.diffusion_scheduler import batchable_sigmas, new_scheduler
 from diffserve.pipelines.digits_reasoning.ar_stage import DigitsReasoningARStage, uses_cfg
 from diffserve.pipelines.digits_reasoning.pipeline import DigitsReasoningPipeline
 from diffserve.pipelines.generation_config import read_generation_config
 from diffserve.pipelines.text_encoding import repeat_rows
-from diffserve.sampling_params import ModelSpec, SamplingParams
+from diffserve.core.sampling_params import ModelSpec, SamplingParams
 
 #: DigitsReasoningPipeline.__call__ defaults.
 DEFAULT_NUM_INFERENCE_STEPS = 20

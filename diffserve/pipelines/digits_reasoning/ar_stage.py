@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from diffserve.connector.payload import Payload
-from diffserve.errors import InvalidRequestError
+from diffserve.core.errors import InvalidRequestError
 from diffserve.pipelines.ar_context import export_kv, prompt_input_ids
 from diffserve.pipelines.ar_stage import ARInput, ARProduct, ARStageModel
-from diffserve.sampling_params import SamplingParams
+from diffserve.core.sampling_params import SamplingParams
 
 #: Negative-prompt contexts kept (distinct negative prompts).
 _NEGATIVE_CACHE = 64

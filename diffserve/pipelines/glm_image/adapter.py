@@ -21,14 +21,14 @@ import torch
 from diffusers import GlmImagePipeline
 from diffusers.pipelines.glm_image.pipeline_glm_image import calculate_shift, retrieve_timesteps
 
-from diffserve.errors import InvalidRequestError
+from diffserve.core.errors import InvalidRequestError
 from diffserve.pipelines.base import AdapterOptions, PipelineAdapter, RequestState, StepBatch, checked_pixels
 from diffserve.pipelines.diffusion_scheduler import batchable_sigmas, new_scheduler
 from diffserve.pipelines.generation_config import read_generation_config
 from diffserve.pipelines.glm_image.ar_stage import GlmImageARStage
 from diffserve.pipelines.glm_image.glyph_attention import install_masked_glyph_attention
 from diffserve.pipelines.text_encoding import repeat_rows
-from diffserve.sampling_params import ModelSpec, SamplingParams
+from diffserve.core.sampling_params import ModelSpec, SamplingParams
 
 #: GlmImagePipeline.__call__ defaults.
 DEFAULT_NUM_INFERENCE_STEPS = 50

@@ -26,7 +26,7 @@ from diffusers import GlmImagePipeline
 
 from diffserve.connector.payload import Payload
 from diffserve.pipelines.ar_stage import ARInput, ARProduct, ARStageModel, generation_setup
-from diffserve.sampling_params import SamplingParams
+from diffserve.core.sampling_params import SamplingParams
 
 
 class GlmImageARStage(ARStageModel):

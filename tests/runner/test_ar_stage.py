@@ -119,3 +119,27 @@ def test_random_aborts_leave_no_payload(connector_name):
     s = connector.stats()
     assert outcomes["aborted"] > 20 and s.resident_requests == 0 and s.resident_bytes == 0, (outcomes, s)
     assert set(leaked_segments()) == before
+
+
+def test_payloads_under_continuous_batching_equal_a_solo_export():
+    """The K/V exported while transformers' continuous-batching loop keeps generating for other
+    requests equal the K/V of the same sequence exported alone (the loop is paused for each export:
+    without it a forward beside the loop came out wrong)."""
+    from diffserve.models import BUILTIN_MODELS
+    from diffserve.pipelines.ar_context import export_kv
+
+    stage = load_ar_stage(BUILTIN_MODELS["digits-reasoning"], torch.device("cpu"), torch.float32)
+    connector = InProcessConnector()
+    runner = ARStageRunner(stage, connector, max_batch=8)
+    prompts = ["three plus four", "twice 3", "the number before 9", "half of 8", "5 minus two", "0 plus 0"]
+    try:
+        futures = {}
+        for wave in range(4):
+            for k, prompt in enumerate(prompts):
+                futures[f"w{wave}-{k}"] = (prompt, runner.submit(f"w{wave}-{k}", prompt, SamplingParams(guidance_scale=1.0)))
+        for request_id, (prompt, future) in futures.items():
+            payload = connector.get(future.result(timeout=60).handle, ["cond"])["cond"]
+            [alone] = export_kv(stage.language_model, [payload.meta["token_ids"]], stage.tokenizer.pad_token_id)
+            torch.testing.assert_close(payload.tensors["kv"], alone, atol=1e-5, rtol=0)
+    finally:
+        runner.shutdown()

@@ -137,9 +137,9 @@ def test_payloads_under_continuous_batching_equal_a_solo_export():
         for wave in range(4):
             for k, prompt in enumerate(prompts):
                 futures[f"w{wave}-{k}"] = (prompt, runner.submit(f"w{wave}-{k}", prompt, SamplingParams(guidance_scale=1.0)))
-        for request_id, (prompt, future) in futures.items():
-            payload = connector.get(future.result(timeout=60).handle, ["cond"])["cond"]
-            [alone] = export_kv(stage.language_model, [payload.meta["token_ids"]], stage.tokenizer.pad_token_id)
-            torch.testing.assert_close(payload.tensors["kv"], alone, atol=1e-5, rtol=0)
+        payloads = [connector.get(future.result(timeout=60).handle, ["cond"])["cond"] for _, future in futures.values()]
     finally:
         runner.shutdown()
+    for payload in payloads:  # the loop is stopped: these exports run alone
+        [alone] = export_kv(stage.language_model, [payload.meta["token_ids"]], stage.tokenizer.pad_token_id)
+        torch.testing.assert_close(payload.tensors["kv"], alone, atol=1e-5, rtol=0)

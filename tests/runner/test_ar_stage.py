@@ -125,6 +125,8 @@ def test_payloads_under_continuous_batching_equal_a_solo_export():
     """The K/V exported while transformers' continuous-batching loop keeps generating for other
     requests equal the K/V of the same sequence exported alone (the loop is paused for each export:
     without it a forward beside the loop came out wrong)."""
+    import time
+
     from diffserve.models import BUILTIN_MODELS
     from diffserve.pipelines.ar_context import export_kv
 
@@ -132,13 +134,29 @@ def test_payloads_under_continuous_batching_equal_a_solo_export():
     connector = InProcessConnector()
     runner = ARStageRunner(stage, connector, max_batch=8)
     prompts = ["three plus four", "twice 3", "the number before 9", "half of 8", "5 minus two", "0 plus 0"]
+    stop = threading.Event()
+
+    def keep_generating() -> None:  # other requests keep the loop busy while the measured ones export
+        n = 0
+        while not stop.is_set():
+            filler = [runner.submit(f"f{n}-{k}", "twice 3", SamplingParams(guidance_scale=1.0)) for k in range(16)]
+            for future in filler:
+                future.result(timeout=60)
+            runner.free([f"f{n}-{k}" for k in range(16)])
+            n += 1
+
+    thread = threading.Thread(target=keep_generating)
+    thread.start()
     try:
-        futures = {}
+        futures = []
         for wave in range(4):
-            for k, prompt in enumerate(prompts):
-                futures[f"w{wave}-{k}"] = (prompt, runner.submit(f"w{wave}-{k}", prompt, SamplingParams(guidance_scale=1.0)))
-        payloads = [connector.get(future.result(timeout=60).handle, ["cond"])["cond"] for _, future in futures.values()]
+            for k, prompt in enumerate(prompts):  # one at a time: each exports while the loop runs the others
+                futures.append(runner.submit(f"w{wave}-{k}", prompt, SamplingParams(guidance_scale=1.0)))
+                time.sleep(0.003)
+        payloads = [connector.get(future.result(timeout=60).handle, ["cond"])["cond"] for future in futures]
     finally:
+        stop.set()
+        thread.join(timeout=60)
         runner.shutdown()
     for payload in payloads:  # the loop is stopped: these exports run alone
         [alone] = export_kv(stage.language_model, [payload.meta["token_ids"]], stage.tokenizer.pad_token_id)

@@ -18,6 +18,14 @@ video. `submit_interaction` changes the prompt of a running stream's following c
 interaction travels to the workers with the next chunk boundary (plain data, so every executor
 forwards it).
 
+Multi-stage models (`ModelInfo.ar_stage`: an autoregressive stage before the DiT, e.g. the
+built-in ``digits-reasoning``, GLM-Image): a request first goes through the AR stage
+(`diffserve.executor.ar_stage`, which batches the generation of all requests in it, beside the
+DiT steps), in phase ``AR_STAGE``; its text streams as ``ar_delta`` events. When its generation
+ends, it joins the waiting queue with the `PayloadHandle` of its payloads; at admission the
+workers start fetching them (`Executor.prefetch`), and its prepare receives them. Whenever it
+ends (finished, failed, aborted, in any stage) its payloads are freed in every stage.
+
 Memory: with ``EngineConfig.max_memory`` the request scheduler also admits by estimated
 memory (`diffserve.engine.memory_budget`); `sleep` / `wake_up` give the device's memory back
 between bursts (`diffserve.memory.sleep`, vLLM's levels 1 and 2).
@@ -45,8 +53,8 @@ from diffserve.engine.request import Phase, Request
 from diffserve.engine.scheduler import RequestScheduler
 from diffserve.engine.step_run import StepRun
 from diffserve.engine.sleep_mode import SleepMode
-from diffserve.core.errors import InteractionRefusedError, InvalidRequestError
-from diffserve.executor import Executor, InProcessExecutor, build_executor
+from diffserve.core.errors import EngineOverloadedError, InteractionRefusedError, InvalidRequestError
+from diffserve.executor import Executor, InProcessExecutor, build_ar_stage, build_executor
 from diffserve.core.messages import ChunkDone, ChunkWork, Decoded, Interaction, NewRequest, Prepared, WorkError
 from diffserve.core.inputs import make_inputs
 from diffserve.core.outputs import EventType, GenerationOutput, RequestStatus, StreamEvent
@@ -108,6 +116,9 @@ class DiffusionEngine(SleepMode):
         self._prepare_work: list[tuple[Future, list[str]]] = []
         self._decode_work: list[tuple[Future, list[str]]] = []
         self._chunk_work: list[tuple[Future, list[str]]] = []
+        #: multi-stage models: the AR stage client, and the requests in it (future of `ARDone`)
+        self.ar_stage = build_ar_stage(self.config, executor) if self.model_info.ar_stage else None
+        self._ar_work: list[tuple[Future, list[str]]] = []
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._seq = itertools.count()
         self._step_listeners: list[Callable[[int, int, float], None]] = []
@@ -169,6 +180,8 @@ class DiffusionEngine(SleepMode):
         resolved = params.resolve(spec, self.config.limits, self.config.default_seed)
         plan = self.executor.plan(resolved, inputs)
         memory_bytes = self.memory_budget.check(resolved, plan.rows) if self.memory_budget is not None else 0
+        if self.ar_stage is not None:
+            self.ar_stage.check(prompt, resolved)  # e.g. a prompt too long for the LM, before queueing
         request = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt=prompt,
@@ -189,9 +202,23 @@ class DiffusionEngine(SleepMode):
             self._check_awake()
             if request.request_id in self._requests:
                 raise InvalidRequestError("request_id", request.request_id, "unique among live requests")
-            self.scheduler.add(request)
+            if self.ar_stage is None:
+                self.scheduler.add(request)
+            else:  # the AR stage first: it joins the waiting queue when its generation ends
+                if len(self.scheduler.waiting) + len(self._ar_work) >= self.scheduler.max_waiting:
+                    raise EngineOverloadedError(f"waiting queue is full ({self.scheduler.max_waiting} requests, "
+                                                "the AR stage's included); retry later")
+                request.phase = Phase.AR_STAGE
             self._requests[request.request_id] = request
             self._emit([StreamEvent(request.request_id, EventType.QUEUED)])
+            if self.ar_stage is not None:
+                on_delta = None
+                if request.progress:
+                    def on_delta(text: str, request_id: str = request.request_id) -> None:
+                        with self._lock:
+                            self._emit([StreamEvent(request_id, EventType.AR_DELTA, text=text)])
+                future = self.ar_stage.submit(request.request_id, prompt, resolved, on_delta)
+                self._ar_work.append((future, [request.request_id]))
         return request.request_id
 
     def abort(self, request_id: str) -> bool:
@@ -203,8 +230,9 @@ class DiffusionEngine(SleepMode):
             request = self._requests.get(request_id)
             if request is None or request.status.is_final:
                 return False
-            if self.scheduler.remove_waiting(request_id) is not None:
-                # never started: free its queue slot now; the event goes out with the next step
+            if request.phase is Phase.AR_STAGE or self.scheduler.remove_waiting(request_id) is not None:
+                # never started (or still in the AR stage, which `_close` aborts): free its queue
+                # slot now; the event goes out with the next step
                 self._close(request, RequestStatus.ABORTED)
             else:
                 request.abort_requested = True
@@ -332,11 +360,15 @@ class DiffusionEngine(SleepMode):
 
     def stats(self) -> dict[str, Any]:
         """Executor counters (acceleration, non-finite outputs, workers alive, offload), plus
-        ``memory_budget`` (`MemoryBudget.stats`) with ``max_memory`` and ``sleep_level``."""
+        ``memory_budget`` (`MemoryBudget.stats`) with ``max_memory``, ``sleep_level``, and for
+        multi-stage models ``ar_stage`` (the AR stage's counters and its connector's accounting)
+        and ``payloads`` (the DiT side's receiver)."""
         stats = dict(self.executor.stats())
         if self.memory_budget is not None:
             stats["memory_budget"] = self.memory_budget.stats(self.scheduler.running_memory)
         stats["sleep_level"] = self._sleep_level
+        if self.ar_stage is not None:
+            stats["ar_stage"] = self.ar_stage.stats()
         return stats
 
     # ----------------------------------------------------------------------- one step
@@ -358,16 +390,19 @@ class DiffusionEngine(SleepMode):
             for request in admitted:
                 request.phase = Phase.PREPARING
                 request.status = RequestStatus.RUNNING
-                request.metrics.queue_s = time.perf_counter() - request.arrival_time
+                request.metrics.queue_s = time.perf_counter() - (request.ar_end_time or request.arrival_time)
                 self._emit([StreamEvent(request.request_id, EventType.STARTED, step=0, total=request.num_steps)])
         if admitted:
-            new = [NewRequest(r.request_id, r.prompt, r.params, r.inputs) for r in admitted]
+            for r in admitted:  # multi-stage: the payloads' fetch starts now, beside the running steps
+                if r.context is not None:
+                    self.executor.prefetch(r.request_id, r.context, r.params)
+            new = [NewRequest(r.request_id, r.prompt, r.params, r.inputs, context=r.context) for r in admitted]
             self._prepare_work.append((self.executor.submit_prepare(new), [r.request_id for r in admitted]))
         self._collect(block=False)
         with self._lock:
             self._apply_aborts()
             batch = self.scheduler.select_batch()
-        if not batch and (self._prepare_work or self._decode_work or self._chunk_work):
+        if not batch and (self._prepare_work or self._decode_work or self._chunk_work or self._ar_work):
             # nothing to step: wait for background work instead of spinning
             self._collect(block=True)
             with self._lock:
@@ -395,20 +430,23 @@ class DiffusionEngine(SleepMode):
         """Apply finished prepare/decode work; with `block`, wait (briefly) for at least one.
         A work item that raised as a whole (an executor fault, e.g. a dead worker) fails its
         requests."""
-        if not (self._prepare_work or self._decode_work or self._chunk_work):
+        if not (self._prepare_work or self._decode_work or self._chunk_work or self._ar_work):
             return
         if block:
-            wait([f for f, _ in self._prepare_work + self._decode_work + self._chunk_work], timeout=_WAIT_S,
-                 return_when=FIRST_COMPLETED)
-        for queue, apply in ((self._prepare_work, self._on_prepared), (self._decode_work, self._on_decoded),
-                             (self._chunk_work, self._on_chunk)):
+            wait([f for f, _ in self._prepare_work + self._decode_work + self._chunk_work + self._ar_work],
+                 timeout=_WAIT_S, return_when=FIRST_COMPLETED)
+        for queue, apply in ((self._ar_work, self._on_ar_done), (self._prepare_work, self._on_prepared),
+                             (self._decode_work, self._on_decoded), (self._chunk_work, self._on_chunk)):
             for item in [w for w in queue if w[0].done()]:
                 queue.remove(item)
                 future, ids = item
                 try:
                     results = future.result()
                 except Exception as exc:  # noqa: BLE001
-                    logger.exception("background work for %s failed", ids)
+                    if queue is self._ar_work:  # the request's own AR stage failed (or it was aborted there)
+                        logger.info("the AR stage of %s failed: %r", ids, exc)
+                    else:
+                        logger.exception("background work for %s failed", ids)
                     self._fail(ids, exc)
                     continue
                 apply(results)
@@ -422,6 +460,24 @@ class DiffusionEngine(SleepMode):
                     self.executor.free([request_id])
                     self._close(request, RequestStatus.FAILED, error=error)
 
+    def _on_ar_done(self, done) -> None:
+        """A request's AR stage finished (`diffserve.runner.ar_stage.ARDone`): it joins the
+        waiting queue with its payloads' handle (a request closed meanwhile drops them)."""
+        request_id = done.handle.request_id
+        with self._lock:
+            request = self._requests.get(request_id)
+            if request is None or request.phase is not Phase.AR_STAGE:
+                self.ar_stage.free([request_id])
+                return
+            request.context = done.handle
+            request.ar_text = done.text
+            request.ar_end_time = time.perf_counter()
+            m = request.metrics
+            m.ar_queue_s, m.ar_s, m.transfer_s, m.payload_bytes = done.queue_s, done.generate_s, done.export_s, \
+                done.nbytes
+            request.phase = Phase.WAITING
+            self.scheduler.add(request, bounded=False)  # counted against the bound when it arrived
+
     def _on_prepared(self, results: list[Prepared]) -> None:
         with self._lock:
             for result in results:
@@ -431,6 +487,8 @@ class DiffusionEngine(SleepMode):
                     continue
                 request.metrics.encode_s = result.seconds
                 request.metrics.offload_loads += result.offload_loads
+                request.metrics.payload_wait_s += result.payload_wait_s
+                request.metrics.transfer_s += result.payload_fetch_s
                 request.prompt_truncated = result.prompt_truncated
                 request.negative_prompt_truncated = result.negative_prompt_truncated
                 if result.error is not None:  # an abort asked meanwhile wins, as for decode and chunks
@@ -605,6 +663,12 @@ class DiffusionEngine(SleepMode):
         """Close a request: fill metrics, emit its final event, forget it (lock held)."""
         if request.phase is Phase.DENOISING:  # it may be stepping in the current run: book it first
             self._end_run()
+        if self.ar_stage is not None:  # its payloads go in every stage, wherever it ended
+            if request.phase is Phase.AR_STAGE:
+                self.ar_stage.abort(request.request_id)
+            self.ar_stage.free([request.request_id])
+            if request.context is not None:
+                self.executor.free([request.request_id])
         request.status = status
         request.phase = Phase.DONE
         m = request.metrics
@@ -632,6 +696,7 @@ class DiffusionEngine(SleepMode):
             error_type=error.type if isinstance(error, WorkError) else (
                 type(error).__name__ if error is not None else None),
             params=request.params,
+            ar_text=request.ar_text,
         )
         event_type = {RequestStatus.FINISHED: EventType.FINISHED, RequestStatus.FAILED: EventType.FAILED,
                       RequestStatus.ABORTED: EventType.ABORTED}[status]
@@ -770,6 +835,8 @@ class DiffusionEngine(SleepMode):
                     self._mail.wait(timeout=_WAIT_S)
 
     def shutdown(self) -> None:
-        """Stop the executor's background work."""
+        """Stop the executor's background work (and a multi-stage model's AR stage)."""
+        if self.ar_stage is not None:
+            self.ar_stage.shutdown()
         self.executor.shutdown()
 

@@ -42,6 +42,11 @@ class Executor(ABC):
     def submit_prepare(self, requests: list[NewRequest]) -> "Future[list[Prepared]]":
         """Prepare requests (encode, latents, scheduler)."""
 
+    def prefetch(self, request_id: str, handle: Any, params: SamplingParams) -> None:
+        """Multi-stage models: start fetching an ADMITTED request's AR-stage payloads (its
+        `diffserve.connector.PayloadHandle`) in the workers, beside the running steps; its
+        prepare then waits only for what is left (`diffserve.runner.payload_receiver`)."""
+
     @abstractmethod
     def step(self, request_ids: list[str]) -> StepOutput:
         """One denoising step for requests sharing a batch key."""

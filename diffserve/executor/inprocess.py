@@ -74,6 +74,9 @@ class InProcessExecutor(Executor):
     def submit_prepare(self, requests: list[NewRequest]) -> "Future[list[Prepared]]":
         return self._submit(self.runner.prepare, requests)
 
+    def prefetch(self, request_id: str, handle: Any, params: SamplingParams) -> None:
+        self.runner.prefetch(request_id, handle, params)
+
     def step(self, request_ids: list[str]) -> StepOutput:
         return self.runner.step(request_ids)
 
@@ -89,12 +92,15 @@ class InProcessExecutor(Executor):
 
     def stats(self) -> dict[str, Any]:
         """``acceleration`` (`ModelRunner.acceleration_stats`), ``nonfinite_outputs`` (requests
-        failed for NaN/inf), ``workers_alive`` (1) and ``offload`` (`ModelRunner.offload_stats`,
-        when the runner has one)."""
+        failed for NaN/inf), ``workers_alive`` (1), ``offload`` (`ModelRunner.offload_stats`,
+        when the runner has one) and ``payloads`` (multi-stage models: the DiT side's
+        `PayloadReceiver.stats`, with its connector's accounting)."""
         stats = {"acceleration": self.runner.acceleration_stats(),
                  "nonfinite_outputs": self.runner.nonfinite_count, "workers_alive": 1}
         if hasattr(self.runner, "offload_stats"):
             stats["offload"] = self.runner.offload_stats()
+        if getattr(self.runner, "receiver", None) is not None:
+            stats["payloads"] = self.runner.receiver.stats()
         return stats
 
     def memory_profile(self):

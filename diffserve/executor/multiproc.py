@@ -127,11 +127,15 @@ def _worker_main(config, rank: int, master_port: int, conn) -> None:  # pragma: 
             side.submit(run, message_id, chunk, *args)
         elif method == "free":
             runner.free(*args)
+        elif method == "prefetch":  # the fetch runs on the runner's receiver thread
+            runner.prefetch(*args)
         elif method == "plan":
             run(message_id, runner.plan, *args)
         elif method == "stats":
             run(message_id, lambda: {"acceleration": runner.acceleration_stats(),
-                                     "nonfinite_outputs": runner.nonfinite_count})
+                                     "nonfinite_outputs": runner.nonfinite_count,
+                                     **({"payloads": runner.receiver.stats()}
+                                        if getattr(runner, "receiver", None) is not None else {})})
         else:
             reply(message_id, False, ValueError(f"unknown work item {method!r}"))
     side.shutdown(wait=True)
@@ -287,14 +291,21 @@ class MultiprocExecutor(Executor):
     def submit_chunk(self, works: list[ChunkWork]) -> "Future[list[ChunkDone]]":
         return self._call("chunk", works)
 
-    def free(self, request_ids: list[str]) -> None:
+    def _tell(self, method: str, *args) -> None:
+        """Send every rank a work item that has no reply."""
         if self._dead is None:
             for conn, lock in zip(self._conns, self._send_locks):
                 try:
                     with lock:
-                        conn.send((None, "free", (request_ids,)))
+                        conn.send((None, method, args))
                 except (OSError, EOFError, BrokenPipeError):
                     pass
+
+    def prefetch(self, request_id: str, handle: Any, params: SamplingParams) -> None:
+        self._tell("prefetch", request_id, handle, params)
+
+    def free(self, request_ids: list[str]) -> None:
+        self._tell("free", request_ids)
 
     @property
     def dead(self) -> str | None:

@@ -172,6 +172,8 @@ class ModelRunner:
             except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
                 logger.exception("prepare failed for %s", new.request_id)
                 state.release()
+                if self.receiver is not None:
+                    self.receiver.release(new.request_id)
                 results.append(Prepared(new.request_id, error=WorkError.of(exc)))
                 continue
             self.states[new.request_id] = state

@@ -86,6 +86,10 @@ def test_a_failing_ar_stage_fails_only_its_request(engine, monkeypatch):
 
 
 def test_random_aborts_leave_no_payload(engine):
+    from diffserve.memory.accounting import release_host_memory, rss_bytes
+
+    release_host_memory()
+    rss_before = rss_bytes()
     rng = random.Random(0)
     problems = grammar.all_problems()
     ids = [engine.add_request(problems[k * 7 % len(problems)].prompt, params(k, steps=6)) for k in range(200)]
@@ -110,6 +114,9 @@ def test_random_aborts_leave_no_payload(engine):
     time.sleep(0.5)  # AR-side aborts resolve on the stage's threads
     assert resident(engine) == (0, 0)
     assert not engine.runner.states and engine.stats()["ar_stage"]["waiting"] == 0
+    release_host_memory()
+    growth = rss_bytes() - rss_before
+    assert growth < 64 * 2**20, f"RSS grew by {growth / 2**20:.1f} MiB"  # payloads are ~30 KB a request
 
 
 def test_own_process_and_shared_memory_give_the_same_images(engine):

@@ -1,4 +1,5 @@
-"""The request scheduler: which requests run in the next denoising step.
+"""`RequestQueues`: the request scheduler's policy: which requests are admitted and which run
+in the next denoising step (`diffserve.engine.scheduler.RequestScheduler` drives it).
 
 Two queues: `waiting` (added, not yet admitted) and `running` (admitted: being prepared,
 denoising or being decoded). Only denoising requests are stepped; preparing and denoising ones
@@ -34,8 +35,9 @@ from diffserve.engine.request import Phase, Request
 from diffserve.core.errors import EngineOverloadedError
 
 
-class RequestScheduler:
-    """Waiting/running queues and the per-step batch choice.
+class RequestQueues:
+    """Waiting/running queues, admission and the per-step batch choice (the fairness rule of
+    the module docstring).
 
     Args:
         max_batch_size: most transformer rows per step (and admitted at once).
@@ -58,7 +60,7 @@ class RequestScheduler:
 
     def changed(self) -> None:
         """Forget the last selected batch: a running request's phase or step key changed
-        (the engine calls this; admission and `finish` call it themselves)."""
+        (the request scheduler calls this; admission and `finish` call it themselves)."""
         self._batch = None
 
     @property

@@ -1,5 +1,6 @@
-"""Request scheduler and engine lifecycle: abort, error isolation, queue bound, fairness,
-execution modes, and the async engine's streaming and cancellation."""
+"""The engine on a tiny model: abort, error isolation, queue bound, execution modes, and the
+async engine's streaming and cancellation (the request scheduler alone, without a model:
+test_scheduler.py; its queue policy: test_queues.py)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,6 @@ from diffserve import (
     RequestStatus,
     SamplingParams,
 )
-from diffserve.engine.request import Phase, Request
-from diffserve.engine.scheduler import RequestScheduler
 
 TOL = 1e-4
 
@@ -38,122 +37,7 @@ def _run(engine):
     return finals
 
 
-# ------------------------------------------------------------------ request scheduler
-def _req(seq, key="a", rows=2):
-    return Request(request_id=str(seq), prompt="p", params=None, batch_key=key, rows=rows, seq=seq,
-                   arrival_time=0.0)
-
-
-def _admit(s: RequestScheduler) -> list[Request]:
-    """Admit, then mark the admitted requests prepared (what the engine does once their
-    prepare work comes back): only denoising requests are stepped."""
-    admitted = s.admit()
-    for r in admitted:
-        r.phase = Phase.DENOISING
-    s.changed()
-    return admitted
-
-
-def test_scheduler_steps_only_denoising_requests():
-    s = RequestScheduler(max_batch_size=6, max_waiting=10)
-    for i in range(3):
-        s.add(_req(i))
-    admitted = s.admit()
-    assert s.select_batch() == [] and s.running_rows == 6  # preparing: holds rows, not stepped
-    admitted[1].phase = Phase.DENOISING
-    admitted[2].phase = Phase.DECODING
-    s.changed()
-    assert s.select_batch() == [admitted[1]] and s.running_rows == 4  # decoding frees its rows
-
-
-def test_scheduler_batches_oldest_key_and_admits_fifo():
-    s = RequestScheduler(max_batch_size=6, max_waiting=10)
-    for i, key in enumerate("abaa"):
-        s.add(_req(i, key))
-    admitted = _admit(s)
-    assert [r.request_id for r in admitted] == ["0", "1", "2"]  # 6 rows: "3" must wait
-    assert [r.request_id for r in s.select_batch()] == ["0", "2"]  # oldest's key "a"
-    s.finish(admitted[0])
-    assert [r.request_id for r in _admit(s)] == ["3"]
-    assert [r.request_id for r in s.select_batch()] == ["1"]  # "b" is now the oldest running
-
-
-def test_scheduler_batches_by_step_key_too():
-    """A request's step key (e.g. Wan 2.2's expert) changes while it runs; only requests of
-    the oldest's (batch key, step key) share a step."""
-    s = RequestScheduler(max_batch_size=8, max_waiting=10)
-    for i in range(3):
-        s.add(_req(i))
-    r0, r1, r2 = _admit(s)
-    r1.step_key = 1
-    s.changed()
-    assert s.select_batch() == [r0, r2]
-    r0.step_key = 1  # the oldest crossed to the other expert
-    s.changed()
-    assert s.select_batch() == [r0, r1]
-
-
-def test_scheduler_reuses_its_batch_until_something_changes():
-    """An unchanged batch is returned as the same list (no per-request work per step); an
-    admission, a finish or `changed` (a phase or step key moved) makes it select again."""
-    s = RequestScheduler(max_batch_size=4, max_waiting=10)
-    for i in range(3):
-        s.add(_req(i))
-    r0, r1 = _admit(s)
-    batch = s.select_batch()
-    assert batch == [r0, r1] and s.select_batch() is batch
-    r1.phase = Phase.DECODING
-    assert s.select_batch() is batch  # not told: the engine calls `changed` after such a move
-    s.changed()
-    assert s.select_batch() == [r0]
-    s.finish(r1)
-    [r2] = _admit(s)
-    assert s.select_batch() == [r0, r2]
-    s.finish(r0)
-    assert s.select_batch() == [r2]
-
-
-def test_scheduler_queue_bound():
-    s = RequestScheduler(max_batch_size=2, max_waiting=2)
-    s.add(_req(0))
-    s.add(_req(1))
-    with pytest.raises(EngineOverloadedError):
-        s.add(_req(2))
-
-
-def test_no_request_starves_under_adversarial_arrivals():
-    """A lone key-"b" request arrives behind a steady stream of key-"a" requests that would
-    always form the bigger batch; it must still finish within a bounded number of steps."""
-    s = RequestScheduler(max_batch_size=8, max_waiting=1000)
-    steps_left, seq = {}, 0
-
-    def arrive(key):
-        nonlocal seq
-        r = _req(seq, key)
-        s.add(r)
-        steps_left[r.request_id] = 5
-        seq += 1
-        return r
-
-    for _ in range(4):
-        arrive("a")
-    victim = arrive("b")
-    done_at = None
-    for step in range(200):
-        for _ in range(2):
-            arrive("a")  # adversary: more "a" work every step
-        _admit(s)
-        for r in s.select_batch():
-            steps_left[r.request_id] -= 1
-            if steps_left[r.request_id] == 0:
-                s.finish(r)
-                if r is victim:
-                    done_at = step
-        if done_at is not None:
-            break
-    assert done_at is not None and done_at < 20
-
-
+# ------------------------------------------------------------------ batch size
 def test_big_request_runs_alone_when_it_exceeds_the_batch(engine):
     [out] = engine.generate("x", _p(1, steps=2, num_images_per_prompt=10))  # 20 rows > 16
     assert out.ok and out.metrics.batch_sizes == {20: 2}
@@ -166,19 +50,19 @@ def test_abort_waiting_and_running(engine):
     engine.step()
     engine.step()
     waiting_eng = engine  # same engine, a second request that is still waiting
-    engine.scheduler.max_batch_size = 2  # so the next one cannot be admitted
+    engine.scheduler.queues.max_batch_size = 2  # so the next one cannot be admitted
     try:
         waiting = waiting_eng.add_request("queued", _p(2))
         engine.step()
-        assert engine.scheduler.waiting and engine.scheduler.waiting[0].request_id == waiting
+        assert engine.queue_position(waiting) == 1
         assert engine.abort(waiting) and engine.abort(running)
         finals = _run(engine)
     finally:
-        engine.scheduler.max_batch_size = 16
+        engine.scheduler.queues.max_batch_size = 16
     assert finals[waiting].type is EventType.ABORTED and finals[running].type is EventType.ABORTED
     assert finals[running].output.status is RequestStatus.ABORTED
     assert finals[running].output.metrics.num_steps < 50
-    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.num_running == 0 and engine.num_waiting == 0
     assert not engine.abort(running)  # already done
     after = engine.generate("after", _p(5))[0]
     assert np.abs(after.images - reference).max() <= TOL
@@ -214,7 +98,7 @@ def test_failure_is_isolated_to_its_request(engine, monkeypatch, stage):
         assert np.abs(outs[2].images - solo[1]).max() <= TOL
     gc.collect()
     assert seen and all(ref() is None or ref().latents is None for ref in seen)
-    assert not engine.has_unfinished_requests() and not engine.scheduler.running
+    assert not engine.has_unfinished_requests() and engine.num_running == 0
 
 
 def test_batched_decode_failure_decodes_requests_alone(engine, monkeypatch):

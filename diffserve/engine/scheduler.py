@@ -21,7 +21,7 @@ when that work comes back). Every change is a `StreamEvent`, delivered to the re
 listener or kept for `take_events()`; the final one carries the `GenerationOutput`.
 
 The scheduler holds plain data only (tensors live in the workers) and needs no model: its
-tests drive it with fake runner outputs (``tests/engine/test_lifecycle.py``). It is not
+tests drive it with fake runner outputs (``tests/engine/test_scheduler.py``). It is not
 thread-safe: the engine calls it with its lock held.
 """
 

@@ -226,3 +226,18 @@ def test_dummy_weights(model, folder):
     height, width = model.request["height"], model.request["width"]
     assert media(out).shape[-3:] == (height, width, 3 if model.video else model.channels)
     engine.shutdown()
+
+
+@pytest.mark.parametrize("model", model_ids(), indirect=True)
+def test_long_prompts_are_truncated_and_flagged(model, served):
+    """A prompt (and a negative prompt) beyond the text encoders' token budget runs truncated
+    and the output says so (a family that never cuts its text never flags it); a short one is
+    not flagged."""
+    long = " ".join(["a very long prompt about a red apple on a wooden table"] * 60)
+    kwargs = {**model.guided, "negative_prompt": long, "num_inference_steps": 1 if model.one_step else 2}
+    short = "a red apple"  # (the built-in digits model's CLIP takes 10 tokens)
+    outs = served.generate([long, short], [model.params(**kwargs), model.params(**{**kwargs, "negative_prompt": "x"})],
+                           inputs=request_image(model))
+    flags = [(o.prompt_truncated, o.negative_prompt_truncated) for o in outs]
+    cut = model.cuts_text
+    assert flags == [(cut, cut), (False, False)], f"{model.id}: (prompt, negative) truncated flags {flags}"

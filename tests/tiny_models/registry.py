@@ -64,6 +64,8 @@ class TestModel:
             at most one uint8 level, tighter where measured so (the value's comment says so).
         forwards: denoiser forwards per request for N steps (PNDM runs N + 1).
         one_step: whether a 1-step request runs (Qwen-Image's ``shift_terminal`` schedules refuse it).
+        cuts_text: whether prompts beyond the text encoders' budget are cut (Qwen-Image-Edit keeps
+            the whole text, as diffusers' edit pipeline does).
         patch: a context manager every test of the family runs in (e.g. a smaller input area).
         input_size: (width, height) of the input images the tests send.
     """
@@ -87,6 +89,7 @@ class TestModel:
     parity_atol: float = 1 / 255
     forwards: Callable[[int], int] = lambda steps: steps
     one_step: bool = True
+    cuts_text: bool = True
     patch: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     input_size: tuple[int, int] = (64, 48)
 
@@ -240,7 +243,7 @@ MODELS: tuple[TestModel, ...] = (
         guided={"true_cfg_scale": 4.0, "negative_prompt": "blurry"}, unguided={},
         variations=_TRUE_CFG_VARIATIONS, backends={"teacache": True, "cache_dit": True},
         reference="QwenImageEditPipeline", reference_load=_qwen_edit_processor, patch=qwen_edit_small_area,
-        input_size=(56, 40), parity_atol=5e-4, one_step=False,
+        input_size=(56, 40), parity_atol=5e-4, one_step=False, cuts_text=False,
     ),
     TestModel(
         id="WanPipeline-2.1", pipeline="WanPipeline", build=build_tiny_wan,

@@ -1,8 +1,8 @@
 """StableDiffusionXLPipeline quirks: ``force_zeros_for_empty_prompt`` (zero negative embeddings
 without a negative prompt, or "" encoded when the folder says so) equal to diffusers, regional
-compile of the UNet's transformer blocks, defaults, CLI. (Parity with two text encoders and
+compile of the UNet's transformer blocks, defaults, dummy weights, CLI. (Parity with two text encoders and
 pooled + time-id micro-conditioning, nested added_cond_kwargs collated across requests, refusals,
-cache-backend refusals, dummy weights: tests/conformance/.)"""
+cache-backend refusals: tests/conformance/.)"""
 
 from __future__ import annotations
 
@@ -92,7 +92,10 @@ def test_spec_defaults(engine):
     assert (spec.default_num_inference_steps, spec.default_guidance_scale) == (50, 5.0)
 
 
-def test_cli(tiny_sdxl_dir, tmp_path, capsys):
+def test_dummy_weights_and_cli(tiny_sdxl_dir, tmp_path, capsys):
+    [out] = DiffusionEngine(EngineConfig(model=str(tiny_sdxl_dir), load_format="dummy")).generate(
+        "a cat", _p(1, steps=2, height=32, width=32))
+    assert out.ok and out.images.shape == (1, 32, 32, 3)
     rc = main(["generate", "--model", str(tiny_sdxl_dir), "--prompt", "a cat", "--steps", "2", "--size", "32x48",
                "--seed", "4", "-o", str(tmp_path)])
     assert rc == 0, capsys.readouterr().err

@@ -72,7 +72,7 @@ def _solo(engine, prompt, params, image):
 
 def test_input_size_is_diffusers_rule():
     image = _image(0, width=300, height=200)
-    assert qwen_image_edit.TARGET_AREA == QWEN_EDIT_TEST_AREA  # (patched here; the module's value is diffusers' constant)
+    assert qwen_image_edit.TARGET_AREA == QWEN_EDIT_TEST_AREA  # (patched; the module holds diffusers' constant)
     width, height, _ = REAL_CALCULATE_DIMENSIONS(1024 * 1024, 300 / 200)
     assert (width, height) == (1248, 832)
     with pytest.MonkeyPatch.context() as mp:

@@ -23,6 +23,7 @@ from diffserve.core.messages import (
     ChunkDone,
     ChunkWork,
     Decoded,
+    MemoryProfile,
     ModelInfo,
     NewRequest,
     Prepared,
@@ -32,6 +33,7 @@ from diffserve.core.messages import (
 )
 from diffserve.connector.handles import PayloadMissingError
 from diffserve.pipelines.base import PipelineAdapter, RequestState, is_finite
+from diffserve.runner.base import Runner
 from diffserve.runner.loader import load_adapter
 from diffserve.memory.accounting import peak_memory_bytes
 from diffserve.runner.model_memory import ModelMemory
@@ -41,7 +43,7 @@ from diffserve.core.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner:
+class ModelRunner(Runner):
     """Runs the pipeline adapter of one loaded model on one device.
 
     Args:
@@ -107,7 +109,11 @@ class ModelRunner:
     def prefetch(self, request_id: str, handle, params: SamplingParams) -> None:
         """Start fetching an admitted request's AR-stage payloads (the branches its DiT stage
         needs) on the receiver's side thread; `prepare` then waits only for what is left."""
-        self.receiver.prefetch(handle, self.adapter.context_branches(params))
+        if self.receiver is not None:
+            self.receiver.prefetch(handle, self.adapter.context_branches(params))
+
+    def payload_stats(self) -> dict[str, Any] | None:
+        return self.receiver.stats() if self.receiver is not None else None
 
     def plan(self, params: SamplingParams, inputs: Any = None) -> RequestPlan:
         """Rows and batch key of a request with resolved `params`, after the family's own
@@ -412,10 +418,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ memory
     def offload_stats(self) -> dict[str, Any]:
-        """See `ModelMemory.stats`."""
+        """Offload placement and counters (see `ModelMemory.stats`)."""
         return self.memory.stats()
 
-    def memory_profile(self):
+    def memory_profile(self) -> MemoryProfile:
         """The model's `MemoryProfile` (see `ModelMemory.profile`)."""
         return self.memory.profile(self.config.limits)
 

@@ -104,7 +104,7 @@ def test_random_aborts_leave_no_payload(engine):
         for _ in range(rng.randint(0, 6)):  # abort a few, wherever they are now
             if pending:
                 request_id = pending.pop()
-                request = engine._requests.get(request_id)
+                request = engine.scheduler.requests.get(request_id)
                 if request is not None:
                     phase = request.phase.value
                     aborted["running" if phase in ("preparing", "denoising", "decoding") else phase] += 1

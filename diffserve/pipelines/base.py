@@ -342,7 +342,9 @@ class PipelineAdapter(ABC):
     def text_branch(self, state: RequestState, text: str, **encode: Any) -> dict[str, Any]:
         """One branch's inputs for `text`: its encoding (`text.encode` with the request's
         ``max_sequence_length`` and `encode`'s keyword arguments) under `text_inputs`, repeated
-        for the request's images, plus the guidance's own inputs (embedded guidance)."""
+        for the request's images, plus the guidance's own inputs (embedded guidance). Also what
+        the runner asks for an interaction's new prompt in a stream (the conditional branch,
+        ``state.branches[-1]`` layout)."""
         p = state.params
         encoded = self.text.encode(text, p.max_sequence_length, **encode)
         branch = {name: repeat_rows(t, p.num_images_per_prompt) for name, t in zip(self.text_inputs, encoded)}
@@ -353,12 +355,6 @@ class PipelineAdapter(ABC):
         """`text_branch` of each guidance branch's text, negative first (``negative_prompt or
         ""``)."""
         return [self.text_branch(state, text, **encode) for text in self._branch_texts(state)]
-
-    def prompt_branch(self, state: RequestState, prompt: str) -> dict[str, Any]:
-        """The conditional branch's denoiser inputs (``state.branches[-1]`` layout) for
-        `prompt` with the request's other params (an interaction's new prompt in a stream):
-        `text_branch`."""
-        return self.text_branch(state, prompt)
 
     def set_schedule(self, state: RequestState, scheduler: Any, timesteps: torch.Tensor, begin: int = 0) -> None:
         """Give the request `scheduler` (its own, `diffusion_scheduler.new_scheduler`, after

@@ -272,13 +272,13 @@ def padding_mask(values: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def collate_branches(states: list["RequestState"], model_input: Callable[["RequestState"], torch.Tensor] | None,
-                     pad_keys: dict[str, tuple[str | None, float]], cache: BatchCache | None = None) -> StepBatch:
+                     padded_inputs: dict[str, tuple[str | None, float]], cache: BatchCache | None = None) -> StepBatch:
     """The default collation (see `PipelineAdapter.collate`).
 
     Args:
         states: requests sharing a batch key (same branch count and latent shape).
         model_input: a request's latent rows as the denoiser sees them; None = its latents.
-        pad_keys: per-branch keys of variable length (dim 1) -> (mask key or None, pad value);
+        padded_inputs: per-branch keys of variable length (dim 1) -> (mask key or None, pad value);
             a mask key receives the (B*N, L) bool `padding_mask` (None when nothing is padded).
         cache: the adapter's `BatchCache`; a batch of the same requests as the previous step
             reuses its inputs, latents and timestep tables.
@@ -298,7 +298,7 @@ def collate_branches(states: list["RequestState"], model_input: Callable[["Reque
         if branches:
             for key in states[0].branches[0]:
                 values = [s.branches[b][key] for b in range(branches) for s in states]
-                mask_key, pad_value = pad_keys.get(key, (None, None))
+                mask_key, pad_value = padded_inputs.get(key, (None, None))
                 inputs[key] = _concat(values, pad_value)
                 if mask_key is not None:
                     mask = padding_mask(values)

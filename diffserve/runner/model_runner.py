@@ -340,7 +340,7 @@ class ModelRunner:
                 self.free([request_id])
                 return ChunkDone(request_id, chunk_index=index, frames=new, video=video, event_ids=event_ids,
                                  seconds=time.perf_counter() - start)
-            interactions = [(i, self.adapter.prompt_branch(state, i.prompt)) for i in work.interactions]
+            interactions = [(i, self.adapter.text_branch(state, i.prompt)) for i in work.interactions]
             state.branches[-1] = stream.next_branch(state.branches[-1], interactions)
             self.adapter.start_chunk(state, frames)
             self.accelerator.reset(state)

@@ -148,3 +148,17 @@ def test_model_spec_overlays_the_folders_generation_config():
                       {"resolution_factor": 8}).default_guidance_scale is None
     with pytest.raises(KeyError):
         model_spec("P", {"height": 8, "width": 8, "num_inference_steps": 2, "eta": 0.0}, {}, {"resolution_factor": 8})
+
+
+def test_families_stay_within_the_contracts_size_targets():
+    """Issue 23's targets for the slim contract, counted by `contract_size`: a plain DiT family's
+    adapter is at most 100 lines of code, and Wan (streams, two experts, context folding)
+    overrides at most 6 of the contract's methods."""
+    from pathlib import Path
+
+    from tests.pipelines.contract_size import family_sizes
+
+    sizes = family_sizes(Path(__file__).resolve().parents[2])
+    assert sizes["flux"]["adapter"] <= 100 and sizes["qwen_image"]["adapter"] <= 100, \
+        {f: s["adapter"] for f, s in sizes.items()}
+    assert len(sizes["wan"]["hooks"]) <= 6, sizes["wan"]["hooks"]

@@ -29,14 +29,8 @@ import torch
 from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
-from diffserve.pipelines.base import (
-    CacheDiTSupport,
-    Capabilities,
-    PipelineAdapter,
-    RequestState,
-    StepBatch,
-    checked_pixels,
-)
+from diffserve.pipelines.base import PipelineAdapter, RequestState, StepBatch, checked_pixels
+from diffserve.pipelines.capabilities import CacheDiTSupport, Capabilities
 from diffserve.pipelines.diffusion_scheduler import new_scheduler
 from diffserve.pipelines.flux.teacache import TEACACHE
 from diffserve.pipelines.guidance import Guidance

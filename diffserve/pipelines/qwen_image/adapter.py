@@ -36,14 +36,8 @@ from diffusers import QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
 from diffserve.core.errors import UnsupportedModelError
-from diffserve.pipelines.base import (
-    CacheDiTSupport,
-    Capabilities,
-    PipelineAdapter,
-    RequestState,
-    StepBatch,
-    checked_pixels,
-)
+from diffserve.pipelines.base import PipelineAdapter, RequestState, StepBatch, checked_pixels
+from diffserve.pipelines.capabilities import CacheDiTSupport, Capabilities
 from diffserve.pipelines.diffusion_scheduler import new_scheduler
 from diffserve.pipelines.guidance import TRUE_CFG_NORM_RESCALED
 from diffserve.pipelines.qwen_image.teacache import TEACACHE

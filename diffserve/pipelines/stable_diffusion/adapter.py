@@ -37,14 +37,8 @@ from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retri
 from diffusers.utils.torch_utils import randn_tensor
 
 from diffserve.core.errors import UnsupportedModelError
-from diffserve.pipelines.base import (
-    AdapterOptions,
-    Capabilities,
-    PipelineAdapter,
-    RequestState,
-    StepBatch,
-    checked_pixels,
-)
+from diffserve.pipelines.base import PipelineAdapter, RequestState, StepBatch, checked_pixels
+from diffserve.pipelines.capabilities import AdapterOptions, Capabilities
 from diffserve.pipelines.diffusion_scheduler import PER_REQUEST, new_scheduler
 from diffserve.pipelines.text_encoding import TextEncoder
 

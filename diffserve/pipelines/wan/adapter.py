@@ -35,14 +35,8 @@ from diffusers import WanPipeline
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
 from diffserve.core.errors import UnsupportedModelError
-from diffserve.pipelines.base import (
-    CacheDiTSupport,
-    Capabilities,
-    PipelineAdapter,
-    RequestState,
-    StepBatch,
-    checked_pixels,
-)
+from diffserve.pipelines.base import PipelineAdapter, RequestState, StepBatch, checked_pixels
+from diffserve.pipelines.capabilities import CacheDiTSupport, Capabilities
 from diffserve.pipelines.diffusion_scheduler import new_scheduler
 from diffserve.pipelines.experts import ExpertRouting
 from diffserve.pipelines.text_encoding import TextEncoder

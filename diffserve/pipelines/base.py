@@ -110,6 +110,11 @@ class PipelineAdapter(ABC):
     #: sequence (edits: Kontext, Qwen-Image-Edit): collation appends them to ``hidden_states``
     #: and the forward's prediction for them is dropped. None: no reference.
     appended_latents: ClassVar[str | None] = None
+    #: Components of the model's AR stage (e.g. ``("language_model", "tokenizer")``): a folder
+    #: whose pipeline class lists some has an autoregressive stage before the DiT stage. The
+    #: AR stage is built from them by `build_ar_stage` and runs in its own runner
+    #: (`diffserve.runner.ar_stage`); the adapter is built without them. Empty: one stage.
+    ar_stage_components: ClassVar[tuple[str, ...]] = ()
     #: Whether requests may stream video chunks (``num_chunks``, `video_chunks`): the adapter
     #: implements `start_chunk`.
     chunk_streaming: ClassVar[bool] = False
@@ -212,6 +217,21 @@ class PipelineAdapter(ABC):
         ``default_sample_size`` x its VAE scale factor, as diffusers' ``__call__``."""
         side = self.pipe.default_sample_size * self.pipe.vae_scale_factor
         return side, side
+
+    @classmethod
+    def build_ar_stage(cls, components: dict[str, Any], device: torch.device, dtype: torch.dtype) -> Any:
+        """The model's AR stage (`diffserve.pipelines.ar_stage.ARStageModel`) from the loaded
+        `ar_stage_components` (moved to `device` here).
+
+        Raises:
+            NotImplementedError: a single-stage family.
+        """
+        raise NotImplementedError(f"{cls.pipeline_class_name} has no AR stage")
+
+    def context_branches(self, params: SamplingParams) -> tuple[str, ...]:
+        """The AR-stage payload branches a request needs (e.g. ``("negative", "cond")`` with
+        CFG); a request whose payloads lack one fails. Default: none (single stage)."""
+        return ()
 
     @property
     def denoiser(self) -> torch.nn.Module:

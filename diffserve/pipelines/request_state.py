@@ -41,6 +41,9 @@ class RequestState:
         chunk_condition: streams: the adapter's conditioning of the current chunk on the
             previous one (e.g. `video_chunks.ChunkCondition`), None for the first chunk and
             for ordinary requests; re-applied after every step.
+        context: multi-stage models: the payloads an earlier stage (the AR stage) produced for
+            this request, by guidance branch (`diffserve.connector.payload.Payload`), received
+            by the runner before `PipelineAdapter.prepare`; None for single-stage models.
     """
 
     request_id: str
@@ -62,6 +65,7 @@ class RequestState:
     negative_prompt_truncated: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     chunk_condition: Any = None
+    context: dict[str, Any] | None = None
 
     @property
     def num_steps(self) -> int:
@@ -93,6 +97,7 @@ class RequestState:
         self.extra = {}
         self.inputs = None
         self.chunk_condition = None
+        self.context = None
 
 
 __all__ = ["RequestState"]

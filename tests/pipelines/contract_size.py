@@ -19,7 +19,7 @@ from pathlib import Path
 FAMILIES = {"sd3": "StableDiffusion3Adapter", "flux": "FluxAdapter", "flux_kontext": "FluxKontextAdapter",
             "qwen_image": "QwenImageAdapter", "qwen_image_edit": "QwenImageEditAdapter",
             "stable_diffusion": "StableDiffusionAdapter", "stable_diffusion_xl": "StableDiffusionXLAdapter",
-            "wan": "WanAdapter"}
+            "wan": "WanAdapter", "glm_image": "GlmImageAdapter", "digits_reasoning": "DigitsReasoningAdapter"}
 
 
 def code_lines(path: Path) -> int:

@@ -50,7 +50,7 @@ from diffserve.pipelines.diffusion_scheduler import FLOW_MATCH_EULER, Stepping
 from diffserve.pipelines.generation_config import model_spec, read_generation_config
 from diffserve.pipelines.guidance import CFG, Guidance, uniform_or_rows
 from diffserve.pipelines.request_state import RequestState
-from diffserve.pipelines.row_data import forward_rows
+from diffserve.pipelines.row_data import NO_ROW_DATA, current_rows, forward_rows
 from diffserve.pipelines.step_batch import BatchCache, StepBatch, collate_branches
 from diffserve.pipelines.text_encoding import repeat_rows
 
@@ -421,8 +421,11 @@ class PipelineAdapter(ABC):
         kwargs = self.forward_inputs(batch)
         if self.expert_routing is not None:
             kwargs = {**kwargs, "expert": self.expert_routing.batch_expert(batch.states)}
-        with forward_rows(batch.row_data):
+        if batch.row_data is NO_ROW_DATA and current_rows() is NO_ROW_DATA:  # nothing per row: no context to set
             out = (call or self.call_denoiser)(batch, kwargs)
+        else:
+            with forward_rows(batch.row_data):
+                out = (call or self.call_denoiser)(batch, kwargs)
         if self.appended_latents is not None:
             out = out[:, : batch.latents.shape[1]]
         return out

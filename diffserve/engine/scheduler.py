@@ -45,7 +45,8 @@ from concurrent.futures import Future
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from diffserve.core.errors import EngineOverloadedError, InteractionRefusedError, InvalidRequestError
+from diffserve.core.errors import InteractionRefusedError, InvalidRequestError
+from diffserve.core.errors import EngineOverloadedError
 from diffserve.core.messages import (
     ChunkDone,
     ChunkWork,

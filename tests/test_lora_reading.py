@@ -1,0 +1,208 @@
+"""Reading LoRA files (`diffserve.lora.reading`): every family, diffusers and non-diffusers
+layouts, against what diffusers' own ``load_lora_weights`` puts into PEFT layers.
+
+Compared per module: the effective update ``scaling * B @ A`` (conv: ``B`` 1x1 times ``A``
+flattened), so ranks, alphas, rank patterns and the layouts' alpha conventions are all checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import (
+    FluxKontextPipeline,
+    FluxPipeline,
+    QwenImageEditPipeline,
+    QwenImagePipeline,
+    StableDiffusion3Pipeline,
+    StableDiffusionPipeline,
+    StableDiffusionXLPipeline,
+    WanPipeline,
+)
+from safetensors.torch import save_file
+from tiny_models.loras import (
+    diffusers_reference,
+    random_lora,
+    save_diffusers_lora,
+    save_file_lora,
+    to_diffusion_model,
+    to_kohya_flux,
+    to_kohya_unet,
+    to_musubi_wan,
+)
+
+from diffserve.lora.reading import LoraFileError, read_lora
+
+ATTN = ("to_q", "to_k", "to_v", "to_out.0")
+CLIP = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+
+
+@dataclass
+class Family:
+    fixture: str
+    pipe_cls: type
+    denoiser: str
+    targets: tuple[str, ...]
+    text_encoders: tuple[str, ...] = ()
+    conv: bool = False
+    layout: str | None = None  # the non-diffusers layout tested
+    skip: tuple[str, ...] = ()  # module-name patterns left out of the adapter
+
+    def load(self, folder: Path):
+        kwargs = {}
+        if self.pipe_cls is StableDiffusion3Pipeline:
+            kwargs = {"text_encoder_3": None, "tokenizer_3": None}
+        if self.pipe_cls is QwenImageEditPipeline:
+            from diffserve.pipelines.qwen_image_edit import load_qwen2vl_processor
+
+            kwargs = {"processor": load_qwen2vl_processor(folder / "processor")}
+        pipe = self.pipe_cls.from_pretrained(folder, **kwargs)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+
+FLUX_TARGETS = ATTN + ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "proj_out", "ff.net.0.proj",
+                       "ff.net.2", "ff_context.net.2")
+#: kohya Flux files fuse the single blocks' q/k/v/MLP-in as FLUX.1-sized slices (see to_kohya_flux)
+FLUX_SKIP = (r"single_transformer_blocks\.\d+\.attn\.", r"^proj_out$")
+FAMILIES = {
+    "sd3": Family("tiny_sd3_dir", StableDiffusion3Pipeline, "transformer", ATTN + ("ff.net.2",),
+                  ("text_encoder", "text_encoder_2")),
+    "flux": Family("tiny_flux_dir", FluxPipeline, "transformer", FLUX_TARGETS, ("text_encoder",), layout="kohya",
+                   skip=FLUX_SKIP),
+    "flux_kontext": Family("tiny_flux_kontext_dir", FluxKontextPipeline, "transformer", FLUX_TARGETS, layout="kohya",
+                           skip=FLUX_SKIP),
+    "sd15": Family("tiny_sd15_dir", StableDiffusionPipeline, "unet",
+                   ATTN + ("ff.net.0.proj", "ff.net.2", "proj_in", "proj_out", "conv1", "conv2", "time_emb_proj"),
+                   ("text_encoder",), conv=True, layout="kohya"),
+    "sdxl": Family("tiny_sdxl_dir", StableDiffusionXLPipeline, "unet", ATTN + ("ff.net.2",),
+                   ("text_encoder", "text_encoder_2"), layout="kohya"),
+    "qwen_image": Family("tiny_qwen_image_dir", QwenImagePipeline, "transformer",
+                         ATTN + ("add_q_proj", "add_v_proj", "to_add_out"), layout="diffusion_model"),
+    "qwen_image_edit": Family("tiny_qwen_image_edit_dir", QwenImageEditPipeline, "transformer", ATTN,
+                              layout="diffusion_model"),
+    "wan": Family("tiny_wan_dir", WanPipeline, "transformer", ATTN + ("ffn.net.0.proj", "ffn.net.2"), layout="musubi"),
+}
+
+
+def make_parts(family: Family, pipe, seed: int) -> dict:
+    parts = {family.denoiser: (random_lora(getattr(pipe, family.denoiser), family.targets, 3, seed, conv=family.conv,
+                                           skip=family.skip), 3, 6.0)}
+    for i, te in enumerate(family.text_encoders):
+        parts[te] = (random_lora(getattr(pipe, te), CLIP, 2, seed + 10 + i), 2, 1.0)
+    return parts
+
+
+def non_diffusers(family: Family, pipe, parts: dict) -> dict[str, torch.Tensor]:
+    if family.layout == "kohya" and family.denoiser == "unet":
+        return to_kohya_unet(parts)
+    if family.layout == "kohya":
+        return to_kohya_flux(parts, len(pipe.transformer.transformer_blocks),
+                             len(pipe.transformer.single_transformer_blocks))
+    if family.layout == "musubi":
+        return to_musubi_wan(parts, len(pipe.transformer.blocks))
+    return to_diffusion_model(parts)
+
+
+def delta(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The effective weight update (out, in * prod(kernel))."""
+    return scaling * (b.reshape(b.shape[0], -1) @ a.reshape(a.shape[0], -1))
+
+
+def peft_deltas(pipe, component: str, name: str) -> dict[str, torch.Tensor]:
+    from peft.tuners.lora import LoraLayer
+
+    out = {}
+    for path, layer in getattr(pipe, component).named_modules():
+        if isinstance(layer, LoraLayer) and name in layer.lora_A:
+            out[path] = delta(layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name])
+    return out
+
+
+@pytest.mark.parametrize("key", list(FAMILIES))
+def test_read_matches_diffusers(key, request, tmp_path):
+    family = FAMILIES[key]
+    folder = request.getfixturevalue(family.fixture)
+    pipe = family.load(folder)
+    parts = make_parts(family, pipe, seed=1)
+    saved = save_diffusers_lora(family.pipe_cls, tmp_path / "diffusers", parts)
+    adapter = read_lora(saved, pipe, "a")
+    assert adapter.format == "diffusers"
+    assert set(adapter.components) == {family.denoiser, *family.text_encoders}
+
+    reference = diffusers_reference(family.load(folder), {"a": saved}, {"a": 1.0})
+    for component, modules in adapter.modules.items():
+        expected = peft_deltas(reference, component, "a")
+        assert set(expected) == set(modules), component
+        for path, m in modules.items():
+            torch.testing.assert_close(delta(m.a, m.b, m.scaling), expected[path], rtol=1e-5, atol=1e-6)
+
+    if family.layout is not None:  # the same adapter in the layout people ship gives the same updates
+        other = read_lora(save_file_lora(non_diffusers(family, pipe, parts), tmp_path / "other.safetensors"), pipe, "b")
+        assert other.format != "diffusers"
+        for component, modules in adapter.modules.items():
+            got = other.modules[component]
+            assert set(got) == set(modules), component
+            for path, m in modules.items():
+                g = got[path]
+                torch.testing.assert_close(delta(g.a, g.b, g.scaling), delta(m.a, m.b, m.scaling),
+                                           rtol=1e-5, atol=1e-6)
+
+
+def test_peft_folder(tiny_sd3_dir, tmp_path):
+    """A PEFT ``save_pretrained`` folder (``adapter_model.safetensors`` + ``adapter_config.json``
+    with lora_alpha != r) reads with PEFT's scaling."""
+    import json
+
+    family = FAMILIES["sd3"]
+    pipe = family.load(tiny_sd3_dir)
+    state_dict = random_lora(pipe.transformer, ATTN, 4, seed=3)
+    folder = tmp_path / "peft"
+    folder.mkdir()
+    save_file({f"base_model.model.{k}": v for k, v in state_dict.items()}, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 2, "target_modules": list(ATTN), "use_rslora": True}))
+    adapter = read_lora(folder, pipe, "p")
+    assert adapter.format == "peft"
+    path = "transformer_blocks.0.attn.to_q"
+    m = adapter.modules["transformer"][path]
+    assert m.scaling == pytest.approx(2 / 4 ** 0.5)  # rsLoRA: alpha / sqrt(r)
+    torch.testing.assert_close(m.a, state_dict[f"{path}.lora_A.weight"])
+
+
+def test_refusals(tiny_sd3_dir, tiny_sd15_dir, tmp_path):
+    """Files that do not (fully) match the model, or hold kinds per-row math cannot add, are
+    refused naming ``path`` with counts and examples."""
+    sd3 = FAMILIES["sd3"].load(tiny_sd3_dir)
+    sd15 = FAMILIES["sd15"].load(tiny_sd15_dir)
+    sd15_parts = make_parts(FAMILIES["sd15"], sd15, seed=2)
+    sd15_file = save_diffusers_lora(StableDiffusionPipeline, tmp_path / "sd15", sd15_parts)
+    with pytest.raises(LoraFileError) as info:  # an SD 1.5 LoRA on an SD3 model: nothing matches
+        read_lora(sd15_file, sd3, "x")
+    assert info.value.field == "path" and "0 of" in str(info.value) and "unmatched" in str(info.value)
+
+    partial = random_lora(sd3.transformer, ATTN, 4, seed=4)
+    partial["transformer_blocks.0.attn.to_nowhere.lora_A.weight"] = torch.zeros(4, 32)
+    partial["transformer_blocks.0.attn.to_nowhere.lora_B.weight"] = torch.zeros(32, 4)
+    path = save_diffusers_lora(StableDiffusion3Pipeline, tmp_path / "partial", {"transformer": (partial, 4, 4.0)})
+    with pytest.raises(LoraFileError, match=r"of \d+ LoRA modules matched, 1 unmatched .*to_nowhere"):
+        read_lora(path, sd3, "x")
+
+    kohya_sd3 = {"lora_unet_joint_blocks_0_x_block_attn_qkv.lora_down.weight": torch.zeros(4, 96),
+                 "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_up.weight": torch.zeros(288, 4)}
+    with pytest.raises(LoraFileError, match="0 of 1 LoRA modules matched"):  # diffusers has no SD3 kohya converter
+        read_lora(save_file_lora(kohya_sd3, tmp_path / "kohya_sd3.safetensors"), sd3, "x")
+
+    dora = to_kohya_unet(sd15_parts)
+    dora["lora_unet_down_blocks_0_attentions_0_proj_in.dora_scale"] = torch.ones(1, 32)
+    with pytest.raises(LoraFileError, match="DoRA"):
+        read_lora(save_file_lora(dora, tmp_path / "dora.safetensors"), sd15, "x")
+    with pytest.raises(LoraFileError, match="existing"):
+        read_lora(tmp_path / "missing.safetensors", sd15, "x")
+    pickle = tmp_path / "x.bin"
+    pickle.write_bytes(b"0")
+    with pytest.raises(LoraFileError, match="pickle"):
+        read_lora(pickle, sd15, "x")

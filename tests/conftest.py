@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny random-weight pipeline folders built offline (one per family, built once
-per session), and one engine on the tiny SD3 folder."""
+"""Shared fixtures: tiny random-weight pipeline folders built offline (the registry's,
+``tests/tiny_models/registry.py``, each built once per session), and one engine on the tiny SD3
+folder."""
 
 from __future__ import annotations
 
@@ -13,17 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 #: benchmarks/ is not a package: tests import its scripts (``quality``, ``quality_video``, ...) as modules.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from tiny_models import (  # noqa: E402
-    build_tiny_flux,
-    build_tiny_flux_kontext,
-    build_tiny_qwen_image,
-    build_tiny_qwen_image_edit,
-    build_tiny_sd3,
-    build_tiny_sd15,
-    build_tiny_sdxl,
-    build_tiny_wan,
-    build_tiny_wan22,
-)
+from tiny_models import build_tiny_sd3  # noqa: E402
+from tiny_models.registry import BY_ID  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -39,9 +31,25 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="session")
-def tiny_sd3_dir(tmp_path_factory) -> Path:
+def tiny_folder(tmp_path_factory):
+    """``tiny_folder(model_id) -> Path``: the folder of a registry model
+    (``tests/tiny_models/registry.py``), built on first use and shared by the whole session."""
+    built: dict[str, Path] = {}
+
+    def get(model_id: str) -> Path:
+        if model_id not in built:
+            model = BY_ID[model_id]
+            root = None if model.builtin else tmp_path_factory.mktemp(model_id.replace(".", "_"))
+            built[model_id] = model.folder(root)
+        return built[model_id]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_dir(tiny_folder) -> Path:
     """A tiny SD3 folder without T5 (CLIP x2), 64x64 default, resolution factor 16."""
-    return build_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3"))
+    return tiny_folder("StableDiffusion3Pipeline")
 
 
 @pytest.fixture(scope="session")
@@ -64,58 +72,58 @@ def sync_engine(tiny_sd3_dir, engine):
 
 
 @pytest.fixture(scope="session")
-def tiny_flux_dir(tmp_path_factory) -> Path:
+def tiny_flux_dir(tiny_folder) -> Path:
     """A tiny FLUX.1-schnell-like folder (``FluxPipeline``, no guidance embedding, shift 1)."""
-    return build_tiny_flux(tmp_path_factory.mktemp("tiny_flux"), variant="schnell")
+    return tiny_folder("FluxPipeline-schnell")
 
 
 @pytest.fixture(scope="session")
-def tiny_flux_dev_dir(tmp_path_factory) -> Path:
+def tiny_flux_dev_dir(tiny_folder) -> Path:
     """A tiny FLUX.1-dev-like folder (``FluxPipeline``, guidance embedding, dynamic shifting)."""
-    return build_tiny_flux(tmp_path_factory.mktemp("tiny_flux_dev"), variant="dev")
+    return tiny_folder("FluxPipeline-dev")
 
 
 @pytest.fixture(scope="session")
-def tiny_flux_kontext_dir(tmp_path_factory) -> Path:
+def tiny_flux_kontext_dir(tiny_folder) -> Path:
     """A tiny ``FluxKontextPipeline`` folder (Flux-dev components)."""
-    return build_tiny_flux_kontext(tmp_path_factory.mktemp("tiny_flux_kontext"))
+    return tiny_folder("FluxKontextPipeline")
 
 
 @pytest.fixture(scope="session")
-def tiny_sd15_dir(tmp_path_factory) -> Path:
+def tiny_sd15_dir(tiny_folder) -> Path:
     """A tiny SD 1.5-layout ``StableDiffusionPipeline`` folder (PNDM, epsilon), 64x64 default."""
-    return build_tiny_sd15(tmp_path_factory.mktemp("tiny_sd15"))
+    return tiny_folder("StableDiffusionPipeline")
 
 
 @pytest.fixture(scope="session")
-def tiny_sdxl_dir(tmp_path_factory) -> Path:
+def tiny_sdxl_dir(tiny_folder) -> Path:
     """A tiny SDXL-base-layout ``StableDiffusionXLPipeline`` folder, 64x64 default."""
-    return build_tiny_sdxl(tmp_path_factory.mktemp("tiny_sdxl"))
+    return tiny_folder("StableDiffusionXLPipeline")
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen_image_dir(tmp_path_factory) -> Path:
+def tiny_qwen_image_dir(tiny_folder) -> Path:
     """A tiny ``QwenImagePipeline`` folder (Qwen2.5-VL text encoder, Qwen-Image VAE)."""
-    return build_tiny_qwen_image(tmp_path_factory.mktemp("tiny_qwen_image"))
+    return tiny_folder("QwenImagePipeline")
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen_image_edit_dir(tmp_path_factory) -> Path:
+def tiny_qwen_image_edit_dir(tiny_folder) -> Path:
     """A tiny ``QwenImageEditPipeline`` folder; load it with
     ``from_pretrained(dir, processor=tiny_models.load_qwen2vl_processor(dir / "processor"))``."""
-    return build_tiny_qwen_image_edit(tmp_path_factory.mktemp("tiny_qwen_image_edit"))
+    return tiny_folder("QwenImageEditPipeline")
 
 
 @pytest.fixture(scope="session")
-def tiny_wan_dir(tmp_path_factory) -> Path:
+def tiny_wan_dir(tiny_folder) -> Path:
     """A tiny Wan 2.1 T2V ``WanPipeline`` folder (4x temporal, 8x spatial VAE)."""
-    return build_tiny_wan(tmp_path_factory.mktemp("tiny_wan"))
+    return tiny_folder("WanPipeline-2.1")
 
 
 @pytest.fixture(scope="session")
-def tiny_wan22_dir(tmp_path_factory) -> Path:
+def tiny_wan22_dir(tiny_folder) -> Path:
     """A tiny Wan 2.2 two-expert ``WanPipeline`` folder (``transformer_2``, ``boundary_ratio`` 0.875)."""
-    return build_tiny_wan22(tmp_path_factory.mktemp("tiny_wan22"))
+    return tiny_folder("WanPipeline-2.2")
 
 
 @pytest.fixture(scope="session")

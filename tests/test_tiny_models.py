@@ -26,18 +26,8 @@ from diffusers import (
 )
 from PIL import Image
 
-from tiny_models import (
-    build_tiny_flux,
-    build_tiny_flux_kontext,
-    build_tiny_qwen_image,
-    build_tiny_qwen_image_edit,
-    build_tiny_sd3,
-    build_tiny_sd15,
-    build_tiny_sdxl,
-    build_tiny_wan,
-    build_tiny_wan22,
-    load_qwen2vl_processor,
-)
+from tiny_models import build_tiny_sd15, load_qwen2vl_processor
+from tiny_models.registry import MODELS
 from tiny_models.stable_diffusion import SCHEDULERS
 
 MAX_FOLDER_BYTES = 5 * 1024 * 1024
@@ -179,27 +169,17 @@ def test_wan22_switches_expert_at_boundary(tiny_wan22_dir):
     assert (len(high_noise), len(low_noise)) == (2, 2)  # one step each, cond + uncond
 
 
-BUILDERS = {
-    "tiny_sd3_dir": build_tiny_sd3,
-    "tiny_flux_dir": lambda out: build_tiny_flux(out, variant="schnell"),
-    "tiny_flux_dev_dir": lambda out: build_tiny_flux(out, variant="dev"),
-    "tiny_flux_kontext_dir": build_tiny_flux_kontext,
-    "tiny_sd15_dir": build_tiny_sd15,
-    "tiny_sdxl_dir": build_tiny_sdxl,
-    "tiny_qwen_image_dir": build_tiny_qwen_image,
-    "tiny_qwen_image_edit_dir": build_tiny_qwen_image_edit,
-    "tiny_wan_dir": build_tiny_wan,
-    "tiny_wan22_dir": build_tiny_wan22,
-}
+#: The registry's built folders (tests/tiny_models/registry.py), by model id.
+BUILT = {model.id: model for model in MODELS if model.build is not None}
 
 
-@pytest.mark.parametrize("fixture", sorted(BUILDERS))
-def test_builders_are_small_and_seeded(request, tmp_path, fixture):
+@pytest.mark.parametrize("model_id", sorted(BUILT))
+def test_builders_are_small_and_seeded(tiny_folder, tmp_path, model_id):
     """A second build with the same seed writes byte-identical files; folders stay a few MB."""
-    folder = request.getfixturevalue(fixture)
+    folder = tiny_folder(model_id)
     files = sorted(p.relative_to(folder) for p in folder.rglob("*") if p.is_file())
     assert sum((folder / f).stat().st_size for f in files) < MAX_FOLDER_BYTES
-    again = BUILDERS[fixture](tmp_path / "again")
+    again = BUILT[model_id].build(tmp_path / "again")
     assert sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file()) == files
     for f in files:
         assert (again / f).read_bytes() == (folder / f).read_bytes(), f

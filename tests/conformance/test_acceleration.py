@@ -1,0 +1,61 @@
+"""Cache backends on every family: each either runs (exact at threshold 0; when it skips, a
+batched request equals its solo run with the same backend, so its caching state is its own) or
+is refused by name at startup. (``none`` is every other check of the suite; regional compile has
+its focused tests: a cold compile takes 10-45 s on CPU.)"""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models.registry import CACHE_BACKENDS, model_ids
+
+from diffserve import DiffusionEngine, EngineConfig, InvalidRequestError
+
+from .harness import BATCH_TOL, PROMPT, assert_close, max_difference, media, request_image, run
+
+#: Options that never skip (the cached forward must equal the plain one) and that skip whenever
+#: allowed (random weights change a lot between steps; TeaCache always computes the first and
+#: last steps, cache-dit its warm-up steps).
+EXACT = {"teacache": {"rel_l1_thresh": 0.0}, "cache_dit": {"Fn_compute_blocks": 1, "residual_diff_threshold": 0.0}}
+SKIPPING = {"teacache": {"rel_l1_thresh": 1e9},
+            "cache_dit": {"Fn_compute_blocks": 1, "residual_diff_threshold": 1e9, "max_warmup_steps": 1}}
+
+
+def _engine(folder, backend, options):
+    return DiffusionEngine(EngineConfig(model=str(folder), cache_backend=backend, cache_config=options))
+
+
+def _cache_stats(engine) -> dict:
+    return engine.stats()["acceleration"]["cache_backend"]
+
+
+@pytest.mark.parametrize("backend", CACHE_BACKENDS)
+@pytest.mark.parametrize("model", model_ids(), indirect=True)
+def test_cache_backend_runs_or_is_refused_by_name(model, folder, served, backend):
+    if not model.backends[backend]:
+        with pytest.raises(InvalidRequestError) as info:
+            _engine(folder, backend, {})
+        message = str(info.value)
+        assert info.value.field == "cache_backend", f"{model.id}: {backend} refused naming {info.value.field!r}"
+        assert model.pipeline in message and backend in message and "\n" not in message, message
+        return
+    output_type = "latent" if model.video else "np"
+    image = request_image(model)
+    job = (PROMPT, model.params(seed=3, num_inference_steps=4, output_type=output_type, **model.guided), image)
+    plain = media(run(served, *job))
+
+    exact = _engine(folder, backend, EXACT[backend])
+    assert_close(model, f"{backend} at threshold 0 vs no cache", media(run(exact, *job)), plain, BATCH_TOL)
+    assert _cache_stats(exact)["skipped"] == 0
+    exact.shutdown()
+
+    skipping = _engine(folder, backend, SKIPPING[backend])
+    other = ("a small red kite in the wind",
+             model.params(seed=4, num_inference_steps=5, output_type=output_type, **model.variations[1]), image)
+    outs = skipping.generate([job[0], other[0]], [job[1], other[1]], inputs=[job[2], other[2]])
+    assert _cache_stats(skipping)["skipped"] > 0, f"{model.id}: {backend} skipped nothing: {_cache_stats(skipping)}"
+    for k, (j, out) in enumerate(zip((job, other), outs)):
+        # solo runs after the batch on the same engine: no caching state leaks between requests
+        assert_close(model, f"{backend} batched vs solo (request {k})", media(out), media(run(skipping, *j)),
+                     BATCH_TOL)
+    assert max_difference(media(outs[0]), plain) > 1e-3, f"{model.id}: {backend} skipped steps changed nothing"
+    skipping.shutdown()

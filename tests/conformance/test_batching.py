@@ -1,0 +1,43 @@
+"""Batch invariance: a request that shares denoiser forwards with different others (prompts,
+seeds, step counts, guidance weights, negative prompts, images per prompt, input images) gives
+what it gives alone, within float noise (`BATCH_TOL`)."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models.registry import model_ids
+
+from .harness import BATCH_TOL, assert_close, input_image, media, request_image, run
+
+PROMPTS = ("a lighthouse at dusk", "a bowl of fruit on a marble kitchen counter, soft morning light", "snow")
+
+
+@pytest.mark.parametrize("model", model_ids(), indirect=True)
+def test_batch_invariance(model, served):
+    """Three requests with different prompts (of different token lengths), seeds, step counts
+    and the family's per-request guidance (`TestModel.variations`) run together; each equals its
+    solo run, and they really shared forwards."""
+    output_type = "latent" if model.video else "np"  # video pixels are uint8: compare latents
+    steps = (3, 2, 3)
+    jobs = [(prompt, model.params(seed=11 + k, num_inference_steps=steps[k], output_type=output_type, **variation),
+             request_image(model, seed=k))
+            for k, (prompt, variation) in enumerate(zip(PROMPTS, model.variations))]
+    outs = served.generate([j[0] for j in jobs], [j[1] for j in jobs], inputs=[j[2] for j in jobs])
+    for k, (job, out) in enumerate(zip(jobs, outs)):
+        assert_close(model, f"batch invariance (request {k})", media(out), media(run(served, *job)), BATCH_TOL)
+    rows = sum(p.num_images_per_prompt * 2 for _, p, _ in jobs)  # every variation is guided
+    assert max(outs[0].metrics.batch_sizes) == rows, \
+        f"{model.id}: the three requests did not share a forward: {outs[0].metrics.batch_sizes}"
+
+
+@pytest.mark.parametrize("model", model_ids(lambda m: m.images == "optional"), indirect=True)
+def test_image_to_image_batches_with_text_to_image(model, served):
+    """An image-to-image request and a text-to-image one share forwards and equal their solo runs."""
+    edit = (PROMPTS[0], model.params(seed=1, num_inference_steps=4, strength=0.5, **model.guided),
+            input_image(model, seed=2))
+    t2i = (PROMPTS[1], model.params(seed=2, **model.guided), None)
+    outs = served.generate([edit[0], t2i[0]], [edit[1], t2i[1]], inputs=[edit[2], t2i[2]])
+    for name, job, out in (("image-to-image", edit, outs[0]), ("text-to-image", t2i, outs[1])):
+        assert_close(model, f"batch invariance ({name} beside the other)", media(out), media(run(served, *job)),
+                     BATCH_TOL)
+    assert max(outs[0].metrics.batch_sizes) == 4, f"{model.id}: no shared forward: {outs[0].metrics.batch_sizes}"

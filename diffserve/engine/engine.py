@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -41,6 +42,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 from diffserve.config import EngineConfig
+from diffserve.models import builtin_loras
+from diffserve.engine.loras import EngineLoras, LoraRegistry
 from diffserve.engine.request import Phase, Request
 from diffserve.engine.scheduler import RequestScheduler
 from diffserve.engine.step_run import StepRun
@@ -90,9 +93,13 @@ class DiffusionEngine(SleepMode):
             from diffserve.engine.memory_budget import MemoryBudget
 
             self.memory_budget = MemoryBudget.from_config(self.config.max_memory, executor.memory_profile())
+        #: LoRA adapters: names, paths, loads into the workers (`diffserve.engine.loras`)
+        self.loras = EngineLoras(LoraRegistry(self.config.lora_dir, builtin_loras(self.config.model),
+                                              self.config.max_loras, self.config.cpu_lora_capacity), executor)
         self.scheduler = RequestScheduler(
             self.config.max_batch_size, self.config.max_waiting_requests, self.config.execution_mode,
             memory_limit=self.memory_budget.available if self.memory_budget is not None else None,
+            max_loras=self.config.max_loras, lora_ready=self.loras.ready,
         )
         self._init_sleep_mode()
         self._lock = threading.RLock()
@@ -111,6 +118,8 @@ class DiffusionEngine(SleepMode):
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._seq = itertools.count()
         self._step_listeners: list[Callable[[int, int, float], None]] = []
+        for name, path in self.config.loras.items():  # --lora NAME=PATH: loaded before serving
+            self.load_lora(name, path, origin="startup")
 
     @property
     def runner(self):
@@ -189,6 +198,7 @@ class DiffusionEngine(SleepMode):
             self._check_awake()
             if request.request_id in self._requests:
                 raise InvalidRequestError("request_id", request.request_id, "unique among live requests")
+            self.loras.check(resolved.loras)  # unknown names refused; adapters not held start loading
             self.scheduler.add(request)
             self._requests[request.request_id] = request
             self._emit([StreamEvent(request.request_id, EventType.QUEUED)])
@@ -354,6 +364,7 @@ class DiffusionEngine(SleepMode):
     def _step_locked(self) -> None:
         with self._lock:
             self._apply_aborts()
+            self._poll_loras()
             admitted = self.scheduler.admit()
             for request in admitted:
                 request.phase = Phase.PREPARING
@@ -367,7 +378,7 @@ class DiffusionEngine(SleepMode):
         with self._lock:
             self._apply_aborts()
             batch = self.scheduler.select_batch()
-        if not batch and (self._prepare_work or self._decode_work or self._chunk_work):
+        if not batch and (self._prepare_work or self._decode_work or self._chunk_work or self.loras.in_flight()):
             # nothing to step: wait for background work instead of spinning
             self._collect(block=True)
             with self._lock:
@@ -395,10 +406,11 @@ class DiffusionEngine(SleepMode):
         """Apply finished prepare/decode work; with `block`, wait (briefly) for at least one.
         A work item that raised as a whole (an executor fault, e.g. a dead worker) fails its
         requests."""
-        if not (self._prepare_work or self._decode_work or self._chunk_work):
+        loads = self.loras.in_flight()
+        if not (self._prepare_work or self._decode_work or self._chunk_work or loads):
             return
         if block:
-            wait([f for f, _ in self._prepare_work + self._decode_work + self._chunk_work], timeout=_WAIT_S,
+            wait([f for f, _ in self._prepare_work + self._decode_work + self._chunk_work] + loads, timeout=_WAIT_S,
                  return_when=FIRST_COMPLETED)
         for queue, apply in ((self._prepare_work, self._on_prepared), (self._decode_work, self._on_decoded),
                              (self._chunk_work, self._on_chunk)):
@@ -659,6 +671,89 @@ class DiffusionEngine(SleepMode):
                     logger.exception("event listener for %s raised", event.request_id)
         if delivered:
             self._mail.notify_all()
+
+    # -------------------------------------------------------------------- LoRA adapters
+    def _loras_in_use(self) -> set[str]:
+        """Names of the adapters waiting or running requests use (lock held)."""
+        return {name for r in self._requests.values() for name in r.lora_names}
+
+    def _poll_loras(self) -> None:
+        """Apply finished adapter loads (lock held); fail the waiting requests of a failed one."""
+        if not self.loras.in_flight():
+            return
+        failed = self.loras.poll(self._loras_in_use())
+        if not failed:
+            return
+        for request in [r for r in self.scheduler.waiting if set(r.lora_names) & set(failed)]:
+            name = next(n for n in request.lora_names if n in failed)
+            self.scheduler.remove_waiting(request.request_id)
+            self._close(request, RequestStatus.FAILED,
+                        error=InvalidRequestError("loras", dict(request.params.loras), "LoRA adapters that load",
+                                                  detail=f"loading {name!r} failed: {failed[name]}"))
+
+    def check_loras(self, loras: Mapping[str, float] | None) -> None:
+        """Check a request's ``loras`` names (what `add_request` does first; for callers that
+        validate before queueing) and start loading the adapters the workers do not hold.
+
+        Raises:
+            InvalidRequestError: (field ``loras``) an unknown name, or more adapters than
+                ``max_loras``.
+        """
+        with self._lock:
+            self.loras.check(loras)
+
+    def load_lora(self, name: str, path: str | os.PathLike, origin: str = "api",
+                  within_lora_dir: bool = False) -> dict[str, Any]:
+        """Load the LoRA adapter at `path` (any format diffusers reads) as `name`, replacing an
+        adapter of that name that no request uses; blocks until every worker holds it. Steps
+        go on meanwhile (another thread may step).
+
+        Args:
+            within_lora_dir: `path` must lie inside ``lora_dir`` (relative paths are taken from
+                it): what the HTTP server allows its clients.
+
+        Returns:
+            Its listing entry (`list_loras`).
+
+        Raises:
+            InvalidRequestError: (field ``name``) a bad name; (field ``path``) the file is
+                missing, unreadable, of an unsupported kind, does not match the model, or its rank
+                exceeds ``max_lora_rank``.
+            LoraInUseError: requests use the adapter it would replace, or it is loading.
+        """
+        if within_lora_dir:
+            path = self.loras.registry.inside_lora_dir(path)
+        with self._lock:
+            future = self.loras.begin_load(name, os.fspath(path), origin, self._loras_in_use())
+        try:
+            future.result()
+        finally:
+            with self._lock:
+                self.loras.poll(self._loras_in_use())
+        with self._lock:
+            return self.loras.registry.entries[name].as_dict()
+
+    def unload_lora(self, name: str) -> None:
+        """Drop adapter `name` from the workers.
+
+        Raises:
+            InvalidRequestError: (field ``name``) no such adapter.
+            LoraInUseError: waiting or running requests use it (unload once they finish).
+        """
+        with self._lock:
+            self.loras.unload(name, self._loras_in_use())
+
+    def list_loras(self) -> list[dict[str, Any]]:
+        """Every registered adapter: ``name``, ``path``, ``origin`` (startup, api, lora_dir,
+        builtin), ``state`` (registered: known, not in the workers; loading; ready; failed,
+        with ``error``), ``in_use`` (waiting + running requests naming it) and, once read,
+        ``format``, ``rank``, ``modules`` (per component) and ``bytes``."""
+        with self._lock:
+            counts: dict[str, int] = {}
+            for r in self._requests.values():
+                for n in r.lora_names:
+                    counts[n] = counts.get(n, 0) + 1
+            return [{**entry, "in_use": counts.get(entry["name"], 0)} for entry in self.loras.registry.listing()]
 
     # -------------------------------------------------------------------- offline API
     def generate(

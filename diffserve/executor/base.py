@@ -64,6 +64,17 @@ class Executor(ABC):
     def free(self, request_ids: list[str]) -> None:
         """Drop requests' state (aborted / failed)."""
 
+    # ------------------------------------------------------------------ LoRA adapters
+    def submit_load_lora(self, name: str, path: str) -> "Future[dict[str, Any]]":
+        """Read the LoRA adapter at `path` into every worker as `name`, beside the steps;
+        resolves to its summary (format, rank, modules, bytes) or the worker's error
+        (`InvalidRequestError` naming ``path``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters")
+
+    def unload_lora(self, name: str) -> None:
+        """Drop adapter `name` from every worker (no request may hold it)."""
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters")
+
     @abstractmethod
     def stats(self) -> dict[str, Any]:
         """Acceleration counters and worker health (see `InProcessExecutor.stats`)."""

@@ -53,6 +53,9 @@ class InProcessExecutor(Executor):
             threads = torch.get_num_threads()
             self._side = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffserve-stage",
                                             initializer=torch.set_num_threads, initargs=(threads,))
+        #: LoRA files are read on a thread of their own: a slow read delays neither the steps
+        #: nor other requests' encodes and decodes
+        self._loader: ThreadPoolExecutor | None = None
 
     def info(self) -> ModelInfo:
         return self.runner.info()
@@ -87,6 +90,17 @@ class InProcessExecutor(Executor):
     def free(self, request_ids: list[str]) -> None:
         self.runner.free(request_ids)
 
+    def submit_load_lora(self, name: str, path: str) -> "Future[dict[str, Any]]":
+        if not self.overlap:
+            return self._submit(self.runner.load_lora, name, path)
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffserve-lora",
+                                              initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
+        return self._loader.submit(self.runner.load_lora, name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.runner.unload_lora(name)
+
     def stats(self) -> dict[str, Any]:
         """``acceleration`` (`ModelRunner.acceleration_stats`), ``nonfinite_outputs`` (requests
         failed for NaN/inf), ``workers_alive`` (1) and ``offload`` (`ModelRunner.offload_stats`,
@@ -114,3 +128,6 @@ class InProcessExecutor(Executor):
         if self._side is not None:
             self._side.shutdown(wait=True, cancel_futures=False)
             self._side = None
+        if self._loader is not None:
+            self._loader.shutdown(wait=True, cancel_futures=True)
+            self._loader = None

@@ -88,6 +88,8 @@ def _worker_main(config, rank: int, master_port: int, conn) -> None:  # pragma: 
         return
     side = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffserve-stage",
                               initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
+    loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffserve-lora",
+                                initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
 
     def run(message_id, fn, *args) -> None:
         try:
@@ -127,6 +129,10 @@ def _worker_main(config, rank: int, master_port: int, conn) -> None:  # pragma: 
             side.submit(run, message_id, chunk, *args)
         elif method == "free":
             runner.free(*args)
+        elif method == "load_lora":  # its own thread: a slow read stalls neither steps nor decodes
+            loader.submit(run, message_id, runner.load_lora, *args)
+        elif method == "unload_lora":
+            run(message_id, runner.unload_lora, *args)
         elif method == "plan":
             run(message_id, runner.plan, *args)
         elif method == "stats":
@@ -135,6 +141,7 @@ def _worker_main(config, rank: int, master_port: int, conn) -> None:  # pragma: 
         else:
             reply(message_id, False, ValueError(f"unknown work item {method!r}"))
     side.shutdown(wait=True)
+    loader.shutdown(wait=True, cancel_futures=True)
     shutdown_parallel(state)
 
 
@@ -286,6 +293,12 @@ class MultiprocExecutor(Executor):
 
     def submit_chunk(self, works: list[ChunkWork]) -> "Future[list[ChunkDone]]":
         return self._call("chunk", works)
+
+    def submit_load_lora(self, name: str, path: str) -> "Future[dict[str, Any]]":
+        return self._call("load_lora", name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self._call("unload_lora", name).result()
 
     def free(self, request_ids: list[str]) -> None:
         if self._dead is None:

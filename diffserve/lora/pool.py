@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from diffserve.errors import InvalidRequestError
+from diffserve.core.errors import InvalidRequestError, LoraInUseError
 from diffserve.lora.reading import loadable_components
 from diffserve.lora.rows import LoraModuleSlots, LoraPlan, LoraSwitch, PlanCache, RowLoras, install_hook
 from diffserve.lora.weights import LoraAdapter
@@ -29,10 +29,6 @@ from diffserve.lora.weights import LoraAdapter
 
 class LoraSlotsFullError(RuntimeError):
     """Every device slot holds an adapter that running requests use."""
-
-
-class LoraInUseError(RuntimeError):
-    """An adapter that requests hold cannot be unloaded or replaced now."""
 
 
 def is_text_encoder(component: str) -> bool:
@@ -213,7 +209,15 @@ class LoraPool:
             with self.denoise.use(None):
                 yield
             return
-        with self.denoise.use(self._plans.get(rows, self.device)):
+        with self._lock:
+            plan = self._plans.get(rows, self.device)
+        with self.denoise.use(plan):
+            yield
+
+    @contextmanager
+    def denoising_all(self, pairs: RowLoras) -> Iterator[None]:
+        """Within the block, every row of any denoiser forward adds `pairs` (compile warm-up)."""
+        with self.denoise.use(LoraPlan([pairs], self.device)):
             yield
 
     @contextmanager

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from diffserve.errors import InvalidRequestError
+from diffserve.core.errors import InvalidRequestError
 from diffserve.lora.weights import LoraAdapter, LoraModule
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,9 @@ class LoraFileError(InvalidRequestError):
 
     def __init__(self, path: Any, allowed: str, detail: str | None = None):
         super().__init__("path", str(path), allowed, detail)
+
+    def __reduce__(self):
+        return (type(self), (self.value, self.allowed, self.detail))
 
 
 def read_lora(source: str | Path, pipe: Any, name: str) -> LoraAdapter:
@@ -137,7 +140,7 @@ def _skeleton(pipe: Any) -> Any:
             parts[key] = value
     skeleton = type(pipe)(**parts)
     # text encoders: diffusers' path needs transformers' load_adapter (peft >= 0.22); see module docstring
-    skeleton.load_lora_into_text_encoder = _text_encoder_loader(skeleton)
+    skeleton.load_lora_into_text_encoder = text_encoder_loader(skeleton)
     return skeleton
 
 
@@ -165,9 +168,11 @@ def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)
 
 
-def _text_encoder_loader(skeleton: Any):
+def text_encoder_loader(pipe: Any):
     """diffusers' ``load_lora_into_text_encoder`` (``lora_base._load_lora_into_text_encoder``)
-    with PEFT's injection in place of transformers' ``load_adapter``."""
+    with PEFT's injection in place of transformers' ``load_adapter`` (which needs peft >= 0.22),
+    for `pipe` (set as its ``load_lora_into_text_encoder``)."""
+    skeleton = pipe
     from diffusers.utils import convert_state_dict_to_diffusers, convert_state_dict_to_peft
     from diffusers.utils.peft_utils import _create_lora_config
     from peft import inject_adapter_in_model, set_peft_model_state_dict

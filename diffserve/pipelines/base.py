@@ -74,6 +74,10 @@ class RequestState:
         chunk_condition: streams: the adapter's conditioning of the current chunk on the
             previous one (e.g. `video_chunks.ChunkCondition`), None for the first chunk and
             for ordinary requests.
+        loras: the request's LoRA adapters as sorted ``(slot, scale)`` pairs of the runner's
+            LoRA pool (set by the runner before `prepare`; empty: none). Collation lays them
+            out per row (`StepBatch.lora_rows`), so requests with different adapters share a
+            forward.
     """
 
     request_id: str
@@ -94,6 +98,7 @@ class RequestState:
     negative_prompt_truncated: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     chunk_condition: Any = None
+    loras: tuple = ()
 
     @property
     def num_steps(self) -> int:
@@ -222,6 +227,11 @@ class PipelineAdapter(ABC):
     prompt_embed_cache: "PromptCache | None" = None
     #: The family's text encoding through the prompt cache (set by subclasses).
     text: "TextEncoder | None" = None
+    #: ``row_subset(rows)`` -> a context within which a denoiser forward runs over `rows` of
+    #: the current step batch (forward row indices) instead of all of them: per-row data that
+    #: lives outside the inputs (the runner's LoRA rows) follows. Installed by the runner;
+    #: used by cache backends that compute only some requests' rows (TeaCache).
+    row_subset: "Callable[[list[int]], Any] | None" = None
 
     # ------------------------------------------------------------------ loading
     @classmethod

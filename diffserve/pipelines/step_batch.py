@@ -40,6 +40,8 @@ class StepBatch:
         latents: (N, ...) the requests' latents concatenated (what the diffusion scheduler
             steps).
         timesteps: (N,) each latent row's current timestep.
+        lora_rows: each forward row's LoRA adapters, branch-major (B * N entries: the
+            request's `RequestState.loras`), or None when no request has any.
     """
 
     states: list["RequestState"]
@@ -49,6 +51,7 @@ class StepBatch:
     latents: torch.Tensor
     timesteps: torch.Tensor
     cache: "BatchCache | None" = field(default=None, repr=False)
+    lora_rows: tuple | None = None
     _offsets: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -132,6 +135,7 @@ class BatchCache:
         self.branches = 1
         self.t_table: torch.Tensor | None = None
         self.dt_table: torch.Tensor | None = None
+        self.lora_rows: tuple | None = None
         self._t_by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self.row_values: dict[Any, torch.Tensor] = {}
 
@@ -151,6 +155,7 @@ class BatchCache:
         self.row_values = {}
         self.ahead = 0
         self.branches = max(len(states[0].branches), 1)
+        self.lora_rows = lora_rows(states, self.branches)
         self._t_by_dtype = {}
         device = states[0].latents.device
         timesteps = [s.timesteps for s in states]
@@ -315,5 +320,15 @@ def collate_branches(states: list["RequestState"], model_input: Callable[["Reque
             t = torch.cat([s.timestep.expand(s.num_images) for s in states])
         inputs["timestep"] = t if branches <= 1 else t.repeat(branches)
     inputs["hidden_states"] = x if branches <= 1 else torch.cat([x] * branches)
+    rows = cache.lora_rows if cache is not None else lora_rows(states, max(branches, 1))
     return StepBatch(states=states, branches=max(branches, 1), row_counts=row_counts, inputs=inputs,
-                     latents=latents, timesteps=t, cache=cache)
+                     latents=latents, timesteps=t, cache=cache, lora_rows=rows)
+
+
+def lora_rows(states: list["RequestState"], branches: int) -> tuple | None:
+    """Each forward row's `RequestState.loras`, branch-major (row ``b * N + i`` is latent row
+    ``i``'s), or None when no request has LoRA adapters."""
+    if not any(s.loras for s in states):
+        return None
+    per_image = [s.loras for s in states for _ in range(s.num_images)]
+    return tuple(per_image * branches)

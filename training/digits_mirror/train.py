@@ -2,11 +2,11 @@
 
 Run (from the repository root)::
 
-    python training/digits_mirror/train.py --out diffserve/models/digits/loras/mirror --seed 0
+    python -m training.digits_mirror.train --out diffserve/models/digits/loras/mirror --seed 0
 
 A rank-8 PEFT LoRA (Hu et al. 2021) on every attention and feed-forward linear layer of the
 digits model's MMDiT (`SD3Transformer2DModel`), trained with the base model's own objective
-(SD3 rectified flow, ``diffserve.models.digits.train.rectified_flow_loss``) on the model's
+(SD3 rectified flow, ``training.digits.train.rectified_flow_loss``) on the model's
 training split mirrored left to right, with the base model's prompts (10 % empty, so the
 unconditional CFG branch mirrors too). The base weights and text encoders stay frozen; the
 result is saved with diffusers' ``StableDiffusion3Pipeline.save_lora_weights`` (its LoRA config
@@ -28,11 +28,12 @@ from diffusers.models.attention_processor import JointAttnProcessor2_0
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
-from diffserve.models import training
-from diffserve.models.digits import DEFAULT_MODEL_PATH, data
-from diffserve.models.digits.train import rectified_flow_loss
-from diffserve.pipelines.sd3 import DEFAULT_MAX_SEQUENCE_LENGTH
-from diffserve.pipelines.sd3_context_folding import install_folded_context_attention
+from diffserve.models.digits import DEFAULT_MODEL_PATH
+from diffserve.pipelines.sd3.adapter import DEFAULT_MAX_SEQUENCE_LENGTH
+from diffserve.pipelines.sd3.context_folding import install_folded_context_attention
+from training import common as training
+from training.digits import data
+from training.digits.train import rectified_flow_loss
 
 #: PEFT target modules: every linear layer of the joint attention and both feed-forwards.
 TARGET_MODULES = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> Path:
         out, transformer_lora_layers=get_peft_model_state_dict(pipe.transformer),
         transformer_lora_adapter_metadata=lora.to_dict())
     facts = {
-        "command": "python training/digits_mirror/train.py " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+        "command": "python -m training.digits_mirror.train " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
         "steps": steps, "final_loss": curve[-1][1] if curve else None, "wall_s": time.monotonic() - start,
         "rank": args.rank, "lr": args.lr, "batch_size": args.batch_size, "threads": args.threads,
         "trainable_parameters": sum(p.numel() for p in trainable), "cpu": platform.processor() or platform.machine(),

@@ -256,11 +256,12 @@ class ImageGenerationService:
                                width=width, num_inference_steps=body.num_inference_steps,
                                guidance_scale=body.guidance_scale, true_cfg_scale=body.true_cfg_scale,
                                strength=getattr(body, "strength", None), seed=(seed + i) % (MAX_SEED + 1),
-                               output_type="pil")
+                               output_type="pil", loras=body.loras)
                 for i in range(n)
             ]
             resolved = [p.resolve(spec, limits) for p in params]  # every check, before any allocation
             request_plan = sync_engine.executor.plan(resolved[0], inputs)  # the family's own rules (images, mask, strength)
+            sync_engine.check_loras(resolved[0].loras)  # known adapter names (a load starts for one not held)
         except InvalidRequestError as exc:
             raise invalid_request(exc) from None
         first = resolved[0]

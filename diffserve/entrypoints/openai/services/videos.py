@@ -166,9 +166,11 @@ class VideoService:
             params = SamplingParams(negative_prompt=body.negative_prompt, height=height, width=width,
                                     num_inference_steps=body.num_inference_steps, guidance_scale=body.guidance_scale,
                                     guidance_scale_2=body.guidance_scale_2, true_cfg_scale=body.true_cfg_scale,
-                                    num_frames=num_frames, fps=body.fps, seed=seed, output_type="np")
+                                    num_frames=num_frames, fps=body.fps, seed=seed, output_type="np",
+                                    loras=body.loras)
             resolved = params.resolve(spec, config.limits)
             sync_engine.executor.plan(resolved, None)
+            sync_engine.check_loras(resolved.loras)
         except InvalidRequestError as exc:
             error = invalid_request(exc)
             if exc.field == "num_frames" and body.seconds is not None:

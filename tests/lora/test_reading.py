@@ -23,6 +23,7 @@ from diffusers import (
     WanPipeline,
 )
 from safetensors.torch import save_file
+from tiny_models.registry import BY_ID
 from tiny_models.loras import (
     diffusers_reference,
     random_lora,
@@ -42,7 +43,7 @@ CLIP = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 
 @dataclass
 class Family:
-    fixture: str
+    model_id: str  # tests/tiny_models/registry.py
     pipe_cls: type
     denoiser: str
     targets: tuple[str, ...]
@@ -52,14 +53,7 @@ class Family:
     skip: tuple[str, ...] = ()  # module-name patterns left out of the adapter
 
     def load(self, folder: Path):
-        kwargs = {}
-        if self.pipe_cls is StableDiffusion3Pipeline:
-            kwargs = {"text_encoder_3": None, "tokenizer_3": None}
-        if self.pipe_cls is QwenImageEditPipeline:
-            from diffserve.pipelines.qwen_image_edit import load_qwen2vl_processor
-
-            kwargs = {"processor": load_qwen2vl_processor(folder / "processor")}
-        pipe = self.pipe_cls.from_pretrained(folder, **kwargs)
+        pipe = self.pipe_cls.from_pretrained(folder, **BY_ID[self.model_id].reference_load(folder))
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
@@ -69,22 +63,22 @@ FLUX_TARGETS = ATTN + ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "
 #: kohya Flux files fuse the single blocks' q/k/v/MLP-in as FLUX.1-sized slices (see to_kohya_flux)
 FLUX_SKIP = (r"single_transformer_blocks\.\d+\.attn\.", r"^proj_out$")
 FAMILIES = {
-    "sd3": Family("tiny_sd3_dir", StableDiffusion3Pipeline, "transformer", ATTN + ("ff.net.2",),
+    "sd3": Family("StableDiffusion3Pipeline", StableDiffusion3Pipeline, "transformer", ATTN + ("ff.net.2",),
                   ("text_encoder", "text_encoder_2")),
-    "flux": Family("tiny_flux_dir", FluxPipeline, "transformer", FLUX_TARGETS, ("text_encoder",), layout="kohya",
+    "flux": Family("FluxPipeline-schnell", FluxPipeline, "transformer", FLUX_TARGETS, ("text_encoder",), layout="kohya",
                    skip=FLUX_SKIP),
-    "flux_kontext": Family("tiny_flux_kontext_dir", FluxKontextPipeline, "transformer", FLUX_TARGETS, layout="kohya",
+    "flux_kontext": Family("FluxKontextPipeline", FluxKontextPipeline, "transformer", FLUX_TARGETS, layout="kohya",
                            skip=FLUX_SKIP),
-    "sd15": Family("tiny_sd15_dir", StableDiffusionPipeline, "unet",
+    "sd15": Family("StableDiffusionPipeline", StableDiffusionPipeline, "unet",
                    ATTN + ("ff.net.0.proj", "ff.net.2", "proj_in", "proj_out", "conv1", "conv2", "time_emb_proj"),
                    ("text_encoder",), conv=True, layout="kohya"),
-    "sdxl": Family("tiny_sdxl_dir", StableDiffusionXLPipeline, "unet", ATTN + ("ff.net.2",),
+    "sdxl": Family("StableDiffusionXLPipeline", StableDiffusionXLPipeline, "unet", ATTN + ("ff.net.2",),
                    ("text_encoder", "text_encoder_2"), layout="kohya"),
-    "qwen_image": Family("tiny_qwen_image_dir", QwenImagePipeline, "transformer",
+    "qwen_image": Family("QwenImagePipeline", QwenImagePipeline, "transformer",
                          ATTN + ("add_q_proj", "add_v_proj", "to_add_out"), layout="diffusion_model"),
-    "qwen_image_edit": Family("tiny_qwen_image_edit_dir", QwenImageEditPipeline, "transformer", ATTN,
+    "qwen_image_edit": Family("QwenImageEditPipeline", QwenImageEditPipeline, "transformer", ATTN,
                               layout="diffusion_model"),
-    "wan": Family("tiny_wan_dir", WanPipeline, "transformer", ATTN + ("ffn.net.0.proj", "ffn.net.2"), layout="musubi"),
+    "wan": Family("WanPipeline-2.1", WanPipeline, "transformer", ATTN + ("ffn.net.0.proj", "ffn.net.2"), layout="musubi"),
 }
 
 
@@ -123,9 +117,9 @@ def peft_deltas(pipe, component: str, name: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("key", list(FAMILIES))
-def test_read_matches_diffusers(key, request, tmp_path):
+def test_read_matches_diffusers(key, tiny_folder, tmp_path):
     family = FAMILIES[key]
-    folder = request.getfixturevalue(family.fixture)
+    folder = tiny_folder(family.model_id)
     pipe = family.load(folder)
     parts = make_parts(family, pipe, seed=1)
     saved = save_diffusers_lora(family.pipe_cls, tmp_path / "diffusers", parts)

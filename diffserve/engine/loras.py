@@ -1,6 +1,5 @@
-"""`LoraRegistry`: the engine's view of LoRA adapters (plain data, no torch): which names exist,
-where their files are, whether the workers hold them (loading, ready, failed), and which
-requests may run given the workers' device slots.
+"""The engine's LoRA adapters (plain data, no torch): which names exist and where their files
+are (`LoraRegistry`), and their loads into the workers beside the steps (`EngineLoras`).
 
 Names come from four places: adapters loaded at startup (``--lora NAME=PATH``) or through the
 API (`DiffusionEngine.load_lora`, ``POST /v1/loras``), files or folders in ``--lora-dir``
@@ -15,15 +14,19 @@ least recently used adapter no request holds (it reloads from its path when name
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from diffserve.errors import InvalidRequestError
+from diffserve.core.errors import InvalidRequestError, LoraInUseError
+
+logger = logging.getLogger(__name__)
 
 #: What a LoRA name may look like (a file stem: letters, digits, ``._-``; no path separators).
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -189,3 +192,111 @@ class LoraRegistry:
         """Every entry as plain data, by name (``lora_dir`` files not yet named by a request
         are not listed)."""
         return [self.entries[n].as_dict() for n in sorted(self.entries)]
+
+
+class EngineLoras:
+    """The engine's side of LoRA adapters: the registry, loads in flight in the workers, and
+    the admission rule. Called with the engine's lock held, except the blocking `load`.
+
+    Args:
+        registry: names and paths.
+        executor: ``submit_load_lora`` / ``unload_lora`` reach the workers.
+    """
+
+    def __init__(self, registry: LoraRegistry, executor: Any):
+        self.registry = registry
+        self.executor = executor
+        self._loads: dict[str, Future] = {}
+
+    # ------------------------------------------------------------------ requests
+    def check(self, loras: Mapping[str, float] | None) -> None:
+        """Validate a request's adapters and start loading those the workers do not hold.
+
+        Raises:
+            InvalidRequestError: (field ``loras``) an unknown name or too many adapters.
+        """
+        entries = self.registry.check_request(loras)
+        self.registry.touch(e.name for e in entries)
+        for entry in entries:
+            if entry.state in (LoraState.REGISTERED, LoraState.FAILED):
+                self._start(entry)
+
+    def ready(self, names: Iterable[str]) -> bool:
+        """Whether the workers hold every adapter of `names` (a request may be admitted)."""
+        return self.registry.ready(names)
+
+    def _start(self, entry: LoraEntry) -> None:
+        entry.state, entry.error = LoraState.LOADING, None
+        self._loads[entry.name] = self.executor.submit_load_lora(entry.name, entry.path)
+
+    def in_flight(self) -> list[Future]:
+        return list(self._loads.values())
+
+    def poll(self, in_use: set[str]) -> dict[str, str]:
+        """Apply finished loads (non-blocking); drop least recently used adapters beyond the
+        host budget. Returns ``{name: error}`` of the loads that failed (the requests waiting
+        for them fail)."""
+        failed: dict[str, str] = {}
+        done = [(n, f) for n, f in self._loads.items() if f.done()]
+        for name, future in done:
+            del self._loads[name]
+            entry = self.registry.entries.get(name)
+            if entry is None:
+                continue
+            try:
+                entry.info = future.result()
+                entry.state = LoraState.READY
+            except Exception as exc:  # noqa: BLE001 - the load's own failure
+                entry.state, entry.error = LoraState.FAILED, f"{type(exc).__name__}: {exc}"
+                failed[name] = entry.error
+                logger.error("loading LoRA %r from %s failed: %s", name, entry.path, entry.error)
+        if done:
+            self._evict(in_use)
+        return failed
+
+    def _evict(self, in_use: set[str]) -> None:
+        for entry in self.registry.evictable(in_use):
+            try:
+                self.executor.unload_lora(entry.name)
+            except Exception as exc:  # noqa: BLE001 - kept: it stays usable
+                logger.warning("could not drop LoRA %r from host memory: %s", entry.name, exc)
+                continue
+            entry.state = LoraState.REGISTERED
+
+    # ------------------------------------------------------------------ API
+    def begin_load(self, name: str, path: str | Path, origin: str, in_use: set[str]) -> Future:
+        """Register `name` -> `path` and start reading it into the workers (replacing an
+        adapter of that name no request names).
+
+        Raises:
+            InvalidRequestError: a bad name.
+            LoraInUseError: requests name the adapter it would replace, or it is loading.
+        """
+        check_name(name)
+        if name in in_use:
+            raise LoraInUseError(f"LoRA {name!r} is used by waiting or running requests; load it under "
+                                 "another name, or when they finish")
+        if name in self._loads:
+            raise LoraInUseError(f"LoRA {name!r} is being loaded; retry when it is ready")
+        entry = self.registry.register(name, path, origin)
+        self._start(entry)
+        return self._loads[name]
+
+    def unload(self, name: str, in_use: set[str]) -> None:
+        """Drop adapter `name` from the workers and the registry.
+
+        Raises:
+            InvalidRequestError: (field ``name``) no such adapter.
+            LoraInUseError: requests name it, or it is loading.
+        """
+        entry = self.registry.entries.get(name)
+        if entry is None:
+            raise InvalidRequestError("name", name, f"the name of a loaded LoRA adapter ({self.registry.known()})")
+        if name in in_use:
+            raise LoraInUseError(f"LoRA {name!r} is used by waiting or running requests; unload it when they "
+                                 "finish")
+        if name in self._loads:
+            raise LoraInUseError(f"LoRA {name!r} is being loaded; retry when it is ready")
+        if entry.state is LoraState.READY:
+            self.executor.unload_lora(name)
+        self.registry.remove(name)

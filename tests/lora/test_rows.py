@@ -9,7 +9,8 @@ import torch
 from diffusers import StableDiffusion3Pipeline, StableDiffusionPipeline
 from tiny_models.loras import diffusers_reference, random_lora, save_diffusers_lora
 
-from diffserve.lora.pool import LoraInUseError, LoraPool, LoraSlotsFullError
+from diffserve.core.errors import LoraInUseError
+from diffserve.lora.pool import LoraPool, LoraSlotsFullError
 from diffserve.lora.reading import read_lora
 from diffserve.lora.rows import MAX_RUNS, LoraPlan, LoraRowsError
 

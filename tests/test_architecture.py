@@ -109,6 +109,17 @@ def test_core_imports_nothing_else_of_diffserve(graph):
     assert not outside, outside
 
 
+def test_every_layer_is_in_the_layers_contract(graph):
+    """A new top-level package (or module) of diffserve must take its place in the layers."""
+    import tomllib
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    layers = next(c for c in config["contracts"] if c["type"] == "layers")
+    named = {name.strip() for row in layers["layers"] for name in row.replace(":", "|").split("|")}
+    top = {m.split(".")[1] for m in graph.modules if m.count(".") == 1} - {"__main__"}
+    assert top - named == set(), f"not in the layers contract: {sorted(top - named)}"
+
+
 def _lint_imports(cwd: Path, pythonpath: Path) -> subprocess.CompletedProcess:
     code = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True))"
     return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120,

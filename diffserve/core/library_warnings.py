@@ -19,6 +19,14 @@
   errors``: diffserve tokenizes a prompt once without truncation only to tell whether it is
   too long, then encodes it truncated (no indexing error happens) and prints its own one-line
   truncation warning with the limit.
+- torchao's import-time ``Failed to load .../_C_mxfp8...so`` / ``_C_cutlass_90a`` (kernel
+  libraries for mxfp8 and Hopper CUTLASS paths, which diffserve's methods do not use; they cannot
+  load without CUDA) and ``Detected no triton`` (Triton kernels are GPU-only); transformers
+  imports torchao whenever it is installed, so these showed on every run.
+- diffusers' ``Unable to import `torchao` Tensor objects`` (it registers pickle globals of
+  tensor classes that torchao 0.18 no longer has; pre-quantized folders load from safetensors)
+  and ``You are trying to set torch_dtype to torch.float32 for integer quantization, but only
+  bfloat16 is supported`` (int8 runs in float32 on CPU; diffserve's CPU default).
 
 Only these messages are dropped (logger filters on the exact loggers that emit them), so every
 other library warning still shows. Installing the filters imports neither library; the loader
@@ -36,6 +44,10 @@ INAPPLICABLE_WARNINGS: tuple[tuple[str, str], ...] = (
     ("transformers.utils.import_utils", "requires torchvision (not installed)"),
     ("diffusers.models.modeling_utils", "that should be kept in float32: []."),
     ("transformers.tokenization_utils_base", "Token indices sequence length is longer than the specified maximum"),
+    ("torchao", "Failed to load"),
+    ("torchao.kernel.intmm", "Detected no triton"),
+    ("diffusers.quantizers.torchao.torchao_quantizer", "Unable to import `torchao` Tensor objects"),
+    ("diffusers.quantizers.torchao.torchao_quantizer", "for integer quantization, but only bfloat16 is supported"),
     ("diffusers.loaders.lora_base", "No LoRA keys associated to"),
     ("diffusers.loaders.peft", "No LoRA keys associated to"),
 )

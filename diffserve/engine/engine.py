@@ -678,8 +678,9 @@ class DiffusionEngine(SleepMode):
         return {name for r in self._requests.values() for name in r.lora_names}
 
     def _poll_loras(self) -> None:
-        """Apply finished adapter loads (lock held); fail the waiting requests of a failed one."""
-        if not self.loras.in_flight():
+        """Apply finished adapter loads and the host budget (lock held); fail the waiting
+        requests of a failed load."""
+        if not self.loras.needs_poll():
             return
         failed = self.loras.poll(self._loras_in_use())
         if not failed:

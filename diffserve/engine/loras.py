@@ -207,6 +207,8 @@ class EngineLoras:
         self.registry = registry
         self.executor = executor
         self._loads: dict[str, Future] = {}
+        #: names the workers hold (READY): more than the host budget triggers eviction
+        self._held: set[str] = set()
 
     # ------------------------------------------------------------------ requests
     def check(self, loras: Mapping[str, float] | None) -> None:
@@ -232,10 +234,15 @@ class EngineLoras:
     def in_flight(self) -> list[Future]:
         return list(self._loads.values())
 
+    def needs_poll(self) -> bool:
+        """Whether `poll` has anything to do: loads in flight, or more adapters held than the
+        host budget (cheap: checked every step)."""
+        return bool(self._loads) or len(self._held) > self.registry.max_cpu_loras
+
     def poll(self, in_use: set[str]) -> dict[str, str]:
         """Apply finished loads (non-blocking); drop least recently used adapters beyond the
-        host budget. Returns ``{name: error}`` of the loads that failed (the requests waiting
-        for them fail)."""
+        host budget that no request (`in_use`) names. Returns ``{name: error}`` of the loads
+        that failed (the requests waiting for them fail)."""
         failed: dict[str, str] = {}
         done = [(n, f) for n, f in self._loads.items() if f.done()]
         for name, future in done:
@@ -246,11 +253,12 @@ class EngineLoras:
             try:
                 entry.info = future.result()
                 entry.state = LoraState.READY
+                self._held.add(name)
             except Exception as exc:  # noqa: BLE001 - the load's own failure
                 entry.state, entry.error = LoraState.FAILED, f"{type(exc).__name__}: {exc}"
                 failed[name] = entry.error
                 logger.error("loading LoRA %r from %s failed: %s", name, entry.path, entry.error)
-        if done:
+        if len(self._held) > self.registry.max_cpu_loras:
             self._evict(in_use)
         return failed
 
@@ -262,6 +270,7 @@ class EngineLoras:
                 logger.warning("could not drop LoRA %r from host memory: %s", entry.name, exc)
                 continue
             entry.state = LoraState.REGISTERED
+            self._held.discard(entry.name)
 
     # ------------------------------------------------------------------ API
     def begin_load(self, name: str, path: str | Path, origin: str, in_use: set[str]) -> Future:
@@ -279,6 +288,7 @@ class EngineLoras:
         if name in self._loads:
             raise LoraInUseError(f"LoRA {name!r} is being loaded; retry when it is ready")
         entry = self.registry.register(name, path, origin)
+        self._held.discard(name)
         self._start(entry)
         return self._loads[name]
 
@@ -300,3 +310,4 @@ class EngineLoras:
         if entry.state is LoraState.READY:
             self.executor.unload_lora(name)
         self.registry.remove(name)
+        self._held.discard(name)

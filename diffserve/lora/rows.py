@@ -93,17 +93,20 @@ class LoraPlan:
         self.slots = sorted({slot for slot, _ in members})
         self._stretched: dict[int, LoraPlan] = {}
         self._pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.dense = False
+        self.unit_scales = False
 
     def pairs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Every (row, adapter) pair: rows (P,) int64, slots (P,) int64 and scales (P,)
+        """Every (row, adapter) pair, by row: rows (P,) int64, slots (P,) int64 and scales (P,)
         float32, on the device (built once per plan)."""
         if self._pairs is None:
-            rows = [i for g in self.groups for lo, hi in g.runs for i in range(lo, hi)]
-            slots = [g.slot for g in self.groups for lo, hi in g.runs for _ in range(lo, hi)]
-            scales = [g.scale for g in self.groups for lo, hi in g.runs for _ in range(lo, hi)]
-            self._pairs = (torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True),
-                           torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True),
-                           torch.tensor(scales, dtype=torch.float32).to(self.device, non_blocking=True))
+            pairs = sorted((i, slot, scale) for i, row in enumerate(self.rows) for slot, scale in row)
+            self._pairs = (torch.tensor([p[0] for p in pairs], dtype=torch.long).to(self.device, non_blocking=True),
+                           torch.tensor([p[1] for p in pairs], dtype=torch.long).to(self.device, non_blocking=True),
+                           torch.tensor([p[2] for p in pairs], dtype=torch.float32).to(self.device, non_blocking=True))
+            #: every row has exactly one adapter: pair i is row i (no gather, no scatter)
+            self.dense = [p[0] for p in pairs] == list(range(self.num_rows))
+            self.unit_scales = all(p[2] == 1.0 for p in pairs)
         return self._pairs
 
     def _group(self, slot: int, scale: float, rows: list[int]) -> LoraGroup:
@@ -216,8 +219,10 @@ class LoraModuleSlots:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.a, self.b, self.bias) if t is not None)
 
+    @torch.inference_mode()
     def write(self, slot: int, m) -> None:
-        """Put `m` (a `LoraModule`, or None to empty the slot) into `slot`."""
+        """Put `m` (a `LoraModule`, or None to empty the slot) into `slot` (slots are inference
+        tensors: written and read only in inference mode)."""
         if m is None:  # zeroed: the batched path reads whole slots
             if self.a is not None:
                 self.a[slot].zero_()
@@ -271,8 +276,11 @@ class LoraModuleSlots:
                 out.index_add_(0, group.index, delta.to(out.dtype), alpha=group.scale)
 
     def _add_batched(self, out: torch.Tensor, x: torch.Tensor, plan: LoraPlan) -> None:
-        """All LoRA rows in two ``bmm``: factors gathered per (row, adapter) pair, ranks padded
-        to the largest rank among the plan's slots (empty slots hold zeros)."""
+        """All LoRA rows in two batched matmuls: factors gathered per (row, adapter) pair
+        (scales folded into ``B``), ranks padded to the largest rank among the plan's slots
+        (empty slots hold zeros). When every row has exactly one adapter the rows are used in
+        place and the second matmul accumulates straight into `out` (``baddbmm_``); otherwise
+        the LoRA rows are gathered and their deltas scattered back (``index_add_``)."""
         r = max(self.ranks[s] for s in plan.slots)
         if not r:
             return
@@ -280,12 +288,19 @@ class LoraModuleSlots:
         p = rows.shape[0]
         a = self.a.index_select(0, slots)[:, :r]  # (P, r, in)
         b = self.b.index_select(0, slots)[:, :, :r]  # (P, out, r)
-        xs = x.index_select(0, rows).to(a.dtype).reshape(p, -1, x.shape[-1])  # (P, T, in)
-        h = torch.bmm(xs, a.transpose(1, 2)).mul_(scales.to(a.dtype).view(p, 1, 1))
-        delta = torch.bmm(h, b.transpose(1, 2))  # (P, T, out)
+        if not plan.unit_scales:
+            b = b * scales.to(b.dtype).view(p, 1, 1)
+        if plan.dense and out.is_contiguous() and out.dtype == a.dtype:
+            h = torch.bmm(x.to(a.dtype).reshape(p, -1, x.shape[-1]), a.transpose(1, 2))  # (P, T, r)
+            out.view(p, -1, out.shape[-1]).baddbmm_(h, b.transpose(1, 2))
+        else:
+            xs = x.index_select(0, rows).to(a.dtype).reshape(p, -1, x.shape[-1])  # (P, T, in)
+            delta = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2))  # (P, T, out)
+            out.index_add_(0, rows, delta.reshape(p, *out.shape[1:]).to(out.dtype))
         if self.bias is not None:
-            delta += self.bias.index_select(0, slots).mul(scales.to(a.dtype).view(p, 1)).unsqueeze(1)
-        out.index_add_(0, rows, delta.reshape(p, *out.shape[1:]).to(out.dtype))
+            bias = self.bias.index_select(0, slots).mul(scales.to(a.dtype).view(p, 1))  # (P, out)
+            shape = (p,) + (1,) * (out.dim() - 2) + (out.shape[-1],)
+            out.index_add_(0, rows, bias.view(shape).expand(p, *out.shape[1:]).to(out.dtype))
 
     def _delta(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x = x.to(a.dtype)

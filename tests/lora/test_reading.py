@@ -7,7 +7,6 @@ flattened), so ranks, alphas, rank patterns and the layouts' alpha conventions a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,81 +23,30 @@ from diffusers import (
 )
 from safetensors.torch import save_file
 from tiny_models.registry import BY_ID
-from tiny_models.loras import (
-    diffusers_reference,
-    random_lora,
-    save_diffusers_lora,
-    save_file_lora,
-    to_diffusion_model,
-    to_kohya_flux,
-    to_kohya_unet,
-    to_musubi_wan,
-)
+from tiny_models.loras import diffusers_reference, random_lora, save_diffusers_lora, save_file_lora, to_kohya_unet
 
 from diffserve.lora.reading import LoraFileError, read_lora
 
-ATTN = ("to_q", "to_k", "to_v", "to_out.0")
-CLIP = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+from .families import ATTN, FAMILIES
 
-
-@dataclass
-class Family:
-    model_id: str  # tests/tiny_models/registry.py
-    pipe_cls: type
-    denoiser: str
-    targets: tuple[str, ...]
-    text_encoders: tuple[str, ...] = ()
-    conv: bool = False
-    layout: str | None = None  # the non-diffusers layout tested
-    skip: tuple[str, ...] = ()  # module-name patterns left out of the adapter
-
-    def load(self, folder: Path):
-        pipe = self.pipe_cls.from_pretrained(folder, **BY_ID[self.model_id].reference_load(folder))
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
-
-
-FLUX_TARGETS = ATTN + ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "proj_out", "ff.net.0.proj",
-                       "ff.net.2", "ff_context.net.2")
-#: kohya Flux files fuse the single blocks' q/k/v/MLP-in as FLUX.1-sized slices (see to_kohya_flux)
-FLUX_SKIP = (r"single_transformer_blocks\.\d+\.attn\.", r"^proj_out$")
-FAMILIES = {
-    "sd3": Family("StableDiffusion3Pipeline", StableDiffusion3Pipeline, "transformer", ATTN + ("ff.net.2",),
-                  ("text_encoder", "text_encoder_2")),
-    "flux": Family("FluxPipeline-schnell", FluxPipeline, "transformer", FLUX_TARGETS, ("text_encoder",), layout="kohya",
-                   skip=FLUX_SKIP),
-    "flux_kontext": Family("FluxKontextPipeline", FluxKontextPipeline, "transformer", FLUX_TARGETS, layout="kohya",
-                           skip=FLUX_SKIP),
-    "sd15": Family("StableDiffusionPipeline", StableDiffusionPipeline, "unet",
-                   ATTN + ("ff.net.0.proj", "ff.net.2", "proj_in", "proj_out", "conv1", "conv2", "time_emb_proj"),
-                   ("text_encoder",), conv=True, layout="kohya"),
-    "sdxl": Family("StableDiffusionXLPipeline", StableDiffusionXLPipeline, "unet", ATTN + ("ff.net.2",),
-                   ("text_encoder", "text_encoder_2"), layout="kohya"),
-    "qwen_image": Family("QwenImagePipeline", QwenImagePipeline, "transformer",
-                         ATTN + ("add_q_proj", "add_v_proj", "to_add_out"), layout="diffusion_model"),
-    "qwen_image_edit": Family("QwenImageEditPipeline", QwenImageEditPipeline, "transformer", ATTN,
-                              layout="diffusion_model"),
-    "wan": Family("WanPipeline-2.1", WanPipeline, "transformer", ATTN + ("ffn.net.0.proj", "ffn.net.2"), layout="musubi"),
+#: (registry model id, pipeline class) per family
+CASES = {
+    "sd3": ("StableDiffusion3Pipeline", StableDiffusion3Pipeline),
+    "flux": ("FluxPipeline-schnell", FluxPipeline),
+    "flux_kontext": ("FluxKontextPipeline", FluxKontextPipeline),
+    "sd15": ("StableDiffusionPipeline", StableDiffusionPipeline),
+    "sdxl": ("StableDiffusionXLPipeline", StableDiffusionXLPipeline),
+    "qwen_image": ("QwenImagePipeline", QwenImagePipeline),
+    "qwen_image_edit": ("QwenImageEditPipeline", QwenImageEditPipeline),
+    "wan": ("WanPipeline-2.1", WanPipeline),
 }
 
 
-def make_parts(family: Family, pipe, seed: int) -> dict:
-    parts = {family.denoiser: (random_lora(getattr(pipe, family.denoiser), family.targets, 3, seed, conv=family.conv,
-                                           skip=family.skip), 3, 6.0)}
-    for i, te in enumerate(family.text_encoders):
-        parts[te] = (random_lora(getattr(pipe, te), CLIP, 2, seed + 10 + i), 2, 1.0)
-    return parts
-
-
-def non_diffusers(family: Family, pipe, parts: dict) -> dict[str, torch.Tensor]:
-    if family.layout == "kohya" and family.denoiser == "unet":
-        return to_kohya_unet(parts)
-    if family.layout == "kohya":
-        return to_kohya_flux(parts, len(pipe.transformer.transformer_blocks),
-                             len(pipe.transformer.single_transformer_blocks))
-    if family.layout == "musubi":
-        return to_musubi_wan(parts, len(pipe.transformer.blocks))
-    return to_diffusion_model(parts)
+def load(key: str, folder: Path):
+    model_id, cls = CASES[key]
+    pipe = cls.from_pretrained(folder, **BY_ID[model_id].reference_load(folder))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
 
 
 def delta(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -116,18 +64,19 @@ def peft_deltas(pipe, component: str, name: str) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("key", list(FAMILIES))
+@pytest.mark.parametrize("key", list(CASES))
 def test_read_matches_diffusers(key, tiny_folder, tmp_path):
-    family = FAMILIES[key]
-    folder = tiny_folder(family.model_id)
-    pipe = family.load(folder)
-    parts = make_parts(family, pipe, seed=1)
-    saved = save_diffusers_lora(family.pipe_cls, tmp_path / "diffusers", parts)
+    model_id, cls = CASES[key]
+    family = FAMILIES[cls.__name__]
+    folder = tiny_folder(model_id)
+    pipe = load(key, folder)
+    parts = family.parts(pipe, seed=1)
+    saved = save_diffusers_lora(cls, tmp_path / "diffusers", parts)
     adapter = read_lora(saved, pipe, "a")
     assert adapter.format == "diffusers"
     assert set(adapter.components) == {family.denoiser, *family.text_encoders}
 
-    reference = diffusers_reference(family.load(folder), {"a": saved}, {"a": 1.0})
+    reference = diffusers_reference(load(key, folder), {"a": saved}, {"a": 1.0})
     for component, modules in adapter.modules.items():
         expected = peft_deltas(reference, component, "a")
         assert set(expected) == set(modules), component
@@ -135,7 +84,7 @@ def test_read_matches_diffusers(key, tiny_folder, tmp_path):
             torch.testing.assert_close(delta(m.a, m.b, m.scaling), expected[path], rtol=1e-5, atol=1e-6)
 
     if family.layout is not None:  # the same adapter in the layout people ship gives the same updates
-        other = read_lora(save_file_lora(non_diffusers(family, pipe, parts), tmp_path / "other.safetensors"), pipe, "b")
+        other = read_lora(save_file_lora(family.non_diffusers(pipe, parts), tmp_path / "other.safetensors"), pipe, "b")
         assert other.format != "diffusers"
         for component, modules in adapter.modules.items():
             got = other.modules[component]
@@ -151,8 +100,7 @@ def test_peft_folder(tiny_sd3_dir, tmp_path):
     with lora_alpha != r) reads with PEFT's scaling."""
     import json
 
-    family = FAMILIES["sd3"]
-    pipe = family.load(tiny_sd3_dir)
+    pipe = load("sd3", tiny_sd3_dir)
     state_dict = random_lora(pipe.transformer, ATTN, 4, seed=3)
     folder = tmp_path / "peft"
     folder.mkdir()
@@ -170,9 +118,9 @@ def test_peft_folder(tiny_sd3_dir, tmp_path):
 def test_refusals(tiny_sd3_dir, tiny_sd15_dir, tmp_path):
     """Files that do not (fully) match the model, or hold kinds per-row math cannot add, are
     refused naming ``path`` with counts and examples."""
-    sd3 = FAMILIES["sd3"].load(tiny_sd3_dir)
-    sd15 = FAMILIES["sd15"].load(tiny_sd15_dir)
-    sd15_parts = make_parts(FAMILIES["sd15"], sd15, seed=2)
+    sd3 = load("sd3", tiny_sd3_dir)
+    sd15 = load("sd15", tiny_sd15_dir)
+    sd15_parts = FAMILIES["StableDiffusionPipeline"].parts(sd15, seed=2)
     sd15_file = save_diffusers_lora(StableDiffusionPipeline, tmp_path / "sd15", sd15_parts)
     with pytest.raises(LoraFileError) as info:  # an SD 1.5 LoRA on an SD3 model: nothing matches
         read_lora(sd15_file, sd3, "x")

@@ -31,11 +31,12 @@ Part = tuple[dict[str, torch.Tensor], int, float]
 
 
 def random_lora(model: torch.nn.Module, targets: tuple[str, ...], rank: int, seed: int, std: float = 0.2,
-                conv: bool = False, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+                conv: bool = False, skip: tuple[str, ...] = (), bias: bool = False) -> dict[str, torch.Tensor]:
     """``{path.lora_A.weight, path.lora_B.weight}`` for every ``nn.Linear`` (and with `conv`,
     ``nn.Conv2d``) of `model` whose name ends with one of `targets` and matches none of the
     regular expressions `skip` (``lora_A`` ~ N(0, 1/in), ``lora_B`` ~ N(0, std)); conv factors as
-    PEFT shapes them (A: base kernel, B: 1x1)."""
+    PEFT shapes them (A: base kernel, B: 1x1); with `bias`, ``lora_B.bias`` too (PEFT
+    ``lora_bias=True``)."""
     import re
 
     g = torch.Generator().manual_seed(seed)
@@ -53,6 +54,8 @@ def random_lora(model: torch.nn.Module, targets: tuple[str, ...], rank: int, see
             continue
         out[f"{path}.lora_A.weight"] = torch.randn(a_shape, generator=g) / fan_in ** 0.5
         out[f"{path}.lora_B.weight"] = torch.randn(b_shape, generator=g) * std
+        if bias:
+            out[f"{path}.lora_B.bias"] = torch.randn(b_shape[0], generator=g) * std
     assert out, f"no module of {type(model).__name__} ends with {targets}"
     return out
 
@@ -61,7 +64,8 @@ def lora_config(state_dict: dict[str, torch.Tensor], rank: int, alpha: float) ->
     """The LoraConfig fields diffusers stores as adapter metadata."""
     targets = sorted({k.split(".lora_")[0] for k in state_dict})
     return {"r": rank, "lora_alpha": alpha, "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
-            "use_dora": False, "use_rslora": False, "init_lora_weights": True}
+            "use_dora": False, "use_rslora": False, "init_lora_weights": True,
+            "lora_bias": any(k.endswith("lora_B.bias") for k in state_dict)}
 
 
 def save_diffusers_lora(pipe_cls: type, out: Path, parts: dict[str, Part]) -> Path:

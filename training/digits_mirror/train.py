@@ -17,7 +17,6 @@ in the safetensors metadata), so diffusers' ``load_lora_weights`` and diffserve'
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from pathlib import Path
@@ -53,7 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="output folder (pytorch_lora_weights.safetensors)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--minutes", type=float, default=30.0, help="wall-clock cap")
+    parser.add_argument("--minutes", type=float, default=90.0, help="wall-clock cap")
     parser.add_argument("--max-steps", type=int, default=1500)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -97,15 +96,11 @@ def main(argv: list[str] | None = None) -> Path:
     StableDiffusion3Pipeline.save_lora_weights(
         out, transformer_lora_layers=get_peft_model_state_dict(pipe.transformer),
         transformer_lora_adapter_metadata=lora.to_dict())
-    facts = {
-        "command": "python -m training.digits_mirror.train " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
-        "steps": steps, "final_loss": curve[-1][1] if curve else None, "wall_s": time.monotonic() - start,
-        "rank": args.rank, "lr": args.lr, "batch_size": args.batch_size, "threads": args.threads,
-        "trainable_parameters": sum(p.numel() for p in trainable), "cpu": platform.processor() or platform.machine(),
-        "torch": torch.__version__, "curve": curve,
-    }
-    (out / "training.json").write_text(json.dumps(facts, indent=1) + "\n")
-    print(f"saved {out} in {facts['wall_s']:.0f} s, {steps} steps, final loss {facts['final_loss']}")
+    wall_s = time.monotonic() - start
+    print(f"saved {out} in {wall_s:.0f} s: {steps} steps, rank {args.rank}, "
+          f"{sum(p.numel() for p in trainable):,} trainable parameters, {args.threads} thread(s), "
+          f"{platform.processor() or platform.machine()}, torch {torch.__version__}")
+    print(training.loss_table(curve))
     return out
 
 

@@ -18,7 +18,8 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from diffserve.core.errors import InvalidRequestError, LoraInUseError
-from diffserve.entrypoints.openai.errors import APIError, ErrorResponse, invalid_request
+from diffserve.entrypoints.openai.errors import APIError, invalid_request
+from diffserve.entrypoints.openai.protocol import ErrorResponse
 from diffserve.entrypoints.openai.request_body import read_json
 
 

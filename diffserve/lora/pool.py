@@ -140,16 +140,6 @@ class LoraPool:
                 if not self._pins[name]:
                     self._pins.pop(name, None)
 
-    def text_pairs(self, rows: RowLoras) -> RowLoras:
-        """The pairs of `rows` whose adapters change a text encoder (what a request's prompt
-        encoding and its cache key depend on)."""
-        with self._lock:
-            return tuple(p for p in rows if self._has_text(self.resident[p[0]]))
-
-    def _has_text(self, name: str | None) -> bool:
-        adapter = self.adapters.get(name) if name is not None else None
-        return adapter is not None and any(is_text_encoder(c) for c in adapter.components)
-
     def _place(self, name: str) -> None:
         if name in self.resident:
             self._recent.pop(name, None)

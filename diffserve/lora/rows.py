@@ -45,8 +45,9 @@ MAX_RUNS = 4
 #: each row's factors are gathered from the slots and two batched matmuls (``bmm``) run over
 #: all of them (Punica's BGMV; ranks padded to the batch's largest), instead of two matmuls
 #: per group. A diffusion row carries thousands of tokens, so gathering its (r, in) factors
-#: costs a small fraction of reading its input.
-MAX_GROUPS = 2
+#: costs a small fraction of reading its input. (Measured on CPU, 32 rows: grouped matmuls on
+#: row slices were faster up to 4 adapters, the batched ones at 16; benchmarks/lora.py.)
+MAX_GROUPS = 4
 
 
 class LoraRowsError(RuntimeError):

@@ -86,7 +86,8 @@ class RunnerLoras:
         from diffserve.lora.reading import read_lora
 
         if self.pipe is None:
-            raise InvalidRequestError("loras", name, "unset: this model has no diffusers pipeline to load LoRA into")
+            raise InvalidRequestError("path", path, f"unset: {self.adapter.pipeline_class_name} has no diffusers "
+                                      "pipeline to load LoRA into")
         adapter = read_lora(path, self.pipe, name)
         with self._lock:
             if self._pool is None:
@@ -104,9 +105,6 @@ class RunnerLoras:
         if self._pool is not None:
             self._pool.remove(name)
             self._generations.pop(name, None)
-
-    def stats(self) -> dict[str, Any]:
-        return self._pool.stats() if self._pool is not None else {"loaded": []}
 
     # ------------------------------------------------------------------ requests
     def acquire(self, state: RequestState) -> None:

@@ -203,6 +203,8 @@ class ModelRunner:
             states, composition = self._last_states
         else:
             states, composition = [self.states[i] for i in request_ids], tuple(request_ids)
+            if any(s.loras for s in states):  # requests sharing adapters in adjacent rows: slices, no gathers
+                states.sort(key=lambda s: s.loras)
             self._last_ids, self._last_states = request_ids, (states, composition)
         with self.memory.offload.stage("denoise") as loads, self.memory.window(composition) as window:
             if len(states) > 1 and not self.accelerator.shares_forward:

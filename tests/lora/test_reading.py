@@ -148,3 +148,26 @@ def test_refusals(tiny_sd3_dir, tiny_sd15_dir, tmp_path):
     pickle.write_bytes(b"0")
     with pytest.raises(LoraFileError, match="pickle"):
         read_lora(pickle, sd15, "x")
+
+
+def test_xlabs_flux_reads_as_diffusers_converts_it(tiny_folder, tmp_path):
+    """An XLabs Flux file (``double_blocks.N.processor.{qkv,proj}_lora{1,2}.{down,up}``: q/k/v fused
+    with one shared down projection) reads as the updates diffusers' own XLabs conversion loads."""
+    pipe = load("flux", tiny_folder(CASES["flux"][0]))
+    inner = pipe.transformer.transformer_blocks[0].attn.to_q.out_features
+    g = torch.Generator().manual_seed(5)
+    state = {}
+    for block in range(len(pipe.transformer.transformer_blocks)):
+        for name, outs in (("qkv_lora1", 3), ("qkv_lora2", 3), ("proj_lora1", 1), ("proj_lora2", 1)):
+            key = f"double_blocks.{block}.processor.{name}"
+            state[f"{key}.down.weight"] = torch.randn(4, inner, generator=g) / inner ** 0.5
+            state[f"{key}.up.weight"] = torch.randn(outs * inner, 4, generator=g) * 0.1
+    path = save_file_lora(state, tmp_path / "xlabs.safetensors")
+    adapter = read_lora(path, pipe, "x")
+    assert adapter.format != "diffusers"
+    expected = peft_deltas(diffusers_reference(load("flux", tiny_folder(CASES["flux"][0])), {"x": path}, {"x": 1.0}),
+                           "transformer", "x")
+    modules = adapter.modules["transformer"]
+    assert set(modules) == set(expected) and len(expected) == 8 * len(pipe.transformer.transformer_blocks)
+    for module_path, m in modules.items():
+        torch.testing.assert_close(delta(m.a, m.b, m.scaling), expected[module_path], rtol=1e-5, atol=1e-6)

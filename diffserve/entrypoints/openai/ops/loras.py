@@ -54,7 +54,7 @@ def install_lora_routes(app: FastAPI, state) -> None:
 
     def engine():
         state.require_service()
-        return state.engine.engine
+        return state.engine
 
     @app.get("/v1/loras", response_model=LoraList, responses=errors)
     async def list_loras() -> LoraList:
@@ -65,9 +65,9 @@ def install_lora_routes(app: FastAPI, state) -> None:
     async def load_lora(raw_request: Request) -> dict[str, Any]:
         """Load a LoRA adapter from inside ``--lora-dir``; its listing entry."""
         body = await read_json(raw_request, LoraLoadRequest)
-        sync = engine()
+        client = engine()
         try:
-            return await asyncio.to_thread(sync.load_lora, body.name, body.path, "api", True)
+            return await asyncio.to_thread(client.load_lora, body.name, body.path, "api", True)
         except InvalidRequestError as exc:
             raise invalid_request(exc) from None
         except LoraInUseError as exc:
@@ -76,9 +76,9 @@ def install_lora_routes(app: FastAPI, state) -> None:
     @app.delete("/v1/loras/{name}", response_model=LoraDeleted, responses=errors)
     async def unload_lora(name: str) -> LoraDeleted:
         """Unload a LoRA adapter no request uses."""
-        sync = engine()
+        client = engine()
         try:
-            await asyncio.to_thread(sync.unload_lora, name)
+            await asyncio.to_thread(client.unload_lora, name)
         except InvalidRequestError as exc:
             raise APIError(404, f"No LoRA adapter '{name}'.", param="name", code="lora_not_found") from exc
         except LoraInUseError as exc:

@@ -1,0 +1,167 @@
+"""The request scheduler's queue policy (`RequestQueues`): admission, batch choice, fairness,
+queue bound."""
+
+from __future__ import annotations
+
+import pytest
+
+from diffserve import EngineOverloadedError
+from diffserve.core.sampling_params import SamplingParams
+from diffserve.engine.queues import RequestQueues
+from diffserve.engine.request import Phase, Request
+
+
+def _req(seq, key="a", rows=2):
+    return Request(request_id=str(seq), prompt="p", params=None, batch_key=key, rows=rows, seq=seq,
+                   arrival_time=0.0)
+
+
+def _admit(s: RequestQueues) -> list[Request]:
+    """Admit, then mark the admitted requests prepared (what the engine does once their
+    prepare work comes back): only denoising requests are stepped."""
+    admitted = s.admit()
+    for r in admitted:
+        r.phase = Phase.DENOISING
+    s.changed()
+    return admitted
+
+
+def test_steps_only_denoising_requests():
+    s = RequestQueues(max_batch_size=6, max_waiting=10)
+    for i in range(3):
+        s.add(_req(i))
+    admitted = s.admit()
+    assert s.select_batch() == [] and s.running_rows == 6  # preparing: holds rows, not stepped
+    admitted[1].phase = Phase.DENOISING
+    admitted[2].phase = Phase.DECODING
+    s.changed()
+    assert s.select_batch() == [admitted[1]] and s.running_rows == 4  # decoding frees its rows
+
+
+def test_batches_oldest_key_and_admits_fifo():
+    s = RequestQueues(max_batch_size=6, max_waiting=10)
+    for i, key in enumerate("abaa"):
+        s.add(_req(i, key))
+    admitted = _admit(s)
+    assert [r.request_id for r in admitted] == ["0", "1", "2"]  # 6 rows: "3" must wait
+    assert [r.request_id for r in s.select_batch()] == ["0", "2"]  # oldest's key "a"
+    s.finish(admitted[0])
+    assert [r.request_id for r in _admit(s)] == ["3"]
+    assert [r.request_id for r in s.select_batch()] == ["1"]  # "b" is now the oldest running
+
+
+def test_batches_by_step_key_too():
+    """A request's step key (e.g. Wan 2.2's expert) changes while it runs; only requests of
+    the oldest's (batch key, step key) share a step."""
+    s = RequestQueues(max_batch_size=8, max_waiting=10)
+    for i in range(3):
+        s.add(_req(i))
+    r0, r1, r2 = _admit(s)
+    r1.step_key = 1
+    s.changed()
+    assert s.select_batch() == [r0, r2]
+    r0.step_key = 1  # the oldest crossed to the other expert
+    s.changed()
+    assert s.select_batch() == [r0, r1]
+
+
+def test_reuses_its_batch_until_something_changes():
+    """An unchanged batch is returned as the same list (no per-request work per step); an
+    admission, a finish or `changed` (a phase or step key moved) makes it select again."""
+    s = RequestQueues(max_batch_size=4, max_waiting=10)
+    for i in range(3):
+        s.add(_req(i))
+    r0, r1 = _admit(s)
+    batch = s.select_batch()
+    assert batch == [r0, r1] and s.select_batch() is batch
+    r1.phase = Phase.DECODING
+    assert s.select_batch() is batch  # not told: the engine calls `changed` after such a move
+    s.changed()
+    assert s.select_batch() == [r0]
+    s.finish(r1)
+    [r2] = _admit(s)
+    assert s.select_batch() == [r0, r2]
+    s.finish(r0)
+    assert s.select_batch() == [r2]
+
+
+def test_queue_bound():
+    s = RequestQueues(max_batch_size=2, max_waiting=2)
+    s.add(_req(0))
+    s.add(_req(1))
+    with pytest.raises(EngineOverloadedError):
+        s.add(_req(2))
+
+
+def test_no_request_starves_under_adversarial_arrivals():
+    """A lone key-"b" request arrives behind a steady stream of key-"a" requests that would
+    always form the bigger batch; it must still finish within a bounded number of steps."""
+    s = RequestQueues(max_batch_size=8, max_waiting=1000)
+    steps_left, seq = {}, 0
+
+    def arrive(key):
+        nonlocal seq
+        r = _req(seq, key)
+        s.add(r)
+        steps_left[r.request_id] = 5
+        seq += 1
+        return r
+
+    for _ in range(4):
+        arrive("a")
+    victim = arrive("b")
+    done_at = None
+    for step in range(200):
+        for _ in range(2):
+            arrive("a")  # adversary: more "a" work every step
+        _admit(s)
+        for r in s.select_batch():
+            steps_left[r.request_id] -= 1
+            if steps_left[r.request_id] == 0:
+                s.finish(r)
+                if r is victim:
+                    done_at = step
+        if done_at is not None:
+            break
+    assert done_at is not None and done_at < 20
+
+
+def _lora_req(seq, loras, rows=2):
+    request = _req(seq, rows=rows)
+    request.params = SamplingParams(loras=loras)
+    return request
+
+
+@pytest.mark.parametrize("mode", ["step", "request"])
+def test_lora_admission_waits_for_loads_and_slots(mode):
+    """A request whose adapter is still loading is passed over (later requests go first); one
+    that would need more distinct adapters than max_loras waits at the head (step mode); the
+    running requests' adapters count until they finish."""
+    ready = {"a", "b"}
+    s = RequestQueues(max_batch_size=16, max_waiting=16, mode=mode, max_loras=1,
+                      lora_ready=lambda names: set(names) <= ready)
+    loading, plain, with_a, with_b, with_a2 = (_lora_req(0, {"c": 1.0}), _lora_req(1, None), _lora_req(2, {"a": 1.0}),
+                                               _lora_req(3, {"b": 1.0}), _lora_req(4, {"a": 0.5}))
+    for r in (loading, plain, with_a, with_b, with_a2):
+        s.add(r)
+    admitted = s.admit()
+    if mode == "step":
+        assert admitted == [plain, with_a]  # c is loading: passed over; b needs a second slot: waits at the head
+    else:
+        assert admitted == [plain, with_a, with_a2]  # one static batch: same key, one adapter at most
+    assert s.admit() == []
+    if mode == "step":
+        s.finish(with_a)  # `a` is free again: with_b's adapter fits; with_a2 (a) waits behind it
+        assert s.admit() == [with_b]
+        ready.add("c")
+        s.finish(with_b)
+        assert s.admit() == [loading]  # c loaded: admitted in its place at the front
+        s.finish(loading)
+        assert s.admit() == [with_a2]
+    else:
+        for r in (plain, with_a, with_a2):
+            s.finish(r)
+        assert s.admit() == [with_b]
+        ready.add("c")
+        s.finish(with_b)
+        assert s.admit() == [loading]

@@ -124,7 +124,7 @@ class Accelerator:
     def denoise(self, batch: "StepBatch") -> torch.Tensor:
         """The denoiser forward of a step batch through the cache backend (or CUDA graphs;
         not for batches with LoRA rows: a replayed graph would skip their deltas)."""
-        if self.graphs is not None and getattr(batch, "lora_rows", None) is None:
+        if self.graphs is not None and "loras" not in batch.row_data:
             out = self.adapter.denoise(batch, call=self.graphs)
             self.backend.transformer_calls += len(batch.states)
             return out

@@ -42,6 +42,7 @@ import torch
 from diffserve.acceleration.backend import CacheBackend
 from diffserve.config import TeaCacheConfig
 from diffserve.core.errors import InvalidRequestError
+from diffserve.pipelines.row_data import narrowed_rows
 
 if TYPE_CHECKING:
     from diffserve.pipelines.base import PipelineAdapter, RequestState
@@ -102,7 +103,6 @@ class TeaCacheBackend(CacheBackend):
             raise InvalidRequestError(
                 "cache_backend", "teacache",
                 f"a backend {adapter.pipeline_class_name} supports (teacache has no forward split for it)")
-        self.adapter = adapter
         self.split = support.split
         self.coefficients = config.coefficients or support.coefficients
         self.rel_l1_thresh = support.rel_l1_thresh if config.rel_l1_thresh is None else config.rel_l1_thresh
@@ -157,8 +157,10 @@ class TeaCacheBackend(CacheBackend):
             computed_rows = {}
             if computing:
                 index = torch.cat([rows[i] for i in computing])
-                rows_of = [int(r) for i in computing for r in batch.request_rows(i)]
-                with adapter_row_subset(self.adapter, rows_of):  # per-row data (LoRA) follows the rows
+                # per-row data (LoRA adapters, ...) follows the rows computed (host indices: no sync)
+                narrow = (narrowed_rows(torch.cat([batch.request_rows(i) for i in computing]))
+                          if batch.row_data else contextlib.nullcontext())
+                with narrow:
                     computed = split.blocks(model, hidden[index], split.select_rows(context, index))
                 offset = 0
                 for i in computing:
@@ -188,10 +190,3 @@ class TeaCacheBackend(CacheBackend):
     def stats(self) -> dict[str, Any]:
         """`CacheBackend.stats` plus the threshold and the coefficients' source."""
         return {**super().stats(), "rel_l1_thresh": self.rel_l1_thresh, "coefficients_source": self.source}
-
-
-def adapter_row_subset(adapter: "PipelineAdapter", rows: list[int]):
-    """The adapter's `PipelineAdapter.row_subset` context for a forward over `rows` of the
-    batch (a no-op context when none is installed)."""
-    subset = getattr(adapter, "row_subset", None)
-    return subset(rows) if subset is not None else contextlib.nullcontext()

@@ -17,7 +17,10 @@ module's slots at run time: graphs see neither, so a new adapter, a new mix of a
 scales never recompile; the graph only depends on whether LoRA rows exist at all (two
 variants).
 
-Rows: a plan is made for the rows of the step batch (`StepBatch.lora_rows`, branch-major).
+Rows: each request's adapters are its row data ``"loras"`` (`diffserve.pipelines.row_data`),
+laid out per forward row (branch-major) by collation; a plan is made for the step batch's rows.
+A forward over part of the rows (TeaCache's computing requests, CFG parallelism's share) narrows
+the forward context, and the hooks follow it (`LoraSwitch.current`).
 Modules whose input has ``k`` rows per batch row (e.g. per-token timestep embeddings flattened to
 ``rows * tokens``) get the plan stretched row-major; a plan whose rows all carry the same
 adapters applies to any number of rows (text encoders encoding several texts for one request).
@@ -34,6 +37,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from diffserve.pipelines.row_data import current_rows
+
+#: The row-data key of a request's LoRA adapters (its `RowLoras`).
+ROW_KEY = "loras"
 
 #: A row's adapters: sorted ``(slot, scale)`` pairs (empty: no LoRA).
 RowLoras = tuple[tuple[int, float], ...]
@@ -163,6 +171,9 @@ class LoraSwitch:
         self.plan: LoraPlan | None = None
         self.active = False
         self._lock = threading.RLock()
+        #: the last forward context seen by `current` and its plan
+        self._context = None
+        self._context_plan: LoraPlan | None = None
 
     @contextmanager
     def use(self, plan: LoraPlan | None) -> Iterator[None]:
@@ -176,19 +187,25 @@ class LoraSwitch:
             finally:
                 self.plan, self.active = previous
 
-    @contextmanager
-    def narrowed(self, rows: Sequence[int]) -> Iterator[None]:
-        """Within the block, the current plan restricted to `rows` (a forward that runs part of
-        the batch's rows, e.g. TeaCache computing only some requests). Called inside `use`."""
+    def current(self) -> LoraPlan | None:
+        """The plan of the forward running now: `plan`, or, inside a forward over part of the
+        batch's rows (a narrowed forward context holding other ``"loras"`` rows), the plan of
+        those rows (built once per narrowed context)."""
         plan = self.plan
         if plan is None:
-            yield
-            return
-        self.plan = plan.select(rows)
-        try:
-            yield
-        finally:
-            self.plan = plan
+            return None
+        rows = current_rows()
+        loras = rows.get(ROW_KEY) if rows else None
+        if loras is None:
+            return plan
+        if rows is self._context:
+            return self._context_plan
+        if len(loras) == plan.num_rows and tuple(r or () for r in loras) == plan.rows:
+            narrowed = plan
+        else:
+            narrowed = LoraPlan([r or () for r in loras], plan.device)
+        self._context, self._context_plan = rows, narrowed
+        return narrowed
 
 
 class LoraModuleSlots:
@@ -333,8 +350,9 @@ def _lora_rows_op(out: torch.Tensor, x: torch.Tensor, key: int) -> None:
     """``out += `` the per-row LoRA deltas of hooked module `key` for input `x` under the
     current plan (what compiled graphs call: opaque, so plans and slots never recompile)."""
     slots, switch = _HOOKED[key]
-    if switch.plan is not None:
-        slots.add(out, x, switch.plan)
+    plan = switch.current()
+    if plan is not None:
+        slots.add(out, x, plan)
 
 
 @_lora_rows_op.register_fake
@@ -354,7 +372,9 @@ def install_hook(slots: LoraModuleSlots, switch: LoraSwitch) -> torch.utils.hook
         if torch.compiler.is_compiling():
             torch.ops.diffserve.lora_rows_(out, args[0], key)
         else:
-            slots.add(out, args[0], switch.plan)
+            plan = switch.current()
+            if plan is not None:
+                slots.add(out, args[0], plan)
         return out
 
     handle = slots.module.register_forward_hook(hook)

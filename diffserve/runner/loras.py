@@ -20,7 +20,7 @@ from typing import Any
 from diffserve.config import EngineConfig
 from diffserve.core.errors import InvalidRequestError
 from diffserve.lora.pool import LoraPool
-from diffserve.lora.rows import RowLoras
+from diffserve.lora.rows import ROW_KEY, RowLoras
 from diffserve.pipelines.base import PipelineAdapter, RequestState
 
 
@@ -108,28 +108,29 @@ class RunnerLoras:
 
     # ------------------------------------------------------------------ requests
     def acquire(self, state: RequestState) -> None:
-        """Pin the request's adapters in device slots and set ``state.loras``.
+        """Pin the request's adapters in device slots and set its row data ``"loras"`` (sorted
+        ``(slot, scale)`` pairs; collation lays them out per row).
 
         Raises:
             InvalidRequestError: (field ``loras``) an adapter is not loaded on this worker.
             LoraSlotsFullError: no slot left (the request scheduler prevents it).
         """
         loras = state.params.loras
+        state.row_data.pop(ROW_KEY, None)
         if not loras:
-            state.loras = ()
             return
         if self._pool is None:
             raise InvalidRequestError("loras", loras, "names of loaded LoRA adapters (none is loaded)")
         try:
-            state.loras = self._pool.acquire(loras)
+            state.row_data[ROW_KEY] = self._pool.acquire(loras)
         except KeyError as exc:
             raise InvalidRequestError("loras", loras, "names of loaded LoRA adapters", detail=str(exc)) from None
 
     def release(self, state: RequestState) -> None:
-        """Unpin what `acquire` pinned for `state` (once: ``state.loras`` is cleared)."""
-        if state.loras and self._pool is not None:
+        """Unpin what `acquire` pinned for `state` (once: its row data ``"loras"`` is
+        removed)."""
+        if state.row_data.pop(ROW_KEY, None) and self._pool is not None:
             self._pool.release(list(state.params.loras or ()))
-        state.loras = ()
 
     def text_key(self, loras: dict[str, float] | None) -> tuple:
         """The prompt-cache key part of a request's text-encoder adapters (names, load
@@ -160,17 +161,11 @@ class RunnerLoras:
 
     def denoising(self, batch: Any):
         """The context of a step batch's denoiser forward: each row adds its adapters
-        (`StepBatch.lora_rows`); nothing when the pool does not exist."""
+        (its row data ``"loras"``); nothing when the pool does not exist."""
         if self._pool is None:
             return nullcontext()
-        return self._pool.denoising(getattr(batch, "lora_rows", None))
-
-    def narrowed(self, rows: Sequence[int]):
-        """Within the block, a forward over `rows` of the current batch (e.g. TeaCache computing
-        only some requests' rows) adds those rows' adapters."""
-        if self._pool is None:
-            return nullcontext()
-        return self._pool.denoise.narrowed(rows)
+        rows = batch.row_data.get(ROW_KEY)
+        return self._pool.denoising(tuple(r or () for r in rows) if rows else None)
 
     def warmup_contexts(self) -> list:
         """Contexts the compile warm-up runs its forwards in: without LoRA rows, and (with a

@@ -35,6 +35,7 @@ from diffserve.core.messages import (
 from diffserve.pipelines.base import PipelineAdapter, RequestState, is_finite
 from diffserve.runner.base import Runner
 from diffserve.runner.loader import load_adapter
+from diffserve.lora.rows import ROW_KEY
 from diffserve.runner.loras import RunnerLoras
 from diffserve.memory.accounting import peak_memory_bytes
 from diffserve.runner.model_memory import ModelMemory
@@ -98,7 +99,6 @@ class ModelRunner(Runner):
         self.loras = RunnerLoras(self.adapter, config)
         self.accelerator = Accelerator(self.adapter, config, stage=self.memory.offload.stage,
                                        warmup_contexts=self.loras.warmup_contexts())
-        self.adapter.row_subset = self.loras.narrowed
         self.memory.ready()
 
     # ------------------------------------------------------------------ model facts
@@ -213,8 +213,8 @@ class ModelRunner(Runner):
             states, composition = self._last_states
         else:
             states, composition = [self.states[i] for i in request_ids], tuple(request_ids)
-            if any(s.loras for s in states):  # requests sharing adapters in adjacent rows: slices, no gathers
-                states.sort(key=lambda s: s.loras)
+            if any(ROW_KEY in s.row_data for s in states):  # requests sharing adapters in adjacent rows: slices
+                states.sort(key=lambda s: s.row_data.get(ROW_KEY, ()))
             self._last_ids, self._last_states = request_ids, (states, composition)
         with self.memory.offload.stage("denoise") as loads, self.memory.window(composition) as window:
             if len(states) > 1 and not self.accelerator.shares_forward:
@@ -247,16 +247,9 @@ class ModelRunner(Runner):
         if failures:
             out.errors = {i: WorkError.of(e) for i, e in failures.items()}
             states = [s for s in states if s.request_id not in failures]
-        if self._step_keys_vary:
+        if adapter.step_keys_vary:  # else steps report none: the engine keeps the one `prepare` reported
             out.step_keys = {s.request_id: adapter.step_key(s) for s in states}
         return out
-
-    @property
-    def _step_keys_vary(self) -> bool:
-        """Whether the adapter's step key can change while a request runs (it overrides
-        `PipelineAdapter.step_key`); if not, steps report none and the engine keeps the one
-        `prepare` reported."""
-        return type(self.adapter).step_key is not PipelineAdapter.step_key
 
     def _denoise(self, batch):
         """The batch's forward; with CFG parallelism each rank runs its share of the rows."""
@@ -389,7 +382,7 @@ class ModelRunner(Runner):
                 return ChunkDone(request_id, chunk_index=index, frames=new, video=video, event_ids=event_ids,
                                  seconds=time.perf_counter() - start)
             with self.loras.encoding(state.params.loras):
-                interactions = [(i, self.adapter.prompt_branch(state, i.prompt)) for i in work.interactions]
+                interactions = [(i, self.adapter.text_branch(state, i.prompt)) for i in work.interactions]
             state.branches[-1] = stream.next_branch(state.branches[-1], interactions)
             self.adapter.start_chunk(state, frames)
             self.accelerator.reset(state)

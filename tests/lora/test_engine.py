@@ -204,7 +204,7 @@ def test_compiled_engine_switches_adapters_without_recompiling(tiny_sd3_dir, lor
     engine.shutdown()
 
 
-def test_teacache_rows_that_compute_keep_their_adapters(tiny_sd3_dir, lora_files):
+def test_teacache_rows_that_compute_keep_their_adapters(tiny_sd3_dir, lora_files, monkeypatch):
     """TeaCache runs the blocks on the rows of the requests that compute: a LoRA request that
     computes while its batch-mate reuses its residual gets its own adapter's deltas (equal to
     its run alone)."""
@@ -214,12 +214,13 @@ def test_teacache_rows_that_compute_keep_their_adapters(tiny_sd3_dir, lora_files
                                           overlap_stages=False))
     short = SamplingParams(seed=1, loras={"a": 1.0}, **{**P, "num_inference_steps": 4})
     long = SamplingParams(seed=2, **{**P, "num_inference_steps": 8})
-    adapter = engine.runner.adapter
+    from diffserve.acceleration import teacache
+
     subsets = []
-    narrowed = adapter.row_subset
-    adapter.row_subset = lambda rows: subsets.append(list(rows)) or narrowed(rows)
+    narrowed_rows = teacache.narrowed_rows
+    monkeypatch.setattr(teacache, "narrowed_rows", lambda index: subsets.append(list(index)) or narrowed_rows(index))
     together = engine.generate(["a cat", "a dog"], [short, long])
-    adapter.row_subset = narrowed
+    monkeypatch.setattr(teacache, "narrowed_rows", narrowed_rows)
     assert subsets and all(len(rows) == 2 for rows in subsets)  # one request's two CFG rows computed alone
     alone = [engine.generate("a cat", short)[0], engine.generate("a dog", long)[0]]
     for t, a in zip(together, alone):

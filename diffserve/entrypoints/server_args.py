@@ -29,8 +29,10 @@ from diffserve.core.errors import InvalidRequestError
 
 #: Environment variable read when ``--api-key`` is not given.
 API_KEY_ENV = "DIFFSERVE_API_KEY"
-#: File descriptors kept free of connections (model files, logs, the listening socket...).
-RESERVED_FDS = 64
+#: File descriptors of ``RLIMIT_NOFILE`` not given to ``--max-connections``: the connections
+#: accepted only to be refused (`diffserve.entrypoints.openai.acceptor.REFUSAL_MARGIN`, 32) plus
+#: 64 for the rest of the process (model files, logs, the listening socket, spilled images...).
+RESERVED_FDS = 96
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +63,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                            "http://ADDRESS:PORT the connection was accepted on)")
     conn = parser.add_argument_group("connections")
     conn.add_argument("--max-connections", type=int, default=512, metavar="N",
-                      help="most open connections; more are answered 503 and closed")
+                      help="most connections served at once; a few more are answered 503 and closed, the rest "
+                           "wait in the listen backlog until one closes (at most ulimit -n minus "
+                           f"{RESERVED_FDS})")
     conn.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
                       help="seconds for a request's line and headers to arrive (408 and close after)")
     conn.add_argument("--body-timeout", type=float, default=30.0, metavar="S",

@@ -184,7 +184,7 @@ def test_connection_limit_refuses_with_503_and_logs_bounded(engine):
     old_level = log.level
     log.setLevel(logging.INFO)
     limits = ConnectionLimits(max_connections=4, header_timeout_s=30)
-    http_protocol._connection_log.reset()
+    http_protocol.connection_log.reset()
     try:
         with serve(create_app(engine, "m"), limits=limits) as base:
             address = _host_port(base)

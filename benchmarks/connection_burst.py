@@ -2,7 +2,8 @@
 
 Starts the server (the built-in model unless ``--model``) in a subprocess under a given
 ``RLIMIT_NOFILE``, opens ``--connections`` TCP connections to it at once (non-blocking
-connects, then one ``GET /health`` each, ``Connection: close``), and reports:
+connects, then one ``GET /health`` each, ``Connection: close``; by default once the model loaded,
+``--during-load`` while it loads), and reports:
 
 - the peak number of descriptors the server process held (``/proc/PID/fd`` sampled every ~2 ms
   from a thread), against ``--max-connections``;
@@ -261,6 +262,13 @@ def get(port: int, path: str, timeout_s: float = 10.0) -> tuple[int, str]:
     return int(head.split(b" ", 2)[1]), body.decode(errors="replace")
 
 
+def _status_or_none(port: int, path: str) -> int | None:
+    try:
+        return get(port, path, timeout_s=5)[0]
+    except OSError:
+        return None
+
+
 def connection_metrics(port: int) -> dict[str, float]:
     """The ``diffserve_connections_*`` and ``diffserve_accept_errors_total`` samples of ``/metrics``."""
     status, body = get(port, "/metrics")
@@ -278,6 +286,12 @@ def run_arm(loop: str, args: argparse.Namespace, log_dir: Path) -> dict:
     server = start_server(loop, args.nofile, args.max_connections, log_dir, model=args.model,
                           extra=("--header-timeout", str(args.header_timeout)))
     try:
+        if not args.during_load:
+            deadline = time.monotonic() + 300
+            while _status_or_none(server.port, "/health") != 200:
+                if time.monotonic() > deadline or server.popen.poll() is not None:
+                    raise RuntimeError(f"the model did not load:\n{server.log.read_text()[-3000:]}")
+                time.sleep(0.2)
         with FdSampler(server.pid) as sampler:
             time.sleep(0.2)
             base_fds = sampler.count()
@@ -307,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds the client waits for all answers")
     parser.add_argument("--model", default=None, help="model folder or name (default: the built-in one)")
+    parser.add_argument("--during-load", action="store_true",
+                        help="burst as soon as the server listens, while its model loads (default: once /health "
+                             "answers 200)")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of every run")
     parser.add_argument("--log-dir", default=None, help="keep the server logs in this folder (default: deleted)")
     args = parser.parse_args(argv)

@@ -57,7 +57,7 @@ from diffserve.entrypoints.openai.errors import (
     install_error_handlers,
     unavailable,
 )
-from diffserve.entrypoints.openai.middleware import ApiKeyAuth, StatusCounter
+from diffserve.entrypoints.openai.middleware import ApiKeyAuth, HostAllowList, StatusCounter
 from diffserve.entrypoints.openai.ops.health import install_health_route
 from diffserve.entrypoints.openai.ops.metrics import ServerMetrics, install_metrics_route
 from diffserve.entrypoints.openai.ops.sleep import CONTROL_PATHS, install_sleep_routes
@@ -236,6 +236,8 @@ def create_app(
     video_ttl_s: float = DEFAULT_VIDEO_TTL_S,
     max_video_jobs: int = DEFAULT_MAX_VIDEO_JOBS,
     max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES,
+    enable_sleep_mode: bool | None = None,
+    allowed_hosts: list[str] | None = None,
 ) -> FastAPI:
     """Build the FastAPI app serving `engine` under the name `served_model_name`.
 
@@ -268,6 +270,11 @@ def create_app(
         video_store: where video jobs live (e.g. a store shared between replicas); None = a
             `LocalVideoStore` in `video_store_dir` (None: a private temporary folder) with
             `video_ttl_s`, `max_video_jobs` and `max_video_bytes`. The app closes it at exit.
+        enable_sleep_mode: serve ``POST /sleep``, ``POST /wake_up`` and ``GET /is_sleeping``
+            (``--enable-sleep-mode``); None: as `engine`'s config says (False with
+            `engine_loader`).
+        allowed_hosts: the ``Host`` header values (names or addresses, any port) the server
+            answers; others get 400 (`middleware.HostAllowList`). None: any host.
 
     Raises:
         ValueError: neither or both of `engine` and `engine_loader` given, or a non-positive
@@ -301,11 +308,17 @@ def create_app(
         store.close()
         video_store.close()
 
+    if enable_sleep_mode is None:
+        enable_sleep_mode = engine is not None and engine.engine.config.enable_sleep_mode
     app = FastAPI(title="diffserve", summary="OpenAI-compatible image generation server", lifespan=lifespan)
     app.state.diffserve = state
     install_error_handlers(app)
+    auth = {401: {"model": ErrorResponse, "description": "Missing or wrong API key (with --api-key)"}} \
+        if api_key is not None else {}
+    open_routes_auth = auth if api_key_protect_all else {}
     install_sleep_routes(app, state, wake_on_request=wake_on_request, allowed_origins=allowed_origins,
-                         public_url=public_url)
+                         public_url=public_url, routes=enable_sleep_mode, auth_responses=auth,
+                         open_auth_responses=open_routes_auth)
     install_video_stream_routes(app, state)
     app.add_middleware(StatusCounter, metrics=metrics, paths=GENERATION_PATHS)
     if api_key is not None:
@@ -315,7 +328,8 @@ def create_app(
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["Authorization", "Content-Type"],
                            expose_headers=["X-Request-Id", "Retry-After"])
-    auth = {401: {"model": ErrorResponse, "description": "Missing or wrong API key (with --api-key)"}}
+    if allowed_hosts is not None and "*" not in allowed_hosts:
+        app.add_middleware(HostAllowList, allowed_hosts=allowed_hosts)  # outermost: before anything else
     errors = {code: {"model": ErrorResponse} for code in (400, 404, 408, 413, 415, 429, 500, 503)}
     sse = {"schema": SSE_EVENT_SCHEMA}
 
@@ -366,7 +380,6 @@ def create_app(
             raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
         return model_card()
 
-    open_routes_auth = auth if api_key_protect_all else {}
     install_health_route(app, state, open_routes_auth)
     install_metrics_route(app, metrics, open_routes_auth)
 

@@ -1,5 +1,6 @@
 """ASGI middleware of the HTTP server: generation requests counted by final status
-(`StatusCounter`, for the metrics) and API-key authentication (`ApiKeyAuth`, ``--api-key``)."""
+(`StatusCounter`, for the metrics), API-key authentication (`ApiKeyAuth`, ``--api-key``) and the
+``Host`` allow-list (`HostAllowList`, ``--allowed-hosts``)."""
 
 from __future__ import annotations
 
@@ -84,4 +85,46 @@ class ApiKeyAuth:
         else:
             message = "Incorrect API key provided."
         error = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await error.to_response()(scope, receive, send)
+
+
+def host_name(host_header: str) -> str:
+    """The name or address of a ``Host`` header value, without the port, lower case
+    (``"[::1]:8000"`` -> ``"::1"``, ``"Example.COM:80"`` -> ``"example.com"``)."""
+    host = host_header.strip().lower()
+    if host.startswith("["):  # an IPv6 literal
+        return host[1:host.find("]")] if "]" in host else host[1:]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+class HostAllowList:
+    """ASGI middleware: answer only requests whose ``Host`` header names one of
+    `allowed_hosts` (any port; ``.example.com`` also matches its subdomains); others get 400
+    ``invalid_host`` in OpenAI's format. A browser page whose site name was re-pointed at this
+    server's address (DNS rebinding) sends its own name as ``Host``, so it is refused before
+    any route (or the same-origin check of form posts) sees it. A request without ``Host``
+    (HTTP/1.0; browsers always send it) passes."""
+
+    def __init__(self, app, allowed_hosts: list[str]):
+        self.app = app
+        self.names = frozenset(h.lower().strip("[]") for h in allowed_hosts if not h.startswith("."))
+        self.suffixes = tuple(h.lower() for h in allowed_hosts if h.startswith("."))
+
+    def allows(self, host_header: str) -> bool:
+        """Whether a request with this ``Host`` header value is answered."""
+        name = host_name(host_header)
+        return name in self.names or any(name.endswith(s) or name == s[1:] for s in self.suffixes)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        host = next((value for name, value in scope["headers"] if name == b"host"), None)
+        if host is None or self.allows(host.decode("latin-1")):
+            await self.app(scope, receive, send)
+            return
+        shown = host.decode("latin-1")[:100]
+        error = APIError(400, f"Invalid Host header {shown!r}: this server answers only to "
+                              f"{', '.join(sorted(self.names) + list(self.suffixes))} (--allowed-hosts).",
+                         code="invalid_host")
         await error.to_response()(scope, receive, send)

@@ -178,7 +178,7 @@ def run_server(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace, config: EngineConfig, name: str, sock: socket.socket,
            limits: ConnectionLimits) -> int:
     """`run_server` once the listening socket is bound."""
-    from diffserve.entrypoints.server_args import allowed_origins
+    from diffserve.entrypoints.server_args import allowed_hosts, allowed_origins
 
     server = None
 
@@ -198,7 +198,8 @@ def _serve(args: argparse.Namespace, config: EngineConfig, name: str, sock: sock
                      allowed_origins=allowed_origins(args.allowed_origins), public_url=args.public_url,
                      sse_heartbeat_s=args.sse_heartbeat, wake_on_request=args.wake_on_request,
                      video_store_dir=args.video_store_dir, video_ttl_s=args.video_ttl,
-                     max_video_jobs=args.max_video_jobs, max_video_bytes=args.max_video_bytes)
+                     max_video_jobs=args.max_video_jobs, max_video_bytes=args.max_video_bytes,
+                     enable_sleep_mode=config.enable_sleep_mode, allowed_hosts=allowed_hosts(args))
     state: ServerState = app.state.diffserve
     uv_config = uvicorn_config(app, args.host, args.port, limits=limits, log_level=args.log_level,
                                shutdown_timeout_s=args.shutdown_timeout)

@@ -56,7 +56,10 @@ class RequestState:
     Attributes:
         params: resolved `SamplingParams` (no None fields that the model uses).
         inputs: input images / mask, or None for text-to-image.
-        generator: CPU `torch.Generator` seeded with ``params.seed``.
+        generator: CPU `torch.Generator` seeded with ``params.seed``; with several images
+            per prompt, a list of one generator per image seeded with
+            `SamplingParams.image_seeds` (diffusers' per-image generators: image i is drawn as
+            the one-image request with seed + i draws it).
         latents: (num_images, ...) in the family's latent layout (e.g. (N, C, h, w) for SD3,
             packed (N, h*w/4, 4C) for Flux), in the model dtype.
         branches: per guidance branch (unconditional/negative first, conditional last), the
@@ -80,7 +83,7 @@ class RequestState:
     prompt: str
     params: SamplingParams
     inputs: RequestInputs | None = None
-    generator: torch.Generator | None = None
+    generator: torch.Generator | list[torch.Generator] | None = None
     latents: torch.Tensor | None = None
     branches: list[dict[str, Any]] = field(default_factory=list)
     shared: dict[str, Any] = field(default_factory=dict)
@@ -321,7 +324,7 @@ class PipelineAdapter(ABC):
         state.prompt_truncated = self.prompt_is_truncated(state.prompt, p.max_sequence_length)
         if p.negative_prompt and self.branches(p) > 1:
             state.negative_prompt_truncated = self.prompt_is_truncated(p.negative_prompt, p.max_sequence_length)
-        state.generator = torch.Generator(device="cpu").manual_seed(p.seed)
+        state.generator = request_generator(p)
         state.step_index = 0
         self.prepare_request(state)
 
@@ -466,3 +469,13 @@ def is_finite(tensor: torch.Tensor) -> bool:
 
 __all__ = ["AdapterOptions", "Capabilities", "CacheDiTSupport", "DenoiserCall", "PipelineAdapter",
            "RequestInputs", "RequestState", "StepBatch", "TeaCacheSupport", "checked_pixels", "is_finite"]
+
+
+def request_generator(params: SamplingParams) -> torch.Generator | list[torch.Generator]:
+    """The CPU generator(s) a request draws its noise from: one seeded with ``params.seed`` for
+    one image; for several, one per image seeded with `SamplingParams.image_seeds`, which
+    diffusers' ``prepare_latents`` / ``randn_tensor`` and schedulers' ``step`` take as a list
+    (row i drawn from generator i)."""
+    seeds = params.image_seeds()
+    generators = [torch.Generator(device="cpu").manual_seed(seed) for seed in seeds]
+    return generators[0] if len(generators) == 1 else generators

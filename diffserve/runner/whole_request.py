@@ -246,7 +246,8 @@ class WholeRequestRunner:
             value = getattr(p, field)
             if value is not None and argument in self.signature:
                 kwargs[argument] = value
-        kwargs["generator"] = torch.Generator(device="cpu").manual_seed(p.seed)
+        generators = [torch.Generator(device="cpu").manual_seed(seed) for seed in p.image_seeds()]
+        kwargs["generator"] = generators[0] if len(generators) == 1 else generators  # image i: seed + i
         if "output_type" in self.signature:
             kwargs["output_type"] = p.output_type
         inputs = new.inputs

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from diffusers import StableDiffusion3Pipeline
 
 from diffserve import DiffusionEngine, EngineConfig, SamplingParams
+from seeds import image_generators
 
 
 def _reference(folder, prompt, *, steps, guidance, seed, n=1, negative=None, t5=False):
@@ -22,7 +22,7 @@ def _reference(folder, prompt, *, steps, guidance, seed, n=1, negative=None, t5=
         guidance_scale=guidance,
         height=64,
         width=64,
-        generator=torch.Generator().manual_seed(seed),
+        generator=image_generators(seed, n),
         output_type="np",
     ).images
 

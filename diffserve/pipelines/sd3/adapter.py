@@ -301,6 +301,8 @@ class StableDiffusion3Adapter(PipelineAdapter):
             retrieve_timesteps(scheduler, p.num_inference_steps, self.device, **kwargs)
             timesteps, num_steps = pipe.get_timesteps(p.num_inference_steps, self._strength(p), self.device)
             latent_timestep = timesteps[:1].repeat(p.num_images_per_prompt)
+            if isinstance(state.generator, list):  # one image row per generator, each encoded with its own
+                pixels = pixels.repeat(len(state.generator), 1, 1, 1)
             state.latents = pipe.prepare_latents(pixels, latent_timestep, 1, p.num_images_per_prompt, dtype,
                                                  self.device, state.generator)
         begin = len(scheduler.timesteps) - len(timesteps)

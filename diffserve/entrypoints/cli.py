@@ -92,7 +92,8 @@ def check_generate_arguments(args: argparse.Namespace, parser: argparse.Argument
     Raises:
         InvalidRequestError: naming the field (mapped to its flag by `usage_error_message`).
     """
-    from diffserve.core.sampling_params import MAX_SEED, ModelSpec, RequestLimits, SamplingParams, validate_prompt
+    from diffserve.core.sampling_params import (MAX_SEED, ModelSpec, RequestLimits, SamplingParams, image_seed,
+                                                validate_prompt)
 
     prompt = validate_prompt(_prompt(args, parser))
     check_engine_arguments(args)
@@ -114,7 +115,7 @@ def check_generate_arguments(args: argparse.Namespace, parser: argparse.Argument
                        num_inference_steps=args.steps, guidance_scale=args.guidance,
                        true_cfg_scale=args.true_cfg_scale, strength=getattr(args, "strength", None),
                        num_frames=getattr(args, "num_frames", None), fps=getattr(args, "fps", None),
-                       seed=None if args.seed is None else (args.seed + i) % (MAX_SEED + 1))
+                       seed=None if args.seed is None else image_seed(args.seed, i))
         for i in range(n)
     ]
     # The model-independent range checks (steps, guidance, seed, negative prompt, size > 0, strength,
@@ -211,6 +212,10 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         limit = f" of {spec.max_prompt_tokens} tokens" if spec.max_prompt_tokens else ""
         print(f"diffserve: warning: the prompt is longer than the text encoder's limit{limit} and was truncated",
               file=sys.stderr)
+    if any(o.ok and o.negative_prompt_truncated for o in ordered):
+        limit = f" of {spec.max_prompt_tokens} tokens" if spec.max_prompt_tokens else ""
+        print(f"diffserve: warning: the negative prompt is longer than the text encoder's limit{limit} and was "
+              "truncated", file=sys.stderr)
     status = 0
     name = model_name(args.model)
     video_format = getattr(args, "video_format", None) or "mp4"

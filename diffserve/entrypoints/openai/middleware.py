@@ -1,10 +1,12 @@
 """ASGI middleware of the HTTP server: generation requests counted by final status
-(`StatusCounter`, for the metrics), API-key authentication (`ApiKeyAuth`, ``--api-key``) and the
-``Host`` allow-list (`HostAllowList`, ``--allowed-hosts``)."""
+(`StatusCounter`, for the metrics), API-key authentication (`ApiKeyAuth`, ``--api-key``), the
+``Host`` allow-list (`HostAllowList`, ``--allowed-hosts``) and the routes of capabilities the
+loaded model lacks (`CapabilityGate`)."""
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from diffserve.entrypoints.openai.errors import CLIENT_CLOSED_REQUEST, APIError
@@ -64,7 +66,8 @@ class ApiKeyAuth:
         self.links_prefix = links_prefix
         self.protect_all = protect_all
 
-    def _protected(self, path: str) -> bool:
+    def protects(self, path: str) -> bool:
+        """Whether a request to `path` needs the key."""
         if self.protect_all:
             return True
         if path in self.control_paths:
@@ -72,7 +75,7 @@ class ApiKeyAuth:
         return (path == "/v1" or path.startswith("/v1/")) and not path.startswith(self.links_prefix)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not self._protected(scope["path"]):
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not self.protects(scope["path"]):
             await self.app(scope, receive, send)
             return
         given = next((value for name, value in scope["headers"] if name == b"authorization"), None)
@@ -128,3 +131,28 @@ class HostAllowList:
                               f"{', '.join(sorted(self.names) + list(self.suffixes))} (--allowed-hosts).",
                          code="invalid_host")
         await error.to_response()(scope, receive, send)
+
+
+class CapabilityGate:
+    """ASGI middleware: a request whose path a capability serves (`capability_of`, e.g.
+    ``/v1/videos/...`` -> ``text-to-video``) that the loaded model lacks gets 404
+    ``unsupported_endpoint`` in OpenAI's format (`message`), whatever its method; the served
+    OpenAPI schema leaves those paths out too. `served` returns the loaded model's capabilities
+    (None while it loads: every route answers, with 503 where it needs the model)."""
+
+    def __init__(self, app, capability_of: Callable[[str], "str | None"], served: Callable[[], "set[str] | None"],
+                 message: Callable[[str, str], str]):
+        self.app = app
+        self.capability_of = capability_of
+        self.served = served
+        self.message = message
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            capability = self.capability_of(scope["path"])
+            served = self.served() if capability is not None else None
+            if served is not None and capability not in served:
+                error = APIError(404, self.message(scope["path"], capability), code="unsupported_endpoint")
+                await error.to_response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

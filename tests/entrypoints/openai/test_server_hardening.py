@@ -494,7 +494,8 @@ def test_openapi_states_the_enforced_limits_and_content_types(engine):
         content = post["responses"]["200"]["content"]
         assert set(content) == {"application/json", "text/event-stream"}
         assert content["text/event-stream"]["schema"]["properties"]["event"]["enum"] == [
-            "image_generation.partial_image", "image_generation.completed", "error"]
+            "image_generation.partial_image", "image_generation.completed", "diffserve.queued", "diffserve.progress",
+            "error"]
         assert {"400", "401", "404", "408", "413", "415", "429", "500", "503"} <= set(post["responses"])
         assert set(spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
         assert httpx.get(f"{base}/metrics").headers["content-type"].startswith("text/plain")

@@ -200,13 +200,12 @@ class _ConnectionCollector:
                                 "errors); new connections wait in the listen backlog.", value=int(snap["paused"]))
 
 
-def install_metrics_route(app: FastAPI, metrics: ServerMetrics, responses: dict) -> None:
-    """Add ``GET /metrics`` (the Prometheus exposition of `metrics`) to `app`; `responses`: extra
-    OpenAPI responses of the route (401 under ``--api-key-protect-all``)."""
+def install_metrics_route(app: FastAPI, metrics: ServerMetrics) -> None:
+    """Add ``GET /metrics`` (the Prometheus exposition of `metrics`) to `app`."""
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={
         200: {"description": "Prometheus text exposition format",
-              "content": {"text/plain": {"schema": {"type": "string"}}}}, **responses})
+              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus_metrics() -> Response:
         """Prometheus exposition of the server's metrics."""
         body, content_type = metrics.render()

@@ -103,8 +103,7 @@ class SleepState(BaseModel):
 
 def install_sleep_routes(app: FastAPI, state: Any, wake_on_request: bool = False,
                          allowed_origins: list[str] | None = None, public_url: str | None = None,
-                         routes: bool = True, auth_responses: dict | None = None,
-                         open_auth_responses: dict | None = None) -> None:
+                         routes: bool = True) -> None:
     """Add the sleep gate on ``POST /v1/...``, a 503 handler for `EngineSleepingError` and,
     with `routes`, ``/sleep``, ``/wake_up`` and ``/is_sleeping`` to `app` (call before the app
     starts).
@@ -122,8 +121,6 @@ def install_sleep_routes(app: FastAPI, state: Any, wake_on_request: bool = False
         routes: serve the three routes (``--enable-sleep-mode``); without them the engine can
             still be put to sleep in process (`DiffusionEngine.sleep`), and the gate answers
             for it.
-        auth_responses / open_auth_responses: OpenAPI responses added to the POST routes / to
-            ``GET /is_sleeping`` (401 when an API key protects them).
     """
 
     app.add_middleware(_SleepGate, state=state, wake_on_request=wake_on_request)
@@ -138,8 +135,7 @@ def install_sleep_routes(app: FastAPI, state: Any, wake_on_request: bool = False
         return
     error = {"model": ErrorResponse}
     control = {403: {**error, "description": "Posted by a page of another site"},
-               503: {**error, "description": "The model is loading, failed to load, or the server is shutting down"},
-               **(auth_responses or {})}
+               503: {**error, "description": "The model is loading, failed to load, or the server is shutting down"}}
 
     @app.post("/sleep", response_model=SleepState, responses={400: {**error, "description": "Invalid level"},
                                                                **control})
@@ -161,7 +157,7 @@ def install_sleep_routes(app: FastAPI, state: Any, wake_on_request: bool = False
         await asyncio.get_running_loop().run_in_executor(None, engine.wake_up)
         return JSONResponse({"is_sleeping": engine.is_sleeping})
 
-    @app.get("/is_sleeping", response_model=SleepState, responses={503: control[503], **(open_auth_responses or {})})
+    @app.get("/is_sleeping", response_model=SleepState, responses={503: control[503]})
     async def is_sleeping() -> JSONResponse:
         """Whether the engine is asleep."""
         engine = _sync_engine(_loaded_engine(state))

@@ -53,6 +53,10 @@ class ModelSpec:
             not used); ``frame_factor`` k: num_frames must be k*m + 1 (Wan: 4); max_num_frames.
         default_fps: frames per second of the output video.
         accepts_images: the model takes input images (image-to-image / edit).
+        requires_images: every request needs an input image (an edit-only model: no
+            text-to-image).
+        max_input_images: most input images a request may give (with `accepts_images`).
+        accepts_mask: the model takes a mask with its input image (inpainting).
         default_strength: img2img strength default (None = not used).
     """
 
@@ -75,6 +79,9 @@ class ModelSpec:
     max_num_frames: int | None = None
     default_fps: int | None = None
     accepts_images: bool = False
+    requires_images: bool = False
+    max_input_images: int = 1
+    accepts_mask: bool = False
     default_strength: float | None = None
 
 

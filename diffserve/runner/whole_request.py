@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from diffserve.core.errors import InvalidRequestError
+from diffserve.core.inputs import MAX_INPUT_IMAGES
 from diffserve.core.messages import Decoded, ModelInfo, NewRequest, Prepared, RequestPlan, StepOutput, WorkError
 from diffserve.pipelines.diffusion_scheduler import new_scheduler
 from diffserve.memory.accounting import peak_memory_bytes
@@ -212,6 +213,8 @@ class WholeRequestRunner:
             default_num_frames=int(self._default("num_frames")) if has("num_frames") and self._default("num_frames")
             else None,
             accepts_images=has("image"),
+            max_input_images=MAX_INPUT_IMAGES,  # whatever its ``image`` takes (a list or one)
+            accepts_mask=has("mask_image"),
             default_strength=float(self._default("strength")) if has("strength") and self._default("strength")
             else None,
         )

@@ -60,6 +60,9 @@ TEXT_PATTERN = r"^[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]*$"
 #: 2**63 - 1 (`MAX_SEED`) rounds to it, so JSON-Schema tools working in doubles would disagree
 #: with the server about the largest seed.
 SEED_BOUND = MAX_SEED + 1
+#: Least ``strength`` of an edit: any above it leaves at least one denoising step at any step
+#: count (diffusers counts N - int(N - N x strength) steps; far below it that rounds to none).
+MIN_STRENGTH = 1e-6
 #: Longest video a request may ask for in ``seconds`` (the model's frame limit may be lower).
 MAX_VIDEO_SECONDS = 3600
 #: Largest number of size alternatives spelled out in the served schema's ``size`` pattern.
@@ -197,9 +200,10 @@ class ImageEditRequest(_ImageRequest):
     ``strength``: the model's img2img default.
     """
 
-    strength: float | None = Field(None, gt=0, le=1, allow_inf_nan=False,
+    strength: float | None = Field(None, ge=MIN_STRENGTH, le=1, allow_inf_nan=False,
                                    description="image-to-image strength: the fraction of the denoising schedule "
-                                               "run on the noised input image (0 < s <= 1; default: the model's)")
+                                               "run on the noised input image, at least one step (1e-6 <= s <= 1; "
+                                               "default: the model's)")
     input_fidelity: Literal["high", "low"] | None = Field(None, description="accepted for compatibility and "
                                                                             "ignored: use strength")
 
@@ -672,7 +676,8 @@ class ModelCard(BaseModel):
         config = engine.config
         limits = config.limits
         max_n = min(limits.max_num_images_per_prompt, config.max_waiting_requests)
-        images = ["text-to-image", "image-edit"]  # the Images API's parameters; videos have their own
+        tasks = model_tasks(spec)
+        images = [t for t in ("text-to-image", "image-edit") if t in tasks]  # the Images API's; videos have theirs
         edit = ["image-edit"]
         video = ["text-to-video"]
         parameters = {
@@ -713,16 +718,17 @@ class ModelCard(BaseModel):
         for name, default in unused.items():  # a parameter the model does not take is not listed
             if default is None:
                 parameters.pop(name)
-        return cls(id=model_id, created=created, capabilities=model_tasks(spec), parameters=parameters,
+        return cls(id=model_id, created=created, capabilities=tasks, parameters=parameters,
                    step_batching=engine.model_info.step_batching)
 
 
 def model_tasks(spec) -> list[str]:
     """What a model does, from its spec: ``text-to-video`` (a video model), else
-    ``text-to-image``, plus ``image-edit`` when it takes input images."""
+    ``text-to-image`` (unless every request needs an input image), plus ``image-edit`` when it
+    takes input images."""
     if spec.default_num_frames is not None:
         return ["text-to-video"]
-    return ["text-to-image"] + (["image-edit"] if spec.accepts_images else [])
+    return (["text-to-image"] if not spec.requires_images else []) + (["image-edit"] if spec.accepts_images else [])
 
 
 class ModelList(BaseModel):

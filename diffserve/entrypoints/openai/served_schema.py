@@ -85,7 +85,8 @@ def served_openapi(schema: dict[str, Any], state: Any) -> dict[str, Any]:
             operation["requestBody"]["content"][media_type]["schema"] = value
 
     body(GENERATIONS_PATH, JSON, request_json_schema(spec, limits, max_n, ImageGenerationRequest))
-    body(EDITS_PATH, MULTIPART, edit_form_schema(request_json_schema(spec, limits, max_n, ImageEditRequest)))
+    body(EDITS_PATH, MULTIPART, edit_form_schema(request_json_schema(spec, limits, max_n, ImageEditRequest),
+                                                 spec.max_input_images, spec.accepts_mask))
     if "text-to-video" in capabilities:
         video = video_request_schema(spec, limits)
         body(VIDEOS_PATH, JSON, video)

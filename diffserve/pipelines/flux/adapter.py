@@ -142,6 +142,7 @@ class FluxAdapter(PipelineAdapter):
             text_conditioned=True,
             max_prompt_tokens=pipe.tokenizer_max_length,
             accepts_images=self.accepts_images,
+            requires_images=self.accepts_images,  # Kontext edits a reference image
         )
         teacache = config.get("teacache", {})
         self.capabilities = Capabilities(

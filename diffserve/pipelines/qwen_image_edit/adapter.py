@@ -125,7 +125,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return {"processor": load_qwen2vl_processor}
 
     def extra_spec(self, config: dict[str, Any]) -> dict[str, Any]:
-        return {"accepts_images": True, "default_max_sequence_length": None, "max_sequence_length_limit": None,
+        return {"accepts_images": True, "requires_images": True, "default_max_sequence_length": None, "max_sequence_length_limit": None,
                 "max_prompt_tokens": None}
 
     def make_text_encoder(self) -> TextEncoder:

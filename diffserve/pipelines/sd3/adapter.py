@@ -194,7 +194,9 @@ class StableDiffusion3Adapter(PipelineAdapter):
 
     def check_params(self, params: SamplingParams, inputs) -> None:
         """Image-to-image takes exactly one input image and no mask; strength needs an image
-        and must leave at least one step."""
+        and must leave at least one step as diffusers counts them (`num_steps`: any strength in
+        (0, 1] does unless it is below ~1e-15 x num_inference_steps, where the float count
+        rounds to none)."""
         images = inputs.images if inputs is not None else []
         if inputs is not None and inputs.mask is not None:
             raise InvalidRequestError("mask", "<mask>", f"absent: {self.pipeline_class_name} image-to-image "
@@ -205,11 +207,9 @@ class StableDiffusion3Adapter(PipelineAdapter):
             if params.strength is not None:
                 raise InvalidRequestError("strength", params.strength, "unset without an input image")
             return
-        strength = self._strength(params)
-        if int(params.num_inference_steps * strength) < 1:
-            raise InvalidRequestError(
-                "strength", strength, f"at least 1/num_inference_steps = {1 / params.num_inference_steps:g} "
-                "(strength x steps must leave at least one step)")
+        if self.num_steps(params, inputs) < 1:
+            raise InvalidRequestError("strength", self._strength(params), "large enough to leave one denoising step "
+                                      f"of {params.num_inference_steps} (e.g. 1e-6 or more)")
 
     def _strength(self, params: SamplingParams) -> float:
         return self.spec.default_strength if params.strength is None else params.strength

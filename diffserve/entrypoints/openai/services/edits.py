@@ -83,18 +83,22 @@ def parse_edit_form(form: FormBody):
     return body, inputs, digests
 
 
-def edit_form_schema(fields: dict | None = None) -> dict:
+def edit_form_schema(fields: dict | None = None, max_images: int = MAX_INPUT_IMAGES, mask: bool = True) -> dict:
     """OpenAPI schema of the ``multipart/form-data`` body: the text fields (`fields`, the JSON
     schema of `ImageEditRequest`, e.g. as served for the loaded model; default: all of them)
-    and the files."""
+    and the files: ``image`` (at most `max_images`, several as ``image[]``) and, with `mask`,
+    ``mask``."""
     binary = {"type": "string", "format": "binary"}
-    schema = form_schema(fields or ImageEditRequest.model_json_schema(), {
-        "image": {"anyOf": [binary, {"type": "array", "items": binary, "minItems": 1, "maxItems": MAX_INPUT_IMAGES}],
-                  "description": "input image(s): PNG, JPEG or WebP (several as image[])"},
-        "mask": {**binary, "description": "mask of the first image's size (transparent pixels are edited)"},
-    })
+    files = {"image": {"anyOf": [binary, {"type": "array", "items": binary, "minItems": 1, "maxItems": max_images}],
+                       "description": f"input image(s): PNG, JPEG or WebP files, at most {max_images} (several, or "
+                                      "one, as image[])"}}
+    if mask:
+        files["mask"] = {**binary, "description": "mask: a PNG, JPEG or WebP file of the first image's size "
+                                                  "(transparent pixels are edited)"}
+    schema = form_schema(fields or ImageEditRequest.model_json_schema(), files)
     schema["required"] = sorted({*schema.get("required", []), "image"})
     return schema
+
 
 
 def install_edit_routes(app: FastAPI, state, allowed_origins: list[str] | None = None,

@@ -54,7 +54,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.requests import ClientDisconnect
 
 from diffserve.entrypoints.openai.errors import CLIENT_CLOSED_REQUEST, APIError, invalid_request, overloaded, unavailable
@@ -63,6 +63,7 @@ from diffserve.entrypoints.openai.protocol import (
     MAX_PROMPT_CHARS,
     PROMPT_PATTERN,
     SEED_BOUND,
+    SIZE_PATTERN,
     TEXT_PATTERN,
     ErrorResponse,
     parse_size,
@@ -78,6 +79,7 @@ from diffserve.entrypoints.openai.services.admission import request_fingerprint
 from diffserve.media.video_encoding import VIDEO_FORMATS, encode_video
 from diffserve.core.errors import EngineDeadError, EngineOverloadedError, InteractionRefusedError, InvalidRequestError
 from diffserve.core.outputs import EventType, RequestStatus, StreamEvent
+from diffserve.engine.engine import MAX_EVENT_ID_CHARS, MAX_TRANSITION_CHUNKS
 from diffserve.core.sampling_params import MAX_GUIDANCE_SCALE, SamplingParams, validate_prompt
 
 logger = logging.getLogger(__name__)
@@ -110,7 +112,8 @@ class VideoStreamRequest(BaseModel):
                         description="the first chunks' prompt (interactions change it later)")
     num_chunks: int = Field(ge=1, description="chunks to generate, 1..the engine's limit (1024 by default)")
     model: str | None = Field(None, description="the served model's name (GET /v1/models); optional")
-    size: str | None = Field(None, description='"WIDTHxHEIGHT" in pixels, or "auto" (the model default)')
+    size: str | None = Field(None, description='"WIDTHxHEIGHT" in pixels, or "auto" (the model default)',
+                             json_schema_extra={"pattern": SIZE_PATTERN})
     num_frames: int | None = Field(None, ge=1, description="frames per chunk (4k + 1 for Wan); the first chunk "
                                    "sends them all, each later one all but the one it repeats")
     fps: int | None = Field(None, ge=1, le=240, description="playback rate of the encoded chunks")
@@ -122,6 +125,18 @@ class VideoStreamRequest(BaseModel):
                                                          "whole video")
     include_video: bool = Field(True, description="send the whole video again in the completed event")
 
+    @field_validator("num_chunks", "num_frames", "fps", "num_inference_steps", "seed", mode="before")
+    @classmethod
+    def _integral_numbers_are_integers(cls, value: Any) -> Any:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)  # JSON Schema's "integer" is any number without a fraction
+        return value
+
+
+#: An interaction's ``event_id`` over HTTP: printable ASCII (the engine takes any printable text;
+#: JSON Schema's regular expressions cannot state Python's `str.isprintable`).
+EVENT_ID_PATTERN = r"^[\x20-\x7e]+$"
+
 
 class InteractionRequest(BaseModel):
     """Body of ``POST /v1/videos/streams/{stream_id}/interactions`` (see
@@ -130,10 +145,18 @@ class InteractionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: str = Field(max_length=MAX_PROMPT_CHARS, json_schema_extra={"minLength": 1, "pattern": PROMPT_PATTERN})
-    transition_chunks: int = Field(0, ge=0, description="chunks over which the prompt moves to the new one")
-    event_id: str | None = Field(None, min_length=1, max_length=256,
-                                 description="echoed on the first chunk that uses the new prompt (default: a "
-                                             "fresh id, returned)")
+    transition_chunks: int = Field(0, ge=0, le=MAX_TRANSITION_CHUNKS,
+                                   description="chunks over which the prompt moves to the new one")
+    event_id: str | None = Field(None, min_length=1, max_length=MAX_EVENT_ID_CHARS, pattern=EVENT_ID_PATTERN,
+                                 description="echoed on the first chunk that uses the new prompt (printable "
+                                             "ASCII; default: a fresh id, returned)")
+
+    @field_validator("transition_chunks", mode="before")
+    @classmethod
+    def _integral_numbers_are_integers(cls, value: Any) -> Any:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return value
 
 
 class InteractionResponse(BaseModel):

@@ -6,6 +6,7 @@ enforces, and the server answers only what the schema documents."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,4 +41,5 @@ def test_schemathesis_finds_no_failure(model):
              "--seed", "3", "--phases", PHASES[model], "--request-timeout", "20", "--generation-database", "none", "--no-color"],
             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-2000:]
-    assert "No issues found" in run.stdout or " passed" in run.stdout.splitlines()[-1], run.stdout[-3000:]
+    # every generated case passed (warnings, e.g. ids no call supplies, end the summary line)
+    assert re.search(r"(\d+) generated, \1 passed", run.stdout), run.stdout[-3000:]

@@ -496,7 +496,10 @@ def test_openapi_states_the_enforced_limits_and_content_types(engine):
         assert content["text/event-stream"]["schema"]["properties"]["event"]["enum"] == [
             "image_generation.partial_image", "image_generation.completed", "diffserve.queued", "diffserve.progress",
             "error"]
-        assert {"400", "401", "404", "408", "413", "415", "429", "500", "503"} <= set(post["responses"])
+        assert {"400", "404", "408", "413", "415", "429", "500", "503"} <= set(post["responses"])
+        assert "401" not in post["responses"]  # no --api-key: nothing answers 401
+        keyed = create_app(engine, "m", api_key="k").openapi()["paths"]["/v1/images/generations"]["post"]
+        assert "401" in keyed["responses"]
         assert set(spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
         assert httpx.get(f"{base}/metrics").headers["content-type"].startswith("text/plain")
         # what the schema allows is accepted: integral numbers are integers, seeds wrap around

@@ -21,16 +21,21 @@ def _solo(engine, prompt, params):
 
 
 def test_request_added_mid_run_joins_next_step(sync_engine):
+    """A request added while another runs is admitted at the next tick, prepared beside that
+    tick's step (inline here: the scheduler output carries its prepare and the running batch's
+    step together) and joins the step after: one forward, two requests at different steps."""
     engine = sync_engine
     first = engine.add_request("a red car", _p(1, steps=6))
-    engine.step()  # admits + runs step 1 of `first`
+    engine.step()  # admits + prepares, then runs step 1 of `first` (a second tick of the same call)
     engine.step()
     late = engine.add_request("a blue car", _p(2, steps=3))
     events = engine.step()
     started = [e for e in events if e.type is EventType.STARTED]
     progress = {e.request_id: e.step for e in events if e.type is EventType.PROGRESS}
     assert [e.request_id for e in started] == [late]
-    assert progress == {first: 3, late: 1}  # one forward, two requests at different steps
+    assert progress == {first: 3}  # `late` was prepared in this tick, beside the step
+    progress = {e.request_id: e.step for e in engine.step() if e.type is EventType.PROGRESS}
+    assert progress == {first: 4, late: 1}  # one forward, two requests at different steps
     finals = {}
     while engine.has_unfinished_requests():
         for e in engine.step():

@@ -49,7 +49,7 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
 from diffserve.config import EngineConfig
-from diffserve.engine.async_engine import AsyncDiffusionEngine
+from diffserve.engine.client import AsyncDiffusionEngine
 from diffserve.entrypoints.model_name import model_name
 from diffserve.entrypoints.openai.errors import (
     CLIENT_CLOSED_REQUEST,
@@ -156,9 +156,9 @@ class ServerState:
         ``video-stream`` when it can stream video chunks; None while it loads."""
         if self.images is None:
             return None
-        sync_engine = self.images.engine.engine
-        served = set(model_tasks(sync_engine.spec))
-        if sync_engine.model_info.chunk_streaming:
+        engine = self.images.engine
+        served = set(model_tasks(engine.spec))
+        if engine.model_info.chunk_streaming:
             served.add("video-stream")
         return served
 
@@ -391,7 +391,7 @@ def create_app(
 
     def model_card() -> ModelCard:
         return ModelCard.describe(state.model_name, state.created,
-                                  state.engine.engine if state.engine is not None else None)
+                                  state.engine)
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:

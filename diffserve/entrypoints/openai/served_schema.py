@@ -59,7 +59,7 @@ def served_openapi(schema: dict[str, Any], state: Any) -> dict[str, Any]:
 
     Args:
         schema: the app's OpenAPI schema (modified in place and returned).
-        state: the `ServerState`: ``capabilities`` and ``images.engine.engine`` (spec, config).
+        state: the `ServerState`: ``capabilities`` and ``images.engine`` (spec, config).
     """
     _, definitions = models_json_schema([(model, "serialization") for model in SSE_PAYLOAD_MODELS],
                                         ref_template="#/components/schemas/{model}")
@@ -74,7 +74,7 @@ def served_openapi(schema: dict[str, Any], state: Any) -> dict[str, Any]:
         capability = capability_of(path)
         if capability is not None and capability not in capabilities:
             del paths[path]
-    engine = state.images.engine.engine
+    engine = state.images.engine
     spec, config = engine.spec, engine.config
     limits = config.limits
     max_n = min(limits.max_num_images_per_prompt, config.max_waiting_requests)

@@ -34,8 +34,8 @@ Metrics (all durations in seconds):
     diffserve_accept_paused                     1 while accepting is paused (connection limit or
                                                 accept errors: new connections wait in the backlog)
 
-The step metrics come from the engine's step listener (`DiffusionEngine.add_step_listener`);
-the engine counters (acceleration, non-finite outputs) from `DiffusionEngine.stats` at scrape
+The step metrics come from the engine's step listener (`EngineClient.add_step_listener`);
+the engine counters (acceleration, non-finite outputs) from `EngineClient.stats` at scrape
 time; the connection counters from the server's `ConnectionStats` (`connections`).
 """
 
@@ -53,7 +53,7 @@ from diffserve.core.outputs import GenerationOutput, RequestStatus
 from diffserve.entrypoints.openai.acceptor import ConnectionStats
 
 if TYPE_CHECKING:
-    from diffserve.engine.async_engine import AsyncDiffusionEngine
+    from diffserve.engine.client import EngineClient
 
 STAGES = ("queue", "encode", "denoise", "decode", "total")
 _STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -99,14 +99,13 @@ class ServerMetrics:
         for stage in STAGES:
             self.stage_seconds.labels(stage=stage)
 
-    def observe_engine(self, engine: AsyncDiffusionEngine) -> None:
+    def observe_engine(self, engine: EngineClient) -> None:
         """Read queue gauges from `engine` at scrape time and record every denoising step."""
-        sync_engine = engine.engine
-        self.waiting.set_function(lambda: sync_engine.num_waiting)
-        self.running.set_function(lambda: len(sync_engine.scheduler.running))
-        self.running_rows.set_function(lambda: sync_engine.num_running_rows)
-        sync_engine.add_step_listener(self._observe_step)
-        self.registry.register(_EngineCollector(sync_engine.stats))
+        self.waiting.set_function(lambda: engine.num_waiting)
+        self.running.set_function(lambda: engine.num_running)
+        self.running_rows.set_function(lambda: engine.num_running_rows)
+        engine.add_step_listener(self._observe_step)
+        self.registry.register(_EngineCollector(engine.stats))
 
     def _observe_step(self, num_rows: int, num_requests: int, seconds: float) -> None:
         self.step_seconds.observe(seconds)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from collections.abc import Iterator
 from typing import BinaryIO, Literal
@@ -83,7 +82,7 @@ from diffserve.media.metadata import video_metadata
 from diffserve.media.video_encoding import encode_mp4
 from diffserve.core.errors import InvalidRequestError
 from diffserve.core.outputs import EventType, RequestStatus, StreamEvent
-from diffserve.core.sampling_params import SamplingParams, validate_prompt
+from diffserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -158,13 +157,11 @@ class VideoService:
         """
         images = self.images
         engine = images.engine
-        sync_engine = engine.engine
-        spec, config = sync_engine.spec, sync_engine.config
+        spec = engine.spec
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
                                 f"'{self.model_name}' (GET /v1/models).", param="model", code="model_not_found")
         try:
-            prompt = validate_prompt(body.prompt, spec)
             size = parse_size(body.size)
             width, height = size if size is not None else (None, None)
             num_frames = body.num_frames
@@ -174,25 +171,23 @@ class VideoService:
                 if body.fps is not None:
                     raise InvalidRequestError("fps", body.fps, f"unset with seconds (seconds are counted at the "
                                               f"model's {spec.default_fps} fps; give num_frames with fps)")
-                longest = max_video_seconds(spec, config.limits)
+                longest = max_video_seconds(spec, engine.config.limits)
                 if body.seconds > longest:
                     raise InvalidRequestError("seconds", body.seconds, f"a number of seconds in (0, {longest:g}] (at "
                                               f"most the model's frames at its {spec.default_fps} fps)")
                 num_frames = frames_for_seconds(body.seconds, spec.default_fps, spec.frame_factor)
-            if body.seed is not None:
-                seed = body.seed
-            elif config.default_seed is not None:
-                seed = config.default_seed
-            else:
-                seed = secrets.randbelow(2**31)
             params = SamplingParams(negative_prompt=body.negative_prompt, height=height, width=width,
                                     num_inference_steps=body.num_inference_steps, guidance_scale=body.guidance_scale,
                                     guidance_scale_2=body.guidance_scale_2, true_cfg_scale=body.true_cfg_scale,
-                                    num_frames=num_frames, fps=body.fps, seed=seed, output_type="np")
-            resolved = params.resolve(spec, config.limits)
-            sync_engine.executor.plan(resolved, None)
+                                    num_frames=num_frames, fps=body.fps, seed=body.seed, output_type="np")
+            [request] = engine.input_processor.process(body.prompt, params)  # seed, checks, plan
         except InvalidRequestError as exc:
-            raise invalid_request(exc) from None
+            error = invalid_request(exc)
+            if exc.field == "num_frames" and body.seconds is not None:
+                error.param = "seconds"
+                error.message += f" (from seconds={body.seconds:g} at {spec.default_fps} fps)"
+            raise error from None
+        prompt, resolved = request.prompt, request.params
         now = time.time()
         job = VideoJob(id=new_video_id(now), created_at=now, model=self.model_name, prompt=prompt,
                        width=resolved.width, height=resolved.height, num_frames=resolved.num_frames,
@@ -207,13 +202,13 @@ class VideoService:
             error = unavailable(str(exc), "video_store_full")
             error.headers = {"Retry-After": str(exc.retry_after_s)}
             raise error from None
-        group = RequestGroup(engine, job.id, prompt, [params], self.metrics)
+        group = RequestGroup(engine, job.id, [request], self.metrics)
         try:
             await images.submit(group, 1, fingerprint)
         except BaseException:
             await asyncio.to_thread(self.store.delete, job.id)
             raise
-        job.queue_position = sync_engine.queue_position(group.ids[0])
+        job.queue_position = engine.queue_position(group.ids[0])
         if job.queue_position is not None:  # the store holds the job as created: write its place now
             await asyncio.to_thread(self.store.update, job)
         self._running[job.id] = group
@@ -228,7 +223,7 @@ class VideoService:
         """Follow the job's engine request: write its progress to the store, then its video (or
         its failure); abort it when the job was deleted."""
         loop = asyncio.get_running_loop()
-        sync_engine = self.images.engine.engine
+        engine = self.images.engine
         last_write = loop.time()
         deleted = False
         stored_position = job.queue_position  # what the store says (written by `create`)
@@ -246,7 +241,7 @@ class VideoService:
         try:
             async for item in group.events(self.images.engine_alive, tick_s=TICK_S):
                 if item is None:
-                    job.queue_position = sync_engine.queue_position(group.ids[0]) if job.status == "queued" else None
+                    job.queue_position = engine.queue_position(group.ids[0]) if job.status == "queued" else None
                     if job.queue_position != stored_position or loop.time() - last_write >= RENEW_S:
                         await save(force=True)
                     elif not deleted and await asyncio.to_thread(self.store.get, job.id) is None:
@@ -418,7 +413,11 @@ def install_video_routes(app: FastAPI, state, allowed_origins: list[str] | None 
                   JSON: {"schema": create_schema}, MULTIPART: {"schema": create_form}}}})
     async def create_video(raw_request: Request) -> Response:
         """Create a video job (OpenAI Videos API, plus diffserve's extension fields)."""
-        state.require_service()
+        images = state.require_service()
+        if images.engine.spec.default_num_frames is None:  # not in the served schema either
+            raise APIError(405, f"The model '{images.model_name}' generates images, not videos: POST /v1/videos "
+                                "is not served (use POST /v1/images/generations).", code="method_not_allowed",
+                           headers={"Allow": "GET"})
         kind = require_media_type(raw_request, (JSON, MULTIPART))
         try:
             if kind == JSON:

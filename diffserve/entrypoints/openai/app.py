@@ -334,7 +334,7 @@ def create_app(
         video_store.close()
 
     if enable_sleep_mode is None:
-        enable_sleep_mode = engine is not None and engine.engine.config.enable_sleep_mode
+        enable_sleep_mode = engine is not None and engine.config.enable_sleep_mode
     app = FastAPI(title="diffserve", summary="OpenAI-compatible image generation server", lifespan=lifespan)
     app.state.diffserve = state
     install_error_handlers(app)

@@ -209,7 +209,7 @@ def test_queued_jobs_report_their_queue_position(tiny_wan_dir, tmp_path):
     with serve(create_app(engine, MODEL, video_store=LocalVideoStore(tmp_path, ttl_s=600))) as base:
         job = {"size": "48x32", "num_frames": 9}
         running = httpx.post(f"{base}/v1/videos", json={**job, "prompt": "a", "num_inference_steps": LONG_STEPS}).json()
-        wait_until(lambda: len(engine.engine.scheduler.running) == 1, what="the first job running")
+        wait_until(lambda: engine.num_running == 1, what="the first job running")
         waiting = [httpx.post(f"{base}/v1/videos", json={**job, "prompt": p, "num_inference_steps": 2}).json()
                    for p in ("b", "c")]
         assert [w["queue_position"] for w in waiting] == [1, 2]

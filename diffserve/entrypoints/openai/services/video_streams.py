@@ -79,7 +79,7 @@ from diffserve.entrypoints.openai.services.admission import request_fingerprint
 from diffserve.media.video_encoding import VIDEO_FORMATS, encode_video
 from diffserve.core.errors import EngineDeadError, EngineOverloadedError, InteractionRefusedError, InvalidRequestError
 from diffserve.core.outputs import EventType, RequestStatus, StreamEvent
-from diffserve.engine.input_processor import MAX_EVENT_ID_CHARS, MAX_TRANSITION_CHUNKS
+from diffserve.engine.client import MAX_EVENT_ID_CHARS, MAX_TRANSITION_CHUNKS
 from diffserve.core.sampling_params import MAX_GUIDANCE_SCALE, MAX_SEED, SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -400,7 +400,7 @@ class ImageGenerationService:
             encoded = encode_image(output.images[0], plan.output_format, plan.compression)
             item = ImageObject(seed=output.seed, prompt_truncated=output.prompt_truncated,
                                negative_prompt_truncated=output.negative_prompt_truncated,
-                               timings=output.metrics.as_dict())
+                               timings=output.metrics.as_dict(), revised_prompt=output.ar_text)
             if reservation is not None:
                 now = time.time()
                 name, ttl_s = self.store.put(encoded, MEDIA_TYPES[plan.output_format], plan.output_format,
@@ -471,7 +471,8 @@ class ImageGenerationService:
                                               image_index=index, seed=output.seed,
                                               prompt_truncated=output.prompt_truncated,
                                               negative_prompt_truncated=output.negative_prompt_truncated,
-                                              timings=output.metrics.as_dict(), **common)
+                                              timings=output.metrics.as_dict(), revised_prompt=output.ar_text,
+                                              **common)
                         self.metrics.observe_images(1)
                         yield _sse(done.type, done.model_dump())
                         last_sent = loop.time()

@@ -60,6 +60,7 @@ from diffserve.entrypoints.openai.errors import (
 from diffserve.entrypoints.openai.middleware import ApiKeyAuth, CapabilityGate, HostAllowList, StatusCounter
 from diffserve.entrypoints.openai.ops.health import install_health_route
 from diffserve.entrypoints.openai.ops.metrics import ServerMetrics, install_metrics_route
+from diffserve.entrypoints.openai.ops.loras import install_lora_routes
 from diffserve.entrypoints.openai.ops.sleep import CONTROL_PATHS, install_sleep_routes
 from diffserve.entrypoints.openai.playground import install_playground
 from diffserve.entrypoints.openai.protocol import (
@@ -341,6 +342,7 @@ def create_app(
     install_sleep_routes(app, state, wake_on_request=wake_on_request, allowed_origins=allowed_origins,
                          public_url=public_url, routes=enable_sleep_mode)
     install_video_stream_routes(app, state)
+    install_lora_routes(app, state)
     app.add_middleware(StatusCounter, metrics=metrics, paths=GENERATION_PATHS)
     app.add_middleware(CapabilityGate, capability_of=capability_of, served=lambda: state.capabilities,
                        message=state.not_served)

@@ -24,7 +24,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from diffserve.core.errors import InvalidRequestError, LoraInUseError
+from diffserve.core.errors import InvalidRequestError, LoraInUseError, UnknownLoraError
 
 logger = logging.getLogger(__name__)
 
@@ -112,21 +112,21 @@ class LoraRegistry:
         """The entries a request's ``loras`` names (registering ``lora_dir`` ones).
 
         Raises:
-            InvalidRequestError: (field ``loras``) an unknown name, or more adapters than the
-                workers have slots.
+            UnknownLoraError: (field ``loras``) an unknown name.
+            InvalidRequestError: (field ``loras``) more adapters than the workers have slots.
         """
         if not loras:
             return []
+        entries = []
+        for name in loras:  # unknown names first: a missing resource (404 over HTTP) before a count
+            entry = self.get(name)
+            if entry is None:
+                raise UnknownLoraError("loras", dict(loras), f"names of loaded LoRA adapters ({self.known()})",
+                                       detail=f"unknown LoRA {name!r}")
+            entries.append(entry)
         if len(loras) > self.max_loras:
             raise InvalidRequestError("loras", dict(loras), f"at most {self.max_loras} LoRA adapters per request "
                                       "(--max-loras)")
-        entries = []
-        for name in loras:
-            entry = self.get(name)
-            if entry is None:
-                raise InvalidRequestError("loras", dict(loras), f"names of loaded LoRA adapters ({self.known()})",
-                                          detail=f"unknown LoRA {name!r}")
-            entries.append(entry)
         return entries
 
     def known(self) -> str:

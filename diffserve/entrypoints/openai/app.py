@@ -264,6 +264,7 @@ def create_app(
     max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES,
     enable_sleep_mode: bool | None = None,
     allowed_hosts: list[str] | None = None,
+    lora_loading: bool | None = None,
 ) -> FastAPI:
     """Build the FastAPI app serving `engine` under the name `served_model_name`.
 
@@ -296,6 +297,8 @@ def create_app(
         video_store: where video jobs live (e.g. a store shared between replicas); None = a
             `LocalVideoStore` in `video_store_dir` (None: a private temporary folder) with
             `video_ttl_s`, `max_video_jobs` and `max_video_bytes`. The app closes it at exit.
+        lora_loading: serve ``POST /v1/loras`` (loading LoRA adapters at run time, only from
+            ``--lora-dir``); None = whether the engine's config has a ``lora_dir``.
         enable_sleep_mode: serve ``POST /sleep``, ``POST /wake_up`` and ``GET /is_sleeping``
             (``--enable-sleep-mode``); None: as `engine`'s config says (False with
             `engine_loader`).
@@ -342,7 +345,9 @@ def create_app(
     install_sleep_routes(app, state, wake_on_request=wake_on_request, allowed_origins=allowed_origins,
                          public_url=public_url, routes=enable_sleep_mode)
     install_video_stream_routes(app, state)
-    install_lora_routes(app, state)
+    if lora_loading is None:
+        lora_loading = engine is not None and engine.config.lora_dir is not None
+    install_lora_routes(app, state, loading=lora_loading)
     app.add_middleware(StatusCounter, metrics=metrics, paths=GENERATION_PATHS)
     app.add_middleware(CapabilityGate, capability_of=capability_of, served=lambda: state.capabilities,
                        message=state.not_served)

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_serializer
 
 from diffserve.core.errors import InvalidRequestError
 from diffserve.core.sampling_params import MAX_GUIDANCE_SCALE, MAX_LORA_SCALE, MAX_SEED
@@ -92,6 +92,11 @@ class _StrictRequest(BaseModel):
 #: The ``loras`` extension field of generation requests (images, edits, videos, video streams).
 LORAS_DESCRIPTION = ("LoRA adapters to apply, {name: scale} (GET /v1/loras lists the names; several compose, as "
                      "diffusers' set_adapters); scales finite in [-4, 4]; in a multipart form, a JSON object")
+
+#: The ``loras`` field's type: non-empty names to finite scales in [-4, 4] (the served schema
+#: states both, so a schema-valid request is refused only for a name the server does not hold: 404).
+LoraScales = dict[Annotated[str, StringConstraints(min_length=1, max_length=128)],
+                  Annotated[float, Field(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE, allow_inf_nan=False)]]
 
 
 def loras_from_text(value: Any) -> Any:
@@ -174,7 +179,7 @@ class _ImageRequest(_StrictRequest):
         None, description="with stream=true: also send diffserve.queued (place in the waiting queue) and "
                           "diffserve.progress (denoising steps done) events, and diffserve.ar_delta "
                           "(multi-stage models: each new piece of the AR stage's text) events")
-    loras: dict[str, float] | None = Field(None, description=LORAS_DESCRIPTION)
+    loras: LoraScales | None = Field(None, description=LORAS_DESCRIPTION)
 
     @field_validator("loras", mode="before")
     @classmethod
@@ -539,7 +544,7 @@ class VideoCreateRequest(_StrictRequest):
     true_cfg_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE_SCALE, allow_inf_nan=False,
                                          description="true-CFG weight (models with true CFG)")
     seed: int | None = Field(None, ge=0, lt=SEED_BOUND, description="seed (default: random, reported)")
-    loras: dict[str, float] | None = Field(None, description=LORAS_DESCRIPTION)
+    loras: LoraScales | None = Field(None, description=LORAS_DESCRIPTION)
 
     @field_validator("loras", mode="before")
     @classmethod

@@ -38,6 +38,8 @@ def server(tiny_sd3_dir, tmp_path_factory):
                                   {"transformer": (random_lora(pipe.transformer, ("to_q",), 2, seed=9), 2, 2.0)})
     engine = new_engine(tiny_sd3_dir, lora_dir=str(lora_dir), loras={"preloaded": str(lora_dir / "style")})
     with serve(create_app(engine, MODEL, api_key="secret")) as base:
+        body = httpx.get(f"{base}/openapi.json").json()["paths"]["/v1/loras"]["post"]["requestBody"]
+        assert body["required"] and set(body["content"]) == {"application/json"}  # served with --lora-dir
         yield base, lora_dir, outside
 
 
@@ -55,8 +57,10 @@ def test_generations_take_loras(server):
     from_dir = _image(post({"prompt": "a cat", "loras": {"style": 1.0}, **FAST}))  # loads on first use
     assert np.abs(styled - plain).max() > 0
     assert np.abs(styled - from_dir).max() <= 1  # the same file under two names
-    for loras, fragment in [({"nope": 1.0}, "unknown LoRA 'nope'"), ({"style": 9.0}, "[-4, 4]"),
-                            ({"style": "x"}, None), ("style", None)]:
+    resp = post({"prompt": "a cat", "loras": {"nope": 1.0}, **FAST})  # a missing resource, as vLLM's unknown LoRA
+    assert_openai_error(resp, 404, param="loras")
+    assert resp.json()["error"]["code"] == "lora_not_found" and "unknown LoRA 'nope'" in resp.json()["error"]["message"]
+    for loras, fragment in [({"style": 9.0}, "less than or equal to 4"), ({"style": "x"}, None), ("style", None)]:
         resp = post({"prompt": "a cat", "loras": loras, **FAST})
         assert_openai_error(resp, 400, param="loras")
         if fragment:

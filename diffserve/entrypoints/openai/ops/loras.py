@@ -48,9 +48,12 @@ class LoraDeleted(BaseModel):
     deleted: bool = True
 
 
-def install_lora_routes(app: FastAPI, state) -> None:
-    """Add the ``/v1/loras`` routes; `state` is the app's `ServerState`."""
+def install_lora_routes(app: FastAPI, state, loading: bool = True) -> None:
+    """Add the ``/v1/loras`` routes; `state` is the app's `ServerState`. ``POST /v1/loras`` only
+    with `loading` (a server with ``--lora-dir``: without one nothing could load, so the route is
+    not served and the schema does not list it)."""
     errors = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 503)}
+    body_errors = {**errors, **{code: {"model": ErrorResponse} for code in (413, 415)}}
 
     def engine():
         state.require_service()
@@ -61,17 +64,19 @@ def install_lora_routes(app: FastAPI, state) -> None:
         """The LoRA adapters requests may name (``--lora-dir`` files appear once named)."""
         return LoraList(data=engine().list_loras())
 
-    @app.post("/v1/loras", responses=errors)
-    async def load_lora(raw_request: Request) -> dict[str, Any]:
-        """Load a LoRA adapter from inside ``--lora-dir``; its listing entry."""
-        body = await read_json(raw_request, LoraLoadRequest)
-        client = engine()
-        try:
-            return await asyncio.to_thread(client.load_lora, body.name, body.path, "api", True)
-        except InvalidRequestError as exc:
-            raise invalid_request(exc) from None
-        except LoraInUseError as exc:
-            raise APIError(409, str(exc), param="name", code="lora_in_use") from None
+    if loading:
+        @app.post("/v1/loras", responses=body_errors, openapi_extra={"requestBody": {"required": True, "content": {
+            "application/json": {"schema": LoraLoadRequest.model_json_schema()}}}})
+        async def load_lora(raw_request: Request) -> dict[str, Any]:
+            """Load a LoRA adapter from inside ``--lora-dir``; its listing entry."""
+            body = await read_json(raw_request, LoraLoadRequest)
+            client = engine()
+            try:
+                return await asyncio.to_thread(client.load_lora, body.name, body.path, "api", True)
+            except InvalidRequestError as exc:
+                raise invalid_request(exc) from None
+            except LoraInUseError as exc:
+                raise APIError(409, str(exc), param="name", code="lora_in_use") from None
 
     @app.delete("/v1/loras/{name}", response_model=LoraDeleted, responses=errors)
     async def unload_lora(name: str) -> LoraDeleted:

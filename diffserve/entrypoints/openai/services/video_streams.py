@@ -67,6 +67,7 @@ from diffserve.entrypoints.openai.protocol import (
     SIZE_PATTERN,
     TEXT_PATTERN,
     ErrorResponse,
+    LoraScales,
     parse_size,
     sse_event_schema,
 )
@@ -125,7 +126,7 @@ class VideoStreamRequest(BaseModel):
     output_format: Literal["mp4", "webp", "gif"] = Field("mp4", description="encoding of each chunk and of the "
                                                          "whole video")
     include_video: bool = Field(True, description="send the whole video again in the completed event")
-    loras: dict[str, float] | None = Field(None, description=LORAS_DESCRIPTION)
+    loras: LoraScales | None = Field(None, description=LORAS_DESCRIPTION)
 
     @field_validator("num_chunks", "num_frames", "fps", "num_inference_steps", "seed", mode="before")
     @classmethod

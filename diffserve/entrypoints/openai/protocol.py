@@ -67,6 +67,8 @@ MIN_STRENGTH = 1e-6
 MAX_VIDEO_SECONDS = 3600
 #: Largest number of size alternatives spelled out in the served schema's ``size`` pattern.
 MAX_SCHEMA_SIDES = 512
+#: Longest ``size`` pattern the served schema spells out pair by pair (characters).
+MAX_SIZE_PATTERN_CHARS = 65536
 
 
 def _schema_null_only(schema: dict[str, Any]) -> None:
@@ -308,8 +310,9 @@ def request_json_schema(spec: "ModelSpec | None" = None, limits: "RequestLimits 
     400, like any unknown field); ``n`` in [1, max_n]; ``num_inference_steps`` in [1, limit];
     ``num_frames`` as the list of counts the model allows (``k*m + 1`` up to its maximum);
     ``num_chunks`` in [1, limit]; and ``size`` spelled out as the allowed ``WxH`` values
-    (multiples of the model's resolution factor up to its maximum) when there are at most
-    `MAX_SCHEMA_SIDES` per side."""
+    (multiples of the model's resolution factor up to its maximum, and within ``max_pixels``)
+    when there are at most `MAX_SCHEMA_SIDES` per side and the pattern stays within
+    `MAX_SIZE_PATTERN_CHARS`."""
     schema = (model or ImageGenerationRequest).model_json_schema()
     props = schema["properties"]
     if max_n is not None and "n" in props:
@@ -334,9 +337,19 @@ def request_json_schema(spec: "ModelSpec | None" = None, limits: "RequestLimits 
         top = min(side_max if side_max is not None else limits.max_pixels // f, limits.max_pixels // f)
         sides.append([str(v) for v in range(f, top + 1, f)])
     widths, heights = sides
-    fits = int(widths[-1]) * int(heights[-1]) <= limits.max_pixels if widths and heights else False
-    if fits and max(len(widths), len(heights)) <= MAX_SCHEMA_SIDES and "size" in props:
+    if not widths or not heights or max(len(widths), len(heights)) > MAX_SCHEMA_SIDES or "size" not in props:
+        return schema
+    if int(widths[-1]) * int(heights[-1]) <= limits.max_pixels:
         _constrain(props["size"], pattern=f"^(auto|({'|'.join(widths)})[xX]({'|'.join(heights)}))$")
+        return schema
+    # the pixel budget binds before the sides do: each width with the heights that fit beside it
+    rows = []
+    for width in widths:
+        fit = [h for h in heights if int(width) * int(h) <= limits.max_pixels]
+        if fit:
+            rows.append(f"{width}[xX]({'|'.join(fit)})")
+    if rows and sum(map(len, rows)) <= MAX_SIZE_PATTERN_CHARS:
+        _constrain(props["size"], pattern=f"^(auto|{'|'.join(rows)})$")
     return schema
 
 

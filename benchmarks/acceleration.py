@@ -159,8 +159,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
 
     labels = None
     if args.prompt is None:  # digit prompts, scored by the digit judge
-        from diffserve.models.digits import data
-        from quality import make_prompts
+        from quality import make_prompts  # puts the repository root (training/) on sys.path
+        from training.digits import data
 
         base, base_labels = make_prompts(data.TRAIN_TEMPLATES + data.HELDOUT_TEMPLATES, args.n_per_digit)
         labels = np.repeat(base_labels, args.repeats)

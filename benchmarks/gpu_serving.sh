@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the per-step overhead targets in one run (about 6-8 minutes on an H200):
-#   1. the CUDA-graph tests (tests/test_cuda_graphs.py: replays equal eager forwards, padded buckets);
+#   1. the CUDA-graph tests (tests/acceleration/test_cuda_graphs.py: replays equal eager forwards, padded buckets);
 #   2. the built-in model, closed loop at concurrency 16: diffusers one at a time and static batches,
 #      step mode eager and with CUDA graphs, the ceiling, batch-1 overhead, the launch overhead the
 #      graphs remove (benchmarks/serving.py --arms ...,step_graphs);
@@ -50,7 +50,7 @@ run() {  # run NAME TIMEOUT_S COMMAND...: print it, keep its output in $out/NAME
     echo "=== $name: exit ${PIPESTATUS[0]}"
 }
 
-run cuda_graph_tests 100 "$py" -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py
+run cuda_graph_tests 100 "$py" -m pytest -q -p no:cacheprovider tests/acceleration/test_cuda_graphs.py
 run digits_serving 200 "$py" benchmarks/serving.py $digits --arms "baseline,static,step$graphs" --json
 run digits_step_layers 60 "$py" benchmarks/step_overhead.py $overhead
 if [ -n "${SMOKE:-}" ] && [ -z "$graphs" ]; then

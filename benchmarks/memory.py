@@ -12,7 +12,7 @@ the CPU, where they live), serves one warm-up request, then ``--requests`` concu
 Reported: ``resident_bytes`` (device memory after loading: CUDA allocator bytes in use; CPU:
 process RSS), ``peak_bytes`` (the peak while serving: CUDA allocator peak; CPU: process RSS
 high-water mark), ``request_peak_bytes`` (median per-request peak above the resident model, see
-`diffserve.outputs.RequestMetrics`), ``images_per_s`` and ``offload_loads_per_request``.
+`diffserve.core.outputs.RequestMetrics`), ``images_per_s`` and ``offload_loads_per_request``.
 On a CPU device the offload arms move nothing (the device is the CPU): the CPU run checks the
 script, not the savings.
 
@@ -53,7 +53,7 @@ def run_arm(args: argparse.Namespace) -> dict:
     import torch
 
     from diffserve import DiffusionEngine, EngineConfig, SamplingParams
-    from diffserve.runner.memory import PeakWindow, release_host_memory, rss_bytes
+    from diffserve.memory.accounting import PeakWindow, release_host_memory, rss_bytes
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -3,7 +3,7 @@
 Generates ``--n-per-digit`` images for each digit 0..9 from prompt templates, then reports:
 
 * judge accuracy per digit and overall: an RBF-kernel SVM (scikit-learn ``SVC``) trained on the
-  same fixed training split as the model (``diffserve.models.digits.data``), never on generated
+  same fixed training split as the model (``training.digits.data``), never on generated
   images; its accuracy on the 360 held-out real images is printed as the ceiling;
 * mean seconds per image (wall clock of the generate call / number of images);
 * diversity: mean pairwise L2 distance among the samples of one digit divided by the same for
@@ -39,9 +39,12 @@ import numpy as np
 import torch
 from sklearn.svm import SVC
 
-from diffserve.models.digits import DEFAULT_MODEL_PATH, data
-from diffserve.models.digits.train import PACKAGE_MODEL_CARD
-from diffserve.models.training import QUALITY_BEGIN, QUALITY_END
+#: training/ (the built-in models' data and judges' helpers) lives at the repository root, outside the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from diffserve.models.digits import DEFAULT_MODEL_PATH  # noqa: E402
+from training.digits import data  # noqa: E402
+from training.digits.train import PACKAGE_MODEL_CARD  # noqa: E402
+from training.common import QUALITY_BEGIN, QUALITY_END  # noqa: E402
 
 #: Judge hyper-parameters (chosen on the held-out split: 99.4 % accuracy).
 JUDGE_C = 5.0

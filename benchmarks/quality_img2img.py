@@ -21,10 +21,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from quality import build_judge, judge_images
+from quality import build_judge, judge_images  # puts the repository root (training/) on sys.path
 
 from diffserve import DiffusionEngine, EngineConfig, SamplingParams
-from diffserve.models.digits import data
+from training.digits import data
 
 
 @dataclass

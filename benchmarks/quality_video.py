@@ -56,9 +56,10 @@ from quality import (  # noqa: E402
     write_judge_table,
 )
 
-from diffserve.models.digits import data as digit_data  # noqa: E402
-from diffserve.models.digits_video import DEFAULT_MODEL_PATH, data  # noqa: E402
-from diffserve.models.digits_video.train import PACKAGE_MODEL_CARD, euler_scheduler  # noqa: E402
+from diffserve.models.digits_video import DEFAULT_MODEL_PATH  # noqa: E402
+from training.digits import data as digit_data  # noqa: E402
+from training.digits_video import data  # noqa: E402
+from training.digits_video.train import PACKAGE_MODEL_CARD, euler_scheduler  # noqa: E402
 
 #: Gray level (0..1) above which a pixel counts as part of the digit for the centre of mass.
 BRIGHT_THRESHOLD = 0.25
@@ -78,7 +79,7 @@ class ClipRequest:
 
 def make_requests(subject_templates: tuple[str, ...], n_per_combo: int) -> list[ClipRequest]:
     """``n_per_combo`` prompts for each (digit, direction), cycling subject and motion templates
-    (:data:`~diffserve.models.digits_video.data.MOTION_TEMPLATES`).
+    (:data:`~training.digits_video.data.MOTION_TEMPLATES`).
 
     Returns:
         ``10 * 4 * n_per_combo`` requests grouped by digit, then direction.

@@ -72,12 +72,13 @@ import numpy as np
 import torch
 
 from diffserve import DiffusionEngine, EngineConfig, SamplingParams
-from diffserve.entrypoints.cli import parse_size
+from diffserve.entrypoints.cli_args import parse_size
 from diffserve.pipelines.registry import adapter_class
-from diffserve.runner.loader import load_components, pipeline_config
+from diffserve.models.model_index import pipeline_config
+from diffserve.runner.loader import load_components
 from diffserve.runner.model_runner import ModelRunner
 from diffserve.pipelines.base import AdapterOptions, RequestState
-from diffserve.sampling_params import RequestLimits
+from diffserve.core.sampling_params import RequestLimits
 
 PROMPTS = [
     "a handwritten digit {d}", "the number {w}", "digit {d}", "{d}", "handwritten {w}",

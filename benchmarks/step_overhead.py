@@ -6,7 +6,7 @@ stage, memory window), the adapter's step (`collate` + `denoise` + `combine` + d
 Each layer's time includes the layers below it; the differences are each layer's own work.
 Reports the median and the mean per step (the mean shows rare slow calls, e.g. a lock wait)
 over `--steps` steps of `--requests` requests batched together (after 20 warm-up steps), and
-the RSS high-water-mark resets the CPU memory windows made (`diffserve.runner.memory`).
+the RSS high-water-mark resets the CPU memory windows made (`diffserve.memory.accounting`).
 
 Usage::
 
@@ -32,7 +32,7 @@ from collections import defaultdict
 
 import torch
 
-import diffserve.runner.memory as runner_memory
+import diffserve.memory.accounting as runner_memory
 from diffserve import DiffusionEngine, EngineConfig, SamplingParams
 
 LAYERS = ("engine", "runner", "adapter step", "denoiser forward")

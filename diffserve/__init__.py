@@ -16,20 +16,20 @@ _EXPORTS = {
     "DiffusionEngine": "diffserve.engine.engine",
     "AsyncDiffusionEngine": "diffserve.engine.async_engine",
     "EngineConfig": "diffserve.config",
-    "SamplingParams": "diffserve.sampling_params",
-    "GenerationOutput": "diffserve.outputs",
-    "RequestMetrics": "diffserve.outputs",
-    "RequestStatus": "diffserve.outputs",
-    "StreamEvent": "diffserve.outputs",
-    "EventType": "diffserve.outputs",
-    "InvalidRequestError": "diffserve.errors",
-    "EngineOverloadedError": "diffserve.errors",
-    "UnsupportedModelError": "diffserve.errors",
-    "RequestFailedError": "diffserve.errors",
-    "EngineDeadError": "diffserve.errors",
-    "EngineSleepingError": "diffserve.errors",
-    "NonFiniteOutputError": "diffserve.errors",
-    "RequestInputs": "diffserve.pipelines.base",
+    "SamplingParams": "diffserve.core.sampling_params",
+    "GenerationOutput": "diffserve.core.outputs",
+    "RequestMetrics": "diffserve.core.outputs",
+    "RequestStatus": "diffserve.core.outputs",
+    "StreamEvent": "diffserve.core.outputs",
+    "EventType": "diffserve.core.outputs",
+    "InvalidRequestError": "diffserve.core.errors",
+    "EngineOverloadedError": "diffserve.core.errors",
+    "UnsupportedModelError": "diffserve.core.errors",
+    "RequestFailedError": "diffserve.core.errors",
+    "EngineDeadError": "diffserve.core.errors",
+    "EngineSleepingError": "diffserve.core.errors",
+    "NonFiniteOutputError": "diffserve.core.errors",
+    "RequestInputs": "diffserve.core.inputs",
 }
 __all__ = list(_EXPORTS)
 
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from diffserve.config import EngineConfig
     from diffserve.engine.async_engine import AsyncDiffusionEngine
     from diffserve.engine.engine import DiffusionEngine
-    from diffserve.errors import (
+    from diffserve.core.errors import (
         EngineDeadError,
         EngineOverloadedError,
         EngineSleepingError,
@@ -46,9 +46,9 @@ if TYPE_CHECKING:
         RequestFailedError,
         UnsupportedModelError,
     )
-    from diffserve.outputs import EventType, GenerationOutput, RequestMetrics, RequestStatus, StreamEvent
-    from diffserve.pipelines.base import RequestInputs
-    from diffserve.sampling_params import SamplingParams
+    from diffserve.core.outputs import EventType, GenerationOutput, RequestMetrics, RequestStatus, StreamEvent
+    from diffserve.core.inputs import RequestInputs
+    from diffserve.core.sampling_params import SamplingParams
 
 
 def __getattr__(name: str):

@@ -1,21 +1,32 @@
-"""`EngineConfig`: how the engine loads and runs a model."""
+"""`EngineConfig`: how the engine loads and runs a model, and the options of its cache
+backends (`TeaCacheConfig`, `CacheDiTConfig`).
+
+Importing this module imports neither torch nor any other layer of diffserve than the shared
+types (`diffserve.core`) and the built-in model names (`diffserve.models`): the CLI and the
+server build and check a config before loading anything heavy. torch is imported when a config
+resolves its device or dtype (`EngineConfig.torch_device`, also checked at construction).
+"""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
+from diffserve.core.errors import InvalidRequestError
+from diffserve.core.sampling_params import MAX_SEED, RequestLimits
 
-from diffserve.errors import InvalidRequestError
-from diffserve.sampling_params import MAX_SEED, RequestLimits
+if TYPE_CHECKING:
+    import torch
 
 EXECUTION_MODES = ("step", "request")
 EXECUTORS = ("auto", "inprocess", "multiprocess")
 LOAD_FORMATS = ("default", "dummy", "custom_pipeline")
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+#: ``dtype`` values -> the torch dtype's attribute name.
+_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16",
+           "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
 
 
 @dataclass
@@ -72,7 +83,7 @@ class EngineConfig:
             rounding, far less compute.
         cpu_offload: model CPU offload, serving-aware: components live on the CPU and move to
             the device for their stage; the denoiser stays while any request is denoising (see
-            `diffserve.acceleration.offload`).
+            `diffserve.memory.offload`).
         layerwise_offload: the denoiser's blocks stream to the device `offload_blocks` at a
             time (diffusers group offloading; on a separate CUDA stream when the device has
             one and ``offload_blocks == 1``).
@@ -80,7 +91,7 @@ class EngineConfig:
         enable_sleep_mode: pack each component's weights into one block at load (the sleep
             pool, as vLLM's flag of this name), so `DiffusionEngine.sleep` returns exactly
             their memory; sleep works without it, returning what the allocator can give back
-            (see `diffserve.runner.sleep`).
+            (see `diffserve.memory.sleep`).
         max_memory: memory budget of the device for memory-aware admission, in bytes (an int,
             or a string such as ``"24GiB"`` / ``"512MB"``), ``"auto"`` (the device's free
             memory at startup plus what the engine holds), or None (admission by rows only).
@@ -165,15 +176,13 @@ class EngineConfig:
                 raise InvalidRequestError(name, getattr(self, name), "true or false")
         if self.compile_vae and not self.compile:
             raise InvalidRequestError("compile_vae", True, "false unless compile is true")
-        from diffserve.acceleration import parse_cache_config
-
         parse_cache_config(self.cache_backend, self.cache_config)
         blocks = self.offload_blocks
         if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
             raise InvalidRequestError("offload_blocks", blocks, "an integer >= 1 (denoiser blocks per group)")
         if blocks != 1 and not self.layerwise_offload:
             raise InvalidRequestError("offload_blocks", blocks, "1 unless layerwise_offload is true")
-        from diffserve.memory_size import parse_memory
+        from diffserve.core.memory_size import parse_memory
 
         parse_memory(self.max_memory)  # validates `max_memory`
 
@@ -191,8 +200,10 @@ class EngineConfig:
         return resolve_model(self.model)
 
     @property
-    def torch_device(self) -> torch.device:
+    def torch_device(self) -> "torch.device":
         """Resolved device (``auto`` -> cuda if available, else cpu)."""
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         allowed = "auto, cpu, cuda or cuda:N"
@@ -213,11 +224,13 @@ class EngineConfig:
         return device
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self) -> "torch.dtype":
         """Resolved dtype (``auto`` -> bf16 on cuda, fp32 on cpu)."""
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+        return getattr(torch, _DTYPES[self.dtype])
 
     @property
     def limits(self) -> RequestLimits:
@@ -227,3 +240,131 @@ class EngineConfig:
             max_pixels=self.max_pixels,
             max_num_images_per_prompt=self.max_num_images_per_prompt,
         )
+
+
+@dataclass(frozen=True)
+class TeaCacheConfig:
+    """``EngineConfig.cache_config`` of the ``teacache`` backend.
+
+    Attributes:
+        rel_l1_thresh: skip while the accumulated rescaled relative L1 distance stays below
+            this (>= 0; 0 never skips); None = the model's default.
+        coefficients: rescaling polynomial, highest degree first; None = the model's.
+        warmup_steps: leading steps that always compute (>= 1: the first step has no cache).
+    """
+
+    rel_l1_thresh: float | None = None
+    coefficients: tuple[float, ...] | None = None
+    warmup_steps: int = 1
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any]) -> "TeaCacheConfig":
+        """Validate a ``cache_config`` dict.
+
+        Raises:
+            InvalidRequestError: unknown key or a value out of range.
+        """
+        allowed = {"rel_l1_thresh", "coefficients", "warmup_steps"}
+        for key in options:
+            if key not in allowed:
+                raise InvalidRequestError("cache_config", key, f"a teacache key, one of {sorted(allowed)}")
+        thresh = options.get("rel_l1_thresh")
+        if thresh is not None and (isinstance(thresh, bool) or not isinstance(thresh, (int, float))
+                                   or not math.isfinite(thresh) or thresh < 0):
+            raise InvalidRequestError("cache_config.rel_l1_thresh", thresh, "a finite number >= 0")
+        coefficients = options.get("coefficients")
+        if coefficients is not None:
+            if (not isinstance(coefficients, (list, tuple)) or not coefficients
+                    or not all(isinstance(c, (int, float)) and not isinstance(c, bool)
+                               and math.isfinite(c) for c in coefficients)):
+                raise InvalidRequestError("cache_config.coefficients", coefficients,
+                                          "a non-empty list of finite numbers (highest degree first)")
+            coefficients = tuple(float(c) for c in coefficients)
+        warmup = options.get("warmup_steps", 1)
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+            raise InvalidRequestError("cache_config.warmup_steps", warmup, "an integer >= 1")
+        return cls(None if thresh is None else float(thresh), coefficients, warmup)
+
+
+@dataclass(frozen=True)
+class CacheDiTConfig:
+    """``EngineConfig.cache_config`` of the ``cache_dit`` backend (cache-dit's DBCacheConfig
+    names; defaults are cache-dit 1.5.3's).
+
+    Attributes:
+        Fn_compute_blocks: leading blocks always computed (>= 1); None = min(8, blocks - 1 -
+            Bn_compute_blocks). Fn + Bn must be below the number of blocks (of each block list,
+            for models whose blocks are cached as several lists, e.g. Flux's double and single
+            blocks).
+        Bn_compute_blocks: trailing blocks always computed (>= 0).
+        residual_diff_threshold: reuse the cache while the Fn residual's relative L1 change
+            is below this (>= 0; 0 never reuses).
+        max_warmup_steps: leading steps that always compute (>= 0).
+        warmup_interval: compute every this many steps during warm-up (>= 1).
+        max_cached_steps: most reused steps per request (-1 = no limit).
+        max_continuous_cached_steps: most consecutive reused steps (-1 = no limit).
+        taylorseer: extrapolate the cached residual with TaylorSeer.
+        taylorseer_order: Taylor expansion order (>= 1).
+    """
+
+    Fn_compute_blocks: int | None = None
+    Bn_compute_blocks: int = 0
+    residual_diff_threshold: float = 0.08
+    max_warmup_steps: int = 8
+    warmup_interval: int = 1
+    max_cached_steps: int = -1
+    max_continuous_cached_steps: int = -1
+    taylorseer: bool = False
+    taylorseer_order: int = 1
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any]) -> "CacheDiTConfig":
+        """Validate a ``cache_config`` dict.
+
+        Raises:
+            InvalidRequestError: unknown key or a value out of range.
+        """
+        lows = {"Fn_compute_blocks": 1, "Bn_compute_blocks": 0, "max_warmup_steps": 0,
+                "warmup_interval": 1, "max_cached_steps": -1, "max_continuous_cached_steps": -1,
+                "taylorseer_order": 1}
+        allowed = set(lows) | {"residual_diff_threshold", "taylorseer"}
+        for key, value in options.items():
+            if key not in allowed:
+                raise InvalidRequestError("cache_config", key, f"a cache_dit key, one of {sorted(allowed)}")
+            if key in lows and (isinstance(value, bool) or not isinstance(value, int) or value < lows[key]):
+                if not (key == "Fn_compute_blocks" and value is None):
+                    raise InvalidRequestError(f"cache_config.{key}", value, f"an integer >= {lows[key]}")
+        thresh = options.get("residual_diff_threshold", 0.08)
+        if isinstance(thresh, bool) or not isinstance(thresh, (int, float)) or not math.isfinite(thresh) \
+                or thresh < 0:
+            raise InvalidRequestError("cache_config.residual_diff_threshold", thresh, "a finite number >= 0")
+        if not isinstance(options.get("taylorseer", False), bool):
+            raise InvalidRequestError("cache_config.taylorseer", options["taylorseer"], "true or false")
+        return cls(**{**options, "residual_diff_threshold": float(thresh)})
+
+
+#: Values of ``EngineConfig.cache_backend``.
+CACHE_BACKENDS = ("none", "teacache", "cache_dit")
+
+
+def parse_cache_config(backend: str, options: Any):
+    """Validate ``EngineConfig.cache_backend`` and ``cache_config``.
+
+    Returns:
+        None for ``none`` (which takes no options), else the backend's typed config
+        (`TeaCacheConfig` or `CacheDiTConfig`).
+
+    Raises:
+        InvalidRequestError: unknown backend, options not a dict, unknown key, bad value.
+    """
+    if backend not in CACHE_BACKENDS:
+        raise InvalidRequestError("cache_backend", backend, f"one of {', '.join(CACHE_BACKENDS)}")
+    if not isinstance(options, dict):
+        raise InvalidRequestError("cache_config", options, "a JSON object / dict of backend options")
+    if backend == "teacache":
+        return TeaCacheConfig.from_dict(options)
+    if backend == "cache_dit":
+        return CacheDiTConfig.from_dict(options)
+    if options:
+        raise InvalidRequestError("cache_config", options, "empty when cache_backend is none")
+    return None

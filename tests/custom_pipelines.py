@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from diffusers import StableDiffusion3Pipeline
 
-from diffserve.pipelines.sd3 import StableDiffusion3Adapter
+from diffserve.pipelines.sd3.adapter import StableDiffusion3Adapter
 
 
 class NegatedSD3Adapter(StableDiffusion3Adapter):

@@ -13,8 +13,19 @@ from contextlib import contextmanager
 import httpx
 import uvicorn
 
-from diffserve.entrypoints.openai.api_server import uvicorn_config
+from diffserve import AsyncDiffusionEngine, EngineConfig
 from diffserve.entrypoints.openai.http_protocol import ConnectionLimits
+from diffserve.entrypoints.openai.server import uvicorn_config
+
+#: Steps of a request meant to still be running when the test acts on it (aborted long before
+#: the end: a step takes ~1 ms on the tiny model, so this leaves seconds of margin).
+LONG_STEPS = 20_000
+
+
+def new_engine(model_dir, **overrides) -> AsyncDiffusionEngine:
+    """An async engine on `model_dir` with one torch thread (requests may ask for `LONG_STEPS`)."""
+    overrides.setdefault("max_num_inference_steps", LONG_STEPS)
+    return AsyncDiffusionEngine(EngineConfig(model=str(model_dir), num_threads=1, **overrides))
 
 
 @contextmanager

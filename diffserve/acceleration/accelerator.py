@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffserve.acceleration import parse_cache_config
 from diffserve.acceleration.backend import CacheBackend
 from diffserve.acceleration.compile import RegionalCompiler
 from diffserve.acceleration.prompt_embed_cache import PromptEmbedCache
+from diffserve.config import parse_cache_config
 
 if TYPE_CHECKING:
     from diffserve.config import EngineConfig
@@ -73,7 +73,7 @@ class Accelerator:
         self.backend = build_cache_backend(adapter, config.cache_backend, config.cache_config)
         self.graphs = None
         if config.cuda_graphs:
-            from diffserve.errors import InvalidRequestError
+            from diffserve.core.errors import InvalidRequestError
 
             if config.torch_device.type != "cuda":
                 raise InvalidRequestError("cuda_graphs", True, "false: CUDA graphs need a CUDA device")
@@ -82,7 +82,7 @@ class Accelerator:
                                           "(its per-request decisions run between the blocks)")
         self.compiler: RegionalCompiler | None = None
         if config.compile:
-            from diffserve.errors import InvalidRequestError
+            from diffserve.core.errors import InvalidRequestError
 
             blocks = adapter.capabilities.repeated_blocks or tuple(
                 getattr(adapter.denoiser, "_repeated_blocks", None) or ())
@@ -132,8 +132,9 @@ class Accelerator:
         compiled graphs exist before the first request."""
         from PIL import Image
 
-        from diffserve.pipelines.base import RequestInputs, RequestState
-        from diffserve.sampling_params import SamplingParams
+        from diffserve.core.inputs import RequestInputs
+        from diffserve.pipelines.base import RequestState
+        from diffserve.core.sampling_params import SamplingParams
 
         adapter = self.adapter
         spec = adapter.spec

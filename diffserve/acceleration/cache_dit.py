@@ -30,15 +30,14 @@ uncached batched engine, while one request at a time it gave 1.49x.
 from __future__ import annotations
 
 import copy
-import math
 import os
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from diffserve.acceleration.backend import CacheBackend
-from diffserve.errors import InvalidRequestError
+from diffserve.config import CacheDiTConfig
+from diffserve.core.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from diffserve.pipelines.base import PipelineAdapter, RequestState
@@ -48,63 +47,6 @@ STATE_KEY = "cache_dit"
 
 #: cache-dit 1.5.3's DBCacheConfig defaults (Fn_compute_blocks is clamped to the model).
 DEFAULT_FN_COMPUTE_BLOCKS = 8
-
-
-@dataclass(frozen=True)
-class CacheDiTConfig:
-    """``EngineConfig.cache_config`` of the ``cache_dit`` backend (cache-dit's DBCacheConfig
-    names; defaults are cache-dit 1.5.3's).
-
-    Attributes:
-        Fn_compute_blocks: leading blocks always computed (>= 1); None = min(8, blocks - 1 -
-            Bn_compute_blocks). Fn + Bn must be below the number of blocks (of each block list,
-            for models whose blocks are cached as several lists, e.g. Flux's double and single
-            blocks).
-        Bn_compute_blocks: trailing blocks always computed (>= 0).
-        residual_diff_threshold: reuse the cache while the Fn residual's relative L1 change
-            is below this (>= 0; 0 never reuses).
-        max_warmup_steps: leading steps that always compute (>= 0).
-        warmup_interval: compute every this many steps during warm-up (>= 1).
-        max_cached_steps: most reused steps per request (-1 = no limit).
-        max_continuous_cached_steps: most consecutive reused steps (-1 = no limit).
-        taylorseer: extrapolate the cached residual with TaylorSeer.
-        taylorseer_order: Taylor expansion order (>= 1).
-    """
-
-    Fn_compute_blocks: int | None = None
-    Bn_compute_blocks: int = 0
-    residual_diff_threshold: float = 0.08
-    max_warmup_steps: int = 8
-    warmup_interval: int = 1
-    max_cached_steps: int = -1
-    max_continuous_cached_steps: int = -1
-    taylorseer: bool = False
-    taylorseer_order: int = 1
-
-    @classmethod
-    def from_dict(cls, options: dict[str, Any]) -> "CacheDiTConfig":
-        """Validate a ``cache_config`` dict.
-
-        Raises:
-            InvalidRequestError: unknown key or a value out of range.
-        """
-        lows = {"Fn_compute_blocks": 1, "Bn_compute_blocks": 0, "max_warmup_steps": 0,
-                "warmup_interval": 1, "max_cached_steps": -1, "max_continuous_cached_steps": -1,
-                "taylorseer_order": 1}
-        allowed = set(lows) | {"residual_diff_threshold", "taylorseer"}
-        for key, value in options.items():
-            if key not in allowed:
-                raise InvalidRequestError("cache_config", key, f"a cache_dit key, one of {sorted(allowed)}")
-            if key in lows and (isinstance(value, bool) or not isinstance(value, int) or value < lows[key]):
-                if not (key == "Fn_compute_blocks" and value is None):
-                    raise InvalidRequestError(f"cache_config.{key}", value, f"an integer >= {lows[key]}")
-        thresh = options.get("residual_diff_threshold", 0.08)
-        if isinstance(thresh, bool) or not isinstance(thresh, (int, float)) or not math.isfinite(thresh) \
-                or thresh < 0:
-            raise InvalidRequestError("cache_config.residual_diff_threshold", thresh, "a finite number >= 0")
-        if not isinstance(options.get("taylorseer", False), bool):
-            raise InvalidRequestError("cache_config.taylorseer", options["taylorseer"], "true or false")
-        return cls(**{**options, "residual_diff_threshold": float(thresh)})
 
 
 def _import_cache_dit():

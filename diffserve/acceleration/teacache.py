@@ -27,70 +27,26 @@ of batching).
 Rescaling coefficients come from the adapter (``TeaCacheSupport.coefficients``, per family, or
 from the model folder's ``generation_config.json`` ``teacache`` entry, e.g. the built-in digits
 model's calibrated preset); calibrate a model with
-``python -m diffserve.acceleration.teacache_calibrate --model DIR``.
+``python -m training.teacache_calibrate --model DIR``.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from diffserve.acceleration.backend import CacheBackend
-from diffserve.errors import InvalidRequestError
+from diffserve.config import TeaCacheConfig
+from diffserve.core.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from diffserve.pipelines.base import PipelineAdapter, RequestState
     from diffserve.pipelines.step_batch import StepBatch
 
 STATE_KEY = "teacache"
-
-
-@dataclass(frozen=True)
-class TeaCacheConfig:
-    """``EngineConfig.cache_config`` of the ``teacache`` backend.
-
-    Attributes:
-        rel_l1_thresh: skip while the accumulated rescaled relative L1 distance stays below
-            this (>= 0; 0 never skips); None = the model's default.
-        coefficients: rescaling polynomial, highest degree first; None = the model's.
-        warmup_steps: leading steps that always compute (>= 1: the first step has no cache).
-    """
-
-    rel_l1_thresh: float | None = None
-    coefficients: tuple[float, ...] | None = None
-    warmup_steps: int = 1
-
-    @classmethod
-    def from_dict(cls, options: dict[str, Any]) -> "TeaCacheConfig":
-        """Validate a ``cache_config`` dict.
-
-        Raises:
-            InvalidRequestError: unknown key or a value out of range.
-        """
-        allowed = {"rel_l1_thresh", "coefficients", "warmup_steps"}
-        for key in options:
-            if key not in allowed:
-                raise InvalidRequestError("cache_config", key, f"a teacache key, one of {sorted(allowed)}")
-        thresh = options.get("rel_l1_thresh")
-        if thresh is not None and (isinstance(thresh, bool) or not isinstance(thresh, (int, float))
-                                   or not math.isfinite(thresh) or thresh < 0):
-            raise InvalidRequestError("cache_config.rel_l1_thresh", thresh, "a finite number >= 0")
-        coefficients = options.get("coefficients")
-        if coefficients is not None:
-            if (not isinstance(coefficients, (list, tuple)) or not coefficients
-                    or not all(isinstance(c, (int, float)) and not isinstance(c, bool)
-                               and math.isfinite(c) for c in coefficients)):
-                raise InvalidRequestError("cache_config.coefficients", coefficients,
-                                          "a non-empty list of finite numbers (highest degree first)")
-            coefficients = tuple(float(c) for c in coefficients)
-        warmup = options.get("warmup_steps", 1)
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
-            raise InvalidRequestError("cache_config.warmup_steps", warmup, "an integer >= 1")
-        return cls(None if thresh is None else float(thresh), coefficients, warmup)
 
 
 @dataclass

@@ -20,9 +20,9 @@ from typing import Any
 
 from diffserve.config import EngineConfig
 from diffserve.engine.engine import DiffusionEngine
-from diffserve.errors import EngineDeadError, EngineOverloadedError
-from diffserve.outputs import StreamEvent
-from diffserve.sampling_params import SamplingParams
+from diffserve.core.errors import EngineDeadError, EngineOverloadedError
+from diffserve.core.outputs import StreamEvent
+from diffserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

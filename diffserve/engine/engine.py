@@ -20,7 +20,7 @@ forwards it).
 
 Memory: with ``EngineConfig.max_memory`` the request scheduler also admits by estimated
 memory (`diffserve.engine.memory_budget`); `sleep` / `wake_up` give the device's memory back
-between bursts (`diffserve.runner.sleep`, vLLM's levels 1 and 2).
+between bursts (`diffserve.memory.sleep`, vLLM's levels 1 and 2).
 
 Threads: any number of threads may call `generate`, `add_request`, `abort` and `step` on one
 engine. One thread steps at a time; each request's events go to its owner (the `generate` call
@@ -45,12 +45,12 @@ from diffserve.engine.request import Phase, Request
 from diffserve.engine.scheduler import RequestScheduler
 from diffserve.engine.step_run import StepRun
 from diffserve.engine.sleep_mode import SleepMode
-from diffserve.errors import InteractionRefusedError, InvalidRequestError
+from diffserve.core.errors import InteractionRefusedError, InvalidRequestError
 from diffserve.executor import Executor, InProcessExecutor, build_executor
-from diffserve.executor.messages import ChunkDone, ChunkWork, Decoded, Interaction, NewRequest, Prepared, WorkError
-from diffserve.inputs import make_inputs
-from diffserve.outputs import EventType, GenerationOutput, RequestStatus, StreamEvent
-from diffserve.sampling_params import SamplingParams, validate_prompt
+from diffserve.core.messages import ChunkDone, ChunkWork, Decoded, Interaction, NewRequest, Prepared, WorkError
+from diffserve.core.inputs import make_inputs
+from diffserve.core.outputs import EventType, GenerationOutput, RequestStatus, StreamEvent
+from diffserve.core.sampling_params import SamplingParams, validate_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class DiffusionEngine(SleepMode):
                 `PipelineAdapter.num_steps`) after which a decoded preview of the current latents
                 is emitted as a `partial` event.
             inputs: input images (`RequestInputs`, or images in any form
-                `diffserve.inputs.make_inputs` takes).
+                `diffserve.core.inputs.make_inputs` takes).
             listener: receives each of this request's events (on the stepping thread) instead
                 of `step()` returning them.
             progress: emit a ``progress`` event after every denoising step (False: the other
@@ -679,7 +679,7 @@ class DiffusionEngine(SleepMode):
             on_event: called with every event of these requests (e.g. for a progress bar), on
                 the calling thread.
             inputs: input images for all prompts (one image, or a `RequestInputs` made with
-                `diffserve.inputs.make_inputs` for several images / a mask), or a list or tuple
+                `diffserve.core.inputs.make_inputs` for several images / a mask), or a list or tuple
                 with one such entry (or None) per prompt.
 
         Returns:

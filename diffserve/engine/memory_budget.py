@@ -1,7 +1,7 @@
 """Memory-aware admission: the memory side of the request scheduler's budget.
 
 With ``EngineConfig.max_memory`` set, the engine asks the executor for the model's
-`MemoryProfile` (measured once at startup, `diffserve.runner.memory_profile`) and splits the
+`MemoryProfile` (measured once at startup, `diffserve.memory.profile`) and splits the
 limit into:
 
     max_memory = weights on the device (at the offload policy's peak)
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from diffserve.errors import InvalidRequestError
-from diffserve.memory_size import format_bytes, parse_memory
-from diffserve.executor.messages import MemoryProfile
-from diffserve.sampling_params import SamplingParams
+from diffserve.core.errors import InvalidRequestError
+from diffserve.core.memory_size import format_bytes, parse_memory
+from diffserve.core.messages import MemoryProfile
+from diffserve.core.sampling_params import SamplingParams
 
 
 class MemoryBudget:

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from diffserve.executor.messages import Interaction
-from diffserve.outputs import RequestMetrics, RequestStatus, StreamEvent
-from diffserve.sampling_params import SamplingParams
+from diffserve.core.messages import Interaction
+from diffserve.core.outputs import RequestMetrics, RequestStatus, StreamEvent
+from diffserve.core.sampling_params import SamplingParams
 
 
 class Phase(str, Enum):

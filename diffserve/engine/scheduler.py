@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import deque
 
 from diffserve.engine.request import Phase, Request
-from diffserve.errors import EngineOverloadedError
+from diffserve.core.errors import EngineOverloadedError
 
 
 class RequestScheduler:

@@ -1,5 +1,5 @@
 """Sleep mode of `DiffusionEngine` (vLLM's semantics; the weights side is
-`diffserve.runner.sleep`).
+`diffserve.memory.sleep`).
 
 `sleep(level)` stops admitting (new requests get `EngineSleepingError`, HTTP 503), lets every
 request already added (waiting or running) run to its end, then puts the executor's weights to
@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from diffserve.errors import EngineSleepingError
+from diffserve.core.errors import EngineSleepingError
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class SleepMode:
             raise EngineSleepingError("the engine is going to sleep and admits no new requests")
 
     def sleep(self, level: int = 1) -> None:
-        """Put the engine to sleep (vLLM's sleep mode; `diffserve.runner.sleep`): new requests
+        """Put the engine to sleep (vLLM's sleep mode; `diffserve.memory.sleep`): new requests
         are refused (`EngineSleepingError`) from now on, every request already added (waiting
         or running) runs to its end, then level 1 moves the weights off the device (to CPU
         memory on a GPU, to a spill file on disk on a CPU device) and level 2 discards them
@@ -64,7 +64,7 @@ class SleepMode:
         Raises:
             InvalidRequestError: `level` is not 1 or 2.
         """
-        from diffserve.runner.sleep import check_level
+        from diffserve.core.sleep_levels import check_level
 
         level = check_level(level)
         with self._sleep_lock:

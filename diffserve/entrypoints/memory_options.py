@@ -13,8 +13,8 @@ Server options (``serve``)::
 
     --wake-on-request        a generation request wakes a sleeping engine instead of a 503
 
-See `diffserve.acceleration.offload`, `diffserve.engine.memory_budget` and
-`diffserve.runner.sleep`.
+See `diffserve.memory.offload`, `diffserve.engine.memory_budget` and
+`diffserve.memory.sleep`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def memory_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_sleep_server_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the server's sleep-mode options to `parser` (read by
-    `diffserve.entrypoints.openai.sleep_routes.install_sleep_routes`)."""
+    `diffserve.entrypoints.openai.ops.sleep.install_sleep_routes`)."""
     parser.add_argument("--wake-on-request", action="store_true",
                         help="while the engine sleeps (POST /sleep), a generation request wakes it instead "
                              "of getting 503 + Retry-After")

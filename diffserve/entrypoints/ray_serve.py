@@ -3,7 +3,7 @@
 
 Each replica is a Ray actor (`DiffusionReplica`) that builds its own `AsyncDiffusionEngine` in
 its constructor and serves the same OpenAI-compatible FastAPI app as ``diffserve serve``
-(`diffserve.entrypoints.openai.api_server.create_app`) through Ray Serve's FastAPI ingress
+(`diffserve.entrypoints.openai.app.create_app`) through Ray Serve's FastAPI ingress
 (``@serve.ingress``; late-bound: ``__serve_build_asgi_app__`` builds the app around the
 replica's own engine, after the constructor). Ray Serve's HTTP proxy (one per node by default)
 accepts the connections and hands each request to a replica. Nothing here is cluster code of
@@ -65,7 +65,7 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve.config import AutoscalingConfig
 
-from diffserve.errors import InvalidRequestError
+from diffserve.core.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +95,8 @@ class DiffusionReplica:
         import dataclasses
 
         from diffserve.engine.async_engine import AsyncDiffusionEngine
-        from diffserve.entrypoints.cli import engine_config_from_args
-        from diffserve.runner.library_warnings import silence_inapplicable_library_warnings
+        from diffserve.entrypoints.engine_args import engine_config_from_args
+        from diffserve.core.library_warnings import silence_inapplicable_library_warnings
 
         silence_inapplicable_library_warnings()
         logging.getLogger("diffserve").setLevel(args.log_level.upper())
@@ -109,10 +109,10 @@ class DiffusionReplica:
     def __serve_build_asgi_app__(self):
         """The app of ``diffserve serve`` around this replica's engine, with a shared url image
         store and the `REPLICA_HEADER` on every response."""
-        from diffserve.entrypoints.openai.api_server import create_app, default_served_model_name
-        from diffserve.entrypoints.openai.image_store import ImageStore
-        from diffserve.entrypoints.openai.server_options import allowed_origins
-        from diffserve.entrypoints.openai.video_store import LocalVideoStore
+        from diffserve.entrypoints.openai.app import create_app, default_served_model_name
+        from diffserve.entrypoints.openai.stores.image_store import ImageStore
+        from diffserve.entrypoints.server_args import allowed_origins
+        from diffserve.entrypoints.openai.stores.video_store import LocalVideoStore
 
         args = self._args
         store = ImageStore(args.image_url_ttl, args.max_stored_images, args.max_stored_bytes,
@@ -173,7 +173,7 @@ def autoscaling_config(args: argparse.Namespace) -> dict | None:
     Raises:
         InvalidRequestError: Ray Serve refuses it (unknown key, min > max, ...), with its reason.
     """
-    from diffserve.entrypoints.openai.server_options import json_object
+    from diffserve.entrypoints.server_args import json_object
 
     if args.autoscaling_config is None:
         return None
@@ -200,7 +200,7 @@ def actor_options(args: argparse.Namespace, cluster_has_gpus: bool) -> dict:
     ``num_gpus`` = the engine's ranks (``--cfg-parallel-size`` x ``--ulysses-degree``) when it
     runs on CUDA (``--device cuda...``, or ``auto`` on a cluster with GPUs), then
     ``--ray-actor-options`` on top."""
-    from diffserve.entrypoints.openai.server_options import json_object
+    from diffserve.entrypoints.server_args import json_object
 
     options: dict[str, Any] = {"num_cpus": args.threads or 1}
     if args.device.startswith("cuda") or (args.device == "auto" and cluster_has_gpus):
@@ -251,8 +251,9 @@ def parse_serve_options(options: dict[str, Any]) -> argparse.Namespace:
     Raises:
         InvalidRequestError: an invalid option (as ``diffserve serve`` would report it).
     """
-    from diffserve.entrypoints.cli import build_parser, check_engine_arguments
-    from diffserve.entrypoints.openai.server_options import check_server_arguments
+    from diffserve.entrypoints.cli_args import build_parser
+    from diffserve.entrypoints.engine_args import check_engine_arguments
+    from diffserve.entrypoints.server_args import check_server_arguments
 
     argv = ["serve"]
     for key, value in options.items():
@@ -300,7 +301,7 @@ def build_app(options: dict[str, Any]) -> serve.Application:
 # ----------------------------------------------------------------------------------- CLI
 def _replica_error() -> str | None:
     """The last line of the error Ray Serve reports for the deployment (the exception a replica
-    raised, e.g. ``diffserve.errors.UnsupportedModelError: ...``), or None."""
+    raised, e.g. ``diffserve.core.errors.UnsupportedModelError: ...``), or None."""
     try:
         message = serve.status().applications[APP_NAME].deployments[APP_NAME].message
     except Exception:  # noqa: BLE001 - no status to add
@@ -326,14 +327,15 @@ def run_replicas(args: argparse.Namespace) -> int:
     Raises:
         InvalidRequestError: an invalid option (the CLI prints it and exits 2).
     """
-    from diffserve.entrypoints.cli import EXIT_USAGE, engine_config_from_args
-    from diffserve.entrypoints.openai.api_server import bind_listen_socket
+    from diffserve.entrypoints.cli_args import EXIT_USAGE
+    from diffserve.entrypoints.engine_args import engine_config_from_args
+    from diffserve.entrypoints.openai.server import bind_listen_socket
 
     autoscaling_config(args)  # Ray Serve's checks, then the engine options' own, before starting anything
     config = engine_config_from_args(args)
     logging.getLogger("diffserve").setLevel(args.log_level.upper())
     if args.ray_address is None:  # the replicas run on this machine: check their model folder here
-        from diffserve.runner.loader import read_model_index
+        from diffserve.models.model_index import read_model_index
 
         read_model_index(config.model_path)
         try:

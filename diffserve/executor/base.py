@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from typing import Any
 
-from diffserve.executor.messages import (
+from diffserve.core.messages import (
     ChunkDone,
     ChunkWork,
     Decoded,
@@ -17,7 +17,7 @@ from diffserve.executor.messages import (
     RequestPlan,
     StepOutput,
 )
-from diffserve.sampling_params import SamplingParams
+from diffserve.core.sampling_params import SamplingParams
 
 
 class Executor(ABC):
@@ -75,13 +75,13 @@ class Executor(ABC):
     # ------------------------------------------------------------------ memory
     def memory_profile(self) -> MemoryProfile | None:
         """The model's memory profile for memory-aware admission, measured on first call while
-        nothing runs (`diffserve.runner.memory_profile`); None if the workers cannot budget
+        nothing runs (`diffserve.memory.profile`); None if the workers cannot budget
         memory."""
         return None
 
     def sleep(self, level: int) -> None:
         """Sleep mode, with no request in flight: level 1 moves the weights off the device,
-        level 2 discards them (`diffserve.runner.sleep`).
+        level 2 discards them (`diffserve.memory.sleep`).
 
         Raises:
             InvalidRequestError: `level` is not 1 or 2.

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from diffserve.executor.base import Executor
-from diffserve.executor.messages import (
+from diffserve.core.messages import (
     ChunkDone,
     ChunkWork,
     Decoded,
@@ -28,7 +28,7 @@ from diffserve.executor.messages import (
     StepOutput,
 )
 from diffserve.runner import build_runner
-from diffserve.sampling_params import SamplingParams
+from diffserve.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from diffserve.runner.model_runner import ModelRunner

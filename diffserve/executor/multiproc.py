@@ -1,6 +1,6 @@
 """`MultiprocExecutor`: the model runs in worker processes, one per rank of the CFG x Ulysses
 grid (`diffserve.parallel`); the engine talks to them only through the plain-data work items of
-`diffserve.executor.messages`, over pipes.
+`diffserve.core.messages`, over pipes.
 
 Every worker holds a full `ModelRunner` and receives every work item in the same order: all
 ranks prepare every request (prompt encoding has no collectives), all run every denoising step
@@ -30,9 +30,9 @@ import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from diffserve.errors import EngineDeadError
+from diffserve.core.errors import EngineDeadError
 from diffserve.executor.base import Executor
-from diffserve.executor.messages import (
+from diffserve.core.messages import (
     ChunkDone,
     ChunkWork,
     Decoded,
@@ -42,7 +42,7 @@ from diffserve.executor.messages import (
     RequestPlan,
     StepOutput,
 )
-from diffserve.sampling_params import SamplingParams
+from diffserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ attends over the full sequence with H/P heads), and a second all-to-all trades i
 output head gathers the sequence (as in xDiT / yunchang). diffusers implements this for models
 that declare a context-parallel plan (``_cp_plan``: where to split and gather) and route
 attention through ``dispatch_attention_fn`` (Flux, Qwen-Image, Wan); an adapter supplies the
-plan and processors for families without one (SD3, `diffserve.pipelines.sd3_context_parallel`).
+plan and processors for families without one (SD3, `diffserve.pipelines.sd3.context_parallel`).
 Arbitrary sequence lengths and head counts are allowed (diffusers' "Ulysses anything" mode).
 """
 
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from diffserve.errors import InvalidRequestError
+from diffserve.core.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from diffserve.parallel.state import ParallelState

@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from diffserve.errors import InvalidRequestError, NonFiniteOutputError
+from diffserve.core.errors import InvalidRequestError, NonFiniteOutputError
+from diffserve.core.inputs import RequestInputs
 from diffserve.pipelines import diffusion_scheduler, guidance
 from diffserve.pipelines.step_batch import BatchCache, StepBatch, collate_branches
-from diffserve.sampling_params import ModelSpec, SamplingParams
+from diffserve.core.sampling_params import ModelSpec, SamplingParams
 
 if TYPE_CHECKING:
-    from diffserve.acceleration.prompt_embed_cache import PromptEmbedCache
-    from diffserve.pipelines.text_encoding import TextEncoder
+    from diffserve.pipelines.text_encoding import PromptCache, TextEncoder
 
 #: Batch compositions whose `BatchCache` an adapter keeps (several interleave when a cache
 #: backend runs requests one per forward, or batch keys alternate).
@@ -47,21 +47,6 @@ _BATCH_CACHES = 8
 #: ``call(batch, kwargs) -> output``: runs the denoiser module on prepared keyword inputs. Cache
 #: backends pass their own to `PipelineAdapter.denoise` (TeaCache splits the forward there).
 DenoiserCall = Callable[[StepBatch, dict[str, Any]], torch.Tensor]
-
-
-@dataclass
-class RequestInputs:
-    """Non-text inputs of a request (image-to-image, edits, inpainting); build them with
-    `diffserve.inputs.make_inputs`.
-
-    Attributes:
-        images: input images as RGB PIL images (what diffusers' image processors take), one or
-            several.
-        mask: optional mode-"L" PIL image of the first image's size; white = repaint.
-    """
-
-    images: list[Any] = field(default_factory=list)
-    mask: Any = None
 
 
 @dataclass
@@ -232,8 +217,9 @@ class PipelineAdapter(ABC):
     dtype: torch.dtype
     spec: ModelSpec
     capabilities: Capabilities = Capabilities()
-    #: LRU of prompt encodings installed by the model runner (None = off).
-    prompt_embed_cache: "PromptEmbedCache | None" = None
+    #: LRU of prompt encodings installed by the model runner (None = off;
+    #: `diffserve.acceleration.prompt_embed_cache.PromptEmbedCache`).
+    prompt_embed_cache: "PromptCache | None" = None
     #: The family's text encoding through the prompt cache (set by subclasses).
     text: "TextEncoder | None" = None
 

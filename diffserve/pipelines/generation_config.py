@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from diffserve.errors import UnsupportedModelError
+from diffserve.core.errors import UnsupportedModelError
 
 GENERATION_CONFIG = "generation_config.json"
 

@@ -9,21 +9,21 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from diffserve.errors import UnsupportedModelError
+from diffserve.core.errors import UnsupportedModelError
 
 if TYPE_CHECKING:
     from diffserve.pipelines.base import PipelineAdapter
 
 #: pipeline class name -> "module:AdapterClass"
 _ADAPTERS: dict[str, str] = {
-    "StableDiffusion3Pipeline": "diffserve.pipelines.sd3:StableDiffusion3Adapter",
-    "FluxPipeline": "diffserve.pipelines.flux:FluxAdapter",
-    "FluxKontextPipeline": "diffserve.pipelines.flux_kontext:FluxKontextAdapter",
-    "QwenImagePipeline": "diffserve.pipelines.qwen_image:QwenImageAdapter",
-    "QwenImageEditPipeline": "diffserve.pipelines.qwen_image_edit:QwenImageEditAdapter",
-    "WanPipeline": "diffserve.pipelines.wan:WanAdapter",
-    "StableDiffusionPipeline": "diffserve.pipelines.stable_diffusion:StableDiffusionAdapter",
-    "StableDiffusionXLPipeline": "diffserve.pipelines.stable_diffusion_xl:StableDiffusionXLAdapter",
+    "StableDiffusion3Pipeline": "diffserve.pipelines.sd3.adapter:StableDiffusion3Adapter",
+    "FluxPipeline": "diffserve.pipelines.flux.adapter:FluxAdapter",
+    "FluxKontextPipeline": "diffserve.pipelines.flux_kontext.adapter:FluxKontextAdapter",
+    "QwenImagePipeline": "diffserve.pipelines.qwen_image.adapter:QwenImageAdapter",
+    "QwenImageEditPipeline": "diffserve.pipelines.qwen_image_edit.adapter:QwenImageEditAdapter",
+    "WanPipeline": "diffserve.pipelines.wan.adapter:WanAdapter",
+    "StableDiffusionPipeline": "diffserve.pipelines.stable_diffusion.adapter:StableDiffusionAdapter",
+    "StableDiffusionXLPipeline": "diffserve.pipelines.stable_diffusion_xl.adapter:StableDiffusionXLAdapter",
 }
 
 

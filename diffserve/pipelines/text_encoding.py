@@ -20,7 +20,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -44,6 +44,20 @@ TRUNCATION_MEMO_CHARS = 1024
 MAX_TEXTS_PER_ENCODE = 32
 
 logger = logging.getLogger(__name__)
+
+
+class PromptCache(Protocol):
+    """What text encoding needs of a prompt-embedding cache (the acceleration layer's
+    `diffserve.acceleration.prompt_embed_cache.PromptEmbedCache` is one; the model runner
+    installs it as ``adapter.prompt_embed_cache``). Keys are tuples of hashables."""
+
+    def __contains__(self, key: Sequence[Hashable]) -> bool:
+        """Whether `key` is cached (counts as neither hit nor miss)."""
+
+    def get_or_encode(self, key: Sequence[Hashable],
+                      encode: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        """The cached encoding of `key` (fresh tensors the caller owns), or ``encode()``'s,
+        cached."""
 
 
 class TextEncoder:

@@ -8,7 +8,7 @@ Two methods, by what the model was trained for:
   ``WanImageToVideoPipeline`` with ``expand_timesteps``): the known latent frames are the clean
   latents at every step and their patch tokens get timestep 0, the other tokens the step's
   timestep, so the transformer sees a clean conditioning frame as it was trained to (it saw such
-  inputs in training: ``diffserve.models.digits_video.train``'s ``first_frame_prob``). This is
+  inputs in training: ``training.digits_video.train``'s ``first_frame_prob``). This is
   per-frame noise levels in the sense of Diffusion Forcing (Chen et al. 2024, arXiv:2407.01392).
 * **Replacement method** otherwise (any text-to-video model, nothing trained for it): the
   replacement method of autoregressive video extension (Ho et al. 2022, "Video Diffusion

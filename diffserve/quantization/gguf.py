@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from diffserve.errors import InvalidRequestError, UnsupportedModelError
+from diffserve.core.errors import InvalidRequestError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 

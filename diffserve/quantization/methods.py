@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from diffserve.errors import InvalidRequestError
+from diffserve.core.errors import InvalidRequestError
 from diffserve.quantization.spec import METHODS
 
 

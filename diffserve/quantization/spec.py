@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from diffserve.errors import InvalidRequestError
+from diffserve.core.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,11 @@ def build_runner(config, parallel=None):
         UnsupportedModelError: the folder cannot be loaded.
         InvalidRequestError: acceleration or parallelism the model does not support.
     """
-    from diffserve.acceleration.offload import weights_device
+    from diffserve.memory.offload import weights_device
     from diffserve.pipelines.base import PipelineAdapter
     from diffserve.pipelines.registry import has_adapter
-    from diffserve.runner.loader import import_class, load_adapter, load_pipeline, read_model_index
+    from diffserve.models.model_index import read_model_index
+    from diffserve.runner.loader import import_class, load_adapter, load_pipeline
     from diffserve.runner.model_runner import ModelRunner
     from diffserve.runner.whole_request import WholeRequestRunner
 
@@ -37,7 +38,7 @@ def build_runner(config, parallel=None):
     if custom is None and has_adapter(read_model_index(config.model_path).get("_class_name", "")):
         return ModelRunner(config, parallel=parallel)
     if config.cfg_parallel_size > 1 or config.ulysses_degree > 1:
-        from diffserve.errors import InvalidRequestError
+        from diffserve.core.errors import InvalidRequestError
 
         name = "cfg_parallel_size" if config.cfg_parallel_size > 1 else "ulysses_degree"
         raise InvalidRequestError(name, getattr(config, name), "1: the folder's pipeline class has no step "

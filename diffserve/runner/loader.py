@@ -9,16 +9,15 @@ weight file is read (tests, and benchmarking large architectures without their w
 from __future__ import annotations
 
 import importlib
-import json
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from diffserve.errors import UnsupportedModelError
-from diffserve.runner.library_warnings import silence_inapplicable_library_warnings
+from diffserve.core.errors import UnsupportedModelError
+from diffserve.models.model_index import pipeline_config, read_model_index
+from diffserve.core.library_warnings import silence_inapplicable_library_warnings
 from diffserve.pipelines.base import AdapterOptions, PipelineAdapter
 from diffserve.pipelines.registry import adapter_class
 
@@ -29,43 +28,6 @@ _LIBRARIES = ("diffusers", "transformers")
 #: own (SD 1.x/2.x: ``"safety_checker": ["stable_diffusion", "StableDiffusionSafetyChecker"]``);
 #: loaded from ``diffusers.pipelines.<name>`` (the class is a transformers model).
 _PIPELINE_PACKAGES = ("stable_diffusion",)
-
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def read_model_index(model_dir: Path) -> dict[str, Any]:
-    """Parse ``model_dir/model_index.json``.
-
-    Raises:
-        UnsupportedModelError: the folder does not exist (the message lists the built-in model
-            names; a missing built-in folder and a Hugging Face Hub id get their own messages:
-            diffserve serves local folders), or its model_index.json is missing or unreadable.
-    """
-    model_dir = Path(model_dir)
-    index_path = model_dir / "model_index.json"
-    if not model_dir.exists():
-        from diffserve.models import BUILTIN_MODELS, builtin_name
-
-        builtin = builtin_name(model_dir)
-        if builtin is not None:
-            raise UnsupportedModelError(f"the built-in model {builtin!r} is not part of this installation (its "
-                                        f"folder {model_dir} does not exist)")
-        if _HUB_ID.match(str(model_dir)):
-            raise UnsupportedModelError(
-                f"{model_dir} looks like a Hugging Face Hub id, but diffserve serves local folders only: "
-                f"download it first (huggingface-cli download {model_dir} --local-dir DIR) and pass that DIR")
-        raise UnsupportedModelError(f"model folder {model_dir} does not exist, and {str(model_dir)!r} is not a "
-                                    f"built-in model name ({', '.join(BUILTIN_MODELS)})")
-    if not index_path.is_file():
-        raise UnsupportedModelError(
-            f"{model_dir} is not a diffusers model folder (no model_index.json); pass a local "
-            "folder saved with save_pretrained"
-        )
-    try:
-        return json.loads(index_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UnsupportedModelError(f"{index_path} is not valid JSON: {exc}") from exc
 
 
 def _load_component(library: str, class_name: str, folder: Path, dtype: torch.dtype,
@@ -159,16 +121,6 @@ def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "def
     return class_name, components
 
 
-def pipeline_config(model_dir: Path | None) -> dict[str, Any]:
-    """The pipeline's own settings in ``model_index.json`` (plain values such as Wan 2.2's
-    ``boundary_ratio``, SD's ``requires_safety_checker``, SDXL's
-    ``force_zeros_for_empty_prompt``; components and ``_``-keys left out); {} without a folder."""
-    if model_dir is None or not (Path(model_dir) / "model_index.json").is_file():
-        return {}
-    return {k: v for k, v in read_model_index(model_dir).items()
-            if not k.startswith("_") and not isinstance(v, list)}
-
-
 def _eval(components: dict[str, Any]) -> None:
     for module in components.values():
         if isinstance(module, torch.nn.Module):
@@ -204,7 +156,7 @@ def load_adapter(model_dir: Path, device: torch.device, dtype: torch.dtype,
     Args:
         load_device: where the weights are loaded and the adapter's modules stay (default
             `device`). With offload it is the CPU: the adapter computes on `device` (its
-            ``device`` attribute) and `diffserve.acceleration.offload` moves the modules there.
+            ``device`` attribute) and `diffserve.memory.offload` moves the modules there.
 
     Raises:
         UnsupportedModelError: see `load_components`; no adapter for the class.

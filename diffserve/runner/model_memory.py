@@ -1,10 +1,10 @@
 """`ModelMemory`: the memory side of one loaded model, owned by its `ModelRunner`.
 
-It places the weights (`diffserve.acceleration.offload`: model CPU offload, layerwise offload,
-or everything on the device), puts them to sleep and wakes them (`diffserve.runner.sleep`),
-measures the model's memory profile for admission (`diffserve.runner.memory_profile`) and
+It places the weights (`diffserve.memory.offload`: model CPU offload, layerwise offload,
+or everything on the device), puts them to sleep and wakes them (`diffserve.memory.sleep`),
+measures the model's memory profile for admission (`diffserve.memory.profile`) and
 turns a step's measured peak into the step's own peak above the resident model
-(`diffserve.runner.memory`).
+(`diffserve.memory.accounting`).
 """
 
 from __future__ import annotations
@@ -14,14 +14,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffserve.acceleration.offload import OffloadManager, weights_device
-from diffserve.runner.memory import STEP_RESET_INTERVAL_S, PeakWindow, release_host_memory, rss_bytes
-from diffserve.runner.sleep import WeightSleeper, check_level
+from diffserve.memory.offload import OffloadManager, weights_device
+from diffserve.memory.accounting import STEP_RESET_INTERVAL_S, PeakWindow, release_host_memory, rss_bytes
+from diffserve.core.sleep_levels import check_level
+from diffserve.memory.sleep import WeightSleeper
 
 if TYPE_CHECKING:
     from diffserve.acceleration.prompt_embed_cache import PromptEmbedCache
     from diffserve.config import EngineConfig
-    from diffserve.executor.messages import MemoryProfile
+    from diffserve.core.messages import MemoryProfile
     from diffserve.pipelines.base import PipelineAdapter
 
 
@@ -67,7 +68,7 @@ class ModelMemory:
     # ------------------------------------------------------------------ per-step peaks
     def window(self, batch: Hashable = None) -> PeakWindow:
         """A peak-measurement window for one denoising step. On CPU it resets the RSS
-        high-water mark at most every `STEP_RESET_INTERVAL_S` (see `diffserve.runner.memory`)
+        high-water mark at most every `STEP_RESET_INTERVAL_S` (see `diffserve.memory.accounting`)
         and reads it only when it reset it or the step's `batch` (any value naming the batch's
         composition; None = always read) differs from the last read step's: the steps of an
         unchanged batch between two resets report the last read peak (`step_peak`)."""
@@ -91,7 +92,7 @@ class ModelMemory:
     def profile(self, limits) -> "MemoryProfile":
         """The `MemoryProfile`, measured on first call (while no request runs)."""
         if self._profile is None:
-            from diffserve.runner.memory_profile import measure_memory_profile
+            from diffserve.memory.profile import measure_memory_profile
 
             self._profile = measure_memory_profile(self.adapter, self.offload, limits, self.device)
         return self._profile
@@ -104,7 +105,7 @@ class ModelMemory:
 
     def sleep(self, level: int, held: int, prompt_cache: "PromptEmbedCache | None") -> None:
         """Level 1 moves the weights off the device, level 2 discards them; both drop the
-        prompt-embedding cache (see `diffserve.runner.sleep`).
+        prompt-embedding cache (see `diffserve.memory.sleep`).
 
         Args:
             held: requests the runner still holds (must be 0).

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from diffserve.acceleration.accelerator import Accelerator
-from diffserve.acceleration.offload import weights_device
+from diffserve.memory.offload import weights_device
 from diffserve.config import EngineConfig
-from diffserve.errors import InvalidRequestError, NonFiniteOutputError
-from diffserve.executor.messages import (
+from diffserve.core.errors import InvalidRequestError, NonFiniteOutputError
+from diffserve.core.messages import (
     ChunkDone,
     ChunkWork,
     Decoded,
@@ -32,10 +32,10 @@ from diffserve.executor.messages import (
 )
 from diffserve.pipelines.base import PipelineAdapter, RequestState, is_finite
 from diffserve.runner.loader import load_adapter
-from diffserve.runner.memory import peak_memory_bytes
+from diffserve.memory.accounting import peak_memory_bytes
 from diffserve.runner.model_memory import ModelMemory
 from diffserve.runner.streaming import StreamState, assemble_video
-from diffserve.sampling_params import SamplingParams
+from diffserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

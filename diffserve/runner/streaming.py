@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from diffserve.executor.messages import Interaction
+from diffserve.core.messages import Interaction
 
 
 def blend_inputs(source: Any, target: Any, weight: float) -> Any:

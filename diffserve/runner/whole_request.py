@@ -31,12 +31,13 @@ from typing import Any
 
 import torch
 
-from diffserve.errors import InvalidRequestError
-from diffserve.executor.messages import Decoded, ModelInfo, NewRequest, Prepared, RequestPlan, StepOutput, WorkError
+from diffserve.core.errors import InvalidRequestError
+from diffserve.core.messages import Decoded, ModelInfo, NewRequest, Prepared, RequestPlan, StepOutput, WorkError
 from diffserve.pipelines.diffusion_scheduler import new_scheduler
-from diffserve.runner.memory import peak_memory_bytes
-from diffserve.runner.sleep import WeightSleeper, check_level
-from diffserve.sampling_params import ModelSpec, SamplingParams
+from diffserve.memory.accounting import peak_memory_bytes
+from diffserve.core.sleep_levels import check_level
+from diffserve.memory.sleep import WeightSleeper
+from diffserve.core.sampling_params import ModelSpec, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -345,7 +346,7 @@ class WholeRequestRunner:
         return load_components(self.config.model_path, self.config.torch_dtype, load_format, device=self.device)[1]
 
     def sleep(self, level: int) -> None:
-        """Sleep mode (see `diffserve.runner.sleep`); no request may be held.
+        """Sleep mode (see `diffserve.memory.sleep`); no request may be held.
 
         Raises:
             InvalidRequestError: `level` is not 1 or 2.

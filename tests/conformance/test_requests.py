@@ -42,7 +42,7 @@ def test_unused_field_is_refused_by_name(model, served, name):
     pipeline class, at `add_request`, before anything is queued."""
     image = request_image(model)
     if name in ("image", "mask"):
-        from diffserve.inputs import make_inputs
+        from diffserve.core.inputs import make_inputs
 
         picture = input_image(model)
         inputs = make_inputs(picture, mask=np.zeros(picture.size[::-1], np.uint8)) if name == "mask" else picture

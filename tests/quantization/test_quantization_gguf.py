@@ -8,7 +8,7 @@ import torch
 from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 from tiny_models.gguf import write_gguf
 
-from diffserve.errors import UnsupportedModelError
+from diffserve.core.errors import UnsupportedModelError
 from diffserve.quantization.apply import describe_loaded
 from diffserve.quantization.gguf import load_gguf_transformer
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from diffserve.errors import InvalidRequestError
+from diffserve.core.errors import InvalidRequestError
 from diffserve.quantization.spec import (
     METHODS,
     QuantizationSpec,

@@ -16,7 +16,7 @@ processor, 14-pixel patches merged 2x2). transformers 5.24 cannot build or load 
 ``Qwen2VLProcessor`` without torchvision (its video processor needs it, even for images only;
 huggingface/transformers#48558), so the folder's ``processor/`` holds the tokenizer and the
 image-processor config only, and :func:`load_qwen2vl_processor` (diffserve's own loader for
-edit folders, ``diffserve.pipelines.qwen_image_edit``, re-exported here) builds an image-only
+edit folders, ``diffserve.pipelines.qwen_image_edit.adapter``, re-exported here) builds an image-only
 ``Qwen2VLProcessor`` (:class:`Qwen2VLImageOnlyProcessor`, PIL backend) from it -- pass it as
 ``QwenImageEditPipeline.from_pretrained(folder, processor=...)``. It also works on a real
 Qwen-Image-Edit folder's ``processor/``. The tiny image processor caps images at 112x112 pixels
@@ -93,7 +93,7 @@ from diffusers import (
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from diffserve.pipelines.qwen_image_edit import Qwen2VLImageOnlyProcessor, load_qwen2vl_processor
+from diffserve.pipelines.qwen_image_edit.adapter import Qwen2VLImageOnlyProcessor, load_qwen2vl_processor
 
 from .components import qwen2_tokenizer
 

@@ -115,7 +115,7 @@ def _sd3_without_t5(folder: Path) -> dict:
 
 
 def _qwen_edit_processor(folder: Path) -> dict:
-    from diffserve.pipelines.qwen_image_edit import load_qwen2vl_processor
+    from diffserve.pipelines.qwen_image_edit.adapter import load_qwen2vl_processor
 
     return {"processor": load_qwen2vl_processor(folder / "processor")}
 
@@ -133,7 +133,7 @@ def qwen_edit_small_area() -> Iterator[None]:
     import pytest
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 
-    from diffserve.pipelines import qwen_image_edit
+    from diffserve.pipelines.qwen_image_edit import adapter as qwen_image_edit
 
     real = pipeline_qwenimage_edit.calculate_dimensions
     with pytest.MonkeyPatch.context() as mp:

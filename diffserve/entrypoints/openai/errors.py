@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from diffserve.errors import EngineOverloadedError, InvalidRequestError
+from diffserve.core.errors import EngineOverloadedError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ OpenAI fields (see OpenAI's ``POST /v1/images/generations``):
 diffserve extension fields (send them with the openai client's ``extra_body=``):
     negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed; and stream_progress
     (with stream=true: also send the ``diffserve.queued`` / ``diffserve.progress`` events of
-    `diffserve.entrypoints.openai.stream_progress`); edits add strength (`ImageEditRequest`),
+    `diffserve.entrypoints.openai.services.sse_progress`); edits add strength (`ImageEditRequest`),
     videos their own (`VideoCreateRequest`).
 
 ``GET /v1/models`` cards carry two diffserve extensions (`ModelCard`): ``capabilities`` (what the
@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
-from diffserve.errors import InvalidRequestError
-from diffserve.sampling_params import MAX_GUIDANCE_SCALE, MAX_SEED
+from diffserve.core.errors import InvalidRequestError
+from diffserve.core.sampling_params import MAX_GUIDANCE_SCALE, MAX_SEED
 
 if TYPE_CHECKING:
-    from diffserve.sampling_params import ModelSpec, RequestLimits
+    from diffserve.core.sampling_params import ModelSpec, RequestLimits
     from diffserve.engine.engine import DiffusionEngine
 
 #: Longest accepted prompt / negative prompt, in characters (OpenAI's limit).
@@ -50,7 +50,7 @@ _SIZE_RE = re.compile(r"([0-9]{1,6})[xX]([0-9]{1,6})")
 #: The ``size`` field's syntax (the loaded model's sizes are in the served OpenAPI schema).
 SIZE_PATTERN = r"^(auto|[0-9]{1,6}[xX][0-9]{1,6})$"
 #: Prompt text as enforced: at least one non-whitespace character, no control characters other
-#: than tab, newline and carriage return (see `diffserve.sampling_params.validate_prompt`).
+#: than tab, newline and carriage return (see `diffserve.core.sampling_params.validate_prompt`).
 PROMPT_PATTERN = (r"^[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]*[^\s\x00-\x1f\x7f-\x9f]"
                   r"[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]*$")
 #: Negative prompt text as enforced (may be empty or blank).
@@ -182,7 +182,7 @@ class ImageGenerationRequest(_ImageRequest):
 class ImageEditRequest(_ImageRequest):
     """The text fields of ``POST /v1/images/edits`` (``multipart/form-data``; the files
     ``image`` / ``image[]`` and ``mask`` travel beside them, see
-    `diffserve.entrypoints.openai.serving_edits`). Form values are text, so they are validated
+    `diffserve.entrypoints.openai.services.edits`). Form values are text, so they are validated
     with type coercion (``"2"`` is the integer 2, ``"true"`` the boolean).
 
     Defaults as for generations, except ``size="auto"``: the (first) input image's size
@@ -381,7 +381,7 @@ class VideoCreateRequest(_StrictRequest):
     ``openai`` client sends; values are coerced from text) or JSON (strict types).
 
     OpenAI fields: ``prompt``, ``model``, ``size`` (``"WIDTHxHEIGHT"``), ``seconds`` (clip length;
-    converted to frames, see `diffserve.entrypoints.openai.serving_videos`); ``input_reference``
+    converted to frames, see `diffserve.entrypoints.openai.services.videos`); ``input_reference``
     (an image) is refused: the served video models are text-to-video.
 
     diffserve extensions: ``num_frames`` (instead of ``seconds``), ``fps``, ``seed``,

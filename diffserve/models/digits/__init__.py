@@ -2,7 +2,8 @@
 
 ``DEFAULT_MODEL_PATH`` is a standard diffusers ``StableDiffusion3Pipeline`` folder (no T5), so
 ``StableDiffusion3Pipeline.from_pretrained(DEFAULT_MODEL_PATH)`` loads it. See ``MODEL_CARD.md``
-next to this file for how it was trained and how good it is, and ``train.py`` to rebuild it.
+next to this file for how it was trained and how good it is, and ``training/digits/train.py`` in
+the repository (not part of the package) to rebuild it.
 """
 
 from pathlib import Path

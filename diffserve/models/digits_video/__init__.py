@@ -3,7 +3,8 @@
 ``DEFAULT_MODEL_PATH`` is a standard diffusers ``WanPipeline`` folder, so
 ``WanPipeline.from_pretrained(DEFAULT_MODEL_PATH)`` loads it; its sampling defaults (size, frame
 count, fps, steps, guidance) are in ``generation_config.json`` there. See ``MODEL_CARD.md`` next
-to this file for how it was trained and how good it is, and ``train.py`` to rebuild it.
+to this file for how it was trained and how good it is, and ``training/digits_video/train.py`` in
+the repository (not part of the package) to rebuild it.
 """
 
 from pathlib import Path

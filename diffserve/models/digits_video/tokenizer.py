@@ -9,8 +9,8 @@ built from an in-memory vocabulary, so nothing is downloaded:
 * every ASCII letter, digit and common punctuation mark, alone and word-initial
   (``a`` / ``▁a``), so any such text tokenizes without the unknown token;
 * one whole-word piece (``▁moving``) for each of :data:`VOCABULARY_WORDS`: the image model's
-  words (:data:`diffserve.models.digits.tokenizer.VOCABULARY_WORDS`) plus the motion words of
-  :data:`diffserve.models.digits_video.data.MOTION_WORDS`. Whole words score far above their
+  words (:data:`diffserve.models.digits.tokenizer.VOCABULARY_WORDS`) plus the motion words
+  :data:`MOTION_WORDS`. Whole words score far above their
   spelling, so the Unigram model picks them.
 
 Unlike CLIP's tokenizer it does not lower-case (``T5Tokenizer`` rebuilds its normalizer when
@@ -26,7 +26,12 @@ import re
 from transformers import T5Tokenizer
 
 from diffserve.models.digits.tokenizer import VOCABULARY_WORDS as IMAGE_VOCABULARY_WORDS
-from diffserve.models.digits_video.data import MOTION_WORDS
+
+#: Words of the motion phrases in the training captions (``training/digits_video/data.py``,
+#: outside the package); each gets a whole-word piece.
+MOTION_WORDS: tuple[str, ...] = (
+    "moving", "moves", "going", "sliding", "that", "to", "left", "right", "up", "down",
+)
 
 #: Words that tokenize to one whole-word piece.
 VOCABULARY_WORDS: tuple[str, ...] = IMAGE_VOCABULARY_WORDS + tuple(

@@ -1,0 +1,254 @@
+"""Plain data crossing the executor boundary (engine <-> workers).
+
+The engine never touches tensors or the runner's per-request state: it hands workers
+`NewRequest` s to prepare, request ids to step or decode, `ChunkWork` to end a stream's chunk
+(with the `Interaction` s it must apply from the next chunk on), and ids to free; workers
+answer with `Prepared`, `StepOutput`, `Decoded` and `ChunkDone`. Everything here is picklable (tensors inside
+`NewRequest.inputs` and `Decoded.output` are CPU tensors / arrays / PIL images), so a worker can
+live in another process (like vLLM's ``SchedulerOutput`` / ``ModelRunnerOutput``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from diffserve.core.sampling_params import ModelSpec, SamplingParams
+
+
+@dataclass(frozen=True)
+class WorkError:
+    """A request's failure inside a worker.
+
+    Attributes:
+        type: the exception class name (e.g. ``"NonFiniteOutputError"``).
+        message: its message.
+    """
+
+    type: str
+    message: str
+
+    @classmethod
+    def of(cls, exc: BaseException) -> "WorkError":
+        return cls(type(exc).__name__, str(exc))
+
+    def __str__(self) -> str:
+        return f"{self.type}: {self.message}"
+
+
+@dataclass
+class NewRequest:
+    """A request to prepare (encode its prompt, draw latents, create its scheduler).
+
+    Attributes:
+        params: resolved sampling params.
+        inputs: `diffserve.pipelines.base.RequestInputs` (input images / mask) or None.
+    """
+
+    request_id: str
+    prompt: str
+    params: SamplingParams
+    inputs: Any = None
+
+
+@dataclass
+class Prepared:
+    """Outcome of preparing one request.
+
+    Attributes:
+        num_steps: denoising steps it will run (its timesteps).
+        seconds: wall-clock seconds of the encode + latent preparation.
+        error: set when preparing failed (the request is gone from the worker).
+        step_key: the adapter's step key for its first step (`PipelineAdapter.step_key`).
+        offload_loads: components moved onto the device for the work item that prepared it
+            (model CPU offload; one move serves every request of the item).
+    """
+
+    request_id: str
+    num_steps: int = 0
+    prompt_truncated: bool = False
+    negative_prompt_truncated: bool = False
+    seconds: float = 0.0
+    error: WorkError | None = None
+    step_key: Any = None
+    offload_loads: int = 0
+
+
+@dataclass
+class StepOutput:
+    """Outcome of one denoising step over a batch.
+
+    Attributes:
+        num_rows: denoiser rows in the forward (all requests, guidance branches included); the
+            largest forward's when requests had to run alone.
+        request_rows: request_id -> rows of the forward it took part in, when requests ran in
+            forwards of their own (a cache backend that cannot share forwards, or the retry of a
+            failed shared step); empty when all shared one forward of `num_rows`.
+        steps_done: request_id -> denoising steps done after this step, for the requests whose
+            count is not simply one more (the whole-request runner reports its own); a request
+            that stepped and is absent advanced by one step.
+        errors: request_id -> failure (those requests are gone from the worker).
+        num_steps: request_id -> its total denoising steps, when the worker learned it only
+            while running (whole-request pipelines: img2img strength shortens the schedule).
+        seconds: wall-clock seconds of the step.
+        step_keys: request_id -> the adapter's step key for its next step (requests that
+            stepped; `PipelineAdapter.step_key`).
+        peak_memory_bytes: memory the step used at its peak above the resident model (see
+            `ModelRunner.step`), bytes; None where it cannot be measured.
+        offload_loads: components moved onto the device for this step (model CPU offload).
+    """
+
+    num_rows: int = 0
+    request_rows: dict[str, int] = field(default_factory=dict)
+    steps_done: dict[str, int] = field(default_factory=dict)
+    num_steps: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, WorkError] = field(default_factory=dict)
+    seconds: float = 0.0
+    step_keys: dict[str, Any] = field(default_factory=dict)
+    peak_memory_bytes: int | None = None
+    offload_loads: int = 0
+
+
+@dataclass
+class Decoded:
+    """A decoded request (final output or preview).
+
+    Attributes:
+        output: media of the request's output_type (images, or video frames), None on error.
+        step: denoising steps done when the latents were taken (previews).
+        preview: True for a preview (the request keeps running).
+        seconds: wall-clock seconds of the decode.
+        offload_loads: components moved onto the device for the decode work item.
+    """
+
+    request_id: str
+    output: Any = None
+    step: int = 0
+    preview: bool = False
+    seconds: float = 0.0
+    error: WorkError | None = None
+    offload_loads: int = 0
+
+
+@dataclass(frozen=True)
+class Interaction:
+    """A prompt change for a running stream (`DiffusionEngine.submit_interaction`).
+
+    Attributes:
+        prompt: the new prompt (validated).
+        transition_chunks: chunks over which the conditioning moves from the previous prompt
+            to the new one (0: the next chunk uses the new prompt alone).
+        event_id: the client's id, echoed on the first chunk that uses the new prompt.
+    """
+
+    prompt: str
+    transition_chunks: int
+    event_id: str
+
+
+@dataclass
+class ChunkWork:
+    """End a stream's chunk whose denoising finished: decode it and, unless it was the last,
+    prepare the next chunk (conditioned on this one) with `interactions` applied from it on."""
+
+    request_id: str
+    interactions: list[Interaction] = field(default_factory=list)
+
+
+@dataclass
+class ChunkDone:
+    """Outcome of a `ChunkWork`.
+
+    Attributes:
+        chunk_index: the chunk that was decoded (0-based).
+        frames: its new frames, uint8 numpy (F, H, W, 3).
+        video: with the last chunk: the whole video (all chunks' frames) as the request's
+            ``output_type``; None otherwise (the request then keeps running, freed with it).
+        event_ids: event ids of the interactions this chunk is the first to use.
+        num_steps / step_key: the next chunk's denoising steps and first step key.
+        seconds: wall-clock seconds of the work (decode + next chunk's preparation).
+        error: set when it failed (the request is gone from the worker).
+        offload_loads: components moved onto the device for the work item.
+    """
+
+    request_id: str
+    chunk_index: int = 0
+    frames: Any = None
+    video: Any = None
+    event_ids: list[str] = field(default_factory=list)
+    num_steps: int = 0
+    step_key: Any = None
+    seconds: float = 0.0
+    error: WorkError | None = None
+    offload_loads: int = 0
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """What the request scheduler needs to know about a request: its denoiser rows per step,
+    its batch key (requests with equal keys may share a forward) and the denoising steps it
+    will run (fewer than ``num_inference_steps`` for image-to-image with strength < 1)."""
+
+    rows: int
+    batch_key: Any
+    num_steps: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The loaded model as the engine sees it.
+
+    Attributes:
+        spec: defaults and limits for validation.
+        pipeline: the diffusers pipeline class name.
+        step_batching: whether requests run step by step (False: whole-request fallback).
+        chunk_streaming: whether requests may stream video chunks (``num_chunks``) and take
+            interactions.
+    """
+
+    spec: ModelSpec
+    pipeline: str
+    step_batching: bool = True
+    chunk_streaming: bool = False
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """The loaded model's memory needs, measured once (see `diffserve.memory.profile`),
+    for memory-aware admission. All sizes in bytes; pixels = height x width x frames.
+
+    Attributes:
+        weight_bytes: most bytes of weights the offload policy holds on the device.
+        reserve_bytes: a denoiser forward's fixed part plus one prompt encode (paid once,
+            whatever runs).
+        row_bytes_base / row_bytes_per_pixel: bytes of one denoiser row (one image of one
+            guidance branch) = base + per_pixel x pixels, fitted to the measurements.
+        row_floor_base / row_floor_per_pixel: the same for the row's own denoiser inputs and
+            output (exact; a row never counts less).
+        decode_bytes_per_pixel: VAE decode peak per output pixel of one image.
+        frames: frames the measurement used (1 for image models).
+        points: the measured (height, width, bytes per row).
+        method: how peaks were measured.
+        device_available_bytes: what the device could give the engine when measured (CUDA:
+            free + reserved by torch; CPU: MemAvailable + the process's RSS), None if unknown.
+    """
+
+    weight_bytes: int
+    reserve_bytes: int
+    row_bytes_base: float
+    row_bytes_per_pixel: float
+    decode_bytes_per_pixel: float
+    row_floor_base: float = 0.0
+    row_floor_per_pixel: float = 0.0
+    frames: int = 1
+    points: tuple[tuple[int, int, int], ...] = ()
+    method: str = ""
+    device_available_bytes: int | None = None
+
+    def request_bytes(self, height: int, width: int, rows: int, images: int, frames: int | None = None) -> int:
+        """Estimated bytes a request needs while it runs: its denoiser rows' activations,
+        or its decode if larger (a request decodes after its last step)."""
+        pixels = height * width * (frames or self.frames)
+        per_row = max(self.row_bytes_base + self.row_bytes_per_pixel * pixels,
+                      self.row_floor_base + self.row_floor_per_pixel * pixels, 0.0)
+        return int(max(rows * per_row, images * self.decode_bytes_per_pixel * pixels))

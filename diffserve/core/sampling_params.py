@@ -1,0 +1,322 @@
+"""`SamplingParams`: the per-request generation knobs, and their validation.
+
+Validation happens once, when a request is added, against two sets of facts: the model's
+(`ModelSpec`: resolution factor, defaults, whether it is text-conditioned) and the engine's
+limits (`RequestLimits`). Every failure raises `InvalidRequestError` naming the field, the value
+and the allowed range, before any tensor is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import secrets
+from dataclasses import dataclass
+
+from diffserve.core.errors import InvalidRequestError
+
+OUTPUT_TYPES = ("pil", "np", "pt", "latent")
+MAX_SEED = 2**63 - 1
+#: Guidance beyond this overflows the CFG extrapolation into NaN images; real use is 1-20.
+MAX_GUIDANCE_SCALE = 100.0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a loaded model allows and defaults to (reported by its pipeline adapter).
+
+    A ``default_*`` of None means the model does not use that field: a request that sets it
+    gets an `InvalidRequestError` naming it (never silently ignored).
+
+    Attributes:
+        resolution_factor: height and width must be positive multiples of this many pixels
+            (VAE spatial down-sampling x transformer patch size; 16 for SD3).
+        default_height / default_width: pixels used when a request gives none.
+        default_num_inference_steps: used when a request gives none.
+        default_guidance_scale: ``guidance_scale`` default (CFG weight, or Flux-dev's embedded
+            guidance); None = not used by this model.
+        default_true_cfg_scale: ``true_cfg_scale`` default (Flux / Qwen-Image true CFG with a
+            negative prompt); None = not used.
+        default_guidance_scale_2: ``guidance_scale_2`` default (the CFG weight of the
+            low-noise expert of two-expert models, Wan 2.2); None = not used. A request that
+            sets ``guidance_scale`` but not ``guidance_scale_2`` gets its ``guidance_scale`` for
+            both experts, as diffusers' ``WanPipeline`` does.
+        default_max_sequence_length / max_sequence_length_limit: text-encoder token budget
+            (T5 / Qwen / UMT5) and its largest allowed value; None = not used.
+        text_conditioned: whether an empty prompt is meaningless (rejected).
+        max_prompt_tokens: the text encoder's token limit; longer prompts are truncated.
+        max_height / max_width: largest size in pixels the denoiser supports (e.g. SD3's
+            positional-embedding grid); None = no model limit.
+        pipeline: the diffusers pipeline class name (for messages).
+        default_num_frames: frames of a video model (None = an image model, ``num_frames``
+            not used); ``frame_factor`` k: num_frames must be k*m + 1 (Wan: 4); max_num_frames.
+        default_fps: frames per second of the output video.
+        accepts_images: the model takes input images (image-to-image / edit).
+        default_strength: img2img strength default (None = not used).
+    """
+
+    resolution_factor: int
+    default_height: int
+    default_width: int
+    default_num_inference_steps: int
+    default_guidance_scale: float | None
+    default_true_cfg_scale: float | None = None
+    default_guidance_scale_2: float | None = None
+    default_max_sequence_length: int | None = None
+    max_sequence_length_limit: int | None = None
+    text_conditioned: bool = True
+    max_prompt_tokens: int | None = None
+    max_height: int | None = None
+    max_width: int | None = None
+    pipeline: str = "this model"
+    default_num_frames: int | None = None
+    frame_factor: int = 1
+    max_num_frames: int | None = None
+    default_fps: int | None = None
+    accepts_images: bool = False
+    default_strength: float | None = None
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Engine-side limits on a single request (from `EngineConfig`)."""
+
+    max_num_inference_steps: int = 200
+    max_pixels: int = 2048 * 2048
+    max_num_images_per_prompt: int = 10
+    max_num_frames: int = 1025
+    max_num_chunks: int = 1024
+
+
+@dataclass
+class SamplingParams:
+    """Generation parameters of one request (one prompt, `num_images_per_prompt` images).
+
+    Any field left ``None`` takes the model's default (see `ModelSpec`) when the request is
+    added. The prompt itself is passed next to the params (as in vLLM), not inside them.
+
+    Attributes:
+        negative_prompt: text for the unconditional CFG branch (``""`` when None); ignored
+            when CFG is off.
+        num_images_per_prompt: images generated for the prompt, 1..limit.
+        height / width: output size in pixels; positive multiples of the model's resolution
+            factor with height*width <= the engine's max pixel count.
+        num_inference_steps: denoising steps, 1..limit; N runs exactly N transformer passes
+            per CFG branch.
+        guidance_scale: as the family's diffusers ``__call__`` means it, in [0, 100]: the
+            classifier-free guidance weight (Ho & Salimans 2022; CFG on when > 1) for SD / SDXL
+            / SD3 / Wan, the embedded guidance input for guidance-distilled Flux-dev.
+        true_cfg_scale: true-CFG weight with a real negative branch (Flux, Qwen-Image; on when
+            > 1 and a negative prompt is given, as in diffusers), in [0, 100].
+        guidance_scale_2: CFG weight of the low-noise expert of two-expert models (Wan 2.2:
+            steps with timestep below the boundary), in [0, 100]; default: this request's
+            ``guidance_scale`` when it sets one, else the model's default. Whether CFG runs at
+            all follows ``guidance_scale`` (diffusers' rule).
+        max_sequence_length: token budget of the long text encoder (T5 / Qwen / UMT5).
+        num_frames / fps: video length in frames and playback rate (video models only). With
+            ``num_chunks`` set, ``num_frames`` is the length of ONE chunk (the model's window).
+        num_chunks: makes the request a stream (video models whose adapter can chunk, see
+            `diffserve.pipelines.video_chunks`): ``num_chunks`` chunks of ``num_frames``
+            frames are generated one after the other, each conditioned on the end of the
+            previous one; each is decoded and emitted as a ``chunk`` event as soon as it is
+            done, and the prompt of the following chunks can be changed while it runs
+            (`DiffusionEngine.submit_interaction`). An integer in [1, limit]; None = one
+            ordinary generation. Streams make one video (``num_images_per_prompt`` 1) of
+            decoded frames (``output_type`` not ``"latent"``).
+        strength: image-to-image strength in (0, 1]: the fraction of the schedule run on the
+            noised input image (requests with an input image only; None = the model's
+            default, e.g. diffusers' 0.6 for SD3 img2img).
+        seed: integer in [0, 2**63-1]. The same seed gives byte-identical output on the same
+            machine and thread count; None draws a random seed that is reported in the output.
+        output_type: ``"pil"`` (list of PIL images), ``"np"`` (float32 array
+            (N, H, W, C) in [0, 1]), ``"pt"`` (float tensor (N, C, H, W) in [0, 1]) or
+            ``"latent"`` (the final latents (N, C, H/f, W/f)).
+    """
+
+    negative_prompt: str | None = None
+    num_images_per_prompt: int = 1
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    true_cfg_scale: float | None = None
+    guidance_scale_2: float | None = None
+    max_sequence_length: int | None = None
+    seed: int | None = None
+    output_type: str = "pil"
+    num_frames: int | None = None
+    fps: int | None = None
+    strength: float | None = None
+    num_chunks: int | None = None
+
+    def resolve(
+        self,
+        spec: ModelSpec,
+        limits: RequestLimits,
+        default_seed: int | None = None,
+    ) -> "SamplingParams":
+        """Return a validated copy with every ``None`` filled from the model's defaults.
+
+        Raises:
+            InvalidRequestError: a field is out of range; the message names it and the range.
+        """
+        p = dataclasses.replace(self)
+        for name in ("num_images_per_prompt", "height", "width", "num_inference_steps", "seed",
+                     "max_sequence_length", "num_frames", "fps", "num_chunks"):
+            setattr(p, name, _as_int(getattr(p, name)))  # numpy / torch integer scalars welcome
+        for name in ("guidance_scale", "true_cfg_scale", "guidance_scale_2", "strength"):
+            value = getattr(p, name)
+            if isinstance(value, numbers.Real) and not isinstance(value, bool):
+                setattr(p, name, float(value))
+        if p.height is None:
+            p.height = spec.default_height
+        if p.width is None:
+            p.width = spec.default_width
+        if p.num_inference_steps is None:
+            p.num_inference_steps = min(spec.default_num_inference_steps, limits.max_num_inference_steps)
+        if p.seed is None:
+            p.seed = default_seed if default_seed is not None else secrets.randbelow(2**31)
+        if p.guidance_scale_2 is None and p.guidance_scale is not None \
+                and spec.default_guidance_scale_2 is not None:
+            p.guidance_scale_2 = p.guidance_scale  # diffusers: guidance_scale_2 follows guidance_scale
+        p.guidance_scale = _default_or_refuse(spec, "guidance_scale", p.guidance_scale,
+                                              spec.default_guidance_scale, "no guidance scale")
+        p.guidance_scale_2 = _default_or_refuse(spec, "guidance_scale_2", p.guidance_scale_2,
+                                                spec.default_guidance_scale_2, "no second (low-noise) expert")
+        p.true_cfg_scale = _default_or_refuse(spec, "true_cfg_scale", p.true_cfg_scale,
+                                              spec.default_true_cfg_scale, "no true CFG")
+        p.max_sequence_length = _default_or_refuse(
+            spec, "max_sequence_length", p.max_sequence_length, spec.default_max_sequence_length,
+            "no long text encoder with a sequence-length setting")
+        p.num_frames = _default_or_refuse(spec, "num_frames", p.num_frames, spec.default_num_frames,
+                                          "an image model (no frames)")
+        p.fps = _default_or_refuse(spec, "fps", p.fps, spec.default_fps, "an image model (no fps)")
+        if p.num_chunks is not None and spec.default_num_frames is None:
+            raise InvalidRequestError("num_chunks", p.num_chunks, f"unset: {spec.pipeline} is an image model "
+                                      "(no video chunks)")
+        if p.strength is not None:  # left None when absent: only image inputs use a default
+            _default_or_refuse(spec, "strength", p.strength, spec.default_strength, "no image inputs (no strength)")
+
+        _check_int("num_inference_steps", p.num_inference_steps, 1, limits.max_num_inference_steps)
+        _check_int("num_images_per_prompt", p.num_images_per_prompt, 1, limits.max_num_images_per_prompt)
+        f = spec.resolution_factor
+        for name, limit in (("height", spec.max_height), ("width", spec.max_width)):
+            value = getattr(p, name)
+            allowed = f"a positive multiple of {f} pixels (the model's VAE scale x patch size)"
+            if limit is not None:
+                allowed += f", at most {limit} pixels for this model"
+            if not _is_int(value) or value <= 0 or value % f or (limit is not None and value > limit):
+                raise InvalidRequestError(name, value, allowed)
+        pixels = p.height * p.width
+        if pixels > limits.max_pixels:
+            raise InvalidRequestError(
+                "size",
+                f"{p.width}x{p.height}",
+                f"at most {limits.max_pixels} pixels (width x height)",
+            )
+        for name in ("guidance_scale", "true_cfg_scale", "guidance_scale_2"):
+            g = getattr(p, name)
+            if g is None:
+                continue
+            if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) \
+                    or not 0 <= g <= MAX_GUIDANCE_SCALE:
+                raise InvalidRequestError(name, g, f"a finite number in [0, {MAX_GUIDANCE_SCALE:g}]")
+            setattr(p, name, float(g))
+        if p.max_sequence_length is not None:
+            _check_int("max_sequence_length", p.max_sequence_length, 1,
+                       spec.max_sequence_length_limit or p.max_sequence_length)
+        if p.num_frames is not None:
+            k = spec.frame_factor
+            top = min(spec.max_num_frames or limits.max_num_frames, limits.max_num_frames)
+            if not _is_int(p.num_frames) or not 1 <= p.num_frames <= top or (p.num_frames - 1) % k:
+                rule = f" of the form {k}*m + 1" if k > 1 else ""
+                raise InvalidRequestError("num_frames", p.num_frames, f"an integer{rule} in [1, {top}]")
+        if p.fps is not None:
+            _check_int("fps", p.fps, 1, 240)
+        if p.num_chunks is not None:
+            _check_int("num_chunks", p.num_chunks, 1, limits.max_num_chunks)
+            if p.num_images_per_prompt != 1:
+                raise InvalidRequestError("num_images_per_prompt", p.num_images_per_prompt,
+                                          "1 with num_chunks (a stream is one video)")
+            if p.output_type == "latent":
+                raise InvalidRequestError("output_type", p.output_type,
+                                          "one of pil, np, pt with num_chunks (chunks are decoded frames)")
+        if p.strength is not None:
+            s = p.strength
+            if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or not 0 < s <= 1:
+                raise InvalidRequestError("strength", s, "a number in (0, 1]")
+            p.strength = float(s)
+        _check_int("seed", p.seed, 0, MAX_SEED)
+        if p.output_type not in OUTPUT_TYPES:
+            raise InvalidRequestError("output_type", p.output_type, f"one of {', '.join(OUTPUT_TYPES)}")
+        if p.negative_prompt is not None:
+            _check_text("negative_prompt", p.negative_prompt, "a string or null")
+        return p
+
+
+def _default_or_refuse(spec: ModelSpec, field: str, value, default, what: str):
+    """The request's value, or the model's default when None; refuse a value the model has no
+    use for (its default is None)."""
+    if value is None:
+        return default
+    if default is None:
+        raise InvalidRequestError(field, value, f"unset: {spec.pipeline} has {what}")
+    return value
+
+
+def validate_prompt(prompt: object, spec: ModelSpec | None = None) -> str:
+    """Check a prompt and return it.
+
+    Args:
+        prompt: the prompt.
+        spec: the model's spec; None (no model loaded yet) checks it as for a text-conditioned
+            model.
+
+    Raises:
+        InvalidRequestError: not a string, not valid Unicode, containing NUL or another control
+            character (tab, newline and carriage return are allowed), or empty/whitespace for a
+            text-conditioned model.
+    """
+    _check_text("prompt", prompt, "a string")
+    if (spec is None or spec.text_conditioned) and not prompt.strip():
+        raise InvalidRequestError("prompt", prompt, "a non-empty, non-whitespace string")
+    return prompt
+
+
+#: Control characters allowed in prompts: ordinary whitespace.
+_ALLOWED_CONTROL_CHARS = frozenset("\t\n\r")
+
+
+def _check_text(field: str, value: object, allowed: str) -> None:
+    """Raise `InvalidRequestError` naming `field` unless `value` is a str of valid Unicode text
+    without NUL or other control characters (Unicode category Cc: U+0000-U+001F, U+007F-U+009F)
+    besides tab, newline and carriage return."""
+    if not isinstance(value, str):
+        raise InvalidRequestError(field, value, allowed)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequestError(field, value, "valid Unicode text (no lone surrogates)") from None
+    for index, char in enumerate(value):
+        code = ord(char)
+        if (code < 0x20 or 0x7F <= code <= 0x9F) and char not in _ALLOWED_CONTROL_CHARS:
+            raise InvalidRequestError(field, value, "text without NUL or control characters (tab, newline "
+                                      "and carriage return are allowed)",
+                                      detail=f"U+{code:04X} at character {index}")
+
+
+def _as_int(value: object) -> object:
+    """Integral scalars (numpy, torch) as plain ints; anything else unchanged for the checks."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return value
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(field: str, value: object, low: int, high: int) -> None:
+    if not _is_int(value) or not low <= value <= high:
+        raise InvalidRequestError(field, value, f"an integer in [{low}, {high}]")

@@ -1,0 +1,138 @@
+"""Engine arguments of the command line (``generate``, ``edit``, ``serve`` and each Ray Serve
+replica), as vLLM's ``EngineArgs``: `add_engine_arguments` declares them, `check_engine_arguments`
+checks what needs no torch, `engine_config_from_args` builds the `EngineConfig`. Importing this
+module imports neither torch nor the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+from diffserve.core.errors import InvalidRequestError
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine options shared by ``generate`` and ``serve``."""
+    parser.add_argument("--model", default=None, metavar="DIR|NAME",
+                        help="a local diffusers folder (model_index.json), or a built-in model: digits "
+                             "(text-to-image and image-to-image; the default) or digits-video (text-to-video)")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                        help="weights and activations dtype; auto = bf16 on cuda, fp32 on cpu")
+    parser.add_argument("--load-format", default="default", choices=["default", "dummy"],
+                        help="default reads the weights; dummy builds the models from their configs with "
+                             "seeded random weights (for benchmarks)")
+    parser.add_argument("--max-batch-size", type=int, default=16, metavar="ROWS",
+                        help="most transformer rows per denoising step (CFG counts 2 rows per image; a larger "
+                             "request runs alone)")
+    parser.add_argument("--execution-mode", default="step", choices=["step", "request"],
+                        help="step = continuous batching (requests join and leave between steps); request = "
+                             "static batches run to completion")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="torch intra-op threads (default: torch's, one per core)")
+    parser.add_argument("--max-num-inference-steps", type=int, default=200, metavar="N",
+                        help="most denoising steps a request may ask for")
+    parser.add_argument("--no-context-folding", dest="context_folding", action="store_false",
+                        help="run SD3's 256 zero T5 placeholder tokens and Wan's zero prompt padding rows in "
+                             "full instead of as one folded token (slower; same outputs within float rounding)")
+    parser.add_argument("--prompt-embed-cache-size", type=int, default=256, metavar="N",
+                        help="entries of the prompt-embedding LRU cache (0 = off)")
+    parser.add_argument("--cache-backend", default="none", choices=["none", "teacache", "cache_dit"],
+                        help="step caching backend (state reset for every request)")
+    parser.add_argument("--cache-config", default=None, metavar="JSON",
+                        help='cache backend options as a JSON object, e.g. \'{"rel_l1_thresh": 0.4}\' '
+                             "(default: the backend's defaults)")
+    compile_group = parser.add_mutually_exclusive_group()
+    compile_group.add_argument("--compile", dest="compile", action="store_true", default=False,
+                               help="regional torch.compile of the transformer blocks (warmed up at start)")
+    compile_group.add_argument("--enforce-eager", dest="compile", action="store_false",
+                               help="never compile; the default unless --compile is given")
+    parser.add_argument("--compile-vae", action="store_true", help="with --compile: also compile the VAE decoder")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="replay the denoiser forward from CUDA graphs captured per row bucket (CUDA only)")
+    parser.add_argument("--prompt-embed-cache-bytes", type=int, default=256 << 20, metavar="BYTES",
+                        help="byte bound of the prompt-embedding cache")
+    parser.add_argument("--custom-pipeline", default=None, metavar="MODULE:CLASS",
+                        help="a user class: a PipelineAdapter subclass (step batching) or a pipeline with a "
+                             "diffusers-style __call__ (whole-request serving) (default: the folder's class)")
+    parser.add_argument("--cfg-parallel-size", type=int, default=1, metavar="N",
+                        help="worker processes splitting each forward's rows (2: one CFG branch each)")
+    parser.add_argument("--ulysses-degree", type=int, default=1, metavar="N",
+                        help="worker processes splitting each forward's token sequence (Ulysses)")
+    parser.add_argument("--executor", default="auto", choices=["auto", "inprocess", "multiprocess"],
+                        help="auto = in-process for one rank, worker processes for cfg-parallel x ulysses > 1")
+    # ---- memory: offload, admission by memory, sleep pool (diffserve.entrypoints.memory_options)
+    from diffserve.entrypoints.memory_options import add_memory_arguments
+
+    add_memory_arguments(parser)
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    """Build an `EngineConfig` from parsed engine arguments (imports torch).
+
+    Raises:
+        InvalidRequestError: an invalid engine option (field names as in `EngineConfig`).
+    """
+    from diffserve.config import EngineConfig
+    from diffserve.entrypoints.memory_options import memory_config
+
+    return EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        max_batch_size=args.max_batch_size,
+        execution_mode=args.execution_mode,
+        max_num_inference_steps=args.max_num_inference_steps,
+        num_threads=args.threads,
+        prompt_embed_cache_size=args.prompt_embed_cache_size,
+        context_folding=args.context_folding,
+        cache_backend=args.cache_backend,
+        cache_config=_cache_config(args),
+        compile=args.compile,
+        compile_vae=args.compile_vae,
+        cuda_graphs=args.cuda_graphs,
+        prompt_embed_cache_bytes=args.prompt_embed_cache_bytes,
+        custom_pipeline=args.custom_pipeline,
+        cfg_parallel_size=args.cfg_parallel_size,
+        ulysses_degree=args.ulysses_degree,
+        executor=args.executor,
+        **memory_config(args),
+    )
+
+
+def _cache_config(args: argparse.Namespace) -> dict:
+    if args.cache_config is None:
+        return {}
+    try:
+        return json.loads(args.cache_config)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError("cache_config", args.cache_config, "a JSON object", detail=str(exc)) from None
+
+
+def check_engine_arguments(args: argparse.Namespace) -> None:
+    """The engine-option checks that need no torch (EngineConfig repeats them with the rest).
+
+    Raises:
+        InvalidRequestError: naming the option's field.
+    """
+    if args.threads is not None and args.threads < 1:
+        raise InvalidRequestError("threads", args.threads, "an integer >= 1")
+    if args.max_batch_size < 1:
+        raise InvalidRequestError("max_batch_size", args.max_batch_size, "an integer >= 1")
+    if args.prompt_embed_cache_size < 0:
+        raise InvalidRequestError("prompt_embed_cache_size", args.prompt_embed_cache_size, "an integer >= 0 (0 = off)")
+    if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", args.device):
+        raise InvalidRequestError("device", args.device, "auto, cpu, cuda or cuda:N")
+    if not isinstance(_cache_config(args), dict):
+        raise InvalidRequestError("cache_config", args.cache_config, "a JSON object")
+    if args.compile_vae and not args.compile:
+        raise InvalidRequestError("compile_vae", True, "used together with --compile")
+    for name in ("cfg_parallel_size", "ulysses_degree", "prompt_embed_cache_bytes"):
+        if getattr(args, name) < 1:
+            raise InvalidRequestError(name, getattr(args, name), "an integer >= 1")
+    from diffserve.core.memory_size import parse_memory  # torch-free
+
+    parse_memory(getattr(args, "max_memory", None))

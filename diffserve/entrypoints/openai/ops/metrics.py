@@ -1,0 +1,171 @@
+"""Prometheus metrics of the HTTP server (``GET /metrics``), one `CollectorRegistry` per app.
+
+Metrics (all durations in seconds):
+    diffserve_requests_total{status}            generation HTTP requests (image generations and edits,
+                                                video job creations) by response status (499 = client
+                                                disconnected first)
+    diffserve_engine_requests_total{outcome}    engine requests (one per image) by outcome:
+                                                finished / failed / aborted (requests of an
+                                                HTTP request rejected with 429 are not counted)
+    diffserve_images_generated_total            images returned to clients
+    diffserve_videos_generated_total            videos of completed video jobs and video streams
+    diffserve_num_requests_waiting              engine requests in the waiting queue
+    diffserve_num_requests_running              engine requests holding latents
+    diffserve_num_running_rows                  transformer rows of the running requests
+    diffserve_step_duration_seconds             one denoising step (one batched forward + the
+                                                diffusion-scheduler steps)
+    diffserve_step_batch_rows                   transformer rows per step (CFG rows included)
+    diffserve_step_batch_requests               requests per step
+    diffserve_request_stage_seconds{stage}      per finished engine request: queue, encode,
+                                                denoise, decode, total
+    diffserve_prompt_embed_cache_{hits,misses,evictions}_total, diffserve_prompt_embed_cache_entries
+                                                the prompt-embedding LRU (when enabled)
+    diffserve_cache_backend_{transformer_calls,skipped}_total{backend}
+                                                denoiser calls and the ones a cache backend skipped
+    diffserve_compile_recompiles_after_warmup   torch.compile graphs compiled after warm-up
+
+The step metrics come from the engine's step listener (`DiffusionEngine.add_step_listener`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from diffserve.core.outputs import GenerationOutput, RequestStatus
+
+if TYPE_CHECKING:
+    from diffserve.engine.async_engine import AsyncDiffusionEngine
+
+STAGES = ("queue", "encode", "denoise", "decode", "total")
+_STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class ServerMetrics:
+    """The server's collectors, registered in a private `CollectorRegistry`.
+
+    Thread-safe: the step metrics are recorded on the engine thread, the rest on the event loop.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("diffserve_requests", "Generation HTTP requests (images, edits, video jobs) by "
+                                "response status (499: the client disconnected first).", ["status"], registry=r)
+        self.engine_requests = Counter("diffserve_engine_requests", "Engine requests (one per image) by "
+                                       "outcome.", ["outcome"], registry=r)
+        self.images = Counter("diffserve_images_generated", "Images returned to clients.", registry=r)
+        self.videos = Counter("diffserve_videos_generated", "Videos of completed video jobs and video streams.", registry=r)
+        self.waiting = Gauge("diffserve_num_requests_waiting", "Engine requests in the waiting queue.",
+                             registry=r)
+        self.running = Gauge("diffserve_num_requests_running", "Engine requests holding latents.", registry=r)
+        self.running_rows = Gauge("diffserve_num_running_rows", "Transformer rows of the running requests.",
+                                  registry=r)
+        self.step_seconds = Histogram("diffserve_step_duration_seconds", "Duration of one denoising step "
+                                      "(batched forward + scheduler steps), seconds.", buckets=_STEP_BUCKETS,
+                                      registry=r)
+        self.step_rows = Histogram("diffserve_step_batch_rows", "Transformer rows per denoising step (CFG "
+                                   "rows included).", buckets=_ROW_BUCKETS, registry=r)
+        self.step_requests = Histogram("diffserve_step_batch_requests", "Requests per denoising step.",
+                                       buckets=_ROW_BUCKETS, registry=r)
+        self.stage_seconds = Histogram("diffserve_request_stage_seconds", "Per finished engine request: "
+                                       "duration of each stage, seconds.", ["stage"], buckets=_STAGE_BUCKETS,
+                                       registry=r)
+        for outcome in ("finished", "failed", "aborted"):
+            self.engine_requests.labels(outcome=outcome)
+        for stage in STAGES:
+            self.stage_seconds.labels(stage=stage)
+
+    def observe_engine(self, engine: AsyncDiffusionEngine) -> None:
+        """Read queue gauges from `engine` at scrape time and record every denoising step."""
+        sync_engine = engine.engine
+        self.waiting.set_function(lambda: sync_engine.num_waiting)
+        self.running.set_function(lambda: len(sync_engine.scheduler.running))
+        self.running_rows.set_function(lambda: sync_engine.num_running_rows)
+        sync_engine.add_step_listener(self._observe_step)
+        self.registry.register(_AccelerationCollector(lambda: sync_engine.stats()["acceleration"]))
+
+    def _observe_step(self, num_rows: int, num_requests: int, seconds: float) -> None:
+        self.step_seconds.observe(seconds)
+        self.step_rows.observe(num_rows)
+        self.step_requests.observe(num_requests)
+
+    def observe_status(self, status_code: int) -> None:
+        """Count one generation HTTP request that ended with `status_code`."""
+        self.requests.labels(status=str(status_code)).inc()
+
+    def observe_output(self, output: GenerationOutput) -> None:
+        """Record an engine request's outcome and, when finished, its stage durations."""
+        outcome = {RequestStatus.FINISHED: "finished", RequestStatus.FAILED: "failed"}.get(output.status, "aborted")
+        self.engine_requests.labels(outcome=outcome).inc()
+        if output.status is RequestStatus.FINISHED:
+            m = output.metrics
+            for stage, seconds in zip(STAGES, (m.queue_s, m.encode_s, m.denoise_s, m.decode_s, m.total_s)):
+                self.stage_seconds.labels(stage=stage).observe(seconds)
+
+    def observe_abandoned(self, count: int, outcome: str = "aborted") -> None:
+        """Count `count` engine requests whose final event no client read (the client went
+        away): they were aborted in the engine."""
+        if count:
+            self.engine_requests.labels(outcome=outcome).inc(count)
+
+    def observe_images(self, count: int) -> None:
+        """Count `count` images returned to a client."""
+        self.images.inc(count)
+
+    def observe_videos(self, count: int) -> None:
+        """Count `count` videos stored for completed jobs."""
+        self.videos.inc(count)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _AccelerationCollector:
+    """Exports `ModelRunner.acceleration_stats()` (read at scrape time) as Prometheus metrics."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]):
+        self._stats = stats
+
+    def collect(self):
+        stats = self._stats()
+        cache = stats.get("prompt_embed_cache", {})
+        if cache.get("enabled"):
+            for name in ("hits", "misses", "evictions"):
+                yield CounterMetricFamily(f"diffserve_prompt_embed_cache_{name}",
+                                          f"Prompt-embedding cache {name}.", value=cache[name])
+            yield GaugeMetricFamily("diffserve_prompt_embed_cache_entries",
+                                    "Entries in the prompt-embedding cache.", value=cache["size"])
+        backend = stats.get("cache_backend", {})
+        if "transformer_calls" in backend:
+            for key, doc in (("transformer_calls", "Denoiser calls (one per request and step)."),
+                             ("skipped", "Denoiser calls a cache backend skipped.")):
+                family = CounterMetricFamily(f"diffserve_cache_backend_{key}", doc, labels=["backend"])
+                family.add_metric([str(backend.get("name"))], backend[key])
+                yield family
+        compiled = stats.get("compile", {})
+        if compiled.get("enabled"):
+            yield GaugeMetricFamily("diffserve_compile_recompiles_after_warmup",
+                                    "torch.compile graphs compiled after warm-up.",
+                                    value=compiled["recompiles_after_warmup"])
+
+
+def install_metrics_route(app: FastAPI, metrics: ServerMetrics, responses: dict) -> None:
+    """Add ``GET /metrics`` (the Prometheus exposition of `metrics`) to `app`; `responses`: extra
+    OpenAPI responses of the route (401 under ``--api-key-protect-all``)."""
+
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"description": "Prometheus text exposition format",
+              "content": {"text/plain": {"schema": {"type": "string"}}}}, **responses})
+    async def prometheus_metrics() -> Response:
+        """Prometheus exposition of the server's metrics."""
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)

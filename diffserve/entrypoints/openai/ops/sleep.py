@@ -1,0 +1,137 @@
+"""Sleep-mode endpoints of the OpenAI-compatible server (vLLM's names and semantics).
+
+    POST /sleep?level=1|2   stop admitting, let in-flight requests finish, then put the engine
+                            to sleep (level 1: weights off the device; level 2: discarded,
+                            reloaded from the model folder on wake); answers once asleep:
+                            ``{"is_sleeping": true, "level": N}``
+    POST /wake_up           restore the weights and admit requests again:
+                            ``{"is_sleeping": false}``
+    GET  /is_sleeping       ``{"is_sleeping": bool}``
+
+While the engine is asleep or going to sleep, generation requests (``POST /v1/...``) get a 503
+``service_unavailable`` / ``engine_sleeping`` error in OpenAI's format with ``Retry-After``;
+with ``wake_on_request`` they wake the engine instead (waiting for a sleep in progress to
+finish first) and then run. A bad ``level`` is a 400 naming ``level``; the endpoints answer 503
+while the model is loading or the server is shutting down.
+
+`install_sleep_routes` adds all of this to an app built by
+`diffserve.entrypoints.openai.app.create_app` (or any app whose state object has the
+engine as ``engine`` and, optionally, ``require_service()``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from diffserve.entrypoints.openai.errors import APIError, unavailable
+from diffserve.entrypoints.openai.request_body import check_form_origin
+from diffserve.core.errors import EngineSleepingError
+
+#: Path prefix of the requests the sleep gate holds back.
+GATED_PREFIX = "/v1/"
+#: The routes that change the engine's state: behind ``--api-key`` like ``/v1/*``, and refused
+#: to other sites' pages (a body-less POST needs no CORS preflight).
+CONTROL_PATHS = frozenset({"/sleep", "/wake_up"})
+
+
+def _sync_engine(engine: Any) -> Any:
+    """The `DiffusionEngine` behind an `AsyncDiffusionEngine` (or the engine itself)."""
+    return getattr(engine, "engine", engine)
+
+
+def _loaded_engine(state: Any) -> Any:
+    """The server's engine.
+
+    Raises:
+        APIError: 503 while the model is loading, after a failed load, or while shutting down.
+    """
+    require = getattr(state, "require_service", None)
+    if require is not None:
+        require()
+    engine = getattr(state, "engine", None)
+    if engine is None:
+        raise unavailable("the model is still loading; retry shortly", "model_loading")
+    return engine
+
+
+def sleeping_error(state_name: str) -> APIError:
+    """503 with ``Retry-After`` for a request that arrives while the engine sleeps."""
+    what = "asleep" if state_name == "asleep" else "going to sleep"
+    return unavailable(f"the engine is {what} (POST /wake_up wakes it); retry later", "engine_sleeping")
+
+
+class _SleepGate:
+    """ASGI middleware: generation requests while the engine sleeps get a 503 (or wake it,
+    with ``wake_on_request``)."""
+
+    def __init__(self, app, state: Any, wake_on_request: bool):
+        self.app = app
+        self.state = state
+        self.wake_on_request = wake_on_request
+
+    async def __call__(self, scope, receive, send):
+        engine = getattr(self.state, "engine", None)
+        if (scope["type"] == "http" and scope["method"] == "POST" and scope["path"].startswith(GATED_PREFIX)
+                and engine is not None):
+            sleep_state = _sync_engine(engine).sleep_state
+            if sleep_state != "awake":
+                if not self.wake_on_request:
+                    await sleeping_error(sleep_state).to_response()(scope, receive, send)
+                    return
+                await asyncio.get_running_loop().run_in_executor(None, _sync_engine(engine).wake_up)
+        await self.app(scope, receive, send)
+
+
+def install_sleep_routes(app: FastAPI, state: Any, wake_on_request: bool = False,
+                         allowed_origins: list[str] | None = None, public_url: str | None = None) -> None:
+    """Add ``/sleep``, ``/wake_up``, ``/is_sleeping``, the sleep gate on ``POST /v1/...`` and
+    a 503 handler for `EngineSleepingError` to `app` (call before the app starts).
+
+    Args:
+        app: the FastAPI app (its OpenAI error handlers installed, see
+            `diffserve.entrypoints.openai.errors.install_error_handlers`).
+        state: the server state; ``state.engine`` is the `AsyncDiffusionEngine` (None while
+            loading).
+        wake_on_request: a generation request wakes a sleeping engine instead of getting 503.
+        allowed_origins, public_url: the sites whose pages may post ``/sleep`` and ``/wake_up``
+            besides the server's own (others get 403 ``cross_origin_forbidden``, see
+            `request_body.check_form_origin`); the API key, when set, is checked by the
+            server's auth middleware (`CONTROL_PATHS`).
+    """
+
+    app.add_middleware(_SleepGate, state=state, wake_on_request=wake_on_request)
+
+    @app.exception_handler(EngineSleepingError)
+    async def _sleeping(request: Request, exc: EngineSleepingError) -> JSONResponse:
+        engine = getattr(state, "engine", None)
+        name = _sync_engine(engine).sleep_state if engine is not None else "asleep"
+        return sleeping_error(name).to_response()
+
+    @app.post("/sleep")
+    async def sleep(request: Request, level: int = 1) -> JSONResponse:
+        """Drain, then sleep at `level` (1 or 2); answers once asleep."""
+        check_form_origin(request, allowed_origins, public_url)
+        engine = _sync_engine(_loaded_engine(state))
+        from diffserve.core.sleep_levels import check_level
+
+        level = check_level(level)
+        await asyncio.get_running_loop().run_in_executor(None, engine.sleep, level)
+        return JSONResponse({"is_sleeping": True, "level": engine.sleep_level})
+
+    @app.post("/wake_up")
+    async def wake_up(request: Request) -> JSONResponse:
+        """Restore the weights; answers once awake."""
+        check_form_origin(request, allowed_origins, public_url)
+        engine = _sync_engine(_loaded_engine(state))
+        await asyncio.get_running_loop().run_in_executor(None, engine.wake_up)
+        return JSONResponse({"is_sleeping": engine.is_sleeping})
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> JSONResponse:
+        """Whether the engine is asleep."""
+        engine = _sync_engine(_loaded_engine(state))
+        return JSONResponse({"is_sleeping": engine.is_sleeping})

@@ -1,0 +1,1 @@
+"""diffusers ``FluxPipeline``: the adapter (`adapter`). Imported lazily through the registry."""

@@ -1,0 +1,1 @@
+"""diffusers ``FluxKontextPipeline``: the adapter (`adapter`). Imported lazily through the registry."""

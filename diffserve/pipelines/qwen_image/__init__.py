@@ -1,0 +1,1 @@
+"""diffusers ``QwenImagePipeline``: the adapter (`adapter`). Imported lazily through the registry."""

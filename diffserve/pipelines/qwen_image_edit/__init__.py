@@ -1,0 +1,1 @@
+"""diffusers ``QwenImageEditPipeline``: the adapter (`adapter`). Imported lazily through the registry."""

@@ -1,0 +1,1 @@
+"""diffusers ``StableDiffusion3Pipeline``: the adapter (`adapter`), context folding of the zero placeholder rows (`context_folding`) and the Ulysses context-parallel plan (`context_parallel`). Imported lazily through the registry."""

@@ -1,0 +1,358 @@
+"""Adapter for the Stable Diffusion 3 family (`StableDiffusion3Pipeline` folders).
+
+SD3 / SD3.5 (Esser et al. 2024, "Scaling Rectified Flow Transformers", arXiv:2403.03206):
+an MMDiT `SD3Transformer2DModel`, two CLIP text encoders plus an optional T5, an
+`AutoencoderKL` and a `FlowMatchEulerDiscreteScheduler`. Prompt encoding, latent preparation
+and timesteps reuse diffusers' own `StableDiffusion3Pipeline` methods on the same components,
+so an image equals diffusers' for the same seed (see tests/pipelines/test_sd3.py).
+
+A request with an input image runs `StableDiffusion3Img2ImgPipeline` semantics on the same
+folder (the image is VAE-encoded, noised to the strength's first timestep, and only the last
+``strength`` fraction of the schedule runs); such requests share forwards with text-to-image
+ones of the same size.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from diffusers import StableDiffusion3Img2ImgPipeline, StableDiffusion3Pipeline
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
+    calculate_shift,
+    retrieve_timesteps,
+)
+
+from diffserve.core.errors import InvalidRequestError
+from diffserve.pipelines import teacache_coefficients
+from diffserve.pipelines.base import (
+    AdapterOptions,
+    Capabilities,
+    CacheDiTSupport,
+    PipelineAdapter,
+    RequestState,
+    StepBatch,
+    TeaCacheSupport,
+    checked_pixels,
+)
+from diffserve.pipelines.diffusion_scheduler import batchable_sigmas, new_scheduler
+from diffserve.pipelines.generation_config import read_generation_config
+from diffserve.pipelines.text_encoding import TextEncoder, repeat_rows
+from diffserve.core.sampling_params import ModelSpec, SamplingParams
+
+# diffserve reports truncation itself (GenerationOutput.prompt_truncated); diffusers' own warning
+# echoes the whole cut text on every encode.
+logging.getLogger("diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3").setLevel(logging.ERROR)
+
+# diffusers' StableDiffusion3Pipeline.__call__ defaults.
+DEFAULT_NUM_INFERENCE_STEPS = 28
+DEFAULT_GUIDANCE_SCALE = 7.0
+DEFAULT_MAX_SEQUENCE_LENGTH = 256
+#: StableDiffusion3Img2ImgPipeline.__call__'s default strength.
+DEFAULT_STRENGTH = 0.6
+#: T5's positional budget in SD3 (diffusers refuses more than 512).
+MAX_SEQUENCE_LENGTH_LIMIT = 512
+
+
+class SD3TeaCacheSplit:
+    """`SD3Transformer2DModel.forward` (diffusers 0.42) in three parts around the blocks, for
+    TeaCache. Covers the text-to-image path (no ControlNet, IP-Adapter, skip_layers).
+
+    Tensors: hidden (rows, N_img, D); context = dict(encoder (rows, N_txt, D), temb (rows, D),
+    height, width in latent pixels, joint_attention_kwargs); output (rows, C, height, width).
+    """
+
+    @staticmethod
+    def embed(model, kwargs: dict[str, Any]):
+        """Returns (hidden, context, modulated input of the first block)."""
+        x = kwargs["hidden_states"]
+        hidden = model.pos_embed(x).contiguous()
+        temb = model.time_text_embed(kwargs["timestep"], kwargs["pooled_projections"])
+        encoder = model.context_embedder(kwargs["encoder_hidden_states"])
+        modulated = model.transformer_blocks[0].norm1(hidden, emb=temb)[0]
+        context = {"encoder": encoder, "temb": temb, "height": x.shape[-2], "width": x.shape[-1],
+                   "joint_attention_kwargs": kwargs.get("joint_attention_kwargs")}
+        return hidden, context, modulated
+
+    @staticmethod
+    def select_rows(context: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
+        return {**context, "encoder": context["encoder"][index], "temb": context["temb"][index]}
+
+    @staticmethod
+    def blocks(model, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
+        """Every transformer block; returns the image stream (rows, N_img, D)."""
+        encoder, temb = context["encoder"], context["temb"]
+        for block in model.transformer_blocks:
+            encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb=temb,
+                                    joint_attention_kwargs=context["joint_attention_kwargs"])
+        return hidden
+
+    @staticmethod
+    def head(model, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
+        """norm_out, proj_out and unpatchify to (rows, C, height, width)."""
+        hidden = model.proj_out(model.norm_out(hidden, context["temb"]))
+        p = model.config.patch_size
+        h, w = context["height"] // p, context["width"] // p
+        hidden = hidden.reshape(hidden.shape[0], h, w, p, p, model.out_channels)
+        hidden = torch.einsum("nhwpqc->nchpwq", hidden)
+        return hidden.reshape(hidden.shape[0], model.out_channels, h * p, w * p)
+
+
+def _sd3_context_parallel(transformer: torch.nn.Module) -> dict:
+    from diffserve.pipelines.sd3.context_parallel import prepare_sd3_context_parallel
+
+    return prepare_sd3_context_parallel(transformer)
+
+
+class StableDiffusion3Adapter(PipelineAdapter):
+    """Step-contract adapter over a diffusers `StableDiffusion3Pipeline`.
+
+    Tensors: latents (N, C_latent, H/f_vae, W/f_vae); per branch prompt_embeds
+    (N, L_clip + max_sequence_length, joint_attention_dim) (L_clip + 1 with context folding)
+    and pooled (N, pooled_dim); all in the model dtype. CFG branches: [negative, positive].
+    """
+
+    pipeline_class_name = "StableDiffusion3Pipeline"
+
+    def __init__(self, pipe: StableDiffusion3Pipeline, device: torch.device, dtype: torch.dtype,
+                 options: AdapterOptions):
+        self.pipe = pipe
+        # the image-to-image pipeline on the very same modules (no copies)
+        self.img2img = StableDiffusion3Img2ImgPipeline(**{k: v for k, v in pipe.components.items()
+                                                          if k not in ("image_encoder", "feature_extractor")})
+        self.img2img.set_progress_bar_config(disable=True)
+        self.device = device
+        self.dtype = dtype
+        config = read_generation_config(options.model_dir)
+        self.context_folding = False
+        if options.context_folding and pipe.text_encoder_3 is None:
+            from diffserve.pipelines.sd3.context_folding import install_folded_context_attention
+
+            install_folded_context_attention(pipe.transformer, DEFAULT_MAX_SEQUENCE_LENGTH)
+            self.context_folding = True
+        vae_factor = pipe.vae_scale_factor
+        pos_max = pipe.transformer.config.get("pos_embed_max_size")
+        max_side = None if pos_max is None else pos_max * pipe.patch_size * vae_factor
+        default_side = pipe.default_sample_size * vae_factor
+        self.spec = ModelSpec(
+            pipeline=self.pipeline_class_name,
+            resolution_factor=vae_factor * pipe.patch_size,
+            default_height=int(config.get("height", default_side)),
+            default_width=int(config.get("width", default_side)),
+            default_num_inference_steps=int(config.get("num_inference_steps", DEFAULT_NUM_INFERENCE_STEPS)),
+            default_guidance_scale=float(config.get("guidance_scale", DEFAULT_GUIDANCE_SCALE)),
+            default_max_sequence_length=int(config.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)),
+            max_sequence_length_limit=MAX_SEQUENCE_LENGTH_LIMIT,
+            text_conditioned=True,
+            max_prompt_tokens=pipe.tokenizer_max_length,
+            # PatchEmbed crops a pos_embed_max_size^2 grid of positions: larger inputs fail
+            max_height=max_side,
+            max_width=max_side,
+            accepts_images=True,
+            default_strength=float(config.get("strength", DEFAULT_STRENGTH)),
+        )
+        teacache = config.get("teacache", {})
+        self.capabilities = Capabilities(
+            teacache=TeaCacheSupport(
+                split=SD3TeaCacheSplit,
+                coefficients=tuple(teacache.get("coefficients", teacache_coefficients.FLUX_DEV)),
+                rel_l1_thresh=float(teacache.get("rel_l1_thresh", 0.4)),
+                source=teacache.get("source", "TeaCache4FLUX coefficients (FLUX.1-dev), as reused by SD3 "
+                                              "TeaCache ports; 0.25 ~1.5x, 0.4 ~1.8x on FLUX per the TeaCache README"),
+            ),
+            # JointTransformerBlock takes (hidden_states, encoder_hidden_states) and returns
+            # (encoder_hidden_states, hidden_states): cache-dit's Pattern_1 (its own SD3 adapter
+            # uses it); the last block is context_pre_only (no encoder stream out).
+            cache_dit=CacheDiTSupport(blocks=("transformer_blocks",), patterns=("Pattern_1",),
+                                      has_encoder_residual=False),
+            # diffusers 0.42's SD3Transformer2DModel does not declare _repeated_blocks
+            repeated_blocks=("JointTransformerBlock",),
+            context_parallel=_sd3_context_parallel,
+        )
+        self.text = TextEncoder(
+            self, self._encode_text,
+            [(pipe.tokenizer, pipe.tokenizer_max_length), (pipe.tokenizer_2, pipe.tokenizer_max_length),
+             (pipe.tokenizer_3, None)],
+            key=("folded" if self.context_folding else "full",), batched=True,
+        )
+
+    @classmethod
+    def from_components(cls, components, device, dtype, options):
+        components = {**components}
+        for optional in ("text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor"):
+            components.setdefault(optional, None)
+        pipe = StableDiffusion3Pipeline(**components)
+        pipe.to(device, silence_dtype_warnings=True)
+        pipe.set_progress_bar_config(disable=True)
+        return cls(pipe, device, dtype, options)
+
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        return self.pipe.transformer
+
+    def check_params(self, params: SamplingParams, inputs) -> None:
+        """Image-to-image takes exactly one input image and no mask; strength needs an image
+        and must leave at least one step."""
+        images = inputs.images if inputs is not None else []
+        if inputs is not None and inputs.mask is not None:
+            raise InvalidRequestError("mask", "<mask>", f"absent: {self.pipeline_class_name} image-to-image "
+                                      "does not inpaint")
+        if len(images) > 1:
+            raise InvalidRequestError("image", f"{len(images)} images", "one input image for image-to-image")
+        if not images:
+            if params.strength is not None:
+                raise InvalidRequestError("strength", params.strength, "unset without an input image")
+            return
+        strength = self._strength(params)
+        if int(params.num_inference_steps * strength) < 1:
+            raise InvalidRequestError(
+                "strength", strength, f"at least 1/num_inference_steps = {1 / params.num_inference_steps:g} "
+                "(strength x steps must leave at least one step)")
+
+    def _strength(self, params: SamplingParams) -> float:
+        return self.spec.default_strength if params.strength is None else params.strength
+
+    def num_steps(self, params: SamplingParams, inputs=None) -> int:
+        """Image-to-image runs the last ``strength`` of the schedule: N - int(N - min(N x
+        strength, N)) steps, as `StableDiffusion3Img2ImgPipeline.get_timesteps` counts them."""
+        if inputs is None or not inputs.images:
+            return params.num_inference_steps
+        n = params.num_inference_steps
+        return n - int(max(n - min(n * self._strength(params), n), 0))
+
+    def extra_batch_key(self, params: SamplingParams):
+        """The T5 budget: it sets the text length (and the fold count with folding)."""
+        return params.max_sequence_length
+
+    def _encode_text(self, text: str | list[str], max_sequence_length: int | None):
+        """diffusers' SD3 encoding of a text (or of n texts, a row each: every encoder pads to
+        a fixed length, so a row equals the text alone): prompt_embeds (n, L_clip + L_t5, D)
+        (L_t5 = 1 folded row with context folding) and pooled (n, P)."""
+        pe, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=text, prompt_2=None, prompt_3=None, do_classifier_free_guidance=False,
+            num_images_per_prompt=1, device=self.device, max_sequence_length=max_sequence_length,
+        )
+        if self.context_folding:
+            from diffserve.pipelines.sd3.context_folding import fold_placeholder_rows
+
+            pe = fold_placeholder_rows(pe, self.pipe.tokenizer_max_length)
+        return pe, pooled
+
+    def prepare_request(self, state: RequestState) -> None:
+        """Encode prompt (and negative prompt with CFG) through the cache, draw latents
+        (N, C, H/f, W/f) exactly as diffusers does, and create the request's own scheduler."""
+        p = state.params
+        n, L = p.num_images_per_prompt, p.max_sequence_length
+        texts = [p.negative_prompt or "", state.prompt] if self.branches(p) == 2 else [state.prompt]
+        branches = []
+        for text in texts:
+            pe, pooled = self.text.encode(text, L)
+            branches.append({"encoder_hidden_states": repeat_rows(pe, n),
+                             "pooled_projections": repeat_rows(pooled, n)})
+        state.branches = branches
+        state.guidance_scale = p.guidance_scale
+        if self.context_folding:
+            state.shared = {"joint_attention_kwargs": {"fold_count": L}}
+        pipe = self.pipe
+        dtype = branches[-1]["encoder_hidden_states"].dtype
+        scheduler = new_scheduler(pipe.scheduler)
+        kwargs = {}
+        if scheduler.config.get("use_dynamic_shifting", None):
+            patch, f = pipe.transformer.config.patch_size, pipe.vae_scale_factor
+            kwargs["mu"] = calculate_shift(
+                (p.height // f // patch) * (p.width // f // patch),
+                scheduler.config.get("base_image_seq_len", 256),
+                scheduler.config.get("max_image_seq_len", 4096),
+                scheduler.config.get("base_shift", 0.5),
+                scheduler.config.get("max_shift", 1.16),
+            )
+        if state.inputs is not None and state.inputs.images:
+            self._prepare_img2img(state, scheduler, kwargs, dtype)
+        else:
+            state.latents = pipe.prepare_latents(n, pipe.transformer.config.in_channels, p.height, p.width,
+                                                 dtype, self.device, state.generator)
+            timesteps, _ = retrieve_timesteps(scheduler, p.num_inference_steps, self.device, **kwargs)
+            state.timesteps = timesteps
+            state.sigmas = batchable_sigmas(scheduler, len(timesteps))
+        state.scheduler = scheduler
+
+    @contextmanager
+    def _img2img_with(self, scheduler):
+        """The img2img pipeline with the request's own scheduler (prepare runs on one thread)."""
+        shared = self.img2img.scheduler
+        self.img2img.scheduler = scheduler
+        try:
+            yield self.img2img
+        finally:
+            self.img2img.scheduler = shared
+
+    def _prepare_img2img(self, state: RequestState, scheduler, kwargs: dict, dtype: torch.dtype) -> None:
+        """`StableDiffusion3Img2ImgPipeline`'s timesteps (the last ``strength`` of the schedule)
+        and latents (the VAE-encoded image noised to the first of them), drawn from the
+        request's generator in diffusers' order."""
+        p = state.params
+        image = state.inputs.images[0]
+        if self.pipe.vae.config.in_channels == 1:
+            image = image.convert("L")
+        with self._img2img_with(scheduler) as pipe:
+            pixels = pipe.image_processor.preprocess(image, height=p.height, width=p.width)
+            retrieve_timesteps(scheduler, p.num_inference_steps, self.device, **kwargs)
+            timesteps, num_steps = pipe.get_timesteps(p.num_inference_steps, self._strength(p), self.device)
+            latent_timestep = timesteps[:1].repeat(p.num_images_per_prompt)
+            state.latents = pipe.prepare_latents(pixels, latent_timestep, 1, p.num_images_per_prompt, dtype,
+                                                 self.device, state.generator)
+        begin = len(scheduler.timesteps) - len(timesteps)
+        state.timesteps = timesteps
+        state.sigmas = batchable_sigmas(scheduler, len(timesteps), begin=begin)
+
+    def denoise_kwargs(self, batch: StepBatch) -> dict[str, Any]:
+        return batch.inputs
+
+    def decode(self, state: RequestState, latents: torch.Tensor | None = None) -> Any:
+        """Unscale (latents / scaling_factor + shift_factor), VAE-decode and post-process to
+        the request's output_type (PIL list, float32 (N, H, W, C) array in [0, 1], ...)."""
+        latents = state.latents if latents is None else latents
+        if state.params.output_type == "latent":
+            return latents
+        return self._postprocess(state, self._vae_decode(latents))
+
+    def _vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
+        vae = self.pipe.vae
+        latents = latents / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+        return vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+
+    def _postprocess(self, state: RequestState, image: torch.Tensor) -> Any:
+        return self.pipe.image_processor.postprocess(checked_pixels(image), output_type=state.params.output_type)
+
+    def decode_many(self, states: list[RequestState], latents: list[torch.Tensor]) -> list[Any]:
+        """One VAE forward for all requests whose latents share a shape (the usual case when a
+        step batch finishes together); each request's pixels are checked and post-processed on
+        their own. A subclass that overrides `decode` keeps its own decode, one per request."""
+        if type(self).decode is not StableDiffusion3Adapter.decode:
+            return super().decode_many(states, latents)
+        groups: dict[tuple, list[int]] = {}
+        for i, (state, x) in enumerate(zip(states, latents)):
+            if state.params.output_type != "latent":
+                groups.setdefault(tuple(x.shape[1:]), []).append(i)
+        results: list[Any] = [x if s.params.output_type == "latent" else None for s, x in zip(states, latents)]
+        for members in groups.values():
+            try:
+                images = self._vae_decode(torch.cat([latents[i] for i in members]))
+            except Exception as exc:  # noqa: BLE001 - fall back to one decode each
+                if len(members) == 1:
+                    results[members[0]] = exc
+                    continue
+                for i in members:
+                    results[i] = self.decode_many([states[i]], [latents[i]])[0]
+                continue
+            at = 0
+            for i in members:
+                n = latents[i].shape[0]
+                try:
+                    results[i] = self._postprocess(states[i], images[at:at + n])
+                except Exception as exc:  # noqa: BLE001
+                    results[i] = exc
+                at += n
+        return results

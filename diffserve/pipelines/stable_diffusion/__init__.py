@@ -1,0 +1,1 @@
+"""diffusers ``StableDiffusionPipeline``: the adapter (`adapter`). Imported lazily through the registry."""

@@ -1,0 +1,1 @@
+"""diffusers ``StableDiffusionXLPipeline``: the adapter (`adapter`). Imported lazily through the registry."""

@@ -1,0 +1,154 @@
+"""The video streaming endpoints (`diffserve.entrypoints.openai.services.video_streams`), run for
+real (uvicorn in a thread) on the tiny Wan folder: SSE chunks as MP4, interactions, errors,
+disconnect = abort."""
+
+from __future__ import annotations
+
+import base64
+import time
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from diffserve import AsyncDiffusionEngine, EngineConfig, SamplingParams
+from diffserve.entrypoints.openai.app import create_app
+from diffserve.media.video_encoding import decode_mp4
+from server_helpers import assert_openai_error, serve, sse_events, wait_until
+
+torch.set_num_threads(1)
+
+STREAMS = "/v1/videos/streams"
+BODY = {"prompt": "a cat surfing", "size": "48x32", "num_frames": 9, "num_inference_steps": 2, "seed": 3}
+
+
+def counters(url: str) -> dict[tuple[str, tuple], float]:
+    """/metrics samples as {(name, sorted labels): value}."""
+    text = httpx.get(f"{url}/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def delta(before: dict, after: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+@pytest.fixture(scope="module")
+def base(tiny_wan_dir):
+    engine = AsyncDiffusionEngine(EngineConfig(model=str(tiny_wan_dir), num_threads=1,
+                                               max_num_inference_steps=10_000))
+    with serve(create_app(engine, "tiny-wan")) as url:
+        yield url, engine
+
+
+def test_stream_sends_chunks_as_mp4_and_takes_an_interaction(base):
+    url, engine = base
+    body = {**BODY, "num_chunks": 4, "num_inference_steps": 30}  # chunks long enough to interact during
+    got, answers = [], []
+    before = counters(url)
+    with httpx.stream("POST", url + STREAMS, json=body, timeout=60) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        stream_id = response.headers["x-request-id"]
+        for name, data in sse_events(response):
+            got.append((name, data))
+            if name == "video.stream.chunk" and data["chunk_index"] == 0:
+                answers.append(httpx.post(f"{url}{STREAMS}/{stream_id}/interactions",
+                                          json={"prompt": "a dog running", "transition_chunks": 1,
+                                                "event_id": "dog"}))
+    names = [n for n, _ in got]
+    assert names[0] == "video.stream.created" and names[-1] == "video.stream.completed"
+    created = got[0][1]
+    assert created["id"] == stream_id and created["num_chunks"] == 4 and created["size"] == "48x32"
+    assert answers[0].status_code == 200, answers[0].text
+    assert answers[0].json() == {"object": "video.stream.interaction", "stream_id": stream_id, "event_id": "dog"}
+    chunks = [d for n, d in got if n == "video.stream.chunk"]
+    assert [c["chunk_index"] for c in chunks] == [0, 1, 2, 3]
+    assert [c["num_frames"] for c in chunks] == [9, 8, 8, 8]
+    assert [c["first_frame"] for c in chunks] == [0, 9, 17, 25]
+    with_id = [c["chunk_index"] for c in chunks if c["event_ids"]]
+    assert len(with_id) == 1 and with_id[0] >= 2 and chunks[with_id[0]]["event_ids"] == ["dog"]
+    for c in chunks:
+        frames, fps = decode_mp4(base64.b64decode(c["b64_data"]))
+        assert frames.shape == (c["num_frames"], 32, 48, 3) and fps == created["fps"]
+    progress = [d for n, d in got if n == "video.stream.progress"]
+    assert len(progress) == 4 * 30 and progress[-1] == {"type": "video.stream.progress", "id": stream_id,
+                                                         "chunk_index": 3, "step": 30, "num_inference_steps": 30}
+    done = got[-1][1]
+    video, _ = decode_mp4(base64.b64decode(done["b64_data"]))
+    assert video.shape == (33, 32, 48, 3) and done["num_frames"] == 33 and done["seed"] == 3
+    assert len(done["timings"]["chunk_s"]) == 4
+    assert not engine.engine.has_unfinished_requests()
+    after = counters(url)  # the stream is counted like any generation
+    assert delta(before, after, "diffserve_requests_total", status="200") == 1
+    assert delta(before, after, "diffserve_engine_requests_total", outcome="finished") == 1
+    assert delta(before, after, "diffserve_videos_generated_total") == 1
+
+
+def test_stream_routes_are_in_the_schema_of_a_streaming_model(base):
+    url, _ = base
+    paths = httpx.get(url + "/openapi.json").json()["paths"]
+    assert "post" in paths[STREAMS] and "post" in paths[STREAMS + "/{stream_id}/interactions"]
+
+
+def test_stream_validation_errors(base):
+    url, _ = base
+    for extra, status, param in (({"num_chunks": 0}, 400, "num_chunks"), ({}, 400, "num_chunks"),
+                                 ({"num_chunks": 2, "num_frames": 10}, 400, "num_frames"),
+                                 ({"num_chunks": 2, "num_frames": 1}, 400, "num_frames"),  # no new frame per chunk
+                                 ({"num_chunks": 2, "colour": "red"}, 400, "colour"),
+                                 ({"num_chunks": 2, "size": "50x32"}, 400, "size"),
+                                 ({"num_chunks": 2, "output_format": "avi"}, 400, "output_format"),
+                                 ({"num_chunks": 2, "model": "other"}, 404, "model")):
+        assert_openai_error(httpx.post(url + STREAMS, json={**BODY, **extra}), status, param)
+    response = httpx.post(url + STREAMS, content=b"{}", headers={"content-type": "text/plain"})
+    assert response.status_code == 415
+
+
+def test_interaction_errors(base):
+    url, engine = base
+    assert_openai_error(httpx.post(f"{url}{STREAMS}/vstream-nope/interactions", json={"prompt": "a dog"}),
+                        404, "stream_id", "stream_not_found")
+    ordinary = engine.engine.add_request("a cat", SamplingParams(num_inference_steps=10_000, height=32, width=48,
+                                                                 num_frames=9))
+    try:
+        assert_openai_error(httpx.post(f"{url}{STREAMS}/{ordinary}/interactions", json={"prompt": "a dog"}),
+                            400, "stream_id", "not_a_stream")
+    finally:
+        engine.abort(ordinary)
+    wait_until(lambda: not engine.engine.has_unfinished_requests(), what="abort")
+    assert_openai_error(httpx.post(f"{url}{STREAMS}/{ordinary}/interactions", json={"prompt": "a dog"}),
+                        409, "stream_id", "stream_ended")
+    with httpx.stream("POST", url + STREAMS, json={**BODY, "num_chunks": 2, "num_inference_steps": 5000},
+                      timeout=60) as response:
+        stream_id = response.headers["x-request-id"]
+        for extra, param in (({"prompt": ""}, "prompt"), ({"prompt": "x", "transition_chunks": -1}, "transition_chunks"),
+                             ({"prompt": "x", "event_id": 3}, "event_id"), ({"prompt": "x", "when": 1}, "when")):
+            assert_openai_error(httpx.post(f"{url}{STREAMS}/{stream_id}/interactions", json=extra), 400, param)
+        # chunk 0 is denoising: the interaction applies to chunk 1, the last one
+        answer = httpx.post(f"{url}{STREAMS}/{stream_id}/interactions", json={"prompt": "a dog"})
+        assert answer.status_code == 200 and len(answer.json()["event_id"]) == 32
+    wait_until(lambda: not engine.engine.has_unfinished_requests(), what="abort on close")
+
+
+def test_disconnect_aborts_the_stream(base):
+    url, engine = base
+    before = counters(url)
+    with httpx.stream("POST", url + STREAMS, json={**BODY, "num_chunks": 50, "num_inference_steps": 4},
+                      timeout=60) as response:
+        for name, data in sse_events(response):
+            if name == "video.stream.chunk":
+                break
+    wait_until(lambda: not engine.engine.has_unfinished_requests(), timeout=10, what="abort after disconnect")
+    wait_until(lambda: delta(before, counters(url), "diffserve_engine_requests_total", outcome="aborted") == 1,
+               what="the aborted stream counted")
+    time.sleep(0.3)
+    assert delta(before, counters(url), "diffserve_engine_requests_total", outcome="aborted") == 1  # once
+
+
+def test_image_model_refuses_streams(tiny_sd3_dir):
+    engine = AsyncDiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), num_threads=1))
+    with serve(create_app(engine, "tiny-sd3")) as url:
+        assert_openai_error(httpx.post(url + STREAMS, json={"prompt": "a cat", "num_chunks": 2}), 400,
+                            "num_chunks", "streaming_unsupported")

@@ -1,0 +1,347 @@
+"""Wan text-to-video (`WanPipeline`): parity with diffusers for Wan 2.1 and the Wan 2.2
+two-expert layout, batch invariance, expert-aware batching, video outputs, validation and
+acceleration backends, on tiny random-weight folders (tests/tiny_models/wan.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
+from diffserve import DiffusionEngine, EngineConfig, EventType, InvalidRequestError, SamplingParams
+from diffserve.core.errors import NonFiniteOutputError
+from diffserve.pipelines.base import RequestState
+
+TOL = 1e-4
+SIZE = dict(height=32, width=48, num_frames=9)  # 3 latent frames of 4x6
+
+
+def _p(seed, steps=2, guidance=5.0, **kw):
+    return SamplingParams(seed=seed, num_inference_steps=steps, guidance_scale=guidance,
+                          output_type=kw.pop("output_type", "np"), **SIZE, **kw)
+
+
+def _engine(folder, **kw) -> DiffusionEngine:
+    return DiffusionEngine(EngineConfig(model=str(folder), **{"max_batch_size": 16, **kw}))
+
+
+def _solo(engine, prompt, params):
+    [out] = engine.generate(prompt, params)
+    assert out.ok, out.error
+    return out
+
+
+def _finals(engine):
+    finals, steps = {}, []
+    while engine.has_unfinished_requests():
+        events = engine.step()
+        steps.append(sorted(e.request_id for e in events if e.type is EventType.PROGRESS))
+        finals.update({e.request_id: e.output for e in events if e.type.is_final})
+    return finals, [s for s in steps if s]
+
+
+def _reference(folder, prompt, *, steps, guidance, seed, n=1, negative=None, output_type="np", **kw):
+    pipe = WanPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(prompt, negative_prompt=negative, num_videos_per_prompt=n, num_inference_steps=steps,
+                guidance_scale=guidance, generator=torch.Generator("cpu").manual_seed(seed),
+                output_type=output_type, **SIZE, **kw).frames
+
+
+@pytest.fixture(scope="module")
+def wan(tiny_wan_dir):
+    return _engine(tiny_wan_dir)
+
+
+@pytest.fixture(scope="module")
+def wan22(tiny_wan22_dir):
+    """No encode/decode side thread: deterministic interleavings for the expert tests."""
+    return _engine(tiny_wan22_dir, overlap_stages=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_wan_euler_dir(tiny_wan_dir, tmp_path_factory):
+    """The tiny Wan 2.1 folder with a FlowMatchEulerDiscreteScheduler (shift 3): the batched
+    flow-matching step path."""
+    folder = tmp_path_factory.mktemp("tiny_wan_euler") / "wan"
+    shutil.copytree(tiny_wan_dir, folder)
+    shutil.rmtree(folder / "scheduler")
+    FlowMatchEulerDiscreteScheduler(shift=3.0).save_pretrained(folder / "scheduler")
+    index = json.loads((folder / "model_index.json").read_text())
+    index["scheduler"] = ["diffusers", "FlowMatchEulerDiscreteScheduler"]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    return folder
+
+
+# ------------------------------------------------------------------------------- parity
+def _assert_video_parity(video, ref):
+    """uint8 (F, H, W, 3) vs diffusers' float frames in [0, 1]: at most one uint8 level."""
+    assert video.dtype == np.uint8 and video.shape == ref.shape
+    assert np.abs(video.astype(np.float64) / 255 - ref).max() <= 1 / 255
+
+
+@pytest.mark.parametrize("steps,guidance,n,negative", [(3, 5.0, 1, None), (2, 1.0, 1, None), (1, 5.0, 1, None),
+                                                       (2, 3.0, 2, "blurry")],
+                         ids=["cfg", "no-cfg", "cfg-1-step", "cfg-n2-negative"])
+def test_wan21_matches_diffusers(wan, tiny_wan_dir, steps, guidance, n, negative):
+    [out] = wan.generate("a cat runs", _p(7, steps, guidance, num_images_per_prompt=n, negative_prompt=negative))
+    ref = _reference(tiny_wan_dir, "a cat runs", steps=steps, guidance=guidance, seed=7, n=n, negative=negative)
+    assert out.ok and out.images == [] and len(out.videos) == n
+    for video, expected in zip(out.videos, ref):
+        _assert_video_parity(video, expected)
+    assert out.metrics.batch_sizes == {n * (2 if guidance > 1 else 1): steps}  # one forward per step
+
+
+def test_wan21_latents_match_diffusers(wan, tiny_wan_dir):
+    [out] = wan.generate("a dog", _p(3, steps=3, output_type="latent"))
+    ref = _reference(tiny_wan_dir, "a dog", steps=3, guidance=5.0, seed=3, output_type="latent")
+    assert out.videos[0].shape == ref[0].shape == (16, 3, 4, 6)
+    assert (out.videos[0] - ref[0]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("guidance,guidance_2", [(5.0, 2.0), (4.0, None), (1.0, None)],
+                         ids=["cfg-two-scales", "cfg-same-scale", "no-cfg"])
+def test_wan22_two_experts_match_diffusers(wan22, tiny_wan22_dir, guidance, guidance_2):
+    # 4 steps at t = 999, 900, 750, 500: two on each expert (boundary 875)
+    [out] = wan22.generate("a red car", _p(5, steps=4, guidance=guidance, guidance_scale_2=guidance_2))
+    ref = _reference(tiny_wan22_dir, "a red car", steps=4, guidance=guidance, seed=5, guidance_scale_2=guidance_2)
+    _assert_video_parity(out.videos[0], ref[0])
+    assert out.params.guidance_scale_2 == (guidance if guidance_2 is None else guidance_2)
+
+
+def test_flow_match_euler_folder_matches_diffusers_and_steps_batched(tiny_wan_euler_dir):
+    engine = _engine(tiny_wan_euler_dir)
+    [out] = engine.generate("a boat", _p(4, steps=3))
+    _assert_video_parity(out.videos[0], _reference(tiny_wan_euler_dir, "a boat", steps=3, guidance=5.0, seed=4)[0])
+    state = RequestState("s", "a boat", _p(4, steps=3).resolve(engine.spec, engine.config.limits))
+    engine.runner.adapter.prepare(state)
+    assert state.sigmas is not None  # the batched Euler step, not scheduler.step per request
+    jobs = [("a boat", _p(4, steps=3, output_type="latent")), ("a tree", _p(8, steps=2, guidance=3.0, output_type="latent"))]
+    outs = engine.generate([j[0] for j in jobs], [j[1] for j in jobs])
+    assert max(outs[1].metrics.batch_sizes) == 4
+    for job, batched in zip(jobs, outs):
+        assert (batched.videos[0] - _solo(engine, *job).videos[0]).abs().max() <= TOL
+
+
+def test_per_token_timesteps_match_diffusers(tiny_wan_dir, tmp_path):
+    """``expand_timesteps`` (Wan 2.2 TI2V): the transformer gets one timestep per patch token."""
+    folder = tmp_path / "wan"
+    shutil.copytree(tiny_wan_dir, folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "expand_timesteps": True}))
+    [out] = _engine(folder).generate("a dog", _p(3, steps=3, output_type="latent"))
+    ref = _reference(folder, "a dog", steps=3, guidance=5.0, seed=3, output_type="latent")
+    assert (out.videos[0] - ref[0]).abs().max() <= 1e-5
+
+
+# ---------------------------------------------------------------------- batching
+def test_cobatched_requests_equal_solo_runs(wan):
+    """Different prompts, seeds, step counts and guidance (same size) share forwards; the
+    stateful UniPC scheduler steps per request."""
+    jobs = [("a lighthouse", _p(1, steps=3)), ("a bowl of fruit", _p(2, steps=2, guidance=3.0)),
+            ("snowy peaks", _p(3, steps=4, guidance=7.0, negative_prompt="fog"))]
+    params = [j[1] for j in jobs]
+    for p in params:
+        p.output_type = "latent"
+    outs = wan.generate([j[0] for j in jobs], params)
+    assert max(outs[0].metrics.batch_sizes) == 6  # 3 requests x 2 CFG rows
+    for (prompt, p), out in zip(jobs, outs):
+        assert (out.videos[0] - _solo(wan, prompt, p).videos[0]).abs().max() <= TOL
+
+
+def test_wan22_requests_on_different_experts_never_share_a_forward(wan22):
+    """A (4 steps: experts 0, 0, 1, 1) and C (2 steps: t = 999 on expert 0, 750 on expert 1)
+    start together: they share step 1, A's step 2 (t = 900) runs alone since C has crossed the
+    boundary, then both are on the low-noise expert at t = 750 and share again."""
+    jobs = {"a": ("a red car", _p(1, steps=4, output_type="latent")),
+            "c": ("a blue car", _p(2, steps=2, guidance=3.0, guidance_scale_2=6.0, output_type="latent"))}
+    ids = {wan22.add_request(prompt, params): name for name, (prompt, params) in jobs.items()}
+    finals, steps = _finals(wan22)
+    assert [sorted(ids[r] for r in step) for step in steps] == [["a", "c"], ["a"], ["a", "c"], ["a"]]
+    by_name = {ids[r]: out for r, out in finals.items()}
+    assert by_name["c"].metrics.batch_sizes == {4: 2}
+    assert by_name["a"].metrics.batch_sizes == {4: 2, 2: 2}
+    for name, (prompt, params) in jobs.items():
+        assert (by_name[name].videos[0] - _solo(wan22, prompt, params).videos[0]).abs().max() <= TOL
+
+
+def test_wan22_late_request_waits_for_its_expert(wan22):
+    first = wan22.add_request("a fox", _p(1, steps=4))
+    wan22.step()
+    wan22.step()  # first is now on the low-noise expert
+    late = wan22.add_request("an owl", _p(2, steps=4))
+    finals, steps = _finals(wan22)
+    assert steps == [[first], [first], [late], [late], [late], [late]]
+    assert all(f.ok for f in finals.values())
+
+
+def test_adapter_refuses_a_batch_across_experts(wan22):
+    adapter = wan22.runner.adapter
+    states = []
+    for step in (0, 2):
+        state = RequestState(f"r{step}", "x", _p(1, steps=4).resolve(wan22.spec, wan22.config.limits))
+        adapter.prepare(state)
+        state.step_index = step
+        states.append(state)
+    assert [adapter.step_key(s) for s in states] == [0, 1]
+    with pytest.raises(ValueError, match="different Wan 2.2 experts"):
+        adapter.denoise(adapter.collate(states))
+
+
+# ------------------------------------------------------------------------ outputs
+def test_video_output_types(wan):
+    params = dict(steps=2, guidance=1.0)
+    [np_out] = wan.generate("a fish", _p(9, **params))
+    [pil] = wan.generate("a fish", _p(9, output_type="pil", **params))
+    [pt] = wan.generate("a fish", _p(9, output_type="pt", **params))
+    video = np_out.videos[0]
+    assert video.shape == (9, 32, 48, 3) and video.dtype == np.uint8
+    assert len(pil.videos[0]) == 9 and pil.videos[0][0].size == (48, 32)
+    assert np.array_equal(np.stack([np.asarray(f) for f in pil.videos[0]]), video)
+    assert pt.videos[0].dtype == torch.uint8 and torch.equal(pt.videos[0], torch.from_numpy(video))
+    assert np_out.params.fps == 16 and np_out.params.num_frames == 9
+
+
+def test_decode_raises_on_non_finite_pixels(wan):
+    adapter = wan.runner.adapter
+    state = RequestState("nan", "x", _p(1).resolve(wan.spec, wan.config.limits))
+    with pytest.raises(NonFiniteOutputError):
+        adapter.decode(state, torch.full((1, 16, 3, 4, 6), float("nan")))
+
+
+def test_spec_defaults_and_refused_fields(wan, wan22):
+    spec = wan.spec
+    assert (spec.default_num_frames, spec.frame_factor, spec.default_fps) == (81, 4, 16)
+    assert (spec.default_num_inference_steps, spec.default_guidance_scale, spec.default_max_sequence_length) == \
+        (50, 5.0, 512)
+    assert spec.resolution_factor == 16 and spec.default_guidance_scale_2 is None
+    assert wan22.spec.default_guidance_scale_2 == 5.0
+    assert spec.max_num_frames == (32 - 1) * 4 + 1  # the tiny transformer's RoPE length (32)
+    for fields, name in [(dict(num_frames=8), "num_frames"), (dict(guidance_scale_2=2.0), "guidance_scale_2"),
+                         (dict(true_cfg_scale=2.0), "true_cfg_scale"), (dict(height=40), "height"),
+                         (dict(num_frames=129), "num_frames")]:
+        with pytest.raises(InvalidRequestError, match=name):
+            wan.add_request("x", SamplingParams(**{**SIZE, **fields}))
+    with pytest.raises(InvalidRequestError, match="image"):
+        wan.add_request("x", _p(1), inputs=[np.zeros((8, 8, 3), np.uint8)])
+
+
+def test_generation_config_overrides_defaults(tiny_wan_dir, tmp_path):
+    folder = tmp_path / "wan"
+    shutil.copytree(tiny_wan_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"height": 32, "width": 32, "num_frames": 5, "fps": 24, "num_inference_steps": 2, "guidance_scale": 3.0}))
+    engine = _engine(folder)
+    [out] = engine.generate("a cat", SamplingParams(seed=1, output_type="np"))
+    assert out.videos[0].shape == (5, 32, 32, 3)
+    assert (out.params.fps, out.params.num_inference_steps, out.params.guidance_scale) == (24, 2, 3.0)
+
+
+# ------------------------------------------------------------------ acceleration
+def test_teacache_split_reproduces_the_forward_and_skips(tiny_wan_dir, wan):
+    job = ("a horse", _p(11, steps=5, output_type="latent"))
+    plain = _solo(wan, *job).videos[0]
+    exact = _engine(tiny_wan_dir, cache_backend="teacache", cache_config={"rel_l1_thresh": 0.0})
+    assert (_solo(exact, *job).videos[0] - plain).abs().max() <= TOL
+    stats = exact.runner.acceleration_stats()["cache_backend"]
+    assert stats["skipped"] == 0 and "TeaCache4Wan2.1" in stats["coefficients_source"]
+    skipping = _engine(tiny_wan_dir, cache_backend="teacache", cache_config={"rel_l1_thresh": 1e9})  # random weights: large changes
+    jobs = [job, ("a cow", _p(12, steps=4, output_type="latent"))]
+    outs = skipping.generate([j[0] for j in jobs], [j[1] for j in jobs])
+    assert skipping.runner.acceleration_stats()["cache_backend"]["skipped"] > 0
+    for j, out in zip(jobs, outs):  # per-request decisions: batched equals solo
+        assert (out.videos[0] - _solo(skipping, *j).videos[0]).abs().max() <= TOL
+
+
+def test_cache_dit_per_request(tiny_wan_dir, wan):
+    job = ("a horse", _p(11, steps=5, output_type="latent"))
+    engine = _engine(tiny_wan_dir, cache_backend="cache_dit",
+                     cache_config={"Fn_compute_blocks": 1, "residual_diff_threshold": 0.0})
+    assert (_solo(engine, *job).videos[0] - _solo(wan, *job).videos[0]).abs().max() <= TOL
+    skipping = _engine(tiny_wan_dir, cache_backend="cache_dit",
+                       cache_config={"Fn_compute_blocks": 1, "residual_diff_threshold": 10.0, "max_warmup_steps": 1})
+    first = _solo(skipping, *job).videos[0]
+    assert skipping.runner.acceleration_stats()["cache_backend"]["skipped"] > 0
+    assert (_solo(skipping, *job).videos[0] - first).abs().max() <= TOL  # no state leaks between requests
+
+
+@pytest.mark.parametrize("backend", ["teacache", "cache_dit"])
+def test_wan22_refuses_cache_backends(tiny_wan22_dir, backend):
+    with pytest.raises(InvalidRequestError, match=f"WanPipeline.*{backend}|{backend}.*WanPipeline"):
+        _engine(tiny_wan22_dir, cache_backend=backend)
+
+
+def test_regional_compile_covers_both_experts_without_recompiles(tiny_wan22_dir, tmp_path):
+    folder = tmp_path / "wan22"
+    shutil.copytree(tiny_wan22_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps(SIZE))
+    engine = _engine(folder, compile=True, max_batch_size=2)
+    jobs = [("a", _p(1, steps=4)), ("b", _p(2, steps=2, guidance=1.0))]
+    outs = engine.generate([j[0] for j in jobs], [j[1] for j in jobs])
+    eager = _engine(folder)
+    for out, job in zip(outs, jobs):
+        assert np.abs(out.videos[0].astype(int) - _solo(eager, *job).videos[0]).max() <= 1
+    stats = engine.runner.acceleration_stats()["compile"]
+    assert stats["enabled"] and stats["recompiles_after_warmup"] == 0
+
+
+# ---------------------------------------------------------------- context folding
+@pytest.mark.parametrize("folder", ["tiny_wan_dir", "tiny_wan22_dir"], ids=["wan21", "wan22"])
+def test_context_folding_matches_the_full_context(folder, request):
+    """Folded padding rows (one row + a log-count attention bias) give the full 512-row
+    result: co-batched prompts of different lengths, a negative prompt, a budget short enough
+    that a prompt fills it (nothing to fold), on one expert and on two."""
+    folder = request.getfixturevalue(folder)
+    jobs = [("a lighthouse on a cliff at night", _p(1, steps=3, output_type="latent")),
+            ("fox", _p(2, steps=3, guidance=3.0, negative_prompt="blurry, dark", output_type="latent")),
+            ("a bowl of fruit", _p(3, steps=2, guidance=1.0, output_type="latent")),
+            ("a very long prompt over eight", _p(4, steps=2, max_sequence_length=8, output_type="latent")),
+            ("cat", _p(5, steps=2, max_sequence_length=8, output_type="latent"))]
+    folded = _engine(folder, overlap_stages=False)
+    full = _engine(folder, overlap_stages=False, context_folding=False)
+    assert folded.runner.adapter.context_folding and not full.runner.adapter.context_folding
+    assert folded.runner.acceleration_stats()["context_folding"] == {"enabled": True}
+    prompts, params = [j[0] for j in jobs], [j[1] for j in jobs]
+    for a, b in zip(folded.generate(prompts, params), full.generate(prompts, params)):
+        assert a.ok and b.ok
+        assert (a.videos[0] - b.videos[0]).abs().max() <= 1e-5
+
+
+def test_context_folding_shortens_the_context_and_leaves_stock_modules(wan):
+    """A batch's context is its longest prompt plus one row (not 512); outside the adapter's
+    forwards the shared transformer computes stock diffusers."""
+    adapter = wan.runner.adapter
+    states = []
+    for k, prompt in enumerate(["a red car", "a lighthouse on a cliff"]):
+        state = RequestState(f"r{k}", prompt, _p(k).resolve(wan.spec, wan.config.limits))
+        adapter.prepare(state)
+        states.append(state)
+    tokens = [len(adapter.pipe.tokenizer(s.prompt).input_ids) for s in states]
+    assert [s.branches[1]["encoder_hidden_states"].shape[1] for s in states] == [n + 1 for n in tokens]
+    batch = adapter.collate(states)
+    assert batch.inputs["encoder_hidden_states"].shape[1] == max(tokens) + 1
+    kwargs = adapter.denoise_kwargs(batch)
+    assert kwargs["folded_context_length"] == 512
+    adapter.denoise(batch)
+    processors = [block.attn2.processor for block in adapter.pipe.transformer.blocks]
+    assert all(p.max_sequence_length is None for p in processors)
+
+
+def test_fold_padding_rows_keeps_one_zero_row():
+    from diffserve.pipelines.wan.context_folding import append_folded_row, fold_padding_rows
+
+    embeds = torch.zeros(2, 16, 4)
+    embeds[0, :3] = 1.0
+    embeds[1, :5] = 2.0
+    assert fold_padding_rows(embeds).shape == (2, 6, 4)
+    assert torch.equal(fold_padding_rows(embeds), embeds[:, :6])
+    assert fold_padding_rows(torch.ones(1, 16, 4)).shape == (1, 16, 4)  # nothing padded: all kept
+    assert fold_padding_rows(torch.zeros(1, 16, 4)).shape == (1, 1, 4)
+    folded = append_folded_row(embeds[:, :5], 16)
+    assert folded.shape == (2, 6, 4) and not folded[:, 5].any()
+    with pytest.raises(ValueError, match="no padding"):
+        append_folded_row(embeds, 16)

@@ -1,0 +1,2 @@
+"""Training data (`data`) and trainer (`train`) of the built-in ``digits`` model:
+``python -m training.digits.train --help``."""

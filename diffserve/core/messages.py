@@ -204,12 +204,16 @@ class ModelInfo:
         step_batching: whether requests run step by step (False: whole-request fallback).
         chunk_streaming: whether requests may stream video chunks (``num_chunks``) and take
             interactions.
+        quantization: the quantized components, plain data (``{"spec": ..., "components":
+            {name: report}}``, `diffserve.core.quantization.ComponentReport.as_dict`), None when
+            nothing is quantized.
     """
 
     spec: ModelSpec
     pipeline: str
     step_batching: bool = True
     chunk_streaming: bool = False
+    quantization: dict | None = None
 
 
 @dataclass(frozen=True)

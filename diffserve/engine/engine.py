@@ -332,8 +332,10 @@ class DiffusionEngine(SleepMode):
 
     def stats(self) -> dict[str, Any]:
         """Executor counters (acceleration, non-finite outputs, workers alive, offload), plus
-        ``memory_budget`` (`MemoryBudget.stats`) with ``max_memory`` and ``sleep_level``."""
+        ``memory_budget`` (`MemoryBudget.stats`) with ``max_memory``, ``sleep_level`` and
+        ``quantization`` (the quantized components, `ModelInfo.quantization`; None without)."""
         stats = dict(self.executor.stats())
+        stats["quantization"] = self.model_info.quantization
         if self.memory_budget is not None:
             stats["memory_budget"] = self.memory_budget.stats(self.scheduler.running_memory)
         stats["sleep_level"] = self._sleep_level

@@ -67,6 +67,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     from diffserve.entrypoints.memory_options import add_memory_arguments
 
     add_memory_arguments(parser)
+    # ---- quantized weights, GGUF transformers (diffserve.entrypoints.quantization_options)
+    from diffserve.entrypoints.quantization_options import add_quantization_arguments
+
+    add_quantization_arguments(parser)
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -77,6 +81,7 @@ def engine_config_from_args(args: argparse.Namespace):
     """
     from diffserve.config import EngineConfig
     from diffserve.entrypoints.memory_options import memory_config
+    from diffserve.entrypoints.quantization_options import quantization_config
 
     return EngineConfig(
         model=args.model,
@@ -100,6 +105,7 @@ def engine_config_from_args(args: argparse.Namespace):
         ulysses_degree=args.ulysses_degree,
         executor=args.executor,
         **memory_config(args),
+        **quantization_config(args),
     )
 
 
@@ -136,3 +142,6 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
     from diffserve.core.memory_size import parse_memory  # torch-free
 
     parse_memory(getattr(args, "max_memory", None))
+    from diffserve.entrypoints.quantization_options import check_quantization_arguments
+
+    check_quantization_arguments(args)

@@ -13,10 +13,16 @@ from collections.abc import Iterable
 import torch
 
 from diffserve.quantization.methods import can_quantize, torchao_config
-from diffserve.quantization.spec import ComponentReport
-from diffserve.quantization.tensor_bytes import is_quantized_tensor, tensor_bytes
+from diffserve.core.quantization import ComponentReport
+from diffserve.core.tensor_storage import is_wrapper, tensor_bytes
 
 logger = logging.getLogger(__name__)
+
+
+def is_quantized_tensor(t: torch.Tensor) -> bool:
+    """Whether `t` is a quantized weight: a torchao tensor subclass (a wrapper whose data is
+    in inner tensors) or a GGUF parameter (diffusers' ``GGUFParameter``)."""
+    return is_wrapper(t) or type(t).__name__ == "GGUFParameter"
 
 
 def linear_layers(module: torch.nn.Module) -> dict[str, torch.nn.Linear]:

@@ -1,4 +1,4 @@
-"""The torchao configuration of each method (`diffserve.quantization.spec.METHODS`).
+"""The torchao configuration of each method (`diffserve.core.quantization.METHODS`).
 
 torchao (https://github.com/pytorch/ao) replaces a ``torch.nn.Linear``'s weight with a tensor
 subclass holding the quantized data and its scales; ``F.linear`` on it runs the method's kernel
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from diffserve.core.errors import InvalidRequestError
-from diffserve.quantization.spec import METHODS
+from diffserve.core.quantization import METHODS
 
 
 def import_torchao() -> Any:

@@ -14,7 +14,7 @@ import torch
 
 from diffserve.quantization.apply import describe_loaded, quantize_component
 from diffserve.quantization.skip_search import CalibrationInputs, SkipSearchResult, search_skip_list
-from diffserve.quantization.spec import AUTO, DENOISER_PREFIXES, ComponentReport, QuantizationSpec
+from diffserve.core.quantization import AUTO, DENOISER_PREFIXES, ComponentReport, QuantizationSpec
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,10 @@ class QuantizationResult:
         """Plain data: ``{"spec": ..., "components": {name: report}}`` (logs, stats,
         ``/v1/models``)."""
         return {"spec": self.spec.as_dict(), "components": {c: r.as_dict() for c, r in self.reports.items()}}
+
+    def summary(self) -> dict[str, Any] | None:
+        """`as_dict`, or None when no component holds quantized weights."""
+        return self.as_dict() if self.reports else None
 
 
 def model_modules(components: dict[str, Any]) -> dict[str, torch.nn.Module]:

@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from diffserve.errors import InvalidRequestError
-from diffserve.pipelines.base import PipelineAdapter, RequestInputs, RequestState
+from diffserve.core.errors import InvalidRequestError
+from diffserve.core.inputs import RequestInputs
+from diffserve.core.sampling_params import RequestLimits, SamplingParams
+from diffserve.pipelines.base import PipelineAdapter, RequestState
 from diffserve.quantization.skip_search import CalibrationInputs
-from diffserve.sampling_params import RequestLimits, SamplingParams
 
 if TYPE_CHECKING:
-    from diffserve.sampling_params import ModelSpec
+    from diffserve.core.sampling_params import ModelSpec
 
 #: Calibration prompts: a short one and a long, detailed one (token counts differ).
 CALIBRATION_PROMPTS = ("a handwritten digit 7", "a red car on a wet city street at night, neon lights")

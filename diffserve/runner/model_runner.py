@@ -34,6 +34,7 @@ from diffserve.pipelines.base import PipelineAdapter, RequestState, is_finite
 from diffserve.runner.loader import load_adapter
 from diffserve.memory.accounting import peak_memory_bytes
 from diffserve.runner.model_memory import ModelMemory
+from diffserve.runner.quantization import quantize_adapter
 from diffserve.runner.streaming import StreamState, assemble_video
 from diffserve.core.sampling_params import SamplingParams
 
@@ -63,7 +64,10 @@ class ModelRunner:
         self.adapter = adapter or load_adapter(config.model_path, self.device, config.torch_dtype,
                                                config.load_format,
                                                config.context_folding and config.ulysses_degree == 1,
-                                               load_device=weights_device(config))
+                                               load_device=weights_device(config),
+                                               transformer_file=config.transformer_file)
+        # quantized weights: after load, before Ulysses, offload placement, sleep pool and compile
+        self.quantization = quantize_adapter(self.adapter, config)
         if parallel is not None and parallel.world_size > 1 and config.cache_backend != "none":
             raise InvalidRequestError("cache_backend", config.cache_backend, "none with CFG / Ulysses "
                                       "parallelism (its per-request decisions would differ between ranks)")
@@ -81,15 +85,16 @@ class ModelRunner:
         self._last_states: tuple[list[RequestState], tuple[str, ...]] = ([], ())
         # offload placement, sleep mode, memory profile, per-step peaks
         self.memory = ModelMemory(self.adapter, config, self.device,
-                                  denoising=lambda: any(not s.done for s in list(self.states.values())))
+                                  denoising=lambda: any(not s.done for s in list(self.states.values())),
+                                  quantization=self.quantization.plan)
         self.accelerator = Accelerator(self.adapter, config, stage=self.memory.offload.stage)
         self.memory.ready()
 
     # ------------------------------------------------------------------ model facts
     def info(self) -> ModelInfo:
-        """The model's spec and pipeline class."""
+        """The model's spec, pipeline class and quantized components."""
         return ModelInfo(spec=self.adapter.spec, pipeline=self.adapter.pipeline_class_name,
-                         chunk_streaming=self.adapter.chunk_streaming)
+                         chunk_streaming=self.adapter.chunk_streaming, quantization=self.quantization.summary())
 
     def plan(self, params: SamplingParams, inputs: Any = None) -> RequestPlan:
         """Rows and batch key of a request with resolved `params`, after the family's own

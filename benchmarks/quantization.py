@@ -29,7 +29,16 @@ real width, 1536, with ``--num-layers`` of its 24 blocks; CLIP-L and CLIP-G at f
 left out), dummy weights, so one thread finishes in minutes. ``--arch sdxl`` uses SDXL's UNet
 (`sdxl_config_folder.py`, full size).
 
+``--psnr-families`` instead measures quality per family: every tiny folder of the test registry
+(``tests/tiny_models/registry.py``: SD3, Flux, Flux Kontext, SD 1.5, SDXL, Qwen-Image,
+Qwen-Image-Edit, Wan 2.1 / 2.2; random weights, so images are noise-like, but every layer runs)
+serves the same requests (``--psnr-requests`` seeds, ``--steps`` steps, the registry's sizes,
+guidance on) unquantized and with each method, and the PSNR (dB, uint8 pixels) of each method's
+images against the unquantized ones is reported per family, with the automatic skip list's
+choice (``--psnr-budget``) as one more arm (``<method>+auto``).
+
 Usage:
+    python benchmarks/quantization.py --psnr-families --threads 1 --steps 4
     python benchmarks/quantization.py --threads 1                       # CPU: fp32 vs int8 arms
     python benchmarks/quantization.py --threads 1 --compile             # the same, regional compile
     python benchmarks/quantization.py --device cuda --dtype bf16 --num-layers 24 --size 1024 \\
@@ -132,6 +141,69 @@ def write_model(args: argparse.Namespace, root: Path) -> Path:
     return folder
 
 
+def psnr_families(args: argparse.Namespace) -> dict:
+    """Per family of the test registry: PSNR of each arm's images against the unquantized
+    engine's (see the module docstring)."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from diffserve import DiffusionEngine, EngineConfig
+    from diffserve.core.inputs import make_inputs
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from tiny_models.registry import MODELS
+
+    torch.set_num_threads(args.threads or 1)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip() and a.strip() not in BASELINES]
+    arms += [f"{a}+auto" for a in arms]
+    out: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="quant-psnr-") as tmp:
+        for model in MODELS:
+            if model.build is None:
+                continue
+            folder = model.folder(Path(tmp) / model.id)
+            inputs = None
+            if model.images == "required":
+                inputs = make_inputs(Image.new("RGB", model.input_size, (120, 80, 200)))
+            params = [model.params(seed=i, num_inference_steps=args.steps, **model.guided)
+                      for i in range(args.psnr_requests)]
+            prompts = [f"a photo of object number {i}" for i in range(args.psnr_requests)]
+
+            def images(**options) -> list:
+                engine = DiffusionEngine(EngineConfig(model=str(folder), num_threads=args.threads, **options))
+                outs = engine.generate(prompts, params, inputs=[inputs] * len(prompts) if inputs else None)
+                assert all(o.ok for o in outs), [o.error for o in outs if not o.ok]
+                stats = engine.stats()["quantization"]
+                engine.shutdown()
+                return [np.asarray(o.videos[0] if o.videos else o.images, np.float64) for o in outs], stats
+
+            with model.patch():
+                reference, _ = images()
+                row = {}
+                for arm in arms:
+                    method, _, skip = arm.partition("+")
+                    budget = {"quantization_error_budget": args.psnr_budget} if skip else {}
+                    got, stats = images(quantization=method, quantization_skip=skip or None, **budget)
+                    mse = np.mean([np.mean((_uint8(a) - _uint8(b)) ** 2) for a, b in zip(got, reference)])
+                    kept = sum(len(c["kept_layers"]) for c in stats["components"].values()
+                               if c["source"] == "quantized at load")
+                    row[arm] = {"psnr_db": float("inf") if mse == 0 else 10 * float(np.log10(255.0 ** 2 / mse)),
+                                "kept_layers": kept}
+            out[model.id] = row
+            print(f"{model.id:34s} " + "  ".join(f"{arm} {r['psnr_db']:6.2f} dB (kept {r['kept_layers']})"
+                                                  for arm, r in row.items()), flush=True)
+    return out
+
+
+def _uint8(images):
+    """Images in [0, 1] (or uint8) as float uint8 levels."""
+    import numpy as np
+
+    images = np.asarray(images, np.float64)
+    return images if images.max() > 1.5 else np.round(np.clip(images, 0, 1) * 255)
+
+
 def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -154,10 +226,23 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (report it with CPU numbers)")
     ap.add_argument("--compile", action="store_true", help="regional torch.compile in every arm")
     ap.add_argument("--latent", action="store_true", help="skip the VAE decode (output_type=latent)")
+    ap.add_argument("--psnr-families", action="store_true",
+                    help="quality instead of speed: PSNR vs unquantized per family on the tiny test folders")
+    ap.add_argument("--psnr-requests", type=int, default=2, help="requests per family with --psnr-families")
+    ap.add_argument("--psnr-budget", type=float, default=0.03,
+                    help="quantization_error_budget of the +auto arms with --psnr-families")
     ap.add_argument("--arm", default=None, help=argparse.SUPPRESS)  # child mode: run one trial
     args = ap.parse_args()
     if args.arm is not None:
         print(json.dumps(run_arm(args)))
+        return
+    if args.psnr_families:
+        result = psnr_families(args)
+        print(json.dumps({"benchmark": "quantization-psnr", "command": " ".join([Path(sys.executable).name,
+                                                                                 *sys.argv]),
+                          "steps": args.steps, "requests": args.psnr_requests, "threads": args.threads,
+                          "auto_budget": args.psnr_budget,
+                          "families": result}))
         return
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     tmp = None

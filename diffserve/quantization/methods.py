@@ -64,13 +64,6 @@ def torchao_config(method: str) -> Any:
     raise InvalidRequestError("quantization", method, "one of " + ", ".join(METHODS))
 
 
-def cuda_capability(device: torch.device) -> tuple[int, int] | None:
-    """The compute capability of a CUDA `device`, None for other devices."""
-    if device.type != "cuda":
-        return None
-    return tuple(torch.cuda.get_device_capability(device))  # type: ignore[return-value]
-
-
 def can_quantize(module: torch.nn.Module, method: str) -> bool:
     """Whether `method` applies to a linear layer: int4 needs in_features divisible by its
     group size (128) and out_features by 8 (torchao leaves other shapes unquantized; so does

@@ -175,7 +175,7 @@ class EngineConfig:
                                       "ulysses_degree > 1")
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise InvalidRequestError("model", self.model, "a path to a local diffusers folder, a built-in model "
-                                      "name (digits, digits-video), or None")
+                                      "name (digits, digits-video, digits-reasoning), or None")
         if self.num_threads is not None and (not isinstance(self.num_threads, int)
                                              or isinstance(self.num_threads, bool) or self.num_threads < 1):
             raise InvalidRequestError("num_threads", self.num_threads, "an integer >= 1, or None")

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 #: benchmarks/ is not a package: tests import its scripts (``quality``, ``quality_video``, ...) as modules.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from tiny_models import build_tiny_sd3  # noqa: E402
+from tiny_models import build_tiny_glm_image, build_tiny_sd3  # noqa: E402
 from tiny_models.registry import BY_ID  # noqa: E402
 
 torch.set_num_threads(1)
@@ -50,6 +50,12 @@ def tiny_folder(tmp_path_factory):
 def tiny_sd3_dir(tiny_folder) -> Path:
     """A tiny SD3 folder without T5 (CLIP x2), 64x64 default, resolution factor 16."""
     return tiny_folder("StableDiffusion3Pipeline")
+
+
+@pytest.fixture(scope="session")
+def tiny_glm_image_dir(tmp_path_factory) -> Path:
+    """A tiny GLM-Image folder (AR stage writing 32-code prior tokens + DiT); sizes 32 x k."""
+    return build_tiny_glm_image(tmp_path_factory.mktemp("tiny_glm_image"))
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,9 @@ name                folder (in this package)           what
                                                        handwritten digits; the default model
 ``digits-video``    ``digits_video/weights``           text-to-video (Wan 2.1 layout) of moving
                                                        digits
+``digits-reasoning`` ``digits_reasoning/weights``      two stages: a causal LM answers an
+                                                       arithmetic prompt, a DiT reading its K/V
+                                                       draws the answer
 ==================  =================================  ===========================================
 
 A model argument (``EngineConfig.model``, ``--model``) is resolved by `resolve_model`: None is
@@ -29,6 +32,7 @@ _HERE = Path(__file__).resolve().parent
 BUILTIN_MODELS: dict[str, Path] = {
     "digits": _HERE / "digits" / "weights",
     "digits-video": _HERE / "digits_video" / "weights",
+    "digits-reasoning": _HERE / "digits_reasoning" / "weights",
 }
 #: The model used when none is given.
 DEFAULT_MODEL = "digits"

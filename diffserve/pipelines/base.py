@@ -74,6 +74,9 @@ class RequestState:
         chunk_condition: streams: the adapter's conditioning of the current chunk on the
             previous one (e.g. `video_chunks.ChunkCondition`), None for the first chunk and
             for ordinary requests.
+        context: multi-stage models: the payloads an earlier stage (the AR stage) produced for
+            this request, by guidance branch (`diffserve.connector.payload.Payload`), received
+            by the runner before `PipelineAdapter.prepare`; None for single-stage models.
     """
 
     request_id: str
@@ -94,6 +97,7 @@ class RequestState:
     negative_prompt_truncated: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     chunk_condition: Any = None
+    context: dict[str, Any] | None = None
 
     @property
     def num_steps(self) -> int:
@@ -124,6 +128,7 @@ class RequestState:
         self.extra = {}
         self.inputs = None
         self.chunk_condition = None
+        self.context = None
 
 
 @dataclass(frozen=True)
@@ -212,6 +217,11 @@ class PipelineAdapter(ABC):
     """
 
     pipeline_class_name: ClassVar[str]
+    #: Components of the model's AR stage (e.g. ``("language_model", "tokenizer")``): a folder
+    #: whose pipeline class lists some has an autoregressive stage before the DiT stage. The
+    #: AR stage is built from them by `build_ar_stage` and runs in its own runner
+    #: (`diffserve.runner.ar_stage`); the adapter is built without them. Empty: one stage.
+    ar_stage_components: ClassVar[tuple[str, ...]] = ()
 
     device: torch.device
     dtype: torch.dtype
@@ -236,6 +246,21 @@ class PipelineAdapter(ABC):
     def from_components(cls, components: dict[str, Any], device: torch.device, dtype: torch.dtype,
                         options: AdapterOptions) -> "PipelineAdapter":
         """Build the adapter from the loaded components (moved to `device`)."""
+
+    @classmethod
+    def build_ar_stage(cls, components: dict[str, Any], device: torch.device, dtype: torch.dtype) -> Any:
+        """The model's AR stage (`diffserve.pipelines.ar_stage.ARStageModel`) from the loaded
+        `ar_stage_components` (moved to `device` here).
+
+        Raises:
+            NotImplementedError: a single-stage family.
+        """
+        raise NotImplementedError(f"{cls.pipeline_class_name} has no AR stage")
+
+    def context_branches(self, params: SamplingParams) -> tuple[str, ...]:
+        """The AR-stage payload branches a request needs (e.g. ``("negative", "cond")`` with
+        CFG); a request whose payloads lack one fails. Default: none (single stage)."""
+        return ()
 
     @property
     @abstractmethod

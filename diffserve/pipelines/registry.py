@@ -24,6 +24,8 @@ _ADAPTERS: dict[str, str] = {
     "WanPipeline": "diffserve.pipelines.wan.adapter:WanAdapter",
     "StableDiffusionPipeline": "diffserve.pipelines.stable_diffusion.adapter:StableDiffusionAdapter",
     "StableDiffusionXLPipeline": "diffserve.pipelines.stable_diffusion_xl.adapter:StableDiffusionXLAdapter",
+    "GlmImagePipeline": "diffserve.pipelines.glm_image.adapter:GlmImageAdapter",
+    "DigitsReasoningPipeline": "diffserve.pipelines.digits_reasoning.adapter:DigitsReasoningAdapter",
 }
 
 

@@ -25,9 +25,10 @@ logger = logging.getLogger(__name__)
 silence_inapplicable_library_warnings()
 _LIBRARIES = ("diffusers", "transformers")
 #: diffusers pipeline packages that folders name as a component's library for classes of their
-#: own (SD 1.x/2.x: ``"safety_checker": ["stable_diffusion", "StableDiffusionSafetyChecker"]``);
+#: own (SD 1.x/2.x: ``"safety_checker": ["stable_diffusion", "StableDiffusionSafetyChecker"]``; GLM-Image:
+#: ``"vision_language_encoder": ["glm_image", "GlmImageForConditionalGeneration"]``, as diffusers saves it);
 #: loaded from ``diffusers.pipelines.<name>`` (the class is a transformers model).
-_PIPELINE_PACKAGES = ("stable_diffusion",)
+_PIPELINE_PACKAGES = ("stable_diffusion", "glm_image")
 
 
 def _component_class(library: str, class_name: str, component: str) -> type:
@@ -72,14 +73,17 @@ def _load_component(library: str, class_name: str, folder: Path, dtype: torch.dt
 
 def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "default",
                     seed: int = 0, device: torch.device | str = "cpu",
+                    only: frozenset[str] | None = None, skip: frozenset[str] = frozenset(),
                     transformer_file: str | None = None) -> tuple[str, dict[str, Any]]:
-    """Load every component listed in ``model_index.json``.
+    """Load every component listed in ``model_index.json`` (or the ones `only` names, less `skip`).
 
     Args:
         model_dir: local diffusers folder.
         dtype: torch dtype for the models (tokenizers and schedulers have none).
         load_format: ``"default"`` or ``"dummy"`` (random weights, seeded with `seed`,
             initialised directly on `device`).
+        only / skip: component names to load / to leave out (a multi-stage model's stages load
+            their own components, each in its own process).
         transformer_file: a GGUF single-file denoiser loaded instead of the folder's
             ``transformer`` (or ``unet``) weights, with the folder's config
             (`diffserve.quantization.gguf`).
@@ -117,6 +121,8 @@ def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "def
         if name.startswith("_"):
             continue
         if not isinstance(entry, list) or len(entry) != 2:
+            continue
+        if name in skip or (only is not None and name not in only):
             continue
         library, cls_name = entry
         if library is None or cls_name is None:
@@ -195,17 +201,36 @@ def load_adapter(model_dir: Path, device: torch.device, dtype: torch.dtype,
     Raises:
         UnsupportedModelError: see `load_components`; no adapter for the class.
     """
-    if adapter_cls is None:
-        adapter_class(read_model_index(model_dir).get("_class_name", ""))  # fail fast, before loading
     load_device = device if load_device is None else load_device
+    cls = adapter_cls or adapter_class(read_model_index(model_dir).get("_class_name", ""))  # fails before loading
     class_name, components = load_components(model_dir, dtype, load_format, device=load_device,
-                                              transformer_file=transformer_file)
+                                             skip=frozenset(cls.ar_stage_components),
+                                             transformer_file=transformer_file)
     _eval(components)
     options = AdapterOptions(context_folding=context_folding, model_dir=Path(model_dir))
     adapter = (adapter_cls or adapter_class(class_name)).from_components(components, load_device, dtype, options)
     adapter.device = device
     logger.info("loaded %s from %s on %s (%s)", class_name, model_dir, device, dtype)
     return adapter
+
+
+def load_ar_stage(model_dir: Path, device: torch.device, dtype: torch.dtype, load_format: str = "default") -> Any:
+    """Load a multi-stage folder's AR stage: its `PipelineAdapter.ar_stage_components` only, built
+    into the family's `diffserve.pipelines.ar_stage.ARStageModel`.
+
+    Raises:
+        UnsupportedModelError: see `load_components`; the family has no AR stage.
+    """
+    class_name = read_model_index(model_dir).get("_class_name", "")
+    cls = adapter_class(class_name)
+    if not cls.ar_stage_components:
+        raise UnsupportedModelError(f"{class_name} has no AR stage")
+    _, components = load_components(model_dir, dtype, load_format, device=device,
+                                    only=frozenset(cls.ar_stage_components))
+    _eval(components)
+    stage = cls.build_ar_stage(components, device, dtype)
+    logger.info("loaded the AR stage of %s from %s on %s (%s)", class_name, model_dir, device, dtype)
+    return stage
 
 
 def load_pipeline(model_dir: Path, device: torch.device, dtype: torch.dtype, load_format: str = "default",

@@ -18,7 +18,7 @@ import torch
 from diffserve.acceleration.accelerator import Accelerator
 from diffserve.memory.offload import weights_device
 from diffserve.config import EngineConfig
-from diffserve.core.errors import InvalidRequestError, NonFiniteOutputError
+from diffserve.core.errors import InvalidRequestError, UnsupportedModelError, NonFiniteOutputError
 from diffserve.core.messages import (
     ChunkDone,
     ChunkWork,
@@ -61,6 +61,14 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         self.device = config.torch_device
         self.parallel = parallel
+        if adapter is None:
+            from diffserve.models.model_index import read_model_index
+            from diffserve.pipelines.registry import adapter_class, has_adapter
+
+            class_name = read_model_index(config.model_path).get("_class_name", "")
+            if has_adapter(class_name) and adapter_class(class_name).ar_stage_components:
+                raise UnsupportedModelError(f"{class_name} has an autoregressive stage before its DiT stage; the "
+                                            "engine does not run such stages yet (issue 25: being integrated)")
         self.adapter = adapter or load_adapter(config.model_path, self.device, config.torch_dtype,
                                                config.load_format,
                                                config.context_folding and config.ulysses_degree == 1,

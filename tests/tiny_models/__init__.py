@@ -17,10 +17,12 @@ behaviour that matters for parity (defaults, timesteps, guidance, packing, decod
 | :func:`build_tiny_qwen_image_edit` | ``QwenImageEditPipeline`` (+ ``load_qwen2vl_processor``) | ``qwen_image`` |
 | :func:`build_tiny_wan` | ``WanPipeline`` (Wan 2.1 T2V) | ``wan`` |
 | :func:`build_tiny_wan22` | ``WanPipeline`` (Wan 2.2, two experts) | ``wan`` |
+| :func:`build_tiny_glm_image` | ``GlmImagePipeline`` (AR stage + DiT) | ``glm_image`` |
 """
 
 from .components import t5_tokenizer
 from .flux import build_tiny_flux, build_tiny_flux_kontext
+from .glm_image import build_tiny_glm_image
 from .qwen_image import (
     Qwen2VLImageOnlyProcessor,
     build_tiny_qwen_image,
@@ -36,6 +38,7 @@ __all__ = [
     "Qwen2VLImageOnlyProcessor",
     "build_tiny_flux",
     "build_tiny_flux_kontext",
+    "build_tiny_glm_image",
     "build_tiny_qwen_image",
     "build_tiny_qwen_image_edit",
     "build_tiny_sd15",

@@ -26,7 +26,8 @@ def test_training_is_the_top_level_folder_outside_the_package():
     assert not (Path(diffserve.__file__).resolve().parent / "models" / "training.py").exists()
 
 
-@pytest.mark.parametrize("module", ["training.digits.train", "training.digits_video.train"])
+@pytest.mark.parametrize("module", ["training.digits.train", "training.digits_video.train",
+                                    "training.digits_reasoning.train"])
 def test_entry_point_runs_from_the_repository_root(module):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, env=env, capture_output=True,
@@ -54,3 +55,16 @@ def test_video_model_tiny_training_step_saves_a_wan_folder(tmp_path):
 
     pipe = WanPipeline.from_pretrained(out)
     assert pipe.transformer is not None and pipe.vae is not None
+
+
+def test_reasoning_model_tiny_training_step_saves_a_two_stage_folder(tmp_path):
+    from diffserve.pipelines.digits_reasoning.pipeline import DigitsReasoningPipeline
+    from training.digits_reasoning import train as reasoning_train
+
+    out = reasoning_train.main(["--tiny", "--out", str(tmp_path / "model"), "--threads", "1"])
+    index = json.loads((out / "model_index.json").read_text())
+    assert index["_class_name"] == "DigitsReasoningPipeline"
+    assert index["language_model"] == ["transformers", "Qwen2ForCausalLM"]
+    pipe = DigitsReasoningPipeline.from_pretrained(out)
+    result = pipe("three plus four", num_inference_steps=1, output_type="np")
+    assert result.images.shape == (1, 8, 8, 1) and isinstance(result.ar_texts[0], str)

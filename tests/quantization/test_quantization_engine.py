@@ -263,3 +263,22 @@ def test_cli_flags_reach_the_engine_config():
     config = engine_config_from_args(args)
     assert config.quantization_spec.methods == {"transformer": "int8_dynamic", "text_encoder": None}
     assert config.quantization_spec.skip == ("*.ff.net.2",) and config.quantization_error_budget == 0.05
+
+
+def test_cli_generate_with_quantization_and_bad_method(tiny_sd3_dir, tmp_path, capsys):
+    from PIL import Image
+
+    from diffserve.entrypoints.cli import main
+
+    rc = main(["generate", "--model", str(tiny_sd3_dir), "--prompt", "a cat", "--steps", "2", "--size", "32x32",
+               "--threads", "1", "--quantization", "transformer=int8_weight_only,text_encoder=none",
+               "-o", str(tmp_path / "ok")])
+    assert rc == 0
+    [path] = capsys.readouterr().out.split()
+    assert Image.open(path).size == (32, 32)
+    assert main(["generate", "--model", str(tiny_sd3_dir), "a cat", "--quantization", "int9",
+                 "-o", str(tmp_path / "x")]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("diffserve: error: argument --quantization: invalid value 'int9'")
+    assert "int8_weight_only" in line and "int8_dynamic" in line
+    assert not (tmp_path / "x").exists()

@@ -6,11 +6,16 @@ pyproject.toml keep).
   between the sub-packages inside any package);
 - the shared types (``diffserve.core``) import nothing else of diffserve;
 - ``lint-imports`` keeps every contract of pyproject.toml, and breaks one when a forbidden import
-  is added (checked on a copy of the package with a deliberate violation).
+  is added (checked on a copy of the package with a deliberate violation);
+- the entrypoints reach the engine only through its client: no import of another engine module
+  (the contract), and no attribute reach-in past the client (``.executor``, ``.scheduler``,
+  ``.runner``, the engine behind the async engine, an engine's private attributes), which
+  import-linter cannot see (an AST check).
 """
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -140,10 +145,63 @@ def test_import_linter_breaks_on_a_forbidden_import(tmp_path):
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
     scheduler = copy / "engine" / "scheduler.py"
     text = scheduler.read_text()
-    anchor = "from diffserve.core.errors import EngineOverloadedError\n"
+    anchor = "from diffserve.core.errors import InteractionRefusedError, InvalidRequestError\n"
     assert anchor in text
     scheduler.write_text(text.replace(anchor, anchor + "from diffserve.runner.loader import load_adapter\n"))
     result = _lint_imports(tmp_path, tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "diffserve.engine.scheduler -> diffserve.runner.loader" in result.stdout
     assert "1 broken" in result.stdout
+
+
+def test_an_entrypoint_importing_an_engine_internal_breaks_the_contract(tmp_path):
+    """The engine client is the entrypoints' one door into the engine: importing the request
+    scheduler from the CLI breaks ``entrypoints-via-engine-client``."""
+    copy = tmp_path / "diffserve"
+    shutil.copytree(REPO / "diffserve", copy, ignore=shutil.ignore_patterns("__pycache__", "weights", "static"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    cli = copy / "entrypoints" / "cli.py"
+    anchor = "from diffserve.models import builtin_name\n"
+    text = cli.read_text()
+    assert anchor in text
+    cli.write_text(text.replace(anchor, anchor + "from diffserve.engine.scheduler import RequestScheduler\n"))
+    result = _lint_imports(tmp_path, tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "diffserve.entrypoints.cli -> diffserve.engine.scheduler" in result.stdout
+
+
+#: Attributes of an engine that are no entrypoint's business (the engine client has them all).
+ENGINE_INTERNALS = {"executor", "scheduler", "runner", "queues", "sleep_mode", "memory_budget"}
+
+
+def _engine_reach_ins(source: str) -> list[str]:
+    """Attribute reach-ins past the engine client in `source`, on anything called engine: an
+    engine internal by name, the synchronous engine behind the async one (``x.engine.engine``),
+    or a private attribute."""
+
+    def mentions_engine(node: ast.expr) -> bool:
+        if isinstance(node, ast.Name):
+            return "engine" in node.id
+        return isinstance(node, ast.Attribute) and "engine" in node.attr
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        private = node.attr.startswith("_") and not node.attr.startswith("__")
+        if mentions_engine(node.value) and (node.attr in ENGINE_INTERNALS or node.attr == "engine" or private):
+            found.append((node.lineno, f"line {node.lineno}: .{node.attr}"))
+    return [hit for _, hit in sorted(found)]
+
+
+def test_entrypoints_reach_the_engine_only_through_its_client():
+    problems = [f"{path.relative_to(REPO)} {hit}" for path in sorted((REPO / "diffserve" / "entrypoints").rglob("*.py"))
+                for hit in _engine_reach_ins(path.read_text())]
+    assert not problems, "reach-ins past the engine client:\n" + "\n".join(problems)
+
+
+def test_the_reach_in_check_finds_reach_ins():
+    assert _engine_reach_ins("engine.executor.plan(p)\nx = state.engine.engine.spec\nself.engine._wake.set()") == [
+        "line 1: .executor", "line 2: .engine", "line 3: ._wake"]
+    assert _engine_reach_ins("engine.input_processor.process(p)\nself._engine.abort(i)\nparser._actions\n"
+                             "args.executor") == []

@@ -1,9 +1,11 @@
-"""The tiny family folders reload with their diffusers pipeline class and generate.
+"""The tiny family folders reload with their diffusers pipeline class, in the layout the adapters
+rely on (guidance embedding, scheduler class and state, expert switch, resolution rules); the
+builders are seeded and small.
 
-Each test reloads a session folder (``tests/conftest.py``) with ``from_pretrained`` and runs the
-diffusers pipeline itself for 2 steps at 64 px (video: 5 frames), checking the output shape and
-the family-specific layout the adapters rely on (guidance embedding, scheduler class and state,
-expert switch, resolution rules).
+Each test reloads a session folder (``tests/conftest.py``) with ``from_pretrained``. The diffusers
+pipeline of every registry folder generates in ``tests/conformance/test_parity.py`` (the reference
+of each parity check); here it runs only where the test counts its denoiser calls, or for the
+scheduler variants the registry does not hold.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from diffusers import (
     StableDiffusionXLPipeline,
     WanPipeline,
 )
-from PIL import Image
 
 from tiny_models import build_tiny_sd15, load_qwen2vl_processor
 from tiny_models.registry import MODELS
@@ -55,36 +56,22 @@ def _count_calls(module: torch.nn.Module) -> list[int]:
     return calls
 
 
-def _input_image(width: int, height: int) -> Image.Image:
-    pixels = np.random.default_rng(0).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
 def test_flux_schnell(tiny_flux_dir):
     pipe = _load(FluxPipeline, tiny_flux_dir)
     assert not pipe.transformer.config.guidance_embeds
     assert not pipe.scheduler.config.use_dynamic_shifting and pipe.scheduler.config.shift == 1.0
     assert pipe.vae_scale_factor == 8
-    out = pipe("a red cat", negative_prompt="blurry", true_cfg_scale=2.0, height=64, width=64,
-               num_inference_steps=2, max_sequence_length=32, generator=_generator(), output_type="np")
-    _check_image(out.images, (1, 64, 64, 3))
 
 
 def test_flux_dev(tiny_flux_dev_dir):
     pipe = _load(FluxPipeline, tiny_flux_dev_dir)
     assert pipe.transformer.config.guidance_embeds
     assert pipe.scheduler.config.use_dynamic_shifting
-    out = pipe(["a red cat", "two dogs"], guidance_scale=3.5, height=64, width=96, num_inference_steps=2,
-               generator=_generator(), output_type="np")
-    _check_image(out.images, (2, 64, 96, 3))
 
 
 def test_flux_kontext(tiny_flux_kontext_dir):
     pipe = _load(FluxKontextPipeline, tiny_flux_kontext_dir)
-    assert pipe.transformer.config.guidance_embeds
-    out = pipe(image=_input_image(80, 48), prompt="make it red", height=64, width=96, max_area=64 * 96,
-               _auto_resize=False, num_inference_steps=2, generator=_generator(), output_type="np")
-    _check_image(out.images, (1, 64, 96, 3))
+    assert pipe.transformer.config.guidance_embeds and pipe.scheduler.config.use_dynamic_shifting
 
 
 def test_sd15_pndm_default(tiny_sd15_dir):
@@ -119,22 +106,13 @@ def test_sdxl(tiny_sdxl_dir):
     assert pipe.unet.config.addition_embed_type == "text_time"
     assert pipe.scheduler.config.timestep_spacing == "leading" and pipe.scheduler.config.steps_offset == 1
     assert pipe.config.force_zeros_for_empty_prompt
-    out = pipe("a red cat", num_inference_steps=2, generator=_generator(), output_type="np")  # default size
-    _check_image(out.images, (1, 64, 64, 3))
-    out = pipe("a red cat", negative_prompt="blurry", height=48, width=80, num_inference_steps=2,
-               generator=_generator(), output_type="np")
-    _check_image(out.images, (1, 48, 80, 3))
+    assert pipe.default_sample_size * pipe.vae_scale_factor == 64
 
 
 def test_qwen_image(tiny_qwen_image_dir):
     pipe = _load(QwenImagePipeline, tiny_qwen_image_dir)
     assert pipe.vae_scale_factor == 8
     assert pipe.scheduler.config.use_dynamic_shifting and pipe.scheduler.config.shift_terminal == 0.02
-    # Two prompts of different token lengths (padded + masked) and true CFG with norm rescale.
-    out = pipe(["a red cat", "a much longer prompt about two dogs, in the snow"], negative_prompt=["blurry", "bad"],
-               true_cfg_scale=4.0, height=64, width=48, num_inference_steps=2, generator=_generator(),
-               output_type="np")
-    _check_image(out.images, (2, 64, 48, 3))
 
 
 def test_qwen_image_edit(tiny_qwen_image_edit_dir):
@@ -144,18 +122,12 @@ def test_qwen_image_edit(tiny_qwen_image_edit_dir):
     assert pipe.processor.image_processor.merge_size == 2
     with pytest.raises(ValueError, match="videos"):
         pipe.processor(text=["a"], videos=[np.zeros((2, 28, 28, 3), dtype=np.uint8)])
-    out = pipe(image=_input_image(64, 48), prompt="make it blue", negative_prompt="blurry", true_cfg_scale=4.0,
-               height=64, width=64, num_inference_steps=2, generator=_generator(), output_type="np")
-    _check_image(out.images, (1, 64, 64, 3))
 
 
 def test_wan21(tiny_wan_dir):
     pipe = _load(WanPipeline, tiny_wan_dir)
     assert pipe.transformer_2 is None and pipe.config.boundary_ratio is None
     assert (pipe.vae_scale_factor_temporal, pipe.vae_scale_factor_spatial) == (4, 8)
-    out = pipe("a red cat", negative_prompt="blurry", height=64, width=48, num_frames=5, num_inference_steps=2,
-               generator=_generator())
-    _check_image(out.frames, (1, 5, 64, 48, 3))
 
 
 def test_wan22_switches_expert_at_boundary(tiny_wan22_dir):

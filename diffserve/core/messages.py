@@ -1,11 +1,14 @@
 """Plain data crossing the executor boundary (engine <-> workers).
 
-The engine never touches tensors or the runner's per-request state: it hands workers
-`NewRequest` s to prepare, request ids to step or decode, `ChunkWork` to end a stream's chunk
-(with the `Interaction` s it must apply from the next chunk on), and ids to free; workers
-answer with `Prepared`, `StepOutput`, `Decoded` and `ChunkDone`. Everything here is picklable (tensors inside
-`NewRequest.inputs` and `Decoded.output` are CPU tensors / arrays / PIL images), so a worker can
-live in another process (like vLLM's ``SchedulerOutput`` / ``ModelRunnerOutput``).
+The engine never touches tensors or the runner's per-request state. Every engine tick the
+request scheduler hands the workers ONE `SchedulerOutput` (like vLLM's): the requests to
+prepare (`NewRequest`), the ids of this tick's denoising step, the decodes, previews and chunk
+boundaries (`ChunkWork`, with the `Interaction` s it applies from the next chunk on) to run
+beside the steps, and the ids to free. The workers answer with a `RunnerOutput`: the step's
+`StepOutput` and whatever background work completed meanwhile (`Prepared`, `Decoded`,
+`ChunkDone`). Everything here is picklable (tensors inside `NewRequest.inputs` and
+`Decoded.output` are CPU tensors / arrays / PIL images), so a worker can live in another
+process.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ class NewRequest:
 
     Attributes:
         params: resolved sampling params.
-        inputs: `diffserve.pipelines.base.RequestInputs` (input images / mask) or None.
+        inputs: `diffserve.core.inputs.RequestInputs` (input images / mask) or None.
     """
 
     request_id: str
@@ -256,3 +259,69 @@ class MemoryProfile:
         per_row = max(self.row_bytes_base + self.row_bytes_per_pixel * pixels,
                       self.row_floor_base + self.row_floor_per_pixel * pixels, 0.0)
         return int(max(rows * per_row, images * self.decode_bytes_per_pixel * pixels))
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What the workers run in one engine tick (the request scheduler's `schedule()`; vLLM's
+    ``SchedulerOutput``). Empty fields are empty tuples, so an unchanged batch's tick costs no
+    allocation beyond this object.
+
+    The executor handles it in this order: free `finished_ids`; take the snapshots that
+    `previews` and `decodes` read (before the step moves the latents on); queue the background
+    work (previews, decodes, chunk boundaries, then the prepares of `new_requests`) beside the
+    steps; run the denoising step of `step_ids`.
+
+    Attributes:
+        step_ids: the requests of this tick's denoising step (one batch key and step key), in
+            batch order; empty when nothing steps. An unchanged batch passes the same list
+            object every tick (the runner then reuses its per-step work).
+        new_requests: requests admitted this tick, with their inputs: prepare them (encode the
+            prompt, draw latents, create the diffusion scheduler).
+        decodes: requests whose denoising finished: decode and free them.
+        previews: requests at a preview step: decode their current latents (they keep running).
+        chunks: streams whose chunk finished denoising: decode it and prepare the next one.
+        finished_ids: requests that ended in the engine (aborted, or failed there) whose state
+            the workers must drop.
+    """
+
+    step_ids: list[str] | tuple[()] = ()
+    new_requests: list[NewRequest] | tuple[()] = ()
+    decodes: list[str] | tuple[()] = ()
+    previews: list[str] | tuple[()] = ()
+    chunks: list[ChunkWork] | tuple[()] = ()
+    finished_ids: list[str] | tuple[()] = ()
+
+    @property
+    def has_work(self) -> bool:
+        """Anything besides the step: frees, prepares, decodes, previews or chunk boundaries."""
+        return bool(self.new_requests or self.decodes or self.previews or self.chunks or self.finished_ids)
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """What the workers report back for one `SchedulerOutput` (vLLM's ``ModelRunnerOutput``):
+    the step's outcome and the background work that completed since the previous tick.
+
+    Attributes:
+        step: the denoising step's outcome (None when the output stepped nothing).
+        step_start / step_end: `time.perf_counter()` seconds around the step (transport
+            included), on the engine's clock; 0.0 without a step.
+        prepared / decoded / chunks: results of prepare, decode (final or preview) and chunk
+            boundary work that completed, in submission order.
+        failed: background work items that raised as a whole (an executor fault, e.g. a dead
+            worker): (their request ids, the error).
+    """
+
+    step: StepOutput | None = None
+    step_start: float = 0.0
+    step_end: float = 0.0
+    prepared: list[Prepared] | tuple[()] = ()
+    decoded: list[Decoded] | tuple[()] = ()
+    chunks: list[ChunkDone] | tuple[()] = ()
+    failed: list[tuple[list[str], WorkError]] | tuple[()] = ()
+
+    @property
+    def has_results(self) -> bool:
+        """Any background work came back (or failed)."""
+        return bool(self.prepared or self.decoded or self.chunks or self.failed)

@@ -6,6 +6,9 @@ asyncio queue of its request. A consumer that stops listening (its task is cance
 breaks out of the iterator) aborts its request, which then frees its slot at the next step
 boundary. If the loop thread dies, `is_running` turns False, `error` says why, unfinished
 requests fail and new ones are refused (the HTTP server's /health then answers 503).
+
+It implements `diffserve.engine.client.EngineClient`: everything but `generate` and the loop's
+own `start` / `shutdown` forwards to the `DiffusionEngine` it drives.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from diffserve.config import EngineConfig
-from diffserve.engine.engine import DiffusionEngine
 from diffserve.core.errors import EngineDeadError, EngineOverloadedError
+from diffserve.core.messages import ModelInfo
 from diffserve.core.outputs import StreamEvent
-from diffserve.core.sampling_params import SamplingParams
+from diffserve.core.sampling_params import ModelSpec, SamplingParams
+from diffserve.engine.engine import DiffusionEngine
+from diffserve.engine.input_processor import InputProcessor, ProcessedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +71,8 @@ class AsyncDiffusionEngine:
     def is_running(self) -> bool:
         """The loop thread was started, is alive and has not died of an error, and the
         executor's workers are alive."""
-        if self.error is None and self.engine.executor.dead is not None:
-            self.error = self.engine.executor.dead
+        if self.error is None and self.engine.error is not None:
+            self.error = self.engine.error
         return self.error is None and self._thread is not None and self._thread.is_alive()
 
     def _loop(self) -> None:
@@ -95,7 +100,7 @@ class AsyncDiffusionEngine:
     # -------------------------------------------------------------------- public API
     async def generate(
         self,
-        prompt: str,
+        prompt: str | ProcessedRequest,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         preview_steps: Sequence[int] = (),
@@ -105,6 +110,8 @@ class AsyncDiffusionEngine:
         """Submit one request and stream its events until the final one.
 
         Args:
+            prompt: the prompt, or a request the `input_processor` already processed (then
+                `params` and `inputs` stay None).
             progress: also stream a ``progress`` event after every denoising step (False: a
                 consumer that waits for the result saves one cross-thread hand-off per step).
 
@@ -152,6 +159,16 @@ class AsyncDiffusionEngine:
                 self.engine.abort(request_id)
                 self._wake.set()
 
+    def add_request(self, prompt: str | ProcessedRequest, params: SamplingParams | None = None,
+                    request_id: str | None = None, preview_steps: Sequence[int] = (), inputs: Any = None,
+                    listener: Any = None, progress: bool = True) -> str:
+        """Queue a request whose events go to `listener` (called on the engine's loop thread);
+        see `DiffusionEngine.add_request`, which raises the same errors."""
+        request_id = self.engine.add_request(prompt, params, request_id=request_id, preview_steps=preview_steps,
+                                             inputs=inputs, listener=listener, progress=progress)
+        self._wake.set()
+        return request_id
+
     def submit_interaction(self, request_id: str, interaction: Mapping[str, Any]) -> str:
         """Change a running stream's prompt from its next chunk on; returns the event id (see
         `DiffusionEngine.submit_interaction`, which raises the same errors). Thread-safe and
@@ -166,11 +183,69 @@ class AsyncDiffusionEngine:
         self._wake.set()
         return aborted
 
+    # ------------------------------------------------------------ model, counts and stats
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's configuration."""
+        return self.engine.config
+
+    @property
+    def model_info(self) -> ModelInfo:
+        """The loaded model (spec, pipeline class, step batching, chunk streaming)."""
+        return self.engine.model_info
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The loaded model's `ModelSpec` (defaults and limits)."""
+        return self.engine.spec
+
+    @property
+    def input_processor(self) -> InputProcessor:
+        """The `InputProcessor` requests are built with."""
+        return self.engine.input_processor
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests in the waiting queue."""
+        return self.engine.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        """Admitted requests (being prepared, denoising, between chunks or being decoded)."""
+        return self.engine.num_running
+
+    @property
+    def num_running_rows(self) -> int:
+        """Denoiser rows held by running requests."""
+        return self.engine.num_running_rows
+
+    def queue_position(self, request_id: str) -> int | None:
+        """See `DiffusionEngine.queue_position`."""
+        return self.engine.queue_position(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        """See `DiffusionEngine.stats`."""
+        return self.engine.stats()
+
+    def add_step_listener(self, listener) -> None:
+        """See `DiffusionEngine.add_step_listener` (called on the loop thread)."""
+        self.engine.add_step_listener(listener)
+
     # ------------------------------------------------------------------ sleep mode
     @property
     def is_sleeping(self) -> bool:
         """See `DiffusionEngine.is_sleeping`."""
         return self.engine.is_sleeping
+
+    @property
+    def sleep_state(self) -> str:
+        """See `DiffusionEngine.sleep_state`."""
+        return self.engine.sleep_state
+
+    @property
+    def sleep_level(self) -> int | None:
+        """See `DiffusionEngine.sleep_level`."""
+        return self.engine.sleep_level
 
     def sleep(self, level: int = 1) -> None:
         """`DiffusionEngine.sleep` (blocking: call it from a worker thread in async code)."""

@@ -1,157 +1,527 @@
-"""The request scheduler: which requests run in the next denoising step.
+"""`RequestScheduler`: the request lifecycle, one engine tick at a time (vLLM v1's scheduler).
 
-Two queues: `waiting` (added, not yet admitted) and `running` (admitted: being prepared,
-denoising or being decoded). Only denoising requests are stepped; preparing and denoising ones
-count against the row budget.
+Each tick the engine calls `schedule()`, hands the plain `SchedulerOutput` it returns to the
+executor (ONE call), and applies the workers' `RunnerOutput` with `update_from_output()`:
 
-Fairness rule (step mode):
-- Admission is first-come-first-served: waiting requests enter `running` in arrival order
-  while the running rows stay within `max_batch_size` (a request bigger than that runs alone
-  when nothing else is running). Nobody is overtaken at admission, so no one starves there.
-- Each step runs the batch key of the OLDEST running request, with every other running
-  request of that key (oldest first, up to `max_batch_size` rows). The key is the request's
-  static `batch_key` plus its current `step_key` (the part that changes while it runs, e.g.
-  Wan 2.2's expert). The oldest request
-  advances every step until it finishes, so every request eventually becomes the oldest and
-  runs: no starvation, and an incompatible request never stalls compatible ones for longer
-  than its own remaining steps.
+    schedule()            aborts applied, waiting requests admitted (their prepare goes out as
+                          `new_requests`), the step's batch chosen (`RequestQueues`), and the
+                          decodes, previews, chunk boundaries and frees the previous tick's
+                          results asked for
+    update_from_output()  the step booked (`StepRun`: once for an unchanged batch; request by
+                          request where the workers reported something about single requests),
+                          requests done denoising moved to decoding (or to their chunk
+                          boundary), previews asked for, and the background work that came
+                          back applied: prepared, decoded (final or preview), chunk boundaries
+                          done, failures
 
-Request mode (static batching, the baseline): when nothing runs, the head of the queue and
-every waiting request sharing its batch key (up to `max_batch_size` rows) are admitted
-together and run to completion before anything else is admitted.
+A request's phases (`Phase`): WAITING -> PREPARING -> DENOISING -> DECODING -> DONE, a stream
+going DENOISING -> BETWEEN_CHUNKS -> DENOISING for each chunk after the first; an abort or a
+failure ends it in any phase (a request being prepared, decoded or between chunks is closed
+when that work comes back). Every change is a `StreamEvent`, delivered to the request's
+listener or kept for `take_events()`; the final one carries the `GenerationOutput`.
 
-Memory (with a `memory_limit`, see `diffserve.engine.memory_budget`): in both modes a request
-is admitted only while the estimated bytes (`Request.memory_bytes`) of the running requests
-(decoding ones included) plus its own stay within the limit; like rows, a request that does
-not fit waits at the head of the queue.
+The scheduler holds plain data only (tensors live in the workers) and needs no model: its
+tests drive it with fake runner outputs (``tests/engine/test_scheduler.py``). It is not
+thread-safe: the engine calls it with its lock held.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import itertools
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
+from diffserve.core.errors import InteractionRefusedError, InvalidRequestError
+from diffserve.core.messages import (
+    ChunkDone,
+    ChunkWork,
+    Decoded,
+    Interaction,
+    ModelInfo,
+    NewRequest,
+    Prepared,
+    RunnerOutput,
+    SchedulerOutput,
+    StepOutput,
+    WorkError,
+)
+from diffserve.core.outputs import EventType, GenerationOutput, RequestStatus, StreamEvent
+from diffserve.engine.queues import RequestQueues
 from diffserve.engine.request import Phase, Request
-from diffserve.core.errors import EngineOverloadedError
+from diffserve.engine.step_run import StepRun
+
+if TYPE_CHECKING:
+    from diffserve.engine.input_processor import ProcessedRequest
+
+logger = logging.getLogger(__name__)
+
+#: Ids of ended requests remembered, so an interaction for one is told it ended (not unknown).
+ENDED_IDS = 4096
+
+_FINAL_EVENTS = {RequestStatus.FINISHED: EventType.FINISHED, RequestStatus.FAILED: EventType.FAILED,
+                 RequestStatus.ABORTED: EventType.ABORTED}
 
 
 class RequestScheduler:
-    """Waiting/running queues and the per-step batch choice.
+    """Requests from arrival to their final event (see the module docstring).
 
     Args:
-        max_batch_size: most transformer rows per step (and admitted at once).
-        max_waiting: bound on the waiting queue.
-        mode: ``"step"`` or ``"request"``.
-        memory_limit: bytes the running requests' estimates may add up to (None = no memory
-            budget).
+        queues: the admission and batch policy (`RequestQueues`).
+        model_info: the loaded model (video or images, chunk streaming).
+        peak_memory_bytes: the workers' memory peak, read when a request ends (bytes).
+        notify: called after events were handed to listeners (once per batch of events; the
+            engine wakes the threads waiting for them).
     """
 
-    def __init__(self, max_batch_size: int, max_waiting: int, mode: str = "step",
-                 memory_limit: int | None = None):
-        self.max_batch_size = max_batch_size
-        self.max_waiting = max_waiting
-        self.mode = mode
-        self.memory_limit = memory_limit
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        #: the last `select_batch` result, reused until something it depends on changes
-        self._batch: list[Request] | None = None
+    def __init__(self, queues: RequestQueues, model_info: ModelInfo,
+                 peak_memory_bytes: Callable[[], int] = lambda: 0, notify: Callable[[], None] | None = None):
+        self.queues = queues
+        self.model_info = model_info
+        self._is_video = model_info.spec.default_num_frames is not None
+        self._peak_memory_bytes = peak_memory_bytes
+        self._notify = notify
+        #: unfinished requests by id (waiting or running)
+        self.requests: dict[str, Request] = {}
+        #: ids of running requests whose abort was asked and not yet applied
+        self._aborting: set[str] = set()
+        #: the steps of the current unchanged batch, not yet booked on its requests
+        self._run: StepRun | None = None
+        #: events of requests without a listener, until `take_events`
+        self._events: list[StreamEvent] = []
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        self._seq = itertools.count()
+        # work for the next scheduler output
+        self._decodes: list[str] = []
+        self._previews: list[str] = []
+        self._chunks: list[ChunkWork] = []
+        self._finished: list[str] = []
 
-    def changed(self) -> None:
-        """Forget the last selected batch: a running request's phase or step key changed
-        (the engine calls this; admission and `finish` call it themselves)."""
-        self._batch = None
+    # ------------------------------------------------------------------ arrivals and aborts
+    def add_request(self, processed: ProcessedRequest, request_id: str | None = None,
+                    preview_steps: Sequence[int] = (), listener: Callable[[StreamEvent], None] | None = None,
+                    progress: bool = True) -> str:
+        """Queue a processed request (its ``queued`` event is emitted); returns its id.
 
-    @property
-    def running_rows(self) -> int:
-        """Denoiser rows held by admitted requests that are preparing or denoising."""
-        return sum(r.rows for r in self.running if r.phase is not Phase.DECODING)
-
-    @property
-    def running_memory(self) -> int:
-        """Estimated bytes of every admitted request (`Request.memory_bytes`)."""
-        return sum(r.memory_bytes for r in self.running)
-
-    def _fits_memory(self, used: int, request: Request) -> bool:
-        return self.memory_limit is None or used + request.memory_bytes <= self.memory_limit
-
-    def add(self, request: Request) -> None:
-        """Queue a request.
+        Args:
+            request_id: its id (a fresh uuid when None); unique among live requests.
+            preview_steps: steps after which a decoded preview is emitted (``partial``).
+            listener: receives each of its events instead of `take_events`.
+            progress: emit a ``progress`` event after every denoising step.
 
         Raises:
-            EngineOverloadedError: the waiting queue already holds `max_waiting` requests.
+            InvalidRequestError: `request_id` is already live.
+            EngineOverloadedError: the waiting queue is full.
         """
-        if len(self.waiting) >= self.max_waiting:
-            raise EngineOverloadedError(
-                f"waiting queue is full ({self.max_waiting} requests); retry later"
-            )
-        self.waiting.append(request)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise InvalidRequestError("request_id", request_id, "unique among live requests")
+        plan = processed.plan
+        request = Request(request_id=request_id, prompt=processed.prompt, params=processed.params,
+                          inputs=processed.inputs, batch_key=plan.batch_key, rows=plan.rows, seq=next(self._seq),
+                          arrival_time=time.perf_counter(), preview_steps=frozenset(int(s) for s in preview_steps),
+                          listener=listener, progress=bool(progress), memory_bytes=processed.memory_bytes,
+                          num_steps=plan.num_steps)
+        request.metrics.arrival_time = time.time()
+        self.queues.add(request)
+        self.requests[request_id] = request
+        self._emit([StreamEvent(request_id, EventType.QUEUED)])
+        return request_id
 
-    def remove_waiting(self, request_id: str) -> Request | None:
-        """Take a waiting request out of the queue (abort); None if it is not waiting."""
-        for request in self.waiting:
+    def abort(self, request_id: str) -> bool:
+        """Abort a waiting or running request. A waiting one is closed at once; a running one
+        at the next `schedule()` (one being prepared, decoded or between two chunks: when that
+        work comes back, without emitting its output). Returns False if unknown or ended."""
+        request = self.requests.get(request_id)
+        if request is None or request.status.is_final:
+            return False
+        if self.queues.remove_waiting(request_id) is not None:
+            self._close(request, RequestStatus.ABORTED)  # never started: its queue slot is free now
+        else:
+            request.abort_requested = True
+            self._aborting.add(request_id)
+        return True
+
+    def submit_interaction(self, request_id: str, interaction: Interaction) -> str:
+        """Queue a checked interaction for a running stream's next chunk boundary; returns its
+        event id.
+
+        Raises:
+            InteractionRefusedError: unknown or ended (or aborting) request, a request without
+                ``num_chunks``, a model that cannot stream chunks, or no chunk left after the
+                one in progress (`InteractionRefusedError.reason` says which).
+        """
+        request = self.requests.get(request_id)
+        if request is None or request.abort_requested:
+            if request is None and request_id not in self._ended:
+                raise InteractionRefusedError(request_id, "unknown_request", "the id of a running stream",
+                                              "no such request")
+            raise InteractionRefusedError(request_id, "finished", "the id of a running stream",
+                                          "the request has ended")
+        if not request.streaming:
+            if not self.model_info.chunk_streaming:
+                raise InteractionRefusedError(request_id, "unsupported", "the id of a running stream",
+                                              f"{self.model_info.pipeline} cannot stream video chunks, so "
+                                              "its requests take no interactions")
+            raise InteractionRefusedError(request_id, "not_streaming", "the id of a running stream",
+                                          "an ordinary request (without num_chunks) takes no interactions")
+        first = request.chunk_index + (2 if request.phase is Phase.BETWEEN_CHUNKS else 1)
+        if first >= request.params.num_chunks:
+            raise InteractionRefusedError(request_id, "last_chunk", "the id of a stream with a chunk left",
+                                          f"no chunk after chunk {first - 1} of {request.params.num_chunks} "
+                                          "would use the prompt")
+        request.interactions.append(interaction)
+        return interaction.event_id
+
+    def fail_all(self, message: str) -> None:
+        """Fail every unfinished request with `message` (the engine itself broke); their
+        states are freed with the next output."""
+        for request in list(self.requests.values()):
+            if self.queues.remove_waiting(request.request_id) is None:  # admitted: the workers may hold it
+                self.queues.finish(request)
+                self._finished.append(request.request_id)
+            self._close(request, RequestStatus.FAILED, error=RuntimeError(message))
+
+    # ------------------------------------------------------------------ one tick
+    def schedule(self) -> SchedulerOutput:
+        """This tick's `SchedulerOutput` (see the module docstring): applies aborts, admits,
+        picks the step's batch and hands over the work the previous results asked for.
+
+        An unchanged batch costs no per-request work: the batch and its id list are the same
+        objects as the previous tick's."""
+        if self._aborting:
+            self._apply_aborts()
+        new_requests = ()
+        admitted = self.queues.admit()
+        if admitted:
+            now = time.perf_counter()
+            for request in admitted:
+                request.phase = Phase.PREPARING
+                request.status = RequestStatus.RUNNING
+                request.metrics.queue_s = now - request.arrival_time
+            self._emit([StreamEvent(r.request_id, EventType.STARTED, step=0, total=r.num_steps) for r in admitted])
+            new_requests = [NewRequest(r.request_id, r.prompt, r.params, r.inputs) for r in admitted]
+        step_ids = ()
+        batch = self.queues.select_batch()
+        if batch:
+            run = self._run
+            if run is None or run.batch is not batch:
+                self._end_run()
+                run = self._run = StepRun.start(batch, time.perf_counter())
+            step_ids = run.ids
+        out = SchedulerOutput(step_ids=step_ids, new_requests=new_requests)
+        if self._decodes:
+            out.decodes, self._decodes = self._decodes, []
+        if self._previews:
+            out.previews, self._previews = self._previews, []
+        if self._chunks:
+            out.chunks, self._chunks = self._chunks, []
+        if self._finished:
+            out.finished_ids, self._finished = self._finished, []
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> None:
+        """Apply the workers' `result` for `out` (see the module docstring)."""
+        if result.step is not None:
+            self._book_step(out.step_ids, result.step, result.step_end)
+        if result.prepared:
+            self._on_prepared(result.prepared)
+        if result.decoded:
+            self._on_decoded(result.decoded)
+        if result.chunks:
+            self._on_chunks(result.chunks)
+        for request_ids, error in result.failed:
+            self._fail(request_ids, error)
+
+    # ------------------------------------------------------------------ queries
+    def take_events(self) -> list[StreamEvent]:
+        """The events of requests without a listener since the last call."""
+        events, self._events = self._events, []
+        return events
+
+    def has_unfinished_requests(self) -> bool:
+        """Any request waiting or running, events not yet taken, or frees not yet sent."""
+        return bool(self.requests or self._events or self._finished)
+
+    def has_requests(self) -> bool:
+        """Any request held, or worker state still to free (what sleep mode drains)."""
+        return bool(self.requests or self._finished)
+
+    def has_batch(self) -> bool:
+        """Some request is ready for a denoising step."""
+        return bool(self.queues.select_batch())
+
+    def queue_position(self, request_id: str) -> int | None:
+        """The 1-based place of a waiting request (1 = admitted next), None when not waiting."""
+        for position, request in enumerate(self.queues.waiting, start=1):
             if request.request_id == request_id:
-                self.waiting.remove(request)
-                return request
+                return position
         return None
 
-    def admit(self) -> list[Request]:
-        """Move waiting requests into `running` per the mode's rule; returns those moved."""
-        admitted: list[Request] = []
-        if self.mode == "request":
-            if self.running or not self.waiting:
-                return admitted
-            head = self.waiting.popleft()
-            admitted.append(head)
-            rows, memory = head.rows, head.memory_bytes
-            for request in list(self.waiting):
-                if request.batch_key == head.batch_key and rows + request.rows <= self.max_batch_size \
-                        and self._fits_memory(memory, request):
-                    self.waiting.remove(request)
-                    admitted.append(request)
-                    rows += request.rows
-                    memory += request.memory_bytes
-        elif self.waiting:
-            rows, memory = self.running_rows, self.running_memory
-            while self.waiting:
-                head = self.waiting[0]
-                if (self.running or admitted) and (rows + head.rows > self.max_batch_size
-                                                   or not self._fits_memory(memory, head)):
-                    break
-                admitted.append(self.waiting.popleft())
-                rows += head.rows
-                memory += head.memory_bytes
-        if admitted:
-            self.running.extend(admitted)
-            self._batch = None
-        return admitted
+    @property
+    def num_waiting(self) -> int:
+        """Requests in the waiting queue."""
+        return len(self.queues.waiting)
 
-    def select_batch(self) -> list[Request]:
-        """Requests for the next denoising step: the oldest denoising request's (batch key,
-        step key), oldest first, up to `max_batch_size` rows (the oldest always included).
+    @property
+    def num_running(self) -> int:
+        """Admitted requests (being prepared, denoising, between chunks or being decoded)."""
+        return len(self.queues.running)
 
-        While nothing it depends on changed (no admission, `finish` or `changed` since), the
-        previous call's list is returned again, as is (the same object: callers must not
-        modify it), so a step of an unchanged batch costs no per-request work here."""
-        if self._batch is not None:
-            return self._batch
-        ordered = sorted((r for r in self.running if r.phase is Phase.DENOISING), key=lambda r: r.seq)
-        if not ordered:
-            return []
-        key = (ordered[0].batch_key, ordered[0].step_key)
-        batch: list[Request] = []
-        rows = 0
-        for request in ordered:
-            if (request.batch_key, request.step_key) != key:
+    @property
+    def num_running_rows(self) -> int:
+        """Denoiser rows held by running requests (guidance branches count)."""
+        return self.queues.running_rows
+
+    # ------------------------------------------------------------------ the step
+    def _book_step(self, step_ids: list[str], out: StepOutput, end: float) -> None:
+        """Book ONE denoising step of `step_ids` on the current `StepRun`; each request's own
+        bookkeeping (finish, preview, failure, step key) only at the steps where the run says
+        some request needs it (`StepRun.until`) or the workers reported something about single
+        requests."""
+        run = self._run
+        if run is None or run.ids is not step_ids:  # (the batch cannot change during a tick)
+            self._end_run()
+            self._book_each([self.requests[i] for i in step_ids if i in self.requests], out, end)
+            return
+        batch = run.batch
+        if out.errors or out.steps_done or out.num_steps or out.request_rows:  # per-request outcomes
+            self._end_run()
+            self._book_each(batch, out, end)
+            return
+        run.book(out.num_rows, out.offload_loads, out.peak_memory_bytes, end)
+        if run.progress:
+            self._emit([StreamEvent(r.request_id, EventType.PROGRESS, step=done + run.steps, total=r.num_steps,
+                                    chunk_index=r.chunk_index if r.streaming else None)
+                        for r, done in run.progress])
+        moved = out.step_keys and [r for r in batch if out.step_keys.get(r.request_id, r.step_key) != r.step_key]
+        if run.steps < run.until and not moved:
+            return
+        self._end_run()
+        for request in moved or ():
+            request.step_key = out.step_keys[request.request_id]
+        if moved:
+            self.queues.changed()
+        self._after_steps(batch)
+
+    def _end_run(self) -> None:
+        """Fold the current `StepRun` into its requests."""
+        run, self._run = self._run, None
+        if run is not None:
+            run.fold()
+
+    def _book_each(self, batch: list[Request], out: StepOutput, end: float) -> None:
+        """Book one step request by request: the workers reported failures, forwards of each
+        request's own, or steps done / totals of its own (the whole-request runner)."""
+        errors, steps_done, num_steps, step_keys = out.errors, out.steps_done, out.num_steps, out.step_keys
+        loads, peak, request_rows = out.offload_loads, out.peak_memory_bytes, out.request_rows
+        stepped, events, keys_moved = [], [], False
+        for request in batch:
+            request_id = request.request_id
+            if errors and request_id in errors:  # the worker freed it
+                self.queues.finish(request)
+                self._close(request, RequestStatus.FAILED, error=errors[request_id])
                 continue
-            if batch and rows + request.rows > self.max_batch_size:
-                continue
-            batch.append(request)
-            rows += request.rows
-        self._batch = batch
-        return batch
+            m = request.metrics
+            if request.first_step_time is None:
+                request.first_step_time = end
+            m.num_steps += 1
+            m.offload_loads += loads
+            if peak is not None and (m.request_peak_memory_bytes is None or peak > m.request_peak_memory_bytes):
+                m.request_peak_memory_bytes = peak
+            rows = request_rows.get(request_id, out.num_rows)
+            m.batch_sizes[rows] = m.batch_sizes.get(rows, 0) + 1
+            m.denoise_s = end - request.first_step_time
+            request.steps_done = steps_done.get(request_id, request.steps_done + 1)
+            request.num_steps = num_steps.get(request_id, request.num_steps)
+            key = step_keys.get(request_id, request.step_key)
+            keys_moved = keys_moved or key != request.step_key
+            request.step_key = key
+            if request.progress:
+                events.append(StreamEvent(request_id, EventType.PROGRESS, step=request.steps_done,
+                                          total=request.num_steps,
+                                          chunk_index=request.chunk_index if request.streaming else None))
+            stepped.append(request)
+        self._emit(events)
+        if keys_moved:
+            self.queues.changed()
+        self._after_steps(stepped)
 
-    def finish(self, request: Request) -> None:
-        """Remove a request from `running` (finished, failed or aborted)."""
-        if request in self.running:
-            self.running.remove(request)
-            self._batch = None
+    def _after_steps(self, requests: list[Request]) -> None:
+        """Requests whose steps are booked: those done denoising go to decode (or to their
+        chunk boundary), those at a preview step get a preview decode (next output)."""
+        changed = False
+        for request in requests:
+            done = request.steps_done
+            if done >= request.num_steps:
+                changed = True
+                if request.streaming:
+                    request.phase = Phase.BETWEEN_CHUNKS
+                    self._chunks.append(ChunkWork(request.request_id, request.interactions))
+                    request.interactions = []
+                else:
+                    request.phase = Phase.DECODING
+                    self._decodes.append(request.request_id)
+            elif request.preview_steps and done in request.preview_steps and not request.abort_requested:
+                self._previews.append(request.request_id)
+        if changed:
+            self.queues.changed()
+
+    # ------------------------------------------------------------------ aborts and failures
+    def _apply_aborts(self) -> None:
+        """Close running requests that asked to abort, except those being prepared, decoded or
+        between chunks (closed when that work comes back)."""
+        asked = sorted((self.requests[i] for i in self._aborting if i in self.requests), key=lambda r: r.seq)
+        for request in asked:
+            if request.phase in (Phase.PREPARING, Phase.DECODING, Phase.BETWEEN_CHUNKS):
+                continue
+            self.queues.remove_waiting(request.request_id)
+            self.queues.finish(request)
+            self._finished.append(request.request_id)
+            self._close(request, RequestStatus.ABORTED)
+
+    def _fail(self, request_ids: list[str], error: WorkError) -> None:
+        """Fail the requests of a work item that raised as a whole (an executor fault)."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self.queues.finish(request)
+                self._finished.append(request_id)
+                self._close(request, RequestStatus.FAILED, error=error)
+
+    # ------------------------------------------------------------------ background results
+    def _on_prepared(self, results: list[Prepared]) -> None:
+        for result in results:
+            request = self.requests.get(result.request_id)
+            if request is None:  # failed or closed meanwhile
+                self._finished.append(result.request_id)
+                continue
+            request.metrics.encode_s = result.seconds
+            request.metrics.offload_loads += result.offload_loads
+            request.prompt_truncated = result.prompt_truncated
+            request.negative_prompt_truncated = result.negative_prompt_truncated
+            if result.error is not None:  # an abort asked meanwhile wins, as for decode and chunks
+                self.queues.finish(request)
+                if request.abort_requested:
+                    self._close(request, RequestStatus.ABORTED)
+                else:
+                    self._close(request, RequestStatus.FAILED, error=result.error)
+                continue
+            request.num_steps = result.num_steps
+            request.step_key = result.step_key
+            request.phase = Phase.DENOISING
+            self.queues.changed()
+            if request.abort_requested:
+                self._apply_aborts()
+
+    def _on_decoded(self, results: list[Decoded]) -> None:
+        for result in results:
+            request = self.requests.get(result.request_id)
+            if request is None:
+                continue
+            request.metrics.offload_loads += result.offload_loads
+            if result.preview:
+                if result.error is None and not request.abort_requested:
+                    self._emit([StreamEvent(request.request_id, EventType.PARTIAL, step=result.step,
+                                            total=request.num_steps, preview=result.output)])
+                continue
+            self.queues.finish(request)
+            if request.abort_requested:
+                self._close(request, RequestStatus.ABORTED)
+            elif result.error is not None:
+                self._close(request, RequestStatus.FAILED, error=result.error)
+            else:
+                request.metrics.decode_s = result.seconds
+                self._close(request, RequestStatus.FINISHED, images=result.output)
+
+    def _on_chunks(self, results: list[ChunkDone]) -> None:
+        now = time.perf_counter()
+        for result in results:
+            request = self.requests.get(result.request_id)
+            if request is None:
+                self._finished.append(result.request_id)
+                continue
+            request.metrics.offload_loads += result.offload_loads
+            request.metrics.decode_s += result.seconds
+            if request.abort_requested or result.error is not None:
+                self.queues.finish(request)
+                self._finished.append(request.request_id)
+                if request.abort_requested:
+                    self._close(request, RequestStatus.ABORTED)
+                else:
+                    self._close(request, RequestStatus.FAILED, error=result.error)
+                continue
+            request.metrics.chunk_s.append(now - request.arrival_time)
+            self._emit([StreamEvent(request.request_id, EventType.CHUNK, chunk_index=result.chunk_index,
+                                    output=result.frames, event_ids=list(result.event_ids))])
+            if result.video is not None:
+                self.queues.finish(request)
+                self._close(request, RequestStatus.FINISHED, images=[result.video])
+                continue
+            request.chunk_index = result.chunk_index + 1
+            request.num_steps = result.num_steps
+            request.steps_done = 0
+            request.step_key = result.step_key
+            request.phase = Phase.DENOISING
+            self.queues.changed()
+
+    # ------------------------------------------------------------------ endings and events
+    def _close(self, request: Request, status: RequestStatus, images=None,
+               error: BaseException | WorkError | None = None) -> None:
+        """Close a request: fill its metrics, emit its final event, forget it."""
+        if request.phase is Phase.DENOISING:  # it may be stepping in the current run: book it first
+            self._end_run()
+        request.status = status
+        request.phase = Phase.DONE
+        m = request.metrics
+        m.total_s = time.perf_counter() - request.arrival_time
+        m.peak_memory_bytes = self._peak_memory_bytes()
+        if error is None:
+            message = None
+        elif isinstance(error, WorkError):
+            message = str(error)
+        else:
+            message = f"{type(error).__name__}: {error}"
+        media = images if images is not None else []
+        output = GenerationOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            images=[] if self._is_video else media,
+            videos=media if self._is_video else [],
+            seed=request.params.seed,
+            status=status,
+            metrics=m,
+            prompt_truncated=request.prompt_truncated,
+            negative_prompt_truncated=request.negative_prompt_truncated,
+            error=message,
+            error_type=error.type if isinstance(error, WorkError) else (
+                type(error).__name__ if error is not None else None),
+            params=request.params,
+        )
+        self._emit([StreamEvent(request.request_id, _FINAL_EVENTS[status], output=output, error=message)])
+        self.requests.pop(request.request_id, None)
+        self._aborting.discard(request.request_id)
+        self._ended[request.request_id] = None
+        while len(self._ended) > ENDED_IDS:
+            self._ended.popitem(last=False)
+
+    def _emit(self, events: list[StreamEvent]) -> None:
+        """Route events: to their request's listener, else to `take_events`; then `notify`
+        (once per call, not per event) if a listener got one."""
+        delivered = False
+        for event in events:
+            request = self.requests.get(event.request_id)
+            listener = request.listener if request is not None else None
+            if listener is None:
+                self._events.append(event)
+            else:
+                delivered = True
+                try:
+                    listener(event)
+                except Exception:  # noqa: BLE001 - a consumer's bug must not break the engine
+                    logger.exception("event listener for %s raised", event.request_id)
+        if delivered and self._notify is not None:
+            self._notify()

@@ -75,7 +75,8 @@ class _Job:
     """A checked ``generate`` / ``edit`` command, before the model loads."""
 
     prompt: str
-    params: list["SamplingParams"]
+    params: "SamplingParams"
+    num_outputs: int
     out_dir: Path
     images: list[Any] | None = None  # PIL images (edit)
     mask: Any = None
@@ -86,8 +87,9 @@ def check_generate_arguments(args: argparse.Namespace, parser: argparse.Argument
     (input images are read and decoded here too).
 
     Returns:
-        The prompt, one `SamplingParams` per output with seeds seed, seed+1, ..., the output
-        folder, and for ``edit`` the input images and mask.
+        The prompt, the `SamplingParams` of every output (output ``i`` runs with seed
+        ``seed + i``: see `diffserve.engine.input_processor`), their number, the output folder,
+        and for ``edit`` the input images and mask.
 
     Raises:
         InvalidRequestError: naming the field (mapped to its flag by `usage_error_message`).
@@ -107,25 +109,21 @@ def check_generate_arguments(args: argparse.Namespace, parser: argparse.Argument
         raise InvalidRequestError("num_images", n, f"an integer in [1, {limits.max_num_images_per_prompt}]")
     if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
         raise InvalidRequestError("seed", args.seed, f"an integer in [0, {MAX_SEED}]")
-    # one request per output, seeds seed, seed+1, ... (mod 2**63): every file reproduces alone from its seed
-    # (the HTTP server's `n` does the same); the engine batches them.
-    params = [
-        SamplingParams(negative_prompt=args.negative_prompt, height=height, width=width,
-                       num_inference_steps=args.steps, guidance_scale=args.guidance,
-                       true_cfg_scale=args.true_cfg_scale, strength=getattr(args, "strength", None),
-                       num_frames=getattr(args, "num_frames", None), fps=getattr(args, "fps", None),
-                       seed=None if args.seed is None else (args.seed + i) % (MAX_SEED + 1))
-        for i in range(n)
-    ]
+    # one request per output, seeds seed, seed+1, ... (the engine's input processor, as for the HTTP
+    # server's `n`): every file reproduces alone from its seed; the engine batches them.
+    params = SamplingParams(negative_prompt=args.negative_prompt, height=height, width=width,
+                            num_inference_steps=args.steps, guidance_scale=args.guidance,
+                            true_cfg_scale=args.true_cfg_scale, strength=getattr(args, "strength", None),
+                            num_frames=getattr(args, "num_frames", None), fps=getattr(args, "fps", None),
+                            seed=args.seed)
     # The model-independent range checks (steps, guidance, seed, negative prompt, size > 0, strength,
     # frames, fps); the model's own rules (resolution multiple, maximum size, frame rule) are checked
     # once it is loaded.
     any_model = ModelSpec(resolution_factor=1, default_height=1, default_width=1, default_num_inference_steps=1,
                           default_guidance_scale=0.0, default_true_cfg_scale=1.0, default_num_frames=1,
                           default_fps=1, accepts_images=True, default_strength=1.0)
-    for p in params:
-        p.resolve(any_model, limits, default_seed=0)
-    job = _Job(prompt, params, _check_output_dir(args.output_dir))
+    params.resolve(any_model, limits, default_seed=0)
+    job = _Job(prompt, params, n, _check_output_dir(args.output_dir))
     if args.command == "edit":
         job.images = [_read_image_file(path, "image") for path in args.image]
         if args.mask is not None:
@@ -167,11 +165,11 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config = engine_config_from_args(args)  # imports torch from here on
     from tqdm import tqdm
 
-    from diffserve.engine.engine import DiffusionEngine
     from diffserve.core.outputs import EventType
+    from diffserve.engine.client import DiffusionEngine
 
     engine = DiffusionEngine(config)
-    spec, limits = engine.spec, config.limits
+    spec = engine.spec
     is_video = spec.default_num_frames is not None
     if args.command == "generate" and args.video_format is not None and not is_video:
         raise InvalidRequestError("video_format", args.video_format, f"unset: {spec.pipeline} makes images")
@@ -179,34 +177,32 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if job.images is not None:
         if not spec.accepts_images:
             raise InvalidRequestError("image", args.image[0], f"unset: {spec.pipeline} takes no input images")
-        from diffserve.core.inputs import auto_size, make_inputs
+        from diffserve.core.inputs import make_inputs
 
         inputs = make_inputs(job.images, job.mask)
-        if args.size is None:  # an edit keeps the input's size (rounded to the model's multiple)
-            width, height = auto_size(job.images[0].size, spec, limits)
-            params = [dataclasses.replace(p, width=width, height=height) for p in params]
     if is_video:
-        params = [dataclasses.replace(p, output_type="np") for p in params]
-    resolved = [p.resolve(spec, limits, 0) for p in params]  # the model's rules, before any compute
-    # the family's own rules (input images, mask, strength) and the steps each request runs
-    planned = [engine.executor.plan(p, inputs).num_steps for p in resolved]
+        params = dataclasses.replace(params, output_type="np")
+    # the model's and the family's rules (size, input images, mask, strength), the seeds and the steps each
+    # request runs, before any compute; an edit without --size keeps the input's size (rounded to the model's multiple)
+    requests = engine.input_processor.process(prompt, params, inputs, n=job.num_outputs, size_from_inputs=True)
     if builtin_name(args.model) == "digits":
         _warn_out_of_vocabulary(prompt)
-    ids = [engine.add_request(prompt, p, inputs=inputs) for p in params]
-    totals = dict(zip(ids, planned))
-    bar = tqdm(total=sum(totals.values()), desc="denoising", unit="step", file=sys.stderr)
-    outputs = {}
-    while len(outputs) < len(ids):
-        for event in engine.step():
-            if event.type is EventType.PROGRESS:
-                if event.total is not None and totals[event.request_id] != event.total:  # img2img: strength x steps
-                    totals[event.request_id] = event.total
-                    bar.total = sum(totals.values())
-                bar.update(1)
-            elif event.type.is_final:
-                outputs[event.request_id] = event.output
+    totals = [r.num_steps for r in requests]
+    bar = tqdm(total=sum(totals), desc="denoising", unit="step", file=sys.stderr)
+    order: dict[str, int] = {}
+
+    def on_event(event) -> None:
+        if event.type is EventType.QUEUED:
+            order[event.request_id] = len(order)
+        elif event.type is EventType.PROGRESS:
+            index = order[event.request_id]
+            if event.total is not None and totals[index] != event.total:  # img2img: strength x steps
+                totals[index] = event.total
+                bar.total = sum(totals)
+            bar.update(1)
+
+    ordered = engine.generate(requests, on_event=on_event)
     bar.close()
-    ordered = [outputs[i] for i in ids]
     if any(o.ok and o.prompt_truncated for o in ordered):
         limit = f" of {spec.max_prompt_tokens} tokens" if spec.max_prompt_tokens else ""
         print(f"diffserve: warning: the prompt is longer than the text encoder's limit{limit} and was truncated",
@@ -215,14 +211,14 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     name = model_name(args.model)
     video_format = getattr(args, "video_format", None) or "mp4"
     try:
-        for output, p in zip(ordered, params):
+        for output, request in zip(ordered, requests):
             if not output.ok:
                 print(f"diffserve: error: generation failed: {output.error}", file=sys.stderr)
                 status = 1
                 continue
-            used = p.resolve(spec, limits, default_seed=output.seed)
+            used = request.params
             if inputs is not None and used.strength is None:
-                used.strength = spec.default_strength  # the strength the edit ran with
+                used = dataclasses.replace(used, strength=spec.default_strength)  # the strength the edit ran with
             if is_video:
                 path = writer.write_video(output.videos[0], output.seed, used.fps, video_format,
                                           video_metadata(prompt, used, output.seed, name))

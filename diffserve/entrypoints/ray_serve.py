@@ -94,7 +94,7 @@ class DiffusionReplica:
     def __init__(self, args: argparse.Namespace):
         import dataclasses
 
-        from diffserve.engine.async_engine import AsyncDiffusionEngine
+        from diffserve.engine.client import AsyncDiffusionEngine
         from diffserve.entrypoints.engine_args import engine_config_from_args
         from diffserve.core.library_warnings import silence_inapplicable_library_warnings
 
@@ -119,7 +119,7 @@ class DiffusionReplica:
                            spill_dir=args.image_store_dir, max_spill_bytes=args.image_store_dir_bytes, shared=True)
         videos = LocalVideoStore(shared_video_store_dir(args), args.video_ttl, args.max_video_jobs,
                                  args.max_video_bytes, replica=self.replica_id)
-        name = args.served_model_name or default_served_model_name(self.engine.engine.config)
+        name = args.served_model_name or default_served_model_name(self.engine.config)
         app = create_app(self.engine, name, image_store=store, video_store=videos,
                          shutdown_timeout_s=args.shutdown_timeout,
                          api_key=args.api_key, api_key_protect_all=args.api_key_protect_all,

@@ -2,33 +2,114 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from abc import ABC, abstractmethod
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 from diffserve.core.messages import (
-    ChunkDone,
-    ChunkWork,
-    Decoded,
     MemoryProfile,
     ModelInfo,
-    NewRequest,
-    Prepared,
     RequestPlan,
+    RunnerOutput,
+    SchedulerOutput,
     StepOutput,
+    WorkError,
 )
 from diffserve.core.sampling_params import SamplingParams
+from diffserve.runner.worker import CHUNK, DECODE, PREPARE, PREVIEW, WorkItem
+
+logger = logging.getLogger(__name__)
+
+#: Longest `execute` blocks for background work when its output steps nothing (seconds).
+WAIT_S = 0.05
 
 
 class Executor(ABC):
-    """Runs work items on the model. Denoising steps are synchronous (the engine's loop paces
-    them); prepare (prompt encoding, latents) and decode (VAE) are submitted and complete in
-    the background where the executor can overlap them with steps, so a long encode or video
-    decode does not stall every running request's step.
+    """Runs scheduler outputs on the workers: ONE `execute` call per engine tick carries
+    everything the tick asks (frees, prepares, decodes, previews, chunk boundaries and the
+    denoising step) and returns the step's outcome with the background work that completed
+    meanwhile. The step is synchronous (the engine's loop paces the steps); prepare and decode
+    work completes in the background, beside the steps, so a long encode or video decode does
+    not stall every running request's step.
 
-    Threading: one engine thread calls `step` / `submit_*` / `free` at a time.
+    Subclasses implement the transport (`_submit` / `_step`); the bookkeeping of the work in
+    flight is here.
+
+    Threading: one engine thread calls `execute` at a time; `plan`, `info`, `stats` and
+    `peak_memory_bytes` may be called from any thread.
     """
 
+    def __init__(self) -> None:
+        #: background work in flight, in submission order
+        self._inflight: list[tuple[WorkItem, Future]] = []
+
+    # ------------------------------------------------------------------ one tick
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run one tick's scheduler output (see `SchedulerOutput` for the order). When it steps
+        nothing while background work is in flight, waits up to `WAIT_S` seconds for some of it
+        instead of returning at once (so an idle engine loop does not spin).
+
+        Raises:
+            EngineDeadError: the step could not run (a worker died); background work that
+                fails as a whole is reported in `RunnerOutput.failed` instead.
+        """
+        submitted = self._submit(out)
+        if submitted:
+            self._inflight.extend(submitted)
+        result = RunnerOutput()
+        if out.step_ids:
+            result.step_start = time.perf_counter()
+            result.step = self._step(out.step_ids)
+            result.step_end = time.perf_counter()
+        elif self._inflight:
+            wait([f for _, f in self._inflight], timeout=WAIT_S, return_when=FIRST_COMPLETED)
+        if self._inflight:
+            self._collect(result)
+        return result
+
+    def _collect(self, result: RunnerOutput) -> None:
+        """Move the completed background work into `result`, in submission order."""
+        still = []
+        prepared, decoded, chunks, failed = [], [], [], []
+        for item, future in self._inflight:
+            if not future.done():
+                still.append((item, future))
+                continue
+            try:
+                value = future.result()
+            except Exception as exc:  # noqa: BLE001 - the item's requests fail, the engine goes on
+                logger.error("background %s work for %s failed: %r", item.kind, item.request_ids, exc)
+                failed.append((item.request_ids, WorkError.of(exc)))
+                continue
+            if item.kind == PREPARE:
+                prepared += value
+            elif item.kind in (DECODE, PREVIEW):
+                decoded += value
+            elif item.kind == CHUNK:
+                chunks += value
+        self._inflight = still
+        if prepared:
+            result.prepared = prepared
+        if decoded:
+            result.decoded = decoded
+        if chunks:
+            result.chunks = chunks
+        if failed:
+            result.failed = failed
+
+    @abstractmethod
+    def _submit(self, out: SchedulerOutput) -> list[tuple[WorkItem, Future]]:
+        """Hand `out` to the workers (non-blocking): its frees and background work (the
+        snapshots its decodes read taken before `_step` runs) and, where the transport sends
+        everything at once, its step; returns each background work item's future."""
+
+    @abstractmethod
+    def _step(self, request_ids: list[str]) -> StepOutput:
+        """Run the denoising step of `request_ids` and wait for its outcome."""
+
+    # ------------------------------------------------------------------ queries
     @abstractmethod
     def info(self) -> ModelInfo:
         """The loaded model's spec and pipeline class."""
@@ -39,38 +120,18 @@ class Executor(ABC):
         cannot honour). Thread-safe."""
 
     @abstractmethod
-    def submit_prepare(self, requests: list[NewRequest]) -> "Future[list[Prepared]]":
-        """Prepare requests (encode, latents, scheduler)."""
-
-    @abstractmethod
-    def step(self, request_ids: list[str]) -> StepOutput:
-        """One denoising step for requests sharing a batch key."""
-
-    @abstractmethod
-    def submit_decode(self, request_ids: list[str], preview: bool = False) -> "Future[list[Decoded]]":
-        """Decode requests whose denoising finished (frees them), or previews of running ones."""
-
-    def submit_chunk(self, works: list[ChunkWork]) -> "Future[list[ChunkDone]]":
-        """End streams' chunks (decode each, prepare the next chunk with the work's
-        interactions; the last chunk frees its stream), in the background like a decode.
-
-        Raises:
-            NotImplementedError: this executor does not forward chunk work (streams are then
-                refused: `ModelInfo.chunk_streaming` must be False).
-        """
-        raise NotImplementedError(f"{type(self).__name__} does not run video chunk work")
-
-    @abstractmethod
-    def free(self, request_ids: list[str]) -> None:
-        """Drop requests' state (aborted / failed)."""
-
-    @abstractmethod
     def stats(self) -> dict[str, Any]:
         """Acceleration counters and worker health (see `InProcessExecutor.stats`)."""
 
     @abstractmethod
     def peak_memory_bytes(self) -> int:
         """Device allocator peak (GPU) or process peak RSS (CPU), bytes."""
+
+    @property
+    def runner(self):
+        """The `Runner` in this process (in-process executor only; None otherwise). For tests
+        and benchmarks: the engine itself never calls it."""
+        return None
 
     # ------------------------------------------------------------------ memory
     def memory_profile(self) -> MemoryProfile | None:

@@ -1,41 +1,23 @@
-"""`InProcessExecutor`: one `ModelRunner` in the engine's process.
-
-Denoising steps run on the calling (engine) thread. Prepare and decode work runs on one side
-thread, overlapping the steps: torch releases the GIL inside its ops, so a long prompt encode or
-video decode uses another core (on CPU) or overlaps the step loop's host work (on GPU: the side
-thread's kernels share the default stream, so the GPU work itself is serialized, which keeps
-ordering trivially correct). With ``overlap=False`` everything runs inline on the calling
-thread, in submission order (deterministic interleaving, for tests and baselines).
-"""
+"""`InProcessExecutor`: one runner in the engine's process, driven through a
+`diffserve.runner.worker.Worker` (denoising steps on the calling thread; prepare and decode on
+one side thread beside them, or inline with ``overlap_stages=False``)."""
 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable
+from concurrent.futures import Future
+from typing import Any
 
-import torch
-
-from diffserve.executor.base import Executor
-from diffserve.core.messages import (
-    ChunkDone,
-    ChunkWork,
-    Decoded,
-    ModelInfo,
-    NewRequest,
-    Prepared,
-    RequestPlan,
-    StepOutput,
-)
-from diffserve.runner import build_runner
+from diffserve.core.messages import ModelInfo, RequestPlan, SchedulerOutput, StepOutput
 from diffserve.core.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from diffserve.runner.model_runner import ModelRunner
+from diffserve.executor.base import Executor
+from diffserve.runner import build_runner
+from diffserve.runner.base import Runner
+from diffserve.runner.worker import WorkItem, Worker
 
 
 class InProcessExecutor(Executor):
-    """Runs a `ModelRunner` in this process.
+    """Runs a `Runner` in this process.
 
     Args:
         config: engine configuration (``overlap_stages`` picks the side thread).
@@ -43,74 +25,51 @@ class InProcessExecutor(Executor):
             loading ``config.model``.
     """
 
-    def __init__(self, config, runner: "ModelRunner | None" = None):
-        self.runner = runner or build_runner(config)
-        self.overlap = config.overlap_stages
-        self._side: ThreadPoolExecutor | None = None
+    def __init__(self, config, runner: Runner | None = None):
+        super().__init__()
+        self.worker = Worker(runner or build_runner(config), overlap=config.overlap_stages)
         self._plan_lock = threading.Lock()
-        if self.overlap:
-            # the side thread must use the same torch thread count as the engine thread
-            threads = torch.get_num_threads()
-            self._side = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffserve-stage",
-                                            initializer=torch.set_num_threads, initargs=(threads,))
+
+    @property
+    def runner(self) -> Runner:
+        return self.worker.runner
+
+    def _submit(self, out: SchedulerOutput) -> list[tuple[WorkItem, Future]]:
+        return self.worker.submit(out) if out.has_work else []
+
+    def _step(self, request_ids: list[str]) -> StepOutput:
+        return self.worker.runner.step(request_ids)
 
     def info(self) -> ModelInfo:
-        return self.runner.info()
+        return self.worker.runner.info()
 
     def plan(self, params: SamplingParams, inputs: Any = None) -> RequestPlan:
         with self._plan_lock:
-            return self.runner.plan(params, inputs)
-
-    def _submit(self, fn: Callable[..., Any], *args) -> Future:
-        if self._side is not None:
-            return self._side.submit(fn, *args)
-        future: Future = Future()
-        try:
-            future.set_result(fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - delivered through the future
-            future.set_exception(exc)
-        return future
-
-    def submit_prepare(self, requests: list[NewRequest]) -> "Future[list[Prepared]]":
-        return self._submit(self.runner.prepare, requests)
-
-    def step(self, request_ids: list[str]) -> StepOutput:
-        return self.runner.step(request_ids)
-
-    def submit_decode(self, request_ids: list[str], preview: bool = False) -> "Future[list[Decoded]]":
-        snapshots = self.runner.snapshot(request_ids)  # now, on the stepping thread
-        return self._submit(self.runner.decode, request_ids, preview, snapshots)
-
-    def submit_chunk(self, works: list[ChunkWork]) -> "Future[list[ChunkDone]]":
-        return self._submit(self.runner.chunk, works)
-
-    def free(self, request_ids: list[str]) -> None:
-        self.runner.free(request_ids)
+            return self.worker.runner.plan(params, inputs)
 
     def stats(self) -> dict[str, Any]:
-        """``acceleration`` (`ModelRunner.acceleration_stats`), ``nonfinite_outputs`` (requests
-        failed for NaN/inf), ``workers_alive`` (1) and ``offload`` (`ModelRunner.offload_stats`,
-        when the runner has one)."""
-        stats = {"acceleration": self.runner.acceleration_stats(),
-                 "nonfinite_outputs": self.runner.nonfinite_count, "workers_alive": 1}
-        if hasattr(self.runner, "offload_stats"):
-            stats["offload"] = self.runner.offload_stats()
+        """``acceleration`` (`Runner.acceleration_stats`), ``nonfinite_outputs`` (requests
+        failed for NaN/inf), ``workers_alive`` (1) and ``offload`` (`Runner.offload_stats`,
+        where the runner places components itself)."""
+        runner = self.worker.runner
+        stats = {"acceleration": runner.acceleration_stats(), "nonfinite_outputs": runner.nonfinite_count,
+                 "workers_alive": 1}
+        offload = runner.offload_stats()
+        if offload is not None:
+            stats["offload"] = offload
         return stats
 
     def memory_profile(self):
-        profile = getattr(self.runner, "memory_profile", None)
-        return profile() if profile is not None else None
+        return self.worker.runner.memory_profile()
 
     def sleep(self, level: int) -> None:
-        self.runner.sleep(level)
+        self.worker.runner.sleep(level)
 
     def wake_up(self) -> None:
-        self.runner.wake_up()
+        self.worker.runner.wake_up()
 
     def peak_memory_bytes(self) -> int:
-        return self.runner.peak_memory_bytes()
+        return self.worker.runner.peak_memory_bytes()
 
     def shutdown(self) -> None:
-        if self._side is not None:
-            self._side.shutdown(wait=True, cancel_futures=False)
-            self._side = None
+        self.worker.shutdown()

@@ -1,15 +1,17 @@
 """`MultiprocExecutor`: the model runs in worker processes, one per rank of the CFG x Ulysses
-grid (`diffserve.parallel`); the engine talks to them only through the plain-data work items of
-`diffserve.core.messages`, over pipes.
+grid (`diffserve.parallel`); the engine talks to them only through the plain-data messages of
+`diffserve.core.messages`, over pipes: each engine tick's `SchedulerOutput` is ONE message to
+every rank.
 
-Every worker holds a full `ModelRunner` and receives every work item in the same order: all
-ranks prepare every request (prompt encoding has no collectives), all run every denoising step
-(the collectives of CFG / Ulysses parallelism happen inside it, in the same order on every
-rank), and only rank 0 decodes (the others free the request). A stream's chunk boundary
-(`ChunkWork`, with the interactions it applies) runs on every rank: each holds the stream's
-state and must condition the next chunk identically; rank 0's result is returned. A worker runs steps on its main
-thread and prepare / decode on a side thread, like the in-process executor, so encode and
-decode overlap the steps there too.
+Every worker holds a full runner inside a `diffserve.runner.worker.Worker` and executes every
+scheduler output in the same order: all ranks prepare every request (prompt encoding has no
+collectives), all run every denoising step (the collectives of CFG / Ulysses parallelism happen
+inside it, in the same order on every rank), and only rank 0 decodes (the others free the
+request). A stream's chunk boundary (`ChunkWork`, with the interactions it applies) runs on
+every rank: each holds the stream's state and must condition the next chunk identically; rank
+0's result is returned. A worker runs steps on its main thread and prepare / decode on a side
+thread, like the in-process executor, so encode and decode overlap the steps there too. The
+step and each background work item reply under ids of their own.
 
 A worker that dies (killed, out of memory, a crash in native code) is noticed when its pipe
 closes: every pending and later work item fails with `EngineDeadError` naming the rank and its
@@ -19,7 +21,6 @@ waits forever.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
@@ -27,22 +28,14 @@ import pickle
 import socket
 import threading
 import traceback
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from diffserve.core.errors import EngineDeadError
-from diffserve.executor.base import Executor
-from diffserve.core.messages import (
-    ChunkDone,
-    ChunkWork,
-    Decoded,
-    ModelInfo,
-    NewRequest,
-    Prepared,
-    RequestPlan,
-    StepOutput,
-)
+from diffserve.core.messages import ModelInfo, RequestPlan, SchedulerOutput, StepOutput
 from diffserve.core.sampling_params import SamplingParams
+from diffserve.executor.base import Executor
+from diffserve.runner.worker import WorkItem, Worker, work_items
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +63,7 @@ def _worker_main(config, rank: int, master_port: int, conn) -> None:  # pragma: 
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     send_lock = threading.Lock()
+    runner = None
 
     def reply(message_id, ok: bool, payload) -> None:
         runner_peak = 0
@@ -89,8 +83,7 @@ def _worker_main(config, rank: int, master_port: int, conn) -> None:  # pragma: 
         runner = None
         reply("ready", False, _portable(exc))
         return
-    side = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffserve-stage",
-                              initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
+    worker = Worker(runner, overlap=True, is_driver=state.is_driver)
 
     def run(message_id, fn, *args) -> None:
         try:
@@ -98,18 +91,11 @@ def _worker_main(config, rank: int, master_port: int, conn) -> None:  # pragma: 
         except BaseException as exc:  # noqa: BLE001
             reply(message_id, False, _portable(exc))
 
-    def decode(ids, preview, snapshots):
-        if not state.is_driver:  # only rank 0 decodes; the others just free
-            if not preview:
-                runner.free(ids)
-            return []
-        return runner.decode(ids, preview, snapshots)
-
-    def chunk(works):
-        results = runner.chunk(works)
-        if not state.is_driver:  # rank 0 answers for the media; the others only keep in step
-            results = [dataclasses.replace(r, frames=None, video=None) for r in results]
-        return results
+    def replier(message_id):
+        def done(future) -> None:
+            exc = future.exception()
+            reply(message_id, exc is None, future.result() if exc is None else _portable(exc))
+        return done
 
     while True:
         try:
@@ -118,18 +104,18 @@ def _worker_main(config, rank: int, master_port: int, conn) -> None:  # pragma: 
             break
         if method == "shutdown":
             break
-        if method == "step":  # main thread: collectives in the same order on every rank
-            run(message_id, runner.step, *args)
-        elif method == "prepare":
-            side.submit(run, message_id, runner.prepare, *args)
-        elif method == "decode":
-            ids, preview = args
-            snapshots = runner.snapshot(ids) if preview else None  # now, between steps
-            side.submit(run, message_id, decode, ids, preview, snapshots)
-        elif method == "chunk":  # every rank: the next chunk's state must be the same everywhere
-            side.submit(run, message_id, chunk, *args)
-        elif method == "free":
-            runner.free(*args)
+        if method == "execute":  # every rank runs every scheduler output, in the same order
+            out, step_id, work_ids = args
+            try:
+                submitted = worker.submit(out)
+            except BaseException as exc:  # noqa: BLE001 - fails the tick's work items
+                for work_id in work_ids:
+                    reply(work_id, False, _portable(exc))
+                submitted = []
+            for (_, future), work_id in zip(submitted, work_ids):
+                future.add_done_callback(replier(work_id))
+            if step_id is not None:  # main thread: collectives in the same order on every rank
+                run(step_id, worker.step, out.step_ids)
         elif method == "plan":
             run(message_id, runner.plan, *args)
         elif method == "stats":
@@ -137,7 +123,7 @@ def _worker_main(config, rank: int, master_port: int, conn) -> None:  # pragma: 
                                      "nonfinite_outputs": runner.nonfinite_count})
         else:
             reply(message_id, False, ValueError(f"unknown work item {method!r}"))
-    side.shutdown(wait=True)
+    worker.shutdown()
     shutdown_parallel(state)
 
 
@@ -165,6 +151,7 @@ class MultiprocExecutor(Executor):
     """
 
     def __init__(self, config):
+        super().__init__()
         self.config = config
         self.world_size = config.cfg_parallel_size * config.ulysses_degree
         ctx = mp.get_context("spawn")
@@ -186,6 +173,8 @@ class MultiprocExecutor(Executor):
         self._peak = 0
         self._info: ModelInfo | None = None
         self._closing = False
+        #: the reply of the step sent with the current tick's output (`_submit` -> `_step`)
+        self._step_future: Future | None = None
         self._startup = [Future() for _ in self._conns]
         self._readers = [threading.Thread(target=self._read, args=(rank,), daemon=True,
                                           name=f"diffserve-worker-{rank}-reader")
@@ -224,10 +213,12 @@ class MultiprocExecutor(Executor):
                 pending.error = payload
             if rank == 0 and ok:
                 pending.result = payload
-            pending.remaining -= 1
-            if pending.remaining == 0:
-                with self._pending_lock:
+            with self._pending_lock:  # one reader thread per rank
+                pending.remaining -= 1
+                last = pending.remaining == 0
+                if last:
                     self._pending.pop(message_id, None)
+            if last:
                 if pending.error is not None:
                     pending.future.set_exception(pending.error)
                 else:
@@ -251,25 +242,32 @@ class MultiprocExecutor(Executor):
             if not p.future.done():
                 p.future.set_exception(error)
 
-    def _call(self, method: str, *args) -> Future:
+    def _send(self, message_id: Any, method: str, args: tuple, reply_ids: list[Any]) -> list[Future]:
+        """Send one message to every rank; returns a future per reply id (each resolves once
+        every rank replied under it, with rank 0's result)."""
+        pendings = [_Pending(self.world_size) for _ in reply_ids]
         if self._dead is not None:
-            future: Future = Future()
-            future.set_exception(EngineDeadError(f"the engine's {self._dead}"))
-            return future
-        message_id = next(self._ids)
-        pending = _Pending(self.world_size)
+            for p in pendings:
+                p.future.set_exception(EngineDeadError(f"the engine's {self._dead}"))
+            return [p.future for p in pendings]
         with self._pending_lock:
-            self._pending[message_id] = pending
+            self._pending.update(zip(reply_ids, pendings))
         try:
             for conn, lock in zip(self._conns, self._send_locks):
                 with lock:
                     conn.send((message_id, method, args))
         except (OSError, EOFError, BrokenPipeError) as exc:
             with self._pending_lock:
-                self._pending.pop(message_id, None)
-            if not pending.future.done():
-                pending.future.set_exception(EngineDeadError(f"cannot reach a worker: {exc}"))
-        return pending.future
+                for reply_id in reply_ids:
+                    self._pending.pop(reply_id, None)
+            for p in pendings:
+                if not p.future.done():
+                    p.future.set_exception(EngineDeadError(f"cannot reach a worker: {exc}"))
+        return [p.future for p in pendings]
+
+    def _call(self, method: str, *args) -> Future:
+        message_id = next(self._ids)
+        return self._send(message_id, method, args, [message_id])[0]
 
     # ------------------------------------------------------------------ Executor
     def info(self) -> ModelInfo:
@@ -278,26 +276,24 @@ class MultiprocExecutor(Executor):
     def plan(self, params: SamplingParams, inputs: Any = None) -> RequestPlan:
         return self._call("plan", params, inputs).result()
 
-    def submit_prepare(self, requests: list[NewRequest]) -> "Future[list[Prepared]]":
-        return self._call("prepare", requests)
+    def _submit(self, out: SchedulerOutput) -> list[tuple[WorkItem, Future]]:
+        """Send `out` to every rank as ONE message; the step's reply and each background work
+        item's come back under reply ids of their own (the workers list the items with
+        `work_items`, in the same order)."""
+        items = work_items(out) if out.has_work else []
+        if not (items or out.step_ids or out.finished_ids):
+            return []
+        step_id = next(self._ids) if out.step_ids else None
+        work_ids = [next(self._ids) for _ in items]
+        futures = self._send(None, "execute", (out, step_id, work_ids),
+                             ([step_id] if step_id is not None else []) + work_ids)
+        if step_id is not None:
+            self._step_future, futures = futures[0], futures[1:]
+        return list(zip(items, futures))
 
-    def step(self, request_ids: list[str]) -> StepOutput:
-        return self._call("step", request_ids).result()
-
-    def submit_decode(self, request_ids: list[str], preview: bool = False) -> "Future[list[Decoded]]":
-        return self._call("decode", request_ids, preview)
-
-    def submit_chunk(self, works: list[ChunkWork]) -> "Future[list[ChunkDone]]":
-        return self._call("chunk", works)
-
-    def free(self, request_ids: list[str]) -> None:
-        if self._dead is None:
-            for conn, lock in zip(self._conns, self._send_locks):
-                try:
-                    with lock:
-                        conn.send((None, "free", (request_ids,)))
-                except (OSError, EOFError, BrokenPipeError):
-                    pass
+    def _step(self, request_ids: list[str]) -> StepOutput:
+        future, self._step_future = self._step_future, None
+        return future.result()
 
     @property
     def dead(self) -> str | None:

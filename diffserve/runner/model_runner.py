@@ -23,6 +23,7 @@ from diffserve.core.messages import (
     ChunkDone,
     ChunkWork,
     Decoded,
+    MemoryProfile,
     ModelInfo,
     NewRequest,
     Prepared,
@@ -31,6 +32,7 @@ from diffserve.core.messages import (
     WorkError,
 )
 from diffserve.pipelines.base import PipelineAdapter, RequestState, is_finite
+from diffserve.runner.base import Runner
 from diffserve.runner.loader import load_adapter
 from diffserve.memory.accounting import peak_memory_bytes
 from diffserve.runner.model_memory import ModelMemory
@@ -41,7 +43,7 @@ from diffserve.core.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner:
+class ModelRunner(Runner):
     """Runs the pipeline adapter of one loaded model on one device.
 
     Args:
@@ -394,10 +396,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ memory
     def offload_stats(self) -> dict[str, Any]:
-        """See `ModelMemory.stats`."""
+        """Offload placement and counters (see `ModelMemory.stats`)."""
         return self.memory.stats()
 
-    def memory_profile(self):
+    def memory_profile(self) -> MemoryProfile:
         """The model's `MemoryProfile` (see `ModelMemory.profile`)."""
         return self.memory.profile(self.config.limits)
 

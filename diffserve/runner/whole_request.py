@@ -39,6 +39,7 @@ from diffserve.core.sleep_levels import check_level
 from diffserve.memory.sleep import WeightSleeper
 from diffserve.quantization.plan import apply_plan
 from diffserve.runner.quantization import quantize_pipeline
+from diffserve.runner.base import Runner
 from diffserve.core.sampling_params import ModelSpec, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -151,7 +152,7 @@ class _Job:
             self._go.release()
 
 
-class WholeRequestRunner:
+class WholeRequestRunner(Runner):
     """Runs requests through a diffusers pipeline's own ``__call__`` (see the module docstring).
 
     Args:
@@ -221,6 +222,8 @@ class WholeRequestRunner:
 
     # ------------------------------------------------------------------ model facts
     def info(self) -> ModelInfo:
+        """The pipeline's spec (from its ``__call__`` defaults); no step batching, no chunk
+        streaming; what was quantized at load."""
         return ModelInfo(spec=self.spec, pipeline=self.class_name, step_batching=False,
                          quantization=self.quantization.summary())
 
@@ -325,6 +328,7 @@ class WholeRequestRunner:
         return results
 
     def free(self, request_ids: list[str]) -> None:
+        """Stop and drop requests' calls (unknown ids are ignored)."""
         for request_id in request_ids:
             job = self.states.pop(request_id, None)
             if job is not None:
@@ -337,6 +341,7 @@ class WholeRequestRunner:
                 "compile": {"enabled": False}, "context_folding": {"enabled": False}}
 
     def peak_memory_bytes(self) -> int:
+        """CUDA allocator peak on GPU; process peak RSS on CPU (bytes)."""
         return peak_memory_bytes(self.device)
 
     # ------------------------------------------------------------------ sleep mode

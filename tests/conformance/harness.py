@@ -101,13 +101,21 @@ def run_events(engine, prompt: str, params, image=None, **add_kwargs) -> list:
     return events
 
 
+#: Loaded diffusers pipelines by (folder, class name): each is loaded once per session.
+_REFERENCE_PIPELINES: dict[tuple[str, str], Any] = {}
+
+
 def diffusers_reference(model: TestModel, folder, prompt: str, params, image=None, cls: str | None = None):
     """diffusers' own pipeline ``__call__`` on `folder` with the request's resolved `params`
     (every field the family uses, the same seed): images (N, H, W, C) or frames (N, F, H, W, 3),
     float in [0, 1]."""
-    diffusers = importlib.import_module("diffusers")
-    pipe = getattr(diffusers, cls or model.reference).from_pretrained(folder, **model.reference_load(folder))
-    pipe.set_progress_bar_config(disable=True)
+    cls = cls or model.reference
+    pipe = _REFERENCE_PIPELINES.get((str(folder), cls))
+    if pipe is None:
+        diffusers = importlib.import_module("diffusers")
+        pipe = getattr(diffusers, cls).from_pretrained(folder, **model.reference_load(folder))
+        pipe.set_progress_bar_config(disable=True)
+        _REFERENCE_PIPELINES[(str(folder), cls)] = pipe
     kwargs: dict[str, Any] = dict(
         prompt=prompt, negative_prompt=params.negative_prompt, num_inference_steps=params.num_inference_steps,
         height=params.height, width=params.width, generator=torch.Generator("cpu").manual_seed(params.seed),

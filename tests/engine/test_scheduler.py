@@ -1,344 +1,317 @@
-"""Request scheduler and engine lifecycle: abort, error isolation, queue bound, fairness,
-execution modes, and the async engine's streaming and cancellation."""
+"""The request scheduler's lifecycle without a model (vLLM's ``tests/v1/core`` style): each test
+drives `RequestScheduler.schedule()` / `update_from_output()` with fake runner outputs (the plain
+`core.messages` a worker would send back) and checks the scheduler outputs, the events and the
+metrics: admission, prepare, steps booked once per unchanged batch, previews, finishing, chunk
+boundaries and interactions, aborts and failures in every phase, the whole-request runner's
+per-request step counts, step keys, and frees."""
 
 from __future__ import annotations
 
-import asyncio
-import gc
-import weakref
-
-import numpy as np
 import pytest
 
-from diffserve import (
-    AsyncDiffusionEngine,
-    DiffusionEngine,
-    EngineConfig,
-    EngineOverloadedError,
-    EventType,
-    RequestStatus,
-    SamplingParams,
+from diffserve.core.errors import InteractionRefusedError
+from diffserve.core.messages import (
+    ChunkDone,
+    Decoded,
+    Interaction,
+    ModelInfo,
+    Prepared,
+    RequestPlan,
+    RunnerOutput,
+    StepOutput,
+    WorkError,
 )
-from diffserve.engine.request import Phase, Request
+from diffserve.core.outputs import EventType, RequestStatus
+from diffserve.core.sampling_params import ModelSpec, SamplingParams
+from diffserve.engine.input_processor import ProcessedRequest
+from diffserve.engine.queues import RequestQueues
+from diffserve.engine.request import Phase
 from diffserve.engine.scheduler import RequestScheduler
 
-TOL = 1e-4
+SPEC = ModelSpec(resolution_factor=8, default_height=64, default_width=64, default_num_inference_steps=4,
+                 default_guidance_scale=4.0, pipeline="FakePipeline", default_num_frames=None)
 
 
-def _p(seed, steps=3, guidance=4.0, **kw):
-    return SamplingParams(seed=seed, num_inference_steps=steps, guidance_scale=guidance, output_type="np", **kw)
+class Harness:
+    """A scheduler, its events, and a fake worker's bookkeeping of what it holds."""
+
+    def __init__(self, max_batch_size: int = 16, chunk_streaming: bool = True, video: bool = False, **queue_kw):
+        spec = SPEC if not video else ModelSpec(**{**SPEC.__dict__, "default_num_frames": 5})
+        info = ModelInfo(spec=spec, pipeline="FakePipeline", chunk_streaming=chunk_streaming)
+        self.notified = 0
+        self.scheduler = RequestScheduler(RequestQueues(max_batch_size, 100, **queue_kw), info,
+                                          peak_memory_bytes=lambda: 123, notify=self._notify)
+        self.held: set[str] = set()  # request ids the fake worker holds state for
+
+    def _notify(self):
+        self.notified += 1
+
+    def add(self, request_id, steps=3, rows=2, key="a", num_chunks=None, **kw) -> str:
+        params = SamplingParams(seed=7, num_inference_steps=steps, num_chunks=num_chunks)
+        processed = ProcessedRequest("p", params, None, RequestPlan(rows=rows, batch_key=key, num_steps=steps))
+        return self.scheduler.add_request(processed, request_id, **kw)
+
+    def tick(self, result: RunnerOutput | None = None):
+        """schedule(), then apply `result` (default: nothing came back and nothing stepped)."""
+        out = self.scheduler.schedule()
+        self.held -= set(out.finished_ids)
+        self.held |= {n.request_id for n in out.new_requests}
+        self.scheduler.update_from_output(out, result or RunnerOutput())
+        return out
+
+    def events(self):
+        return [(e.request_id, e.type.value, e.step) for e in self.scheduler.take_events()]
 
 
-def _run(engine):
-    finals = {}
-    while engine.has_unfinished_requests():
-        for e in engine.step():
-            if e.type.is_final:
-                finals[e.request_id] = e
-    return finals
+def step_result(rows=2, **kw) -> RunnerOutput:
+    return RunnerOutput(step=StepOutput(num_rows=rows, **kw), step_start=1.0, step_end=2.0)
 
 
-# ------------------------------------------------------------------ request scheduler
-def _req(seq, key="a", rows=2):
-    return Request(request_id=str(seq), prompt="p", params=None, batch_key=key, rows=rows, seq=seq,
-                   arrival_time=0.0)
+def prepared(*ids, steps=3, **kw) -> RunnerOutput:
+    return RunnerOutput(prepared=[Prepared(i, num_steps=steps, seconds=0.5, **kw) for i in ids])
 
 
-def _admit(s: RequestScheduler) -> list[Request]:
-    """Admit, then mark the admitted requests prepared (what the engine does once their
-    prepare work comes back): only denoising requests are stepped."""
-    admitted = s.admit()
-    for r in admitted:
-        r.phase = Phase.DENOISING
-    s.changed()
-    return admitted
+def test_a_request_from_queued_to_finished():
+    h = Harness()
+    h.add("a")
+    assert h.events() == [("a", "queued", None)] and h.scheduler.num_waiting == 1
+    out = h.scheduler.schedule()  # admission: its prepare goes out with its inputs
+    assert [n.request_id for n in out.new_requests] == ["a"] and not out.step_ids
+    assert out.new_requests[0].params.seed == 7
+    h.scheduler.update_from_output(out, prepared("a"))
+    assert h.events() == [("a", "started", 0)]
+    assert h.scheduler.requests["a"].phase is Phase.DENOISING and h.scheduler.num_running == 1
+    for step in (1, 2, 3):
+        out = h.scheduler.schedule()
+        assert out.step_ids == ["a"] and not out.has_work
+        h.scheduler.update_from_output(out, step_result())
+        assert h.events() == [("a", "progress", step)]
+    out = h.tick()  # done denoising: the decode goes out, nothing steps
+    assert out.decodes == ["a"] and not out.step_ids and h.scheduler.requests["a"].phase is Phase.DECODING
+    h.tick(RunnerOutput(decoded=[Decoded("a", output=["image"], step=3, seconds=0.25)]))
+    [final] = h.scheduler.take_events()
+    assert final.type is EventType.FINISHED and final.output.images == ["image"] and final.output.seed == 7
+    m = final.output.metrics
+    assert (m.num_steps, m.batch_sizes, m.encode_s, m.decode_s, m.peak_memory_bytes) == (3, {2: 3}, 0.5, 0.25, 123)
+    assert not h.scheduler.has_unfinished_requests() and h.scheduler.num_running == 0
 
 
-def test_scheduler_steps_only_denoising_requests():
-    s = RequestScheduler(max_batch_size=6, max_waiting=10)
-    for i in range(3):
-        s.add(_req(i))
-    admitted = s.admit()
-    assert s.select_batch() == [] and s.running_rows == 6  # preparing: holds rows, not stepped
-    admitted[1].phase = Phase.DENOISING
-    admitted[2].phase = Phase.DECODING
-    s.changed()
-    assert s.select_batch() == [admitted[1]] and s.running_rows == 4  # decoding frees its rows
+def test_an_unchanged_batch_is_the_same_object_every_tick_and_booked_once():
+    """No per-request work per step: the same id list goes out every tick; steps are folded into
+    the requests when the batch changes (here: `b` finishes first)."""
+    h = Harness()
+    h.add("a", steps=5)
+    h.add("b", steps=2, progress=False)
+    h.tick(prepared("a", steps=5))
+    h.tick(prepared("b", steps=2))
+    h.events()
+    first = h.scheduler.schedule()
+    h.scheduler.update_from_output(first, step_result(rows=4))
+    second = h.scheduler.schedule()
+    assert second.step_ids is first.step_ids == ["a", "b"]
+    assert h.scheduler.requests["a"].steps_done == 0  # not booked yet: the run is still going
+    h.scheduler.update_from_output(second, step_result(rows=4))
+    assert h.scheduler.requests["b"].phase is Phase.DECODING  # the run ended where b finished
+    assert [e for e in h.events() if e[0] == "b"] == []  # b asked for no progress events
+    third = h.scheduler.schedule()
+    assert third.step_ids == ["a"] and third.step_ids is not first.step_ids and third.decodes == ["b"]
+    h.scheduler.update_from_output(third, step_result(rows=2))
+    assert h.scheduler.requests["a"].metrics.batch_sizes == {4: 2}  # the new run is not folded yet
+    for _ in range(2):
+        h.tick(step_result(rows=2))
+    h.tick()
+    h.tick(RunnerOutput(decoded=[Decoded("a", output=[1]), Decoded("b", output=[2])]))
+    finals = {e.request_id: e.output for e in h.scheduler.take_events() if e.type.is_final}
+    assert finals["a"].metrics.batch_sizes == {4: 2, 2: 3} and finals["a"].metrics.num_steps == 5
+    assert finals["b"].metrics.batch_sizes == {4: 2} and finals["b"].metrics.num_steps == 2
 
 
-def test_scheduler_batches_oldest_key_and_admits_fifo():
-    s = RequestScheduler(max_batch_size=6, max_waiting=10)
-    for i, key in enumerate("abaa"):
-        s.add(_req(i, key))
-    admitted = _admit(s)
-    assert [r.request_id for r in admitted] == ["0", "1", "2"]  # 6 rows: "3" must wait
-    assert [r.request_id for r in s.select_batch()] == ["0", "2"]  # oldest's key "a"
-    s.finish(admitted[0])
-    assert [r.request_id for r in _admit(s)] == ["3"]
-    assert [r.request_id for r in s.select_batch()] == ["1"]  # "b" is now the oldest running
+def test_previews_go_out_at_their_step_and_come_back_as_partial_events():
+    h = Harness()
+    h.add("a", steps=4, preview_steps=[2])
+    h.tick(prepared("a", steps=4))
+    h.tick(step_result())
+    out = h.tick(step_result())
+    assert not out.previews
+    out = h.tick(step_result())  # the preview of step 2 goes out with step 3
+    assert out.previews == ["a"] and out.step_ids == ["a"]
+    h.tick(RunnerOutput(step=StepOutput(num_rows=2), decoded=[Decoded("a", output=["p"], step=2, preview=True)]))
+    partial = [e for e in h.scheduler.take_events() if e.type is EventType.PARTIAL]
+    assert [(e.step, e.preview) for e in partial] == [(2, ["p"])]
+    assert h.scheduler.requests["a"].phase is Phase.DECODING
 
 
-def test_scheduler_batches_by_step_key_too():
-    """A request's step key (e.g. Wan 2.2's expert) changes while it runs; only requests of
-    the oldest's (batch key, step key) share a step."""
-    s = RequestScheduler(max_batch_size=8, max_waiting=10)
-    for i in range(3):
-        s.add(_req(i))
-    r0, r1, r2 = _admit(s)
-    r1.step_key = 1
-    s.changed()
-    assert s.select_batch() == [r0, r2]
-    r0.step_key = 1  # the oldest crossed to the other expert
-    s.changed()
-    assert s.select_batch() == [r0, r1]
+def test_aborts_of_waiting_and_preparing_requests():
+    h = Harness(max_batch_size=2)
+    for request_id in "wq":
+        h.add(request_id, steps=2)
+    h.tick()  # admits w (its 2 rows fill the batch); q waits
+    assert h.scheduler.abort("q")  # waiting: closed at once, nothing to free
+    assert h.scheduler.requests.get("q") is None
+    assert h.scheduler.abort("w")  # preparing: closed when its prepare comes back
+    out = h.tick(prepared("w", steps=2))
+    assert "w" not in h.scheduler.requests and "w" not in out.finished_ids
+    out = h.scheduler.schedule()  # the free of the aborted, prepared `w` goes out now
+    assert out.finished_ids == ["w"]
+    h.scheduler.update_from_output(out, RunnerOutput())
+    finals = {e.request_id: e.type for e in h.scheduler.take_events() if e.type.is_final}
+    assert finals == {"q": EventType.ABORTED, "w": EventType.ABORTED}
+    assert not h.scheduler.abort("w") and not h.scheduler.abort("nope")
 
 
-def test_scheduler_reuses_its_batch_until_something_changes():
-    """An unchanged batch is returned as the same list (no per-request work per step); an
-    admission, a finish or `changed` (a phase or step key moved) makes it select again."""
-    s = RequestScheduler(max_batch_size=4, max_waiting=10)
-    for i in range(3):
-        s.add(_req(i))
-    r0, r1 = _admit(s)
-    batch = s.select_batch()
-    assert batch == [r0, r1] and s.select_batch() is batch
-    r1.phase = Phase.DECODING
-    assert s.select_batch() is batch  # not told: the engine calls `changed` after such a move
-    s.changed()
-    assert s.select_batch() == [r0]
-    s.finish(r1)
-    [r2] = _admit(s)
-    assert s.select_batch() == [r0, r2]
-    s.finish(r0)
-    assert s.select_batch() == [r2]
+def test_a_denoising_request_aborted_leaves_at_the_next_schedule_and_is_freed():
+    h = Harness()
+    h.add("a", steps=9)
+    h.add("b", steps=9)
+    h.tick(prepared("a", "b", steps=9))
+    h.tick(step_result(rows=4))
+    h.scheduler.abort("a")
+    out = h.scheduler.schedule()
+    assert out.finished_ids == ["a"] and out.step_ids == ["b"]
+    final = [e for e in h.scheduler.take_events() if e.request_id == "a" and e.type.is_final]
+    assert final[0].type is EventType.ABORTED and final[0].output.metrics.num_steps == 1
 
 
-def test_scheduler_queue_bound():
-    s = RequestScheduler(max_batch_size=2, max_waiting=2)
-    s.add(_req(0))
-    s.add(_req(1))
-    with pytest.raises(EngineOverloadedError):
-        s.add(_req(2))
+def test_an_abort_during_decode_wins_over_the_output():
+    h = Harness()
+    h.add("a", steps=1)
+    h.tick(prepared("a", steps=1))
+    h.tick(step_result())
+    h.tick()  # decode goes out
+    assert h.scheduler.abort("a")
+    h.tick(RunnerOutput(decoded=[Decoded("a", output=["image"])]))
+    [final] = [e for e in h.scheduler.take_events() if e.type.is_final]
+    assert final.type is EventType.ABORTED and final.output.images == []
 
 
-def test_no_request_starves_under_adversarial_arrivals():
-    """A lone key-"b" request arrives behind a steady stream of key-"a" requests that would
-    always form the bigger batch; it must still finish within a bounded number of steps."""
-    s = RequestScheduler(max_batch_size=8, max_waiting=1000)
-    steps_left, seq = {}, 0
-
-    def arrive(key):
-        nonlocal seq
-        r = _req(seq, key)
-        s.add(r)
-        steps_left[r.request_id] = 5
-        seq += 1
-        return r
-
-    for _ in range(4):
-        arrive("a")
-    victim = arrive("b")
-    done_at = None
-    for step in range(200):
-        for _ in range(2):
-            arrive("a")  # adversary: more "a" work every step
-        _admit(s)
-        for r in s.select_batch():
-            steps_left[r.request_id] -= 1
-            if steps_left[r.request_id] == 0:
-                s.finish(r)
-                if r is victim:
-                    done_at = step
-        if done_at is not None:
-            break
-    assert done_at is not None and done_at < 20
+@pytest.mark.parametrize("where", ["prepare", "step", "decode", "work"])
+def test_a_failure_is_its_requests_alone(where):
+    h = Harness()
+    h.add("ok", steps=1)
+    h.add("bad", steps=1)
+    error = WorkError("RuntimeError", f"injected {where} failure")
+    if where == "prepare":
+        h.tick(RunnerOutput(prepared=[Prepared("ok", num_steps=1), Prepared("bad", error=error)]))
+    elif where == "work":  # the whole prepare item raised (e.g. a dead worker): both fail, both freed
+        h.tick(RunnerOutput(failed=[(["ok", "bad"], error)]))
+        assert h.scheduler.schedule().finished_ids == ["ok", "bad"]
+    else:
+        h.tick(prepared("ok", "bad", steps=1))
+        if where == "step":
+            h.tick(step_result(rows=4, errors={"bad": error}))
+        else:
+            h.tick(step_result(rows=4))
+            h.tick()
+            h.tick(RunnerOutput(decoded=[Decoded("ok", output=[1]), Decoded("bad", error=error)]))
+    h.tick()
+    h.tick(RunnerOutput(decoded=[Decoded("ok", output=[1])]))
+    finals = {e.request_id: e.output for e in h.scheduler.take_events() if e.type.is_final}
+    assert finals["bad"].status is RequestStatus.FAILED and finals["bad"].error == f"RuntimeError: injected {where} failure"
+    assert finals["bad"].error_type == "RuntimeError"
+    assert finals["ok"].status is (RequestStatus.FAILED if where == "work" else RequestStatus.FINISHED)
+    assert not h.scheduler.requests
 
 
-def test_big_request_runs_alone_when_it_exceeds_the_batch(engine):
-    [out] = engine.generate("x", _p(1, steps=2, num_images_per_prompt=10))  # 20 rows > 16
-    assert out.ok and out.metrics.batch_sizes == {20: 2}
+def test_a_result_for_a_request_closed_meanwhile_is_freed():
+    h = Harness()
+    h.add("a")
+    h.tick()
+    h.scheduler.fail_all("the engine broke")
+    assert h.scheduler.schedule().finished_ids == ["a"]
+    h.scheduler.update_from_output(h.scheduler.schedule(), prepared("a"))  # its prepare was in flight
+    assert h.scheduler.schedule().finished_ids == ["a"]
 
 
-# ------------------------------------------------------------------------- abort
-def test_abort_waiting_and_running(engine):
-    reference = engine.generate("after", _p(5))[0].images
-    running = engine.add_request("long", _p(1, steps=50))
-    engine.step()
-    engine.step()
-    waiting_eng = engine  # same engine, a second request that is still waiting
-    engine.scheduler.max_batch_size = 2  # so the next one cannot be admitted
-    try:
-        waiting = waiting_eng.add_request("queued", _p(2))
-        engine.step()
-        assert engine.scheduler.waiting and engine.scheduler.waiting[0].request_id == waiting
-        assert engine.abort(waiting) and engine.abort(running)
-        finals = _run(engine)
-    finally:
-        engine.scheduler.max_batch_size = 16
-    assert finals[waiting].type is EventType.ABORTED and finals[running].type is EventType.ABORTED
-    assert finals[running].output.status is RequestStatus.ABORTED
-    assert finals[running].output.metrics.num_steps < 50
-    assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert not engine.abort(running)  # already done
-    after = engine.generate("after", _p(5))[0]
-    assert np.abs(after.images - reference).max() <= TOL
+def test_whole_request_outputs_are_booked_per_request():
+    """The whole-request runner reports each request's own step count and total (img2img
+    strength): booked request by request, with one progress event per step."""
+    h = Harness()
+    h.add("a", steps=10)
+    h.tick(prepared("a", steps=10))
+    h.tick(step_result(rows=1, steps_done={"a": 1}, num_steps={"a": 6}))
+    h.tick(step_result(rows=1, steps_done={"a": 6}, num_steps={"a": 6}))
+    events = [e for e in h.scheduler.take_events() if e.type is EventType.PROGRESS]
+    assert [(e.step, e.total) for e in events] == [(1, 6), (6, 6)]
+    assert h.tick().decodes == ["a"]
 
 
-# -------------------------------------------------------------------- isolation
-@pytest.mark.parametrize("stage", ["prepare", "step", "decode"])
-def test_failure_is_isolated_to_its_request(engine, monkeypatch, stage):
-    adapter = engine.runner.adapter
-    original = getattr(adapter, stage)
-    seen = []
-
-    def flaky(state_or_batch, *args):
-        states = getattr(state_or_batch, "states", [state_or_batch])  # step() takes the batch
-        for state in states:
-            if "FAIL" in state.prompt:
-                seen.append(weakref.ref(state))
-                raise RuntimeError(f"injected {stage} failure")
-        return original(state_or_batch, *args)
-
-    monkeypatch.setattr(adapter, stage, flaky)
-    if stage == "decode":  # route the batched decode through the per-request one being tested
-        from diffserve.pipelines.base import PipelineAdapter
-
-        monkeypatch.setattr(adapter, "decode_many", lambda states, latents: PipelineAdapter.decode_many(
-            adapter, states, latents))
-    solo = [engine.generate(p, _p(s))[0].images for p, s in (("ok one", 1), ("ok two", 2))]
-    for _ in range(3):  # repeated failures leave nothing behind
-        outs = engine.generate(["ok one", "FAIL me", "ok two"], [_p(1), _p(3), _p(2)])
-        assert [o.status for o in outs] == [RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.FINISHED]
-        assert f"injected {stage} failure" in outs[1].error
-        assert np.abs(outs[0].images - solo[0]).max() <= TOL
-        assert np.abs(outs[2].images - solo[1]).max() <= TOL
-    gc.collect()
-    assert seen and all(ref() is None or ref().latents is None for ref in seen)
-    assert not engine.has_unfinished_requests() and not engine.scheduler.running
+def test_a_step_key_change_splits_the_batch():
+    """Wan 2.2's expert: a request whose step key moves leaves the others' batch."""
+    h = Harness()
+    h.add("a", steps=9)
+    h.add("b", steps=9)
+    h.tick(prepared("a", "b", steps=9, step_key="high"))
+    h.tick(step_result(rows=4, step_keys={"a": "low", "b": "high"}))
+    assert h.scheduler.schedule().step_ids == ["a"]  # the oldest's key only
 
 
-def test_batched_decode_failure_decodes_requests_alone(engine, monkeypatch):
-    adapter = engine.runner.adapter
-    original = adapter._vae_decode
-    calls = []
-
-    def fragile(latents):
-        calls.append(latents.shape[0])
-        if latents.shape[0] > 1:
-            raise RuntimeError("injected batched VAE failure")
-        return original(latents)
-
-    solo = [engine.generate(p, _p(s))[0].images for p, s in (("one", 1), ("two", 2))]
-    monkeypatch.setattr(adapter, "_vae_decode", fragile)
-    outs = engine.generate(["one", "two"], [_p(1), _p(2)])
-    assert all(o.ok for o in outs) and 2 in calls and calls.count(1) >= 2
-    for out, ref in zip(outs, solo):
-        assert np.abs(out.images - ref).max() <= TOL
-
-
-def test_batched_forward_failure_retries_requests_alone(engine, monkeypatch):
-    adapter = engine.runner.adapter
-    original = adapter.denoise
-
-    def denoise(batch, call=None):
-        if any("FAIL" in s.prompt for s in batch.states):
-            raise RuntimeError("injected forward failure")
-        return original(batch, call)
-
-    monkeypatch.setattr(adapter, "denoise", denoise)
-    solo = engine.generate("fine", _p(4))[0].images
-    outs = engine.generate(["fine", "FAIL"], [_p(4), _p(6)])
-    assert outs[0].ok and not outs[1].ok
-    assert np.abs(outs[0].images - solo).max() <= TOL
-
-
-# ------------------------------------------------------------------ execution modes
-def test_request_mode_runs_static_batches(tiny_sd3_dir, engine):
-    static = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), execution_mode="request"),
-                             runner=engine.runner)
-    first = static.add_request("a", _p(1, steps=4))
-    static.step()
-    late = static.add_request("b", _p(2, steps=2))
-    finals = _run(static)
-    # the late request waited for the static batch to finish instead of joining it
-    assert finals[late].output.metrics.batch_sizes == {2: 2}
-    assert finals[first].output.metrics.batch_sizes == {2: 4}
-    step_mode = engine.generate(["a", "b"], [_p(1, steps=4), _p(2, steps=2)])
-    assert np.abs(finals[first].output.images - step_mode[0].images).max() <= TOL
-    assert np.abs(finals[late].output.images - step_mode[1].images).max() <= TOL
+def test_chunk_boundaries_carry_interactions_and_stream_chunks():
+    h = Harness(video=True)
+    h.add("s", steps=1, num_chunks=3)
+    h.tick(prepared("s", steps=1))
+    with pytest.raises(InteractionRefusedError) as refused:
+        h.scheduler.submit_interaction("nope", Interaction("x", 0, "e0"))
+    assert refused.value.reason == "unknown_request"
+    h.scheduler.submit_interaction("s", Interaction("a cat", 1, "e1"))
+    h.tick(step_result())
+    out = h.tick()
+    assert [(w.request_id, [i.event_id for i in w.interactions]) for w in out.chunks] == [("s", ["e1"])]
+    assert h.scheduler.requests["s"].phase is Phase.BETWEEN_CHUNKS
+    # chunk 1 is being prepared already: an interaction now applies from chunk 2 on
+    assert h.scheduler.submit_interaction("s", Interaction("a dog", 0, "e2")) == "e2"
+    h.tick(RunnerOutput(chunks=[ChunkDone("s", chunk_index=0, frames="f0", event_ids=["e1"], num_steps=2)]))
+    request = h.scheduler.requests["s"]
+    assert (request.phase, request.chunk_index, request.num_steps, request.steps_done) == (Phase.DENOISING, 1, 2, 0)
+    for _ in range(2):
+        h.tick(step_result())
+    assert [[i.event_id for i in w.interactions] for w in h.tick().chunks] == [["e2"]]
+    h.tick(RunnerOutput(chunks=[ChunkDone("s", chunk_index=1, frames="f1", num_steps=1)]))
+    with pytest.raises(InteractionRefusedError) as refused:  # chunk 2 runs now and is the last
+        h.scheduler.submit_interaction("s", Interaction("a bird", 0, "e3"))
+    assert refused.value.reason == "last_chunk"
+    h.tick(step_result())
+    h.tick()
+    h.tick(RunnerOutput(chunks=[ChunkDone("s", chunk_index=2, frames="f2", video="whole")]))
+    events = h.scheduler.take_events()
+    chunks = [(e.chunk_index, e.output, e.event_ids) for e in events if e.type is EventType.CHUNK]
+    assert chunks == [(0, "f0", ["e1"]), (1, "f1", []), (2, "f2", [])]
+    [final] = [e for e in events if e.type.is_final]
+    assert final.output.videos == ["whole"] and len(final.output.metrics.chunk_s) == 3
+    progress = [(e.step, e.chunk_index) for e in events if e.type is EventType.PROGRESS]
+    assert progress == [(1, 0), (1, 1), (2, 1), (1, 2)]
+    with pytest.raises(InteractionRefusedError) as refused:
+        h.scheduler.submit_interaction("s", Interaction("late", 0, "e4"))
+    assert refused.value.reason == "finished"
 
 
-def test_waiting_queue_bound(tiny_sd3_dir, engine):
-    small = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), max_waiting_requests=2), runner=engine.runner)
-    small.add_request("a", _p(1))
-    small.add_request("b", _p(2))
-    with pytest.raises(EngineOverloadedError):
-        small.add_request("c", _p(3))
-    _run(small)
+def test_interactions_are_refused_for_requests_that_are_not_streams():
+    h = Harness(chunk_streaming=False)
+    h.add("a")
+    with pytest.raises(InteractionRefusedError) as refused:
+        h.scheduler.submit_interaction("a", Interaction("x", 0, "e"))
+    assert refused.value.reason == "unsupported"
 
 
-def test_aborting_a_waiting_request_frees_its_queue_slot_at_once(tiny_sd3_dir, engine):
-    small = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), max_waiting_requests=1), runner=engine.runner)
-    first = small.add_request("a", _p(1))
-    assert small.abort(first)
-    second = small.add_request("b", _p(2))  # no step in between
-    finals = _run(small)
-    assert finals[first].type is EventType.ABORTED and finals[second].type is EventType.FINISHED
+def test_events_go_to_listeners_and_wake_the_waiters_once_per_batch():
+    h = Harness()
+    got = []
+    h.add("a", steps=2, listener=got.append)
+    h.add("b", steps=2)
+    h.tick(prepared("a", "b", steps=2))
+    before = h.notified
+    h.tick(step_result(rows=4))
+    assert h.notified == before + 1  # one wake-up for the step's events
+    assert [e.type for e in got] == [EventType.QUEUED, EventType.STARTED, EventType.PROGRESS]
+    assert [e.request_id for e in h.scheduler.take_events() if e.type is EventType.PROGRESS] == ["b"]
 
 
-def test_unique_ids_for_identical_requests(engine):
-    ids = {engine.add_request("same", _p(1, steps=1)) for _ in range(5)}
-    assert len(ids) == 5
-    _run(engine)
-
-
-# --------------------------------------------------------------------- async engine
-def test_async_streams_events_in_order(engine):
-    async def main():
-        async_engine = AsyncDiffusionEngine(engine=engine)
-        try:
-            events = [e async for e in async_engine.generate("stream me", _p(8, steps=3), preview_steps=[2])]
-        finally:
-            async_engine.shutdown(timeout_s=5)
-        return events
-
-    events = asyncio.run(main())
-    kinds = [e.type for e in events]
-    # the preview is decoded beside the next steps: it follows step 2 and precedes the final
-    # event, but may come after step 3's progress
-    assert kinds[:4] == [EventType.QUEUED, EventType.STARTED, EventType.PROGRESS, EventType.PROGRESS]
-    assert kinds[-1] is EventType.FINISHED and kinds.count(EventType.PARTIAL) == 1 and len(kinds) == 7
-    assert [e.step for e in events if e.type is EventType.PROGRESS] == [1, 2, 3]
-    [partial] = [e for e in events if e.type is EventType.PARTIAL]
-    assert partial.step == 2 and partial.preview.shape == (1, 64, 64, 3)
-    solo = engine.generate("stream me", _p(8, steps=3))[0].images
-    assert np.abs(events[-1].output.images - solo).max() <= TOL
-
-
-def test_async_concurrent_requests_batch_and_cancel(engine):
-    async def consume(async_engine, prompt, params):
-        return [e async for e in async_engine.generate(prompt, params)]
-
-    async def main():
-        async_engine = AsyncDiffusionEngine(engine=engine)
-        try:
-            victim = asyncio.create_task(consume(async_engine, "cancel me", _p(1, steps=200)))
-            others = [asyncio.create_task(consume(async_engine, f"p{i}", _p(i, steps=3))) for i in range(4)]
-            results = await asyncio.gather(*others)
-            victim.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await victim
-            for _ in range(200):  # the aborted request frees its slot at the next step
-                if not engine.has_unfinished_requests():
-                    break
-                await asyncio.sleep(0.01)
-            return results
-        finally:
-            async_engine.shutdown(timeout_s=5)
-
-    results = asyncio.run(main())
-    assert not engine.has_unfinished_requests()
-    for events in results:
-        assert events[-1].type is EventType.FINISHED
-    assert max(max(ev[-1].output.metrics.batch_sizes) for ev in results) > 2  # batched together
-    assert len({ev[-1].request_id for ev in results}) == 4
+def test_memory_admission_and_counts():
+    h = Harness(memory_limit=10)
+    for request_id in "abc":
+        processed = ProcessedRequest("p", SamplingParams(seed=1), None, RequestPlan(rows=1, batch_key="k", num_steps=1),
+                                     memory_bytes=4)
+        h.scheduler.add_request(processed, request_id)
+    out = h.scheduler.schedule()
+    assert [n.request_id for n in out.new_requests] == ["a", "b"]  # 8 of 10 bytes; c would need 12
+    assert (h.scheduler.num_waiting, h.scheduler.num_running, h.scheduler.num_running_rows) == (1, 2, 2)
+    assert h.scheduler.queue_position("c") == 1 and h.scheduler.queue_position("a") is None

@@ -282,7 +282,7 @@ def test_admission_queues_by_memory(profiled, tiny_sd3_dir, engine):
     the same images as without a memory budget."""
     budgeted = _budget_engine(profiled, tiny_sd3_dir, 2.5)
     concurrency = []
-    budgeted.add_step_listener(lambda rows, n, s: concurrency.append(len(budgeted.scheduler.running)))
+    budgeted.add_step_listener(lambda rows, n, s: concurrency.append(budgeted.num_running))
     jobs = [(f"prompt {i}", SamplingParams(seed=i, num_inference_steps=3, output_type="np")) for i in range(5)]
     images, _ = _images(budgeted, jobs)
     assert max(concurrency) == 2

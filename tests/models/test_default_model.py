@@ -1,14 +1,12 @@
-"""diffserve on the shipped default model: defaults, parity with diffusers, the main-job CLI."""
+"""diffserve on the shipped default model: defaults and the main-job CLI (parity with diffusers:
+tests/conformance/, the ``StableDiffusion3Pipeline-digits`` entry)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
-from diffusers import StableDiffusion3Pipeline
 from PIL import Image
 
-from diffserve import DiffusionEngine, EngineConfig, SamplingParams
+from diffserve import DiffusionEngine, EngineConfig
 from diffserve.entrypoints.cli import main
 from diffserve.models.digits import DEFAULT_MODEL_PATH
 
@@ -23,18 +21,6 @@ def test_default_model_and_its_sampling_defaults(default_engine):
     spec = default_engine.spec
     assert (spec.default_height, spec.default_width, spec.resolution_factor) == (8, 8, 2)
     assert (spec.default_num_inference_steps, spec.default_guidance_scale) == (20, 4.0)
-
-
-@pytest.mark.parametrize("guidance,steps", [(4.0, 20), (1.0, 8), (4.0, 1)])
-def test_shipped_model_matches_diffusers(default_engine, guidance, steps):
-    prompt = "a handwritten digit 4"
-    [out] = default_engine.generate(prompt, SamplingParams(seed=5, guidance_scale=guidance,
-                                                           num_inference_steps=steps, output_type="np"))
-    pipe = StableDiffusion3Pipeline.from_pretrained(DEFAULT_MODEL_PATH, text_encoder_3=None, tokenizer_3=None)
-    pipe.set_progress_bar_config(disable=True)
-    ref = pipe(prompt, height=8, width=8, num_inference_steps=steps, guidance_scale=guidance,
-               generator=torch.Generator().manual_seed(5), output_type="np").images
-    assert np.abs(out.images - ref).max() <= 1e-4
 
 
 def test_main_job_cli_writes_a_viewable_png(tmp_path, capsys):

@@ -1,5 +1,7 @@
-"""FluxKontextPipeline: edits with a reference image equal diffusers', co-batched edits with
-different input images equal their solo runs, input checks, TeaCache, CLI refusal."""
+"""FluxKontextPipeline quirks: reference images of other sizes than the output (cut to multiples of
+16) equal diffusers' edits, co-batched references of different sizes encoded alike, the reference
+size in the batch key, input checks, CLI refusal. (Parity, batching, refusals, cache backends:
+tests/conformance/.)"""
 
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ from PIL import Image
 
 from diffserve import DiffusionEngine, EngineConfig, InvalidRequestError, SamplingParams
 from diffserve.entrypoints.cli import main
-from diffserve.core.inputs import RequestInputs
 
 TOL = 1e-4
 L = 32  # max_sequence_length
@@ -38,10 +39,9 @@ def _run(engine, prompt, params, image):
 
 
 CASES = {  # id: (output WxH, reference WxH, steps, guidance, true_cfg_scale, negative_prompt, rows)
-    "same-size": ((64, 48), (64, 48), 3, 3.5, 1.0, None, 1),
     "reference-cut-to-16": ((48, 64), (50, 37), 2, 2.0, 1.0, None, 1),
-    "one-step": ((64, 64), (32, 48), 1, 3.5, 1.0, None, 1),
-    "true-cfg": ((64, 48), (80, 32), 2, 2.0, 4.0, "blurry", 2),
+    "other-reference-size": ((64, 64), (32, 48), 1, 3.5, 1.0, None, 1),
+    "true-cfg-other-reference-size": ((64, 48), (80, 32), 2, 2.0, 4.0, "blurry", 2),
 }
 
 
@@ -80,47 +80,13 @@ def test_reference_size_is_part_of_the_batch_key(kontext):
 
 
 @pytest.mark.parametrize("inputs,field", [
-    (None, "image"),
     ([_image(1, 32, 32), _image(2, 32, 32)], "image"),
-    (RequestInputs(images=[_image(1, 32, 32)], mask=Image.new("L", (32, 32))), "mask"),
     ([_image(1, 15, 40)], "image"),  # no 16-pixel column left
 ])
 def test_inputs_are_checked(kontext, inputs, field):
     with pytest.raises(InvalidRequestError) as info:
         kontext.add_request("make it red", _p(1), inputs=inputs)
     assert info.value.field == field
-
-
-def test_teacache_on_edits(tiny_flux_kontext_dir):
-    def engine():
-        return DiffusionEngine(EngineConfig(model=str(tiny_flux_kontext_dir), cache_backend="teacache",
-                                            cache_config={"rel_l1_thresh": 1.0}))
-
-    images = [_image(1, 64, 48), _image(2, 64, 48)]
-    jobs = [("make it red", _p(1, steps=8)), ("make it blue", _p(2, steps=6, guidance_scale=2.0))]
-    cached = engine()
-    outs = cached.generate([j[0] for j in jobs], [j[1] for j in jobs], inputs=images)
-    assert cached.runner.acceleration_stats()["cache_backend"]["skipped"] > 0
-    for out, job, image in zip(outs, jobs, images):
-        assert np.abs(out.images - _run(engine(), *job, image).images).max() <= TOL
-
-
-def test_cache_dit_on_edits(tmp_path):
-    from tiny_models import build_tiny_flux_kontext
-
-    folder = build_tiny_flux_kontext(tmp_path / "kontext3", num_layers=3, num_single_layers=3)
-    options = {"Fn_compute_blocks": 1, "residual_diff_threshold": 0.5, "max_warmup_steps": 2}
-
-    def engine():
-        return DiffusionEngine(EngineConfig(model=str(folder), cache_backend="cache_dit", cache_config=options))
-
-    cached = engine()
-    a, b = ("make it red", _p(1, steps=8), _image(1, 64, 48)), ("make it blue", _p(2, steps=5), _image(2, 32, 32))
-    first = _run(cached, *a).images
-    _run(cached, *b)
-    np.testing.assert_array_equal(first, _run(cached, *a).images)  # per-request cache state
-    np.testing.assert_array_equal(first, _run(engine(), *a).images)
-    assert cached.runner.acceleration_stats()["cache_backend"]["skipped"] > 0
 
 
 def test_cli_generate_without_an_image_is_one_line_error(tiny_flux_kontext_dir, tmp_path, capsys):

@@ -1,7 +1,8 @@
-"""StableDiffusionPipeline (SD 1.x / 2.x layout) served with step batching: parity with diffusers
-for each classic scheduler and both prediction types, per-request scheduler state inside mixed
-step batches, the safety checker, cache-backend refusals, CLI and API (regional compile of the
-UNet's transformer blocks: tests/pipelines/test_stable_diffusion_xl.py, same block class)."""
+"""StableDiffusionPipeline (SD 1.x / 2.x layout) quirks: parity with diffusers for each classic
+scheduler and both prediction types, per-request scheduler state (multistep history, ancestral
+noise) inside mixed step batches, the safety checker, defaults, CLI (regional compile of the
+UNet's transformer blocks: tests/pipelines/test_stable_diffusion_xl.py, same block class). The
+PNDM folder's parity, batching, refusals and cache-backend refusals: tests/conformance/."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from diffusers import StableDiffusionPipeline
 from tiny_models import build_tiny_sd15
 
-from diffserve import DiffusionEngine, EngineConfig, InvalidRequestError, SamplingParams
+from diffserve import DiffusionEngine, EngineConfig, SamplingParams
 from diffserve.entrypoints.cli import main
 
 TOL = 1e-4
@@ -70,9 +71,7 @@ def _diffusers(folder, prompt, params: SamplingParams):
 
 
 # ------------------------------------------------------------------------------- parity
-@pytest.mark.parametrize("steps,guidance,n,negative", [
-    (4, 1.0, 1, None), (4, 6.0, 1, None), (1, 6.0, 1, None), (3, 4.0, 2, "blurry"),
-], ids=["no-cfg", "cfg", "cfg-1-step", "cfg-n2-negative"])
+@pytest.mark.parametrize("steps,guidance,n,negative", [(4, 6.0, 1, None)], ids=["cfg-4-steps"])
 def test_pndm_matches_diffusers(folders, engines, steps, guidance, n, negative):
     """SD 1.5's default scheduler: PNDM (PLMS) with skip_prk_steps runs N + 1 UNet passes."""
     params = _p(7, steps, guidance, num_images_per_prompt=n, negative_prompt=negative, height=64, width=64)
@@ -113,8 +112,7 @@ def test_outputs_depend_on_seed_prompt_and_ancestral_noise(engines):
 
 
 # ------------------------------------------------------------------------------ batching
-@pytest.mark.parametrize("scheduler", ["PNDMScheduler", "EulerAncestralDiscreteScheduler",
-                                       "DPMSolverMultistepScheduler"])
+@pytest.mark.parametrize("scheduler", ["EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler"])
 def test_batch_invariance_with_per_request_scheduler_state(engines, scheduler):
     """Three requests with different prompts, negative prompts, seeds, step counts and CFG
     weights share forwards; each keeps its own scheduler state (PNDM / DPM-Solver history,
@@ -169,34 +167,11 @@ def test_safety_checker_in_the_folder_runs_as_in_diffusers(tiny_sd15_dir, tmp_pa
 
 
 # ----------------------------------------------------------------------- acceleration
-@pytest.mark.parametrize("backend", ["teacache", "cache_dit"])
-def test_cache_backends_are_refused_at_startup(tiny_sd15_dir, backend):
-    with pytest.raises(InvalidRequestError) as info:
-        DiffusionEngine(EngineConfig(model=str(tiny_sd15_dir), cache_backend=backend))
-    message = str(info.value)
-    assert info.value.field == "cache_backend" and "StableDiffusionPipeline" in message
-    assert "\n" not in message
-
-
 # ------------------------------------------------------------------------- API and CLI
-def test_spec_defaults_and_unused_fields_are_refused(engines):
-    engine = engines()
-    spec = engine.spec
+def test_spec_defaults(engines):
+    spec = engines().spec
     assert (spec.default_height, spec.default_width, spec.resolution_factor) == (64, 64, 8)
     assert (spec.default_num_inference_steps, spec.default_guidance_scale) == (50, 7.5)
-    for field, value in (("true_cfg_scale", 4.0), ("max_sequence_length", 77), ("num_frames", 5),
-                         ("strength", 0.5)):
-        with pytest.raises(InvalidRequestError) as info:
-            engine.generate("a cat", SamplingParams(**{field: value}))
-        assert info.value.field == field and "StableDiffusionPipeline" in str(info.value)
-
-
-def test_generation_config_overrides_the_defaults(tiny_sd15_dir, tmp_path):
-    folder = shutil.copytree(tiny_sd15_dir, tmp_path / "sd")
-    (folder / "generation_config.json").write_text(json.dumps(
-        {"num_inference_steps": 2, "guidance_scale": 3.0, "height": 32, "width": 48}))
-    [out] = DiffusionEngine(EngineConfig(model=str(folder))).generate("a cat", SamplingParams(seed=0, output_type="np"))
-    assert out.images.shape == (1, 32, 48, 3) and out.metrics.batch_sizes == {2: 3}  # PNDM: 2 steps, 3 passes
 
 
 def test_cli_generate(tiny_sd15_dir, tmp_path, capsys):

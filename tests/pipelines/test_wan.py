@@ -1,6 +1,9 @@
-"""Wan text-to-video (`WanPipeline`): parity with diffusers for Wan 2.1 and the Wan 2.2
-two-expert layout, batch invariance, expert-aware batching, video outputs, validation and
-acceleration backends, on tiny random-weight folders (tests/tiny_models/wan.py)."""
+"""Wan text-to-video (`WanPipeline`) quirks: latents and more steps on each Wan 2.2 expert equal
+diffusers, ``guidance_scale_2`` following ``guidance_scale``, the flow-matching Euler folder,
+per-token timesteps, expert-aware batching, non-finite decode, defaults and frame limits,
+regional compile of both experts, context folding. On tiny random-weight folders
+(tests/tiny_models/wan.py). (Parity, batch invariance, refusals, output types, streams and cache
+backends of Wan 2.1, Wan 2.2 and the built-in digits-video: tests/conformance/.)"""
 
 from __future__ import annotations
 
@@ -84,9 +87,7 @@ def _assert_video_parity(video, ref):
     assert np.abs(video.astype(np.float64) / 255 - ref).max() <= 1 / 255
 
 
-@pytest.mark.parametrize("steps,guidance,n,negative", [(3, 5.0, 1, None), (2, 1.0, 1, None), (1, 5.0, 1, None),
-                                                       (2, 3.0, 2, "blurry")],
-                         ids=["cfg", "no-cfg", "cfg-1-step", "cfg-n2-negative"])
+@pytest.mark.parametrize("steps,guidance,n,negative", [(3, 5.0, 1, None)], ids=["cfg-3-steps"])
 def test_wan21_matches_diffusers(wan, tiny_wan_dir, steps, guidance, n, negative):
     [out] = wan.generate("a cat runs", _p(7, steps, guidance, num_images_per_prompt=n, negative_prompt=negative))
     ref = _reference(tiny_wan_dir, "a cat runs", steps=steps, guidance=guidance, seed=7, n=n, negative=negative)
@@ -103,8 +104,7 @@ def test_wan21_latents_match_diffusers(wan, tiny_wan_dir):
     assert (out.videos[0] - ref[0]).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("guidance,guidance_2", [(5.0, 2.0), (4.0, None), (1.0, None)],
-                         ids=["cfg-two-scales", "cfg-same-scale", "no-cfg"])
+@pytest.mark.parametrize("guidance,guidance_2", [(5.0, 2.0), (4.0, None)], ids=["cfg-two-scales", "cfg-same-scale"])
 def test_wan22_two_experts_match_diffusers(wan22, tiny_wan22_dir, guidance, guidance_2):
     # 4 steps at t = 999, 900, 750, 500: two on each expert (boundary 875)
     [out] = wan22.generate("a red car", _p(5, steps=4, guidance=guidance, guidance_scale_2=guidance_2))
@@ -139,20 +139,6 @@ def test_per_token_timesteps_match_diffusers(tiny_wan_dir, tmp_path):
 
 
 # ---------------------------------------------------------------------- batching
-def test_cobatched_requests_equal_solo_runs(wan):
-    """Different prompts, seeds, step counts and guidance (same size) share forwards; the
-    stateful UniPC scheduler steps per request."""
-    jobs = [("a lighthouse", _p(1, steps=3)), ("a bowl of fruit", _p(2, steps=2, guidance=3.0)),
-            ("snowy peaks", _p(3, steps=4, guidance=7.0, negative_prompt="fog"))]
-    params = [j[1] for j in jobs]
-    for p in params:
-        p.output_type = "latent"
-    outs = wan.generate([j[0] for j in jobs], params)
-    assert max(outs[0].metrics.batch_sizes) == 6  # 3 requests x 2 CFG rows
-    for (prompt, p), out in zip(jobs, outs):
-        assert (out.videos[0] - _solo(wan, prompt, p).videos[0]).abs().max() <= TOL
-
-
 def test_wan22_requests_on_different_experts_never_share_a_forward(wan22):
     """A (4 steps: experts 0, 0, 1, 1) and C (2 steps: t = 999 on expert 0, 750 on expert 1)
     start together: they share step 1, A's step 2 (t = 900) runs alone since C has crossed the
@@ -193,19 +179,6 @@ def test_adapter_refuses_a_batch_across_experts(wan22):
 
 
 # ------------------------------------------------------------------------ outputs
-def test_video_output_types(wan):
-    params = dict(steps=2, guidance=1.0)
-    [np_out] = wan.generate("a fish", _p(9, **params))
-    [pil] = wan.generate("a fish", _p(9, output_type="pil", **params))
-    [pt] = wan.generate("a fish", _p(9, output_type="pt", **params))
-    video = np_out.videos[0]
-    assert video.shape == (9, 32, 48, 3) and video.dtype == np.uint8
-    assert len(pil.videos[0]) == 9 and pil.videos[0][0].size == (48, 32)
-    assert np.array_equal(np.stack([np.asarray(f) for f in pil.videos[0]]), video)
-    assert pt.videos[0].dtype == torch.uint8 and torch.equal(pt.videos[0], torch.from_numpy(video))
-    assert np_out.params.fps == 16 and np_out.params.num_frames == 9
-
-
 def test_decode_raises_on_non_finite_pixels(wan):
     adapter = wan.runner.adapter
     state = RequestState("nan", "x", _p(1).resolve(wan.spec, wan.config.limits))
@@ -213,7 +186,7 @@ def test_decode_raises_on_non_finite_pixels(wan):
         adapter.decode(state, torch.full((1, 16, 3, 4, 6), float("nan")))
 
 
-def test_spec_defaults_and_refused_fields(wan, wan22):
+def test_spec_defaults_and_size_limits(wan, wan22):
     spec = wan.spec
     assert (spec.default_num_frames, spec.frame_factor, spec.default_fps) == (81, 4, 16)
     assert (spec.default_num_inference_steps, spec.default_guidance_scale, spec.default_max_sequence_length) == \
@@ -221,60 +194,13 @@ def test_spec_defaults_and_refused_fields(wan, wan22):
     assert spec.resolution_factor == 16 and spec.default_guidance_scale_2 is None
     assert wan22.spec.default_guidance_scale_2 == 5.0
     assert spec.max_num_frames == (32 - 1) * 4 + 1  # the tiny transformer's RoPE length (32)
-    for fields, name in [(dict(num_frames=8), "num_frames"), (dict(guidance_scale_2=2.0), "guidance_scale_2"),
-                         (dict(true_cfg_scale=2.0), "true_cfg_scale"), (dict(height=40), "height"),
+    for fields, name in [(dict(num_frames=8), "num_frames"), (dict(height=40), "height"),
                          (dict(num_frames=129), "num_frames")]:
         with pytest.raises(InvalidRequestError, match=name):
             wan.add_request("x", SamplingParams(**{**SIZE, **fields}))
-    with pytest.raises(InvalidRequestError, match="image"):
-        wan.add_request("x", _p(1), inputs=[np.zeros((8, 8, 3), np.uint8)])
-
-
-def test_generation_config_overrides_defaults(tiny_wan_dir, tmp_path):
-    folder = tmp_path / "wan"
-    shutil.copytree(tiny_wan_dir, folder)
-    (folder / "generation_config.json").write_text(json.dumps(
-        {"height": 32, "width": 32, "num_frames": 5, "fps": 24, "num_inference_steps": 2, "guidance_scale": 3.0}))
-    engine = _engine(folder)
-    [out] = engine.generate("a cat", SamplingParams(seed=1, output_type="np"))
-    assert out.videos[0].shape == (5, 32, 32, 3)
-    assert (out.params.fps, out.params.num_inference_steps, out.params.guidance_scale) == (24, 2, 3.0)
 
 
 # ------------------------------------------------------------------ acceleration
-def test_teacache_split_reproduces_the_forward_and_skips(tiny_wan_dir, wan):
-    job = ("a horse", _p(11, steps=5, output_type="latent"))
-    plain = _solo(wan, *job).videos[0]
-    exact = _engine(tiny_wan_dir, cache_backend="teacache", cache_config={"rel_l1_thresh": 0.0})
-    assert (_solo(exact, *job).videos[0] - plain).abs().max() <= TOL
-    stats = exact.runner.acceleration_stats()["cache_backend"]
-    assert stats["skipped"] == 0 and "TeaCache4Wan2.1" in stats["coefficients_source"]
-    skipping = _engine(tiny_wan_dir, cache_backend="teacache", cache_config={"rel_l1_thresh": 1e9})  # random weights: large changes
-    jobs = [job, ("a cow", _p(12, steps=4, output_type="latent"))]
-    outs = skipping.generate([j[0] for j in jobs], [j[1] for j in jobs])
-    assert skipping.runner.acceleration_stats()["cache_backend"]["skipped"] > 0
-    for j, out in zip(jobs, outs):  # per-request decisions: batched equals solo
-        assert (out.videos[0] - _solo(skipping, *j).videos[0]).abs().max() <= TOL
-
-
-def test_cache_dit_per_request(tiny_wan_dir, wan):
-    job = ("a horse", _p(11, steps=5, output_type="latent"))
-    engine = _engine(tiny_wan_dir, cache_backend="cache_dit",
-                     cache_config={"Fn_compute_blocks": 1, "residual_diff_threshold": 0.0})
-    assert (_solo(engine, *job).videos[0] - _solo(wan, *job).videos[0]).abs().max() <= TOL
-    skipping = _engine(tiny_wan_dir, cache_backend="cache_dit",
-                       cache_config={"Fn_compute_blocks": 1, "residual_diff_threshold": 10.0, "max_warmup_steps": 1})
-    first = _solo(skipping, *job).videos[0]
-    assert skipping.runner.acceleration_stats()["cache_backend"]["skipped"] > 0
-    assert (_solo(skipping, *job).videos[0] - first).abs().max() <= TOL  # no state leaks between requests
-
-
-@pytest.mark.parametrize("backend", ["teacache", "cache_dit"])
-def test_wan22_refuses_cache_backends(tiny_wan22_dir, backend):
-    with pytest.raises(InvalidRequestError, match=f"WanPipeline.*{backend}|{backend}.*WanPipeline"):
-        _engine(tiny_wan22_dir, cache_backend=backend)
-
-
 def test_regional_compile_covers_both_experts_without_recompiles(tiny_wan22_dir, tmp_path):
     folder = tmp_path / "wan22"
     shutil.copytree(tiny_wan22_dir, folder)

@@ -335,15 +335,18 @@ def test_abort_mid_stream_stops_at_the_next_step(wan):
 
 
 def test_stream_batches_with_other_requests(wan):
-    """A stream shares forwards with ordinary requests of the same batch key (before, between
-    and after its chunk boundaries), and its video equals its solo run."""
+    """A stream shares forwards with ordinary requests of the same batch key (before and
+    between its chunk boundaries), and its video equals its solo run. Each chunk boundary
+    goes out with the tick after the chunk's last step, beside that tick's step, which the other
+    request takes alone (inline here; on the side thread it would overlap several steps)."""
     [solo] = wan.generate("a cat surfing", _p(chunks=3))
     [solo_other] = wan.generate("a bird", _p(seed=5, chunks=None, steps=6))
     rid = wan.add_request("a cat surfing", _p(chunks=3))
     other = wan.add_request("a bird", _p(seed=5, chunks=None, steps=6))
     events = _run(wan)
     stream_out, other_out = events[rid][-1].output, events[other][-1].output
-    assert stream_out.metrics.batch_sizes == {4: 6} and other_out.metrics.batch_sizes == {4: 6}  # 2 x CFG rows
+    assert stream_out.metrics.batch_sizes == {4: 4, 2: 2}  # 2 x CFG rows; the last chunk after `other` ended
+    assert other_out.metrics.batch_sizes == {4: 4, 2: 2}  # alone while the stream's chunk boundaries ran
     diff = np.abs(stream_out.videos[0].astype(int) - solo.videos[0].astype(int))
     assert diff.max() <= 1, diff.max()  # batched forwards differ by float rounding only
     assert np.abs(other_out.videos[0].astype(int) - solo_other.videos[0].astype(int)).max() <= 1

@@ -49,7 +49,7 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
 from diffserve.config import EngineConfig
-from diffserve.engine.async_engine import AsyncDiffusionEngine
+from diffserve.engine.client import AsyncDiffusionEngine
 from diffserve.entrypoints.model_name import model_name
 from diffserve.entrypoints.openai.errors import (
     CLIENT_CLOSED_REQUEST,
@@ -352,7 +352,7 @@ def create_app(
 
     def model_card() -> ModelCard:
         return ModelCard.describe(state.model_name, state.created,
-                                  state.engine.engine if state.engine is not None else None)
+                                  state.engine)
 
     @app.get("/v1/models", response_model=ModelList, responses=auth)
     async def list_models() -> ModelList:
@@ -382,9 +382,9 @@ def create_app(
         if state.images is not None:
             body = schema["paths"][GENERATIONS_PATH]["post"]["requestBody"]["content"]["application/json"]
             body["schema"] = state.images.request_schema()
-            sync_engine = state.images.engine.engine
-            served = {CAPABILITY_ENDPOINTS[task].split()[1] for task in model_tasks(sync_engine.spec)}
-            if sync_engine.model_info.chunk_streaming:
+            engine = state.images.engine
+            served = {CAPABILITY_ENDPOINTS[task].split()[1] for task in model_tasks(engine.spec)}
+            if engine.model_info.chunk_streaming:
                 served.add(STREAMS_PATH)
             else:
                 schema["paths"].pop(STREAMS_PATH + "/{stream_id}/interactions", None)

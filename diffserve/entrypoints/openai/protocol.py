@@ -38,7 +38,7 @@ from diffserve.core.sampling_params import MAX_GUIDANCE_SCALE, MAX_SEED
 
 if TYPE_CHECKING:
     from diffserve.core.sampling_params import ModelSpec, RequestLimits
-    from diffserve.engine.engine import DiffusionEngine
+    from diffserve.engine.client import EngineClient
 
 #: Longest accepted prompt / negative prompt, in characters (OpenAI's limit).
 MAX_PROMPT_CHARS = 32000
@@ -600,7 +600,7 @@ class ModelCard(BaseModel):
     quantization: QuantizationInfo | None = None
 
     @classmethod
-    def describe(cls, model_id: str, created: int, engine: "DiffusionEngine | None") -> "ModelCard":
+    def describe(cls, model_id: str, created: int, engine: "EngineClient | None") -> "ModelCard":
         """The card of the model `engine` serves: its adapter's capabilities and the request
         parameters with the model's defaults and the engine's limits. Without an engine (the
         model is loading) only ``id``, ``created`` and ``owned_by`` are set.

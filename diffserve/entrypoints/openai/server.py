@@ -25,7 +25,7 @@ from fastapi import FastAPI
 
 from diffserve.config import EngineConfig
 from diffserve.core.errors import InvalidRequestError
-from diffserve.engine.async_engine import AsyncDiffusionEngine
+from diffserve.engine.client import AsyncDiffusionEngine
 from diffserve.entrypoints.openai.app import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     ServerState,

@@ -258,7 +258,7 @@ def test_queue_room_is_checked_for_all_n_before_queueing(tiny_sd3_dir, monkeypat
         with httpx.stream("POST", url, json=long, timeout=30) as running, \
                 httpx.stream("POST", url, json=long, timeout=30) as waiting:
             assert running.status_code == waiting.status_code == 200
-            wait_until(lambda: engine.engine.num_waiting == 1 and len(engine.engine.scheduler.running) == 1,
+            wait_until(lambda: engine.engine.num_waiting == 1 and engine.num_running == 1,
                        what="one running, one waiting")
             # Room for 1, n=2 needs 2: a 429 (a JSON error, also when streaming), nothing queued.
             resp = httpx.post(url, json={"prompt": "x", "n": 2, "stream": True, **FAST})
@@ -301,7 +301,7 @@ def test_concurrent_groups_cannot_overfill_the_queue(tiny_sd3_dir):
     async def main():
         blocker = group(prompt="slow", num_inference_steps=LONG_STEPS)
         await service._submit(blocker, 1)
-        while len(engine.engine.scheduler.running) != 1:  # fills the batch: the rest waits
+        while engine.num_running != 1:  # fills the batch: the rest waits
             await asyncio.sleep(0.01)
         first, second = group(prompt="x", n=2, **FAST), group(prompt="y", n=2, **FAST)
         results = await asyncio.gather(service._submit(first, 2), service._submit(second, 2),

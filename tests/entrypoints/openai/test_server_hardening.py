@@ -111,7 +111,7 @@ def test_dead_engine_loop_is_503_on_health_and_requests_fail_fast(tiny_sd3_dir):
                           timeout=30) as stream:
             thread = threading.Thread(target=waiting_request)
             thread.start()
-            wait_until(lambda: len(engine.engine.scheduler.running) + engine.engine.num_waiting == 2,
+            wait_until(lambda: engine.num_running + engine.engine.num_waiting == 2,
                        what="both requests in the engine")
 
             def die():

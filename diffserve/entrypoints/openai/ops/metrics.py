@@ -24,7 +24,7 @@ Metrics (all durations in seconds):
                                                 denoiser calls and the ones a cache backend skipped
     diffserve_compile_recompiles_after_warmup   torch.compile graphs compiled after warm-up
 
-The step metrics come from the engine's step listener (`DiffusionEngine.add_step_listener`).
+The step metrics come from the engine's step listener (`EngineClient.add_step_listener`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from diffserve.core.outputs import GenerationOutput, RequestStatus
 
 if TYPE_CHECKING:
-    from diffserve.engine.async_engine import AsyncDiffusionEngine
+    from diffserve.engine.client import EngineClient
 
 STAGES = ("queue", "encode", "denoise", "decode", "total")
 _STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -83,14 +83,13 @@ class ServerMetrics:
         for stage in STAGES:
             self.stage_seconds.labels(stage=stage)
 
-    def observe_engine(self, engine: AsyncDiffusionEngine) -> None:
+    def observe_engine(self, engine: EngineClient) -> None:
         """Read queue gauges from `engine` at scrape time and record every denoising step."""
-        sync_engine = engine.engine
-        self.waiting.set_function(lambda: sync_engine.num_waiting)
-        self.running.set_function(lambda: len(sync_engine.scheduler.running))
-        self.running_rows.set_function(lambda: sync_engine.num_running_rows)
-        sync_engine.add_step_listener(self._observe_step)
-        self.registry.register(_AccelerationCollector(lambda: sync_engine.stats()["acceleration"]))
+        self.waiting.set_function(lambda: engine.num_waiting)
+        self.running.set_function(lambda: engine.num_running)
+        self.running_rows.set_function(lambda: engine.num_running_rows)
+        engine.add_step_listener(self._observe_step)
+        self.registry.register(_AccelerationCollector(lambda: engine.stats()["acceleration"]))
 
     def _observe_step(self, num_rows: int, num_requests: int, seconds: float) -> None:
         self.step_seconds.observe(seconds)

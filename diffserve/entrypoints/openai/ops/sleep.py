@@ -38,11 +38,6 @@ GATED_PREFIX = "/v1/"
 CONTROL_PATHS = frozenset({"/sleep", "/wake_up"})
 
 
-def _sync_engine(engine: Any) -> Any:
-    """The `DiffusionEngine` behind an `AsyncDiffusionEngine` (or the engine itself)."""
-    return getattr(engine, "engine", engine)
-
-
 def _loaded_engine(state: Any) -> Any:
     """The server's engine.
 
@@ -77,12 +72,12 @@ class _SleepGate:
         engine = getattr(self.state, "engine", None)
         if (scope["type"] == "http" and scope["method"] == "POST" and scope["path"].startswith(GATED_PREFIX)
                 and engine is not None):
-            sleep_state = _sync_engine(engine).sleep_state
+            sleep_state = engine.sleep_state
             if sleep_state != "awake":
                 if not self.wake_on_request:
                     await sleeping_error(sleep_state).to_response()(scope, receive, send)
                     return
-                await asyncio.get_running_loop().run_in_executor(None, _sync_engine(engine).wake_up)
+                await asyncio.get_running_loop().run_in_executor(None, engine.wake_up)
         await self.app(scope, receive, send)
 
 
@@ -94,7 +89,7 @@ def install_sleep_routes(app: FastAPI, state: Any, wake_on_request: bool = False
     Args:
         app: the FastAPI app (its OpenAI error handlers installed, see
             `diffserve.entrypoints.openai.errors.install_error_handlers`).
-        state: the server state; ``state.engine`` is the `AsyncDiffusionEngine` (None while
+        state: the server state; ``state.engine`` is the engine client (None while
             loading).
         wake_on_request: a generation request wakes a sleeping engine instead of getting 503.
         allowed_origins, public_url: the sites whose pages may post ``/sleep`` and ``/wake_up``
@@ -108,14 +103,14 @@ def install_sleep_routes(app: FastAPI, state: Any, wake_on_request: bool = False
     @app.exception_handler(EngineSleepingError)
     async def _sleeping(request: Request, exc: EngineSleepingError) -> JSONResponse:
         engine = getattr(state, "engine", None)
-        name = _sync_engine(engine).sleep_state if engine is not None else "asleep"
+        name = engine.sleep_state if engine is not None else "asleep"
         return sleeping_error(name).to_response()
 
     @app.post("/sleep")
     async def sleep(request: Request, level: int = 1) -> JSONResponse:
         """Drain, then sleep at `level` (1 or 2); answers once asleep."""
         check_form_origin(request, allowed_origins, public_url)
-        engine = _sync_engine(_loaded_engine(state))
+        engine = _loaded_engine(state)
         from diffserve.core.sleep_levels import check_level
 
         level = check_level(level)
@@ -126,12 +121,12 @@ def install_sleep_routes(app: FastAPI, state: Any, wake_on_request: bool = False
     async def wake_up(request: Request) -> JSONResponse:
         """Restore the weights; answers once awake."""
         check_form_origin(request, allowed_origins, public_url)
-        engine = _sync_engine(_loaded_engine(state))
+        engine = _loaded_engine(state)
         await asyncio.get_running_loop().run_in_executor(None, engine.wake_up)
         return JSONResponse({"is_sleeping": engine.is_sleeping})
 
     @app.get("/is_sleeping")
     async def is_sleeping() -> JSONResponse:
         """Whether the engine is asleep."""
-        engine = _sync_engine(_loaded_engine(state))
+        engine = _loaded_engine(state)
         return JSONResponse({"is_sleeping": engine.is_sleeping})

@@ -8,8 +8,9 @@ input images (`diffserve.core.inputs`); its ``size="auto"`` is the first input's
 model's resolution multiple (`diffserve.core.inputs.auto_size`), reported in the response.
 
 - Image ``i`` of a request is its own engine request with seed ``(seed + i) mod 2**63`` (``seed`` drawn at
-  random when not given), so each image is reproducible alone with ``n=1`` and its seed. The
-  ``n`` requests are submitted together and share denoising steps (same batch key).
+  random when not given; the engine's `InputProcessor`, shared with the CLI and the video
+  routes), so each image is reproducible alone with ``n=1`` and its seed. The ``n`` requests
+  are submitted together and share denoising steps (same batch key).
 - Everything a client can get wrong is checked before anything is queued (400), ``n`` included:
   at most the engine's per-request image limit and at most its waiting-queue bound (a larger
   ``n`` could never be queued, so it is a 400, not a 429).
@@ -44,7 +45,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -54,7 +54,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from diffserve.engine.async_engine import AsyncDiffusionEngine
+from diffserve.engine.client import EngineClient, ProcessedRequest
 from diffserve.entrypoints.openai.http_protocol import CLIENT_EOF_KEY
 from diffserve.entrypoints.openai.errors import (
     CLIENT_CLOSED_REQUEST,
@@ -81,10 +81,9 @@ from diffserve.entrypoints.openai.request_body import CLIENT_DISCONNECTED_KEY
 from diffserve.entrypoints.openai.services.request_groups import ENGINE_DEAD_MESSAGE, RequestGroup
 from diffserve.entrypoints.openai.services.sse_progress import StreamProgress
 from diffserve.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
-from diffserve.core.inputs import auto_size
-from diffserve.core.outputs import EventType, GenerationOutput, RequestStatus, StreamEvent
 from diffserve.core.inputs import RequestInputs
-from diffserve.core.sampling_params import MAX_SEED, SamplingParams, validate_prompt
+from diffserve.core.outputs import EventType, GenerationOutput, RequestStatus, StreamEvent
+from diffserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +101,8 @@ class _Plan:
 
     request_id: str
     created: int
-    prompt: str
-    params: list[SamplingParams]
+    #: the engine requests, one per image (image i with seed + i)
+    requests: list[ProcessedRequest]
     width: int
     height: int
     num_steps: int
@@ -137,7 +136,7 @@ class ImageGenerationService:
         heartbeat_s: seconds between SSE keep-alive comments on a quiet stream.
     """
 
-    def __init__(self, engine: AsyncDiffusionEngine, model_name: str, store: ImageStore,
+    def __init__(self, engine: EngineClient, model_name: str, store: ImageStore,
                  metrics: ServerMetrics, is_draining: Callable[[], bool], public_url: str | None = None,
                  heartbeat_s: float = DEFAULT_HEARTBEAT_S):
         self.engine = engine
@@ -179,7 +178,7 @@ class ImageGenerationService:
     async def _create(self, plan: "_Plan", body: ImageGenerationRequest | ImageEditRequest, raw_request: Request,
                       reservation: Reservation | None) -> Response:
         group = self._group(plan)
-        await self.submit(group, len(plan.params))
+        await self.submit(group, len(plan.requests))
         watcher = _DisconnectWatcher(raw_request.receive, group.abort)
         watcher.start()
         if body.user or body.safety_identifier:
@@ -213,17 +212,16 @@ class ImageGenerationService:
     # ------------------------------------------------------------------------- planning
     def _group(self, plan: _Plan) -> RequestGroup:
         """The engine requests of `plan` (not submitted yet)."""
-        return RequestGroup(self.engine, plan.request_id, plan.prompt, plan.params, self.metrics,
-                            preview_steps=plan.preview_steps, inputs=plan.inputs,
+        return RequestGroup(self.engine, plan.request_id, plan.requests, self.metrics,
+                            preview_steps=plan.preview_steps,
                             progress=plan.stream_progress)  # only diffserve.progress SSE events read them
 
     def _plan(self, body: ImageGenerationRequest | ImageEditRequest, inputs: RequestInputs | None = None) -> _Plan:
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
                                 f"'{self.model_name}' (GET /v1/models).", param="model", code="model_not_found")
-        sync_engine = self.engine.engine
-        spec = sync_engine.spec
-        limits = sync_engine.config.limits
+        engine = self.engine
+        spec, config = engine.spec, engine.config
         if spec.default_num_frames is not None:
             raise APIError(400, f"The model '{self.model_name}' generates videos: use POST /v1/videos.",
                            param="model", code="invalid_value")
@@ -232,48 +230,35 @@ class ImageGenerationService:
                                 "cannot edit: use POST /v1/images/generations.", param="image",
                            code="invalid_value")
         n = 1 if body.n is None else body.n
-        max_n = min(limits.max_num_images_per_prompt, sync_engine.config.max_waiting_requests)
+        max_n = min(config.limits.max_num_images_per_prompt, config.max_waiting_requests)
         if not 1 <= n <= max_n:
             raise APIError(400, f"invalid n={n}: must be an integer in [1, {max_n}] (at most "
-                                f"{limits.max_num_images_per_prompt} images per request, and at most the "
-                                f"server's waiting-queue bound of {sync_engine.config.max_waiting_requests} "
+                                f"{config.limits.max_num_images_per_prompt} images per request, and at most the "
+                                f"server's waiting-queue bound of {config.max_waiting_requests} "
                                 "requests: each image is one queued request)",
                            param="n", code="invalid_value")
         try:
             size = parse_size(body.size)
-            if size is None and inputs is not None:  # an edit's "auto": the input's size
-                size = auto_size(inputs.images[0].size, spec, limits)
             width, height = size if size is not None else (None, None)
-            if body.seed is not None:
-                seed = body.seed
-            elif sync_engine.config.default_seed is not None:
-                seed = sync_engine.config.default_seed
-            else:
-                seed = secrets.randbelow(2**31)
-            prompt = validate_prompt(body.prompt, spec)
-            params = [
-                SamplingParams(negative_prompt=body.negative_prompt, num_images_per_prompt=1, height=height,
-                               width=width, num_inference_steps=body.num_inference_steps,
-                               guidance_scale=body.guidance_scale, true_cfg_scale=body.true_cfg_scale,
-                               strength=getattr(body, "strength", None), seed=(seed + i) % (MAX_SEED + 1),
-                               output_type="pil")
-                for i in range(n)
-            ]
-            resolved = [p.resolve(spec, limits) for p in params]  # every check, before any allocation
-            request_plan = sync_engine.executor.plan(resolved[0], inputs)  # the family's own rules (images, mask, strength)
+            params = SamplingParams(negative_prompt=body.negative_prompt, num_images_per_prompt=1, height=height,
+                                    width=width, num_inference_steps=body.num_inference_steps,
+                                    guidance_scale=body.guidance_scale, true_cfg_scale=body.true_cfg_scale,
+                                    strength=getattr(body, "strength", None), seed=body.seed, output_type="pil")
+            # seeds, every check (the family's own rules on images, mask, strength too) and the plan, before
+            # any allocation; an edit's "auto" size is the input's
+            requests = engine.input_processor.process(body.prompt, params, inputs, n=n, size_from_inputs=True)
         except InvalidRequestError as exc:
             raise invalid_request(exc) from None
-        first = resolved[0]
+        first = requests[0]
         stream = bool(body.stream)
         return _Plan(
             request_id=f"img-{uuid.uuid4().hex}",
             created=int(time.time()),
-            prompt=prompt,
-            params=params,
-            width=first.width,
-            height=first.height,
-            num_steps=request_plan.num_steps,  # the steps that run (image-to-image: the strength's share)
-            preview_steps=preview_steps(request_plan.num_steps, body.partial_images or 0) if stream else [],
+            requests=requests,
+            width=first.params.width,
+            height=first.params.height,
+            num_steps=first.num_steps,  # the steps that run (image-to-image: the strength's share)
+            preview_steps=preview_steps(first.num_steps, body.partial_images or 0) if stream else [],
             stream=stream,
             stream_progress=stream and bool(body.stream_progress),
             response_format=body.response_format or "b64_json",
@@ -294,7 +279,7 @@ class ImageGenerationService:
         """
         if plan.response_format != "url" or plan.stream:  # streamed images are always base64
             return None
-        n = len(plan.params)
+        n = len(plan.requests)
         try:
             return self.store.reserve(n, n * encoded_size_bound(plan.width, plan.height))
         except InvalidRequestError as exc:
@@ -317,8 +302,8 @@ class ImageGenerationService:
 
     def request_schema(self) -> dict:
         """JSON schema of the request body with this server's model and engine limits."""
-        config = self.engine.engine.config
-        return request_json_schema(self.engine.engine.spec, config.limits,
+        config = self.engine.config
+        return request_json_schema(self.engine.spec, config.limits,
                                    min(config.limits.max_num_images_per_prompt, config.max_waiting_requests))
 
     def engine_dead_message(self) -> str:
@@ -333,8 +318,7 @@ class ImageGenerationService:
     def _check_queue_room(self, n: int) -> None:
         """Raise `EngineOverloadedError` unless the waiting queue has room for `n` more requests
         besides those other HTTP requests are about to queue (`_reserved`)."""
-        sync_engine = self.engine.engine
-        free = sync_engine.config.max_waiting_requests - sync_engine.num_waiting - self._reserved
+        free = self.engine.config.max_waiting_requests - self.engine.num_waiting - self._reserved
         if n > free:
             raise EngineOverloadedError(
                 f"waiting queue is full: room for {max(free, 0)} more request(s), this one needs {n} "
@@ -426,7 +410,7 @@ class ImageGenerationService:
     # ------------------------------------------------------------------------- streaming
     async def _stream(self, plan: _Plan, group: RequestGroup, watcher: "_DisconnectWatcher",
                       raw_request: Request) -> AsyncIterator[str]:
-        partial_counts = [0] * len(plan.params)
+        partial_counts = [0] * len(plan.requests)
         completed = False
         common = dict(size=plan.size, quality=plan.quality, background="opaque", output_format=plan.output_format)
         loop = asyncio.get_running_loop()
@@ -436,7 +420,7 @@ class ImageGenerationService:
         # EOF (a half-close, or a close), two comments right away probe whether it is still there.
         half = self.heartbeat_s / 2
         probes = 0
-        progress = StreamProgress(self.engine.engine, group.ids) if plan.stream_progress else None
+        progress = StreamProgress(self.engine, group.ids) if plan.stream_progress else None
         try:
             async for item in group.events(self.engine_alive, tick_s=min(half, EOF_PROBE_INTERVAL_S)):
                 if item is None:

@@ -12,12 +12,10 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from diffserve.engine.async_engine import AsyncDiffusionEngine
-from diffserve.entrypoints.openai.ops.metrics import ServerMetrics
 from diffserve.core.errors import EngineDeadError
 from diffserve.core.outputs import EventType, StreamEvent
-from diffserve.core.inputs import RequestInputs
-from diffserve.core.sampling_params import SamplingParams
+from diffserve.engine.client import EngineClient, ProcessedRequest
+from diffserve.entrypoints.openai.ops.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -35,28 +33,23 @@ class RequestGroup:
     HTTP request is counted as a 429).
 
     Args:
-        engine: the running engine.
+        engine: the running engine (its async client).
         request_id: the HTTP request's id.
-        prompt: the prompt of every request.
-        params: one `SamplingParams` per engine request.
+        requests: the engine requests, as the engine's input processor made them.
         metrics: the server's metrics.
         preview_steps: denoising steps after which previews are decoded (``partial`` events).
-        inputs: input images of every request (`RequestInputs`), or None.
         progress: whether the requests emit ``progress`` events (one per denoising step).
     """
 
-    def __init__(self, engine: AsyncDiffusionEngine, request_id: str, prompt: str, params: Sequence[SamplingParams],
-                 metrics: ServerMetrics, preview_steps: Sequence[int] = (), inputs: RequestInputs | None = None,
-                 progress: bool = True):
+    def __init__(self, engine: EngineClient, request_id: str, requests: Sequence[ProcessedRequest],
+                 metrics: ServerMetrics, preview_steps: Sequence[int] = (), progress: bool = True):
         self._engine = engine
-        self._prompt = prompt
-        self._params = list(params)
+        self._requests = list(requests)
         self._preview_steps = list(preview_steps)
-        self._inputs = inputs
         self._progress = progress
         self._metrics = metrics
-        self._unreported = set(range(len(self._params)))
-        self.ids = [f"{request_id}-{i}" for i in range(len(self._params))]
+        self._unreported = set(range(len(self._requests)))
+        self.ids = [f"{request_id}-{i}" for i in range(len(self._requests))]
         self._queue: asyncio.Queue[tuple[int, StreamEvent]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
 
@@ -76,9 +69,9 @@ class RequestGroup:
                 at its next step) and none is counted in the metrics.
             EngineDeadError: the engine loop stopped before the first events came.
         """
-        gens = [self._engine.generate(self._prompt, params, request_id=rid, preview_steps=self._preview_steps,
-                                      inputs=self._inputs, progress=self._progress)
-                for rid, params in zip(self.ids, self._params)]
+        gens = [self._engine.generate(request, request_id=rid, preview_steps=self._preview_steps,
+                                      progress=self._progress)
+                for rid, request in zip(self.ids, self._requests)]
 
         async def first_event(gen):
             return await anext(gen)

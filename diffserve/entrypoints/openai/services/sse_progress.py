@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from diffserve.core.outputs import EventType, StreamEvent
 
 if TYPE_CHECKING:
-    from diffserve.engine.engine import DiffusionEngine
+    from diffserve.engine.client import EngineClient
 
 
 
@@ -37,7 +37,7 @@ class StreamProgress:
         request_ids: the engine request id of each image, by image index.
     """
 
-    def __init__(self, engine: DiffusionEngine, request_ids: Sequence[str]):
+    def __init__(self, engine: EngineClient, request_ids: Sequence[str]):
         self._engine = engine
         self._ids = list(request_ids)
         #: image index -> the place last sent, for the images still waiting

@@ -67,7 +67,7 @@ from diffserve.entrypoints.openai.services.images import (  # the Images API's S
 from diffserve.media.video_encoding import VIDEO_FORMATS, encode_video
 from diffserve.core.errors import EngineDeadError, EngineOverloadedError, InteractionRefusedError, InvalidRequestError
 from diffserve.core.outputs import EventType, RequestStatus, StreamEvent
-from diffserve.core.sampling_params import MAX_GUIDANCE_SCALE, MAX_SEED, SamplingParams, validate_prompt
+from diffserve.core.sampling_params import MAX_GUIDANCE_SCALE, MAX_SEED, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class VideoStreamRequest(BaseModel):
 
 class InteractionRequest(BaseModel):
     """Body of ``POST /v1/videos/streams/{stream_id}/interactions`` (see
-    `diffserve.engine.engine.DiffusionEngine.submit_interaction`)."""
+    `diffserve.engine.client.EngineClient.submit_interaction`)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -159,7 +159,7 @@ class VideoStreamService:
     """Serves video streams on the server state's engine (see the module docstring).
 
     Args:
-        state: the server state: ``engine`` (`AsyncDiffusionEngine`), ``model_name``,
+        state: the server state: ``engine`` (the `EngineClient`), ``model_name``,
             ``heartbeat_s``, ``metrics`` (`ServerMetrics`: streams count as requests, engine
             outcomes and videos), ``require_service()``.
     """
@@ -181,27 +181,25 @@ class VideoStreamService:
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         engine = self.state.engine
-        sync = engine.engine
         if body.model is not None and body.model != self.state.model_name:
             raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
                                 f"'{self.state.model_name}'.", param="model", code="model_not_found")
-        if not sync.model_info.chunk_streaming:
-            raise APIError(400, f"the served model ({sync.model_info.pipeline}) cannot stream video chunks",
+        if not engine.model_info.chunk_streaming:
+            raise APIError(400, f"the served model ({engine.model_info.pipeline}) cannot stream video chunks",
                            param="num_chunks", code="streaming_unsupported")
         try:
-            prompt = validate_prompt(body.prompt, sync.spec)
             size = parse_size(body.size)
             width, height = size if size is not None else (None, None)
             params = SamplingParams(negative_prompt=body.negative_prompt, height=height, width=width,
                                     num_frames=body.num_frames, fps=body.fps, num_chunks=body.num_chunks,
                                     num_inference_steps=body.num_inference_steps,
                                     guidance_scale=body.guidance_scale, seed=body.seed, output_type="np")
-            resolved = params.resolve(sync.spec, sync.config.limits, sync.config.default_seed)
+            [request] = engine.input_processor.process(body.prompt, params)  # seed, checks, plan
         except InvalidRequestError as exc:
             raise invalid_request(exc) from None
-        params.seed = resolved.seed  # the drawn seed, reported in the created event
+        resolved = request.params
         stream_id = f"vstream-{uuid.uuid4().hex}"
-        events = engine.generate(prompt, params, request_id=stream_id)
+        events = engine.generate(request, request_id=stream_id)
         try:
             queued = await anext(events)  # add_request's errors surface here, before any byte is sent
         except InvalidRequestError as exc:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from collections.abc import Iterator
 from typing import BinaryIO, Literal
@@ -78,7 +77,7 @@ from diffserve.media.metadata import video_metadata
 from diffserve.media.video_encoding import encode_mp4
 from diffserve.core.errors import InvalidRequestError
 from diffserve.core.outputs import EventType, RequestStatus, StreamEvent
-from diffserve.core.sampling_params import SamplingParams, validate_prompt
+from diffserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -142,13 +141,11 @@ class VideoService:
         """
         images = self.images
         engine = images.engine
-        sync_engine = engine.engine
-        spec, config = sync_engine.spec, sync_engine.config
+        spec = engine.spec
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
                                 f"'{self.model_name}' (GET /v1/models).", param="model", code="model_not_found")
         try:
-            prompt = validate_prompt(body.prompt, spec)
             size = parse_size(body.size)
             width, height = size if size is not None else (None, None)
             num_frames = body.num_frames
@@ -157,24 +154,18 @@ class VideoService:
                     raise InvalidRequestError("seconds", body.seconds, "unset when num_frames is given (give one)")
                 fps = body.fps if body.fps is not None else spec.default_fps
                 num_frames = frames_for_seconds(body.seconds, fps, spec.frame_factor)
-            if body.seed is not None:
-                seed = body.seed
-            elif config.default_seed is not None:
-                seed = config.default_seed
-            else:
-                seed = secrets.randbelow(2**31)
             params = SamplingParams(negative_prompt=body.negative_prompt, height=height, width=width,
                                     num_inference_steps=body.num_inference_steps, guidance_scale=body.guidance_scale,
                                     guidance_scale_2=body.guidance_scale_2, true_cfg_scale=body.true_cfg_scale,
-                                    num_frames=num_frames, fps=body.fps, seed=seed, output_type="np")
-            resolved = params.resolve(spec, config.limits)
-            sync_engine.executor.plan(resolved, None)
+                                    num_frames=num_frames, fps=body.fps, seed=body.seed, output_type="np")
+            [request] = engine.input_processor.process(body.prompt, params)  # seed, checks, plan
         except InvalidRequestError as exc:
             error = invalid_request(exc)
             if exc.field == "num_frames" and body.seconds is not None:
                 error.param = "seconds"
                 error.message += f" (from seconds={body.seconds:g} at {fps} fps)"
             raise error from None
+        prompt, resolved = request.prompt, request.params
         now = time.time()
         job = VideoJob(id=new_video_id(now), created_at=now, model=self.model_name, prompt=prompt,
                        width=resolved.width, height=resolved.height, num_frames=resolved.num_frames,
@@ -189,13 +180,13 @@ class VideoService:
             error = unavailable(str(exc), "video_store_full")
             error.headers = {"Retry-After": str(exc.retry_after_s)}
             raise error from None
-        group = RequestGroup(engine, job.id, prompt, [params], self.metrics)
+        group = RequestGroup(engine, job.id, [request], self.metrics)
         try:
             await images.submit(group, 1)
         except BaseException:
             await asyncio.to_thread(self.store.delete, job.id)
             raise
-        job.queue_position = sync_engine.queue_position(group.ids[0])
+        job.queue_position = engine.queue_position(group.ids[0])
         self._running[job.id] = group
         task = asyncio.create_task(self._run(job, group, prompt))
         self._tasks.add(task)
@@ -208,7 +199,7 @@ class VideoService:
         """Follow the job's engine request: write its progress to the store, then its video (or
         its failure); abort it when the job was deleted."""
         loop = asyncio.get_running_loop()
-        sync_engine = self.images.engine.engine
+        engine = self.images.engine
         last_write = loop.time()
         deleted = False
 
@@ -224,7 +215,7 @@ class VideoService:
         try:
             async for item in group.events(self.images.engine_alive, tick_s=TICK_S):
                 if item is None:
-                    position = sync_engine.queue_position(group.ids[0]) if job.status == "queued" else None
+                    position = engine.queue_position(group.ids[0]) if job.status == "queued" else None
                     moved = position != job.queue_position
                     job.queue_position = position
                     if moved or loop.time() - last_write >= RENEW_S:
@@ -395,7 +386,7 @@ def install_video_routes(app: FastAPI, state, allowed_origins: list[str] | None 
     async def create_video(raw_request: Request) -> Response:
         """Create a video job (OpenAI Videos API, plus diffserve's extension fields)."""
         images = state.require_service()
-        if images.engine.engine.spec.default_num_frames is None:  # not in the served schema either
+        if images.engine.spec.default_num_frames is None:  # not in the served schema either
             raise APIError(405, f"The model '{images.model_name}' generates images, not videos: POST /v1/videos "
                                 "is not served (use POST /v1/images/generations).", code="method_not_allowed",
                            headers={"Allow": "GET"})

@@ -1,0 +1,159 @@
+"""`RequestQueues`: the request scheduler's policy: which requests are admitted and which run
+in the next denoising step (`diffserve.engine.scheduler.RequestScheduler` drives it).
+
+Two queues: `waiting` (added, not yet admitted) and `running` (admitted: being prepared,
+denoising or being decoded). Only denoising requests are stepped; preparing and denoising ones
+count against the row budget.
+
+Fairness rule (step mode):
+- Admission is first-come-first-served: waiting requests enter `running` in arrival order
+  while the running rows stay within `max_batch_size` (a request bigger than that runs alone
+  when nothing else is running). Nobody is overtaken at admission, so no one starves there.
+- Each step runs the batch key of the OLDEST running request, with every other running
+  request of that key (oldest first, up to `max_batch_size` rows). The key is the request's
+  static `batch_key` plus its current `step_key` (the part that changes while it runs, e.g.
+  Wan 2.2's expert). The oldest request
+  advances every step until it finishes, so every request eventually becomes the oldest and
+  runs: no starvation, and an incompatible request never stalls compatible ones for longer
+  than its own remaining steps.
+
+Request mode (static batching, the baseline): when nothing runs, the head of the queue and
+every waiting request sharing its batch key (up to `max_batch_size` rows) are admitted
+together and run to completion before anything else is admitted.
+
+Memory (with a `memory_limit`, see `diffserve.engine.memory_budget`): in both modes a request
+is admitted only while the estimated bytes (`Request.memory_bytes`) of the running requests
+(decoding ones included) plus its own stay within the limit; like rows, a request that does
+not fit waits at the head of the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from diffserve.engine.request import Phase, Request
+from diffserve.core.errors import EngineOverloadedError
+
+
+class RequestQueues:
+    """Waiting/running queues, admission and the per-step batch choice (the fairness rule of
+    the module docstring).
+
+    Args:
+        max_batch_size: most transformer rows per step (and admitted at once).
+        max_waiting: bound on the waiting queue.
+        mode: ``"step"`` or ``"request"``.
+        memory_limit: bytes the running requests' estimates may add up to (None = no memory
+            budget).
+    """
+
+    def __init__(self, max_batch_size: int, max_waiting: int, mode: str = "step",
+                 memory_limit: int | None = None):
+        self.max_batch_size = max_batch_size
+        self.max_waiting = max_waiting
+        self.mode = mode
+        self.memory_limit = memory_limit
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        #: the last `select_batch` result, reused until something it depends on changes
+        self._batch: list[Request] | None = None
+
+    def changed(self) -> None:
+        """Forget the last selected batch: a running request's phase or step key changed
+        (the request scheduler calls this; admission and `finish` call it themselves)."""
+        self._batch = None
+
+    @property
+    def running_rows(self) -> int:
+        """Denoiser rows held by admitted requests that are preparing or denoising."""
+        return sum(r.rows for r in self.running if r.phase is not Phase.DECODING)
+
+    @property
+    def running_memory(self) -> int:
+        """Estimated bytes of every admitted request (`Request.memory_bytes`)."""
+        return sum(r.memory_bytes for r in self.running)
+
+    def _fits_memory(self, used: int, request: Request) -> bool:
+        return self.memory_limit is None or used + request.memory_bytes <= self.memory_limit
+
+    def add(self, request: Request) -> None:
+        """Queue a request.
+
+        Raises:
+            EngineOverloadedError: the waiting queue already holds `max_waiting` requests.
+        """
+        if len(self.waiting) >= self.max_waiting:
+            raise EngineOverloadedError(
+                f"waiting queue is full ({self.max_waiting} requests); retry later"
+            )
+        self.waiting.append(request)
+
+    def remove_waiting(self, request_id: str) -> Request | None:
+        """Take a waiting request out of the queue (abort); None if it is not waiting."""
+        for request in self.waiting:
+            if request.request_id == request_id:
+                self.waiting.remove(request)
+                return request
+        return None
+
+    def admit(self) -> list[Request]:
+        """Move waiting requests into `running` per the mode's rule; returns those moved."""
+        admitted: list[Request] = []
+        if self.mode == "request":
+            if self.running or not self.waiting:
+                return admitted
+            head = self.waiting.popleft()
+            admitted.append(head)
+            rows, memory = head.rows, head.memory_bytes
+            for request in list(self.waiting):
+                if request.batch_key == head.batch_key and rows + request.rows <= self.max_batch_size \
+                        and self._fits_memory(memory, request):
+                    self.waiting.remove(request)
+                    admitted.append(request)
+                    rows += request.rows
+                    memory += request.memory_bytes
+        elif self.waiting:
+            rows, memory = self.running_rows, self.running_memory
+            while self.waiting:
+                head = self.waiting[0]
+                if (self.running or admitted) and (rows + head.rows > self.max_batch_size
+                                                   or not self._fits_memory(memory, head)):
+                    break
+                admitted.append(self.waiting.popleft())
+                rows += head.rows
+                memory += head.memory_bytes
+        if admitted:
+            self.running.extend(admitted)
+            self._batch = None
+        return admitted
+
+    def select_batch(self) -> list[Request]:
+        """Requests for the next denoising step: the oldest denoising request's (batch key,
+        step key), oldest first, up to `max_batch_size` rows (the oldest always included).
+
+        While nothing it depends on changed (no admission, `finish` or `changed` since), the
+        previous call's list is returned again, as is (the same object: callers must not
+        modify it), so a step of an unchanged batch costs no per-request work here."""
+        if self._batch is not None:
+            return self._batch
+        ordered = sorted((r for r in self.running if r.phase is Phase.DENOISING), key=lambda r: r.seq)
+        if not ordered:
+            return []
+        key = (ordered[0].batch_key, ordered[0].step_key)
+        batch: list[Request] = []
+        rows = 0
+        for request in ordered:
+            if (request.batch_key, request.step_key) != key:
+                continue
+            if batch and rows + request.rows > self.max_batch_size:
+                continue
+            batch.append(request)
+            rows += request.rows
+        self._batch = batch
+        return batch
+
+    def finish(self, request: Request) -> None:
+        """Remove a request from `running` (finished, failed or aborted)."""
+        if request in self.running:
+            self.running.remove(request)
+            self._batch = None

@@ -10,6 +10,11 @@ a DiT / UNet forward, so they cannot change real rows) and the first ``r`` outpu
 returned. Graphs are captured on first use of a shape (a few forwards of one-time cost) and
 share one memory pool; the least recently used beyond `max_graphs` are dropped.
 
+The step batch's per-row data (`diffserve.pipelines.row_data`: values the forward reads from
+its context, not as arguments) is part of a graph's key: a graph is captured with the row data
+of its bucket (the batch's, its last row repeated) as the forward context, so what the forward
+read of it is baked into the graph, and a batch with other row data gets its own graph.
+
 Composes with regional ``torch.compile`` (captured after compilation, so the compiled kernels
 are what replays). Not with TeaCache / cache-dit, whose per-request decisions run Python
 between blocks: those backends replace the denoiser call themselves.
@@ -23,6 +28,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from diffserve.pipelines.row_data import current_rows, forward_rows
 
 logger = logging.getLogger(__name__)
 
@@ -132,11 +139,13 @@ class CudaGraphDenoiser:
         flat: dict[str, torch.Tensor] = {}
         static: list = []
         _flatten(kwargs, "", flat, static)
-        key = (bucket, tuple(static))
+        row_data = current_rows().padded(bucket)
+        key = (bucket, tuple(static), row_data.key())
         graph = self.graphs.pop(key, None)
         if graph is None:
             shared = frozenset(batch.states[0].shared) if batch.states else frozenset()
-            graph = _Graph(lambda kw: self.call(batch, kw), kwargs, rows, bucket, self.pool, shared)
+            with forward_rows(row_data):
+                graph = _Graph(lambda kw: self.call(batch, kw), kwargs, rows, bucket, self.pool, shared)
             if self.pool is None:
                 self.pool = graph.graph.pool()
             self.captures += 1

@@ -32,6 +32,7 @@ model's calibrated preset); calibrate a model with
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,7 @@ import torch
 from diffserve.acceleration.backend import CacheBackend
 from diffserve.config import TeaCacheConfig
 from diffserve.core.errors import InvalidRequestError
+from diffserve.pipelines.row_data import narrowed_rows
 
 if TYPE_CHECKING:
     from diffserve.pipelines.base import PipelineAdapter, RequestState
@@ -155,7 +157,11 @@ class TeaCacheBackend(CacheBackend):
             computed_rows = {}
             if computing:
                 index = torch.cat([rows[i] for i in computing])
-                computed = split.blocks(model, hidden[index], split.select_rows(context, index))
+                # per-row data (LoRA adapters, ...) follows the rows computed (host indices: no sync)
+                narrow = (narrowed_rows(torch.cat([batch.request_rows(i) for i in computing]))
+                          if batch.row_data else contextlib.nullcontext())
+                with narrow:
+                    computed = split.blocks(model, hidden[index], split.select_rows(context, index))
                 offset = 0
                 for i in computing:
                     n = len(rows[i])

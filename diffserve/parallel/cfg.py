@@ -42,11 +42,13 @@ def _slice_rows(value: Any, num_rows: int, lo: int, hi: int) -> Any:
 
 
 def slice_batch(batch: StepBatch, lo: int, hi: int) -> StepBatch:
-    """`batch` with only forward rows [lo, hi) (shared inputs untouched)."""
+    """`batch` with only forward rows [lo, hi): its per-row inputs and per-row data (shared
+    inputs untouched)."""
     shared = set(batch.states[0].shared) if batch.states else set()
     n = batch.num_rows
     inputs = {k: (v if k in shared else _slice_rows(v, n, lo, hi)) for k, v in batch.inputs.items()}
-    return dataclasses.replace(batch, inputs=inputs, cache=None)
+    row_data = batch.row_data.select(range(lo, hi)) if batch.row_data else batch.row_data
+    return dataclasses.replace(batch, inputs=inputs, cache=None, row_data=row_data)
 
 
 def gather_rows(local: torch.Tensor, bounds: list[tuple[int, int]], group) -> torch.Tensor:

@@ -1,31 +1,41 @@
-"""The step contract every pipeline adapter implements (see ``pipelines/README.md``).
+"""The step contract: `PipelineAdapter`, the base of every model family's step adapter (see
+``pipelines/README.md``).
 
-An adapter wraps one model family's diffusers components. It owns everything model-shaped, so
-the engine, runner, acceleration backends and server never name a family:
+A step adapter wraps one family's diffusers pipeline and owns everything model-shaped, so the
+engine, runner, acceleration backends and server never name a family. The runner drives it:
 
-- how many denoiser rows a request takes (`PipelineAdapter.branches` x images per prompt),
-  which requests may share a forward (`batch_key`), and family-specific field checks
-  (`check_params`);
-- `prepare(state)`: encode the prompt (through the prompt-embedding cache), create the
-  request's own diffusion-scheduler instance, its timesteps/sigmas and initial latents from its
-  own seeded generator;
-- `collate(states) -> StepBatch`: several requests' inputs become ONE denoiser forward
-  (per-row tensors, batch-shared tensors, padding + masks, nested dicts);
-- `denoise(batch)`: that forward; `combine(batch, out)`: CFG / true CFG over the branches;
-  `step(batch, guided)`: one diffusion-scheduler step for every request of the batch;
-- `decode(state)`: VAE decode and post-processing;
-- `capabilities`: how cache backends and regional compile hook into its denoiser.
+- plan: `check_params`, `rows` (images x guidance branches), `batch_key` (who may share a
+  forward), `num_steps`, `step_key` (the part of the key that changes while a request runs);
+- `prepare(state)`: encode the prompt (through the prompt-embedding cache), the request's own
+  diffusion scheduler, timesteps and seeded latents;
+- per step: `collate(states) -> StepBatch` (several requests' rows in ONE forward, branch-major,
+  with their per-row data), `denoise(batch)` (the forward), `combine(batch, out)` (guidance)
+  and `step(batch, guided)` (the diffusion scheduler, batched where it allows);
+- `decode(state)`: VAE decode and post-processing.
 
-A whole request is prepare, then collate+denoise+combine+step until done, then decode: the
-request path and the step path share one implementation.
+A family implements four phases and declares the rest:
+
+- `setup()`: what it builds from the loaded pipeline (text encoding, plug-ins, `capabilities`)
+  and the `ModelSpec` limits its components fix;
+- `prepare_request(state)`, `forward_inputs(batch)` (the denoiser's arguments), `decode`;
+- declarations: `pipeline_class`, `sampling_defaults` (the diffusers ``__call__`` defaults;
+  a folder's ``generation_config.json`` overrides them), `batch_key_fields`, `image_input`,
+  `text_inputs`, `padded_inputs`, `appended_latents`, and the strategies `guidance` (CFG, true
+  CFG with norm rescale, embedded guidance: `guidance.Guidance`), `stepping` (batched
+  flow-matching Euler or each request's scheduler: `diffusion_scheduler.Stepping`) and
+  `expert_routing` (Wan 2.2's two experts: `experts.ExpertRouting`).
+
+A whole request is prepare, then collate + denoise + combine + step until done, then decode:
+the request path and the step path share one implementation.
 """
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -33,11 +43,19 @@ import torch
 
 from diffserve.core.errors import InvalidRequestError, NonFiniteOutputError
 from diffserve.core.inputs import RequestInputs
-from diffserve.pipelines import diffusion_scheduler, guidance
-from diffserve.pipelines.step_batch import BatchCache, StepBatch, collate_branches
 from diffserve.core.sampling_params import ModelSpec, SamplingParams
+from diffserve.pipelines import diffusion_scheduler
+from diffserve.pipelines.capabilities import AdapterOptions, CacheDiTSupport, Capabilities, TeaCacheSupport
+from diffserve.pipelines.diffusion_scheduler import FLOW_MATCH_EULER, Stepping
+from diffserve.pipelines.generation_config import model_spec, read_generation_config
+from diffserve.pipelines.guidance import CFG, Guidance, uniform_or_rows
+from diffserve.pipelines.request_state import RequestState
+from diffserve.pipelines.row_data import NO_ROW_DATA, current_rows, forward_rows
+from diffserve.pipelines.step_batch import BatchCache, StepBatch, collate_branches
+from diffserve.pipelines.text_encoding import repeat_rows
 
 if TYPE_CHECKING:
+    from diffserve.pipelines.experts import ExpertRouting
     from diffserve.pipelines.text_encoding import PromptCache, TextEncoder
 
 #: Batch compositions whose `BatchCache` an adapter keeps (several interleave when a cache
@@ -49,189 +67,108 @@ _BATCH_CACHES = 8
 DenoiserCall = Callable[[StepBatch, dict[str, Any]], torch.Tensor]
 
 
-@dataclass
-class RequestState:
-    """Per-request tensors and diffusion-scheduler state, owned by the model runner.
-
-    Attributes:
-        params: resolved `SamplingParams` (no None fields that the model uses).
-        inputs: input images / mask, or None for text-to-image.
-        generator: CPU `torch.Generator` seeded with ``params.seed``.
-        latents: (num_images, ...) in the family's latent layout (e.g. (N, C, h, w) for SD3,
-            packed (N, h*w/4, 4C) for Flux), in the model dtype.
-        branches: per guidance branch (unconditional/negative first, conditional last), the
-            denoiser inputs of that branch with leading dim num_images (or nested dicts of such).
-        shared: denoiser inputs equal for every request of one batch key (e.g. Flux's 2-D
-            position ids); taken from the first request of a batch.
-        guidance_scale: weight of the branch combine (CFG / true CFG), 1.0 without.
-        scheduler: this request's own diffusion-scheduler instance.
-        step_kwargs: extra keyword arguments of its ``scheduler.step`` (eta, generator).
-        timesteps: (num_steps,) float tensor, the denoiser's timestep at each step.
-        sigmas: (num_steps + 1,) float32 noise levels for the batched flow-matching Euler step
-            (None = the scheduler's own `step` is used, per request).
-        step_index: denoising steps done.
-        extra: room for acceleration backends' per-request state.
-        chunk_condition: streams: the adapter's conditioning of the current chunk on the
-            previous one (e.g. `video_chunks.ChunkCondition`), None for the first chunk and
-            for ordinary requests.
-        context: multi-stage models: the payloads an earlier stage (the AR stage) produced for
-            this request, by guidance branch (`diffserve.connector.payload.Payload`), received
-            by the runner before `PipelineAdapter.prepare`; None for single-stage models.
-    """
-
-    request_id: str
-    prompt: str
-    params: SamplingParams
-    inputs: RequestInputs | None = None
-    generator: torch.Generator | None = None
-    latents: torch.Tensor | None = None
-    branches: list[dict[str, Any]] = field(default_factory=list)
-    shared: dict[str, Any] = field(default_factory=dict)
-    guidance_scale: float = 1.0
-    scheduler: Any = None
-    step_kwargs: dict[str, Any] = field(default_factory=dict)
-    timesteps: torch.Tensor | None = None
-    sigmas: torch.Tensor | None = None
-    step_index: int = 0
-    prompt_truncated: bool = False
-    negative_prompt_truncated: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-    chunk_condition: Any = None
-    context: dict[str, Any] | None = None
-
-    @property
-    def num_steps(self) -> int:
-        return 0 if self.timesteps is None else len(self.timesteps)
-
-    @property
-    def done(self) -> bool:
-        """All denoising steps have run."""
-        return self.timesteps is not None and self.step_index >= len(self.timesteps)
-
-    @property
-    def num_images(self) -> int:
-        return self.params.num_images_per_prompt
-
-    @property
-    def timestep(self) -> torch.Tensor:
-        """The current step's timestep (0-dim)."""
-        return self.timesteps[self.step_index]
-
-    def release(self) -> None:
-        """Drop every tensor this request holds (abort / failure / finish)."""
-        self.latents = None
-        self.branches = []
-        self.shared = {}
-        self.scheduler = None
-        self.timesteps = None
-        self.sigmas = None
-        self.extra = {}
-        self.inputs = None
-        self.chunk_condition = None
-        self.context = None
-
-
-@dataclass(frozen=True)
-class TeaCacheSupport:
-    """How TeaCache (`diffserve.acceleration.teacache`) splits this family's denoiser forward.
-
-    TeaCache needs the forward in three parts around the repeated blocks; `split` implements
-    them for the family's denoiser class.
-
-    Attributes:
-        split: an object with ``embed(model, kwargs) -> (hidden, context, modulated)``,
-            ``blocks(model, hidden, context) -> hidden`` and ``head(model, hidden, context) ->
-            output`` (``context`` is whatever the blocks and the head need besides the image
-            stream, sliced per row by TeaCache with `select_rows`), and
-            ``select_rows(context, index) -> context``.
-        coefficients: rescaling polynomial (``numpy.poly1d`` order) from the modulated-input
-            relative L1 change to the output change.
-        rel_l1_thresh: default threshold on the accumulated rescaled change.
-        source: where the coefficients come from.
-    """
-
-    split: Any
-    coefficients: tuple[float, ...]
-    rel_l1_thresh: float
-    source: str
-
-
-@dataclass(frozen=True)
-class CacheDiTSupport:
-    """How cache-dit's DBCache wraps this family's denoiser.
-
-    Attributes:
-        blocks: attribute names of the block lists on the denoiser, in forward order.
-        patterns: cache-dit ``ForwardPattern`` names, one per block list.
-        has_encoder_residual: whether the last block returns an encoder stream (TaylorSeer's
-            encoder calibrator needs it).
-    """
-
-    blocks: tuple[str, ...]
-    patterns: tuple[str, ...]
-    has_encoder_residual: bool = True
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What acceleration an adapter supports and how.
-
-    Attributes:
-        teacache: TeaCache forward split and coefficients, or None (backend refused).
-        cache_dit: cache-dit block description, or None (backend refused).
-        repeated_blocks: class names of the denoiser's repeated blocks for regional compile
-            (default: the diffusers class's ``_repeated_blocks``), empty = refused.
-        context_parallel: ``prepare(denoiser) -> plan``: installs what Ulysses sequence
-            parallelism needs on the denoiser and returns its diffusers context-parallel plan;
-            None = the diffusers class's own ``_cp_plan`` (refused when it has none).
-    """
-
-    teacache: TeaCacheSupport | None = None
-    cache_dit: CacheDiTSupport | None = None
-    repeated_blocks: tuple[str, ...] = ()
-    context_parallel: Callable[[torch.nn.Module], dict] | None = None
-
-
-@dataclass
-class AdapterOptions:
-    """Engine options an adapter reads when it is built.
-
-    Attributes:
-        context_folding: allow exact sequence-shortening tricks of the family (SD3 without T5:
-            the 256 zero T5 rows as one token; Wan: the zero padding rows of the prompt as one).
-        model_dir: the model folder (for `generation_config.json`).
-    """
-
-    context_folding: bool = True
-    model_dir: Path | None = None
-
-
 class PipelineAdapter(ABC):
-    """Base class of the model-family adapters (one per diffusers pipeline class).
+    """Base class of the model families' step adapters (one per diffusers pipeline class).
 
-    Subclasses set `pipeline_class_name` (the ``_class_name`` in ``model_index.json``), build
-    themselves from loaded components in `from_components`, and implement `encode_text`,
-    `prepare_request`, `denoise_kwargs` and `decode`; the rest has shared defaults (collation of
-    per-branch inputs, CFG combine, batched flow-matching step) that families override where
-    their math differs.
+    Subclasses declare the class attributes below and implement `setup`, `prepare_request`,
+    `decode` and, unless the batch's inputs are the denoiser's arguments as they are,
+    `forward_inputs`. The constructor (called by `from_components`) stores the pipeline, reads
+    the folder's ``generation_config.json``, runs `setup` and builds `spec`.
+
+    Attributes:
+        pipe: the family's diffusers pipeline on the loaded components.
+        device / dtype: where and in which dtype the model computes.
+        spec: the `ModelSpec` (defaults and limits).
+        generation_config: the folder's ``generation_config.json`` ({} without one).
     """
 
+    # ------------------------------------------------------------ declarations
+    #: ``_class_name`` of the folders this adapter serves (``model_index.json``).
     pipeline_class_name: ClassVar[str]
+    #: The diffusers pipeline class built from the loaded components.
+    pipeline_class: ClassVar[type]
+    #: Components a folder may leave out (built as None), besides the pipeline class's own
+    #: ``_optional_components``.
+    optional_components: ClassVar[tuple[str, ...]] = ()
+    #: The pipeline attribute holding the denoiser (``"transformer"``, ``"unet"``).
+    denoiser_name: ClassVar[str] = "transformer"
+    #: The family's diffusers ``__call__`` defaults by sampling field (``num_inference_steps``,
+    #: ``guidance_scale``, ``true_cfg_scale``, ``max_sequence_length``, ``strength``,
+    #: ``num_frames``, ``fps``, ``height`` / ``width``: default `default_size`); the folder's
+    #: ``generation_config.json`` overrides each. A field not listed (or a guidance field the
+    #: `guidance` does not use) is not used by the model: a request setting it is refused.
+    sampling_defaults: ClassVar[dict[str, Any]] = {}
+    #: Sampling fields that requests sharing a forward must agree on besides size, frames and
+    #: branches (e.g. ``max_sequence_length`` where it fixes the text length).
+    batch_key_fields: ClassVar[tuple[str, ...]] = ()
+    #: Input images: ``"none"`` (text-to-X), ``"optional"`` (image-to-image) or ``"required"``
+    #: (edits); at most one image, never a mask.
+    image_input: ClassVar[str] = "none"
+    #: The denoiser inputs `text.encode` returns, in order (see `text_branch`).
+    text_inputs: ClassVar[tuple[str, ...]] = ("encoder_hidden_states",)
+    #: A per-branch input of reference latents whose tokens follow the noisy latents' along the
+    #: sequence (edits: Kontext, Qwen-Image-Edit): collation appends them to ``hidden_states``
+    #: and the forward's prediction for them is dropped. None: no reference.
+    appended_latents: ClassVar[str | None] = None
     #: Components of the model's AR stage (e.g. ``("language_model", "tokenizer")``): a folder
     #: whose pipeline class lists some has an autoregressive stage before the DiT stage. The
     #: AR stage is built from them by `build_ar_stage` and runs in its own runner
     #: (`diffserve.runner.ar_stage`); the adapter is built without them. Empty: one stage.
     ar_stage_components: ClassVar[tuple[str, ...]] = ()
+    #: Whether requests may stream video chunks (``num_chunks``, `video_chunks`): the adapter
+    #: implements `start_chunk`.
+    chunk_streaming: ClassVar[bool] = False
+    #: Decoded frames a chunk after the first repeats from the end of the previous chunk (its
+    #: conditioning frames); they are not emitted again.
+    chunk_overlap_frames: ClassVar[int] = 0
+
+    #: Strategies (class defaults; `setup` may choose per folder).
+    guidance: Guidance = CFG
+    stepping: Stepping = FLOW_MATCH_EULER
+    expert_routing: "ExpertRouting | None" = None
+    #: Per-branch inputs of variable length: ``{key: (mask_key or None, pad_value)}``; they are
+    #: right-padded along dim 1 to the batch's longest and ``mask_key`` (rows, L) bool marks the
+    #: real tokens (None when no row is padded). Replace it, never mutate it.
+    padded_inputs: dict[str, tuple[str | None, float]] = {}
+    #: What acceleration the family supports and how (set by `setup`).
+    capabilities: Capabilities = Capabilities()
+    #: The family's text encoding through the prompt cache (set by `setup`).
+    text: "TextEncoder | None" = None
+    #: LRU of prompt encodings installed by the model runner (None = off;
+    #: `diffserve.acceleration.prompt_embed_cache.PromptEmbedCache`).
+    prompt_embed_cache: "PromptCache | None" = None
 
     device: torch.device
     dtype: torch.dtype
     spec: ModelSpec
-    capabilities: Capabilities = Capabilities()
-    #: LRU of prompt encodings installed by the model runner (None = off;
-    #: `diffserve.acceleration.prompt_embed_cache.PromptEmbedCache`).
-    prompt_embed_cache: "PromptCache | None" = None
-    #: The family's text encoding through the prompt cache (set by subclasses).
-    text: "TextEncoder | None" = None
+
+    def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, options: AdapterOptions):
+        self.pipe = pipe
+        self.device = device
+        self.dtype = dtype
+        self.options = options
+        self.generation_config = read_generation_config(options.model_dir)
+        limits = dict(self.setup())
+        limits.setdefault("accepts_images", self.image_input != "none")
+        self.spec = model_spec(self.pipeline_class_name, self._sampling_defaults(), self.generation_config, limits)
+        preset = self.generation_config.get("teacache")
+        if preset and self.capabilities.teacache is not None:
+            self.capabilities = replace(self.capabilities, teacache=self.capabilities.teacache.with_preset(preset))
+
+    def _sampling_defaults(self) -> dict[str, Any]:
+        """`sampling_defaults` with the default size, less the guidance fields the strategies
+        do not use; the second expert's CFG weight defaults to the (folder's) first one."""
+        defaults = dict(self.sampling_defaults)
+        if "height" not in defaults:
+            defaults["height"], defaults["width"] = self.default_size()
+        used = set(self.guidance.fields) | set(self.expert_routing.fields if self.expert_routing else ())
+        for name in ("guidance_scale", "true_cfg_scale", "guidance_scale_2"):
+            if name not in used:
+                defaults.pop(name, None)
+        if self.expert_routing is not None:
+            defaults.setdefault("guidance_scale_2", self.generation_config.get("guidance_scale",
+                                                                               defaults["guidance_scale"]))
+        return defaults
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -242,10 +179,44 @@ class PipelineAdapter(ABC):
         return {}
 
     @classmethod
-    @abstractmethod
     def from_components(cls, components: dict[str, Any], device: torch.device, dtype: torch.dtype,
                         options: AdapterOptions) -> "PipelineAdapter":
-        """Build the adapter from the loaded components (moved to `device`)."""
+        """Build `pipeline_class` from the loaded components (missing optional ones as None)
+        and the folder's pipeline settings it accepts (`pipeline_settings`), move it to
+        `device` and wrap it."""
+        components = {**components}
+        for name in (*getattr(cls.pipeline_class, "_optional_components", ()), *cls.optional_components):
+            components.setdefault(name, None)
+        pipe = cls.pipeline_class(**components, **cls.pipeline_settings(components, options))
+        pipe.to(device, silence_dtype_warnings=True)
+        pipe.set_progress_bar_config(disable=True)
+        return cls(pipe, device, dtype, options)
+
+    @classmethod
+    def pipeline_settings(cls, components: dict[str, Any], options: AdapterOptions) -> dict[str, Any]:
+        """The folder's ``model_index.json`` settings that `pipeline_class` accepts (e.g. Wan
+        2.2's ``boundary_ratio``), as diffusers' ``from_pretrained`` passes them."""
+        from diffserve.models.model_index import pipeline_config
+
+        accepted = inspect.signature(cls.pipeline_class.__init__).parameters
+        return {k: v for k, v in pipeline_config(options.model_dir).items() if k in accepted}
+
+    @abstractmethod
+    def setup(self) -> dict[str, Any]:
+        """Build what the family needs from ``self.pipe`` (`text`, `capabilities`, plug-ins,
+        per-folder strategies) and return the `ModelSpec` fields its components fix
+        (``resolution_factor``; optionally ``max_height`` / ``max_width``,
+        ``max_sequence_length_limit``, ``max_prompt_tokens``, ``frame_factor``, ...).
+
+        Raises:
+            UnsupportedModelError: the folder is a variant the family cannot serve.
+        """
+
+    def default_size(self) -> tuple[int, int]:
+        """(height, width) in pixels when a request gives none: the pipeline's
+        ``default_sample_size`` x its VAE scale factor, as diffusers' ``__call__``."""
+        side = self.pipe.default_sample_size * self.pipe.vae_scale_factor
+        return side, side
 
     @classmethod
     def build_ar_stage(cls, components: dict[str, Any], device: torch.device, dtype: torch.dtype) -> Any:
@@ -263,9 +234,12 @@ class PipelineAdapter(ABC):
         return ()
 
     @property
-    @abstractmethod
     def denoiser(self) -> torch.nn.Module:
-        """The transformer/UNet called once per step (what caches and compile wrap)."""
+        """The transformer/UNet called once per step (what caches and compile wrap); with expert
+        routing both experts (``nn.ModuleList``)."""
+        if self.expert_routing is not None:
+            return self.expert_routing.module
+        return getattr(self.pipe, self.denoiser_name)
 
     @property
     def vae(self) -> torch.nn.Module | None:
@@ -281,18 +255,34 @@ class PipelineAdapter(ABC):
 
     # --------------------------------------------------------------- per request
     def check_params(self, params: SamplingParams, inputs: RequestInputs | None) -> None:
-        """Family-specific checks on resolved params (fields the family cannot honour).
+        """Checks on resolved params: the input images `image_input` allows, no mask, and no
+        1-step schedule on schedulers that stretch their sigmas to a terminal value
+        (``shift_terminal``: 0/0 = NaN in diffusers). Families add their own.
 
         Raises:
             InvalidRequestError: naming the field.
         """
-        if inputs is not None and (inputs.images or inputs.mask is not None):
+        images = inputs.images if inputs is not None else []
+        if self.image_input == "none" and (images or (inputs is not None and inputs.mask is not None)):
             raise InvalidRequestError("image", "<image>", f"absent: {self.pipeline_class_name} "
                                       "is a text-to-image model without image inputs")
+        if inputs is not None and inputs.mask is not None:
+            raise InvalidRequestError("mask", "<mask>", f"absent: {self.pipeline_class_name} does not inpaint "
+                                      "(it takes no mask)")
+        if self.image_input == "required" and not images:
+            raise InvalidRequestError("image", None, f"one input image: {self.pipeline_class_name} edits an image")
+        if len(images) > 1:
+            raise InvalidRequestError("image", f"{len(images)} images", f"exactly one input image for "
+                                      f"{self.pipeline_class_name}")
+        scheduler = getattr(getattr(self, "pipe", None), "scheduler", None)
+        if params.num_inference_steps == 1 and scheduler is not None and scheduler.config.get("shift_terminal"):
+            raise InvalidRequestError("num_inference_steps", 1,
+                                      "at least 2 for this model (its scheduler's shift_terminal turns a "
+                                      "1-step schedule into NaN in diffusers)")
 
     def branches(self, params: SamplingParams) -> int:
-        """Guidance branches of a request: 2 with CFG (unconditional + conditional rows), 1 without."""
-        return 2 if params.guidance_scale is not None and params.guidance_scale > 1.0 else 1
+        """Guidance branches of a request (`guidance`): 2 with (true) CFG, else 1."""
+        return self.guidance.branches(params)
 
     def rows(self, params: SamplingParams) -> int:
         """Denoiser rows a request adds to a step batch: images x branches."""
@@ -305,24 +295,29 @@ class PipelineAdapter(ABC):
         return params.num_inference_steps
 
     def batch_key(self, params: SamplingParams, inputs: RequestInputs | None = None) -> Hashable:
-        """Requests with equal keys may share one denoise forward: (family, branches, latent
-        size, dtype, `extra_batch_key`). Families whose sequence length depends on the input
-        images (edits) extend it with `inputs`."""
-        return (self.pipeline_class_name, self.branches(params), params.height, params.width,
-                params.num_frames, self.dtype, self.extra_batch_key(params))
+        """Requests with equal keys may share one denoise forward: (family, branches, size,
+        frames, dtype, the `batch_key_fields`, the input image's encoded size (`image_size`))."""
+        image = self.image_size(inputs.images[0]) if inputs is not None and inputs.images else None
+        return (self.pipeline_class_name, self.branches(params), params.height, params.width, params.num_frames,
+                self.dtype, tuple(getattr(params, f) for f in self.batch_key_fields), image)
 
-    def extra_batch_key(self, params: SamplingParams) -> Hashable:
-        """Family-specific part of the batch key (e.g. a fixed text length); None = nothing."""
+    def image_size(self, image: Any) -> tuple[int, int] | None:
+        """(height, width) in pixels an input image is encoded at when that size sets the
+        forward's sequence (edits' reference tokens); None when it does not (image-to-image
+        resizes it to the output)."""
         return None
 
     def step_key(self, state: RequestState) -> Hashable:
         """The part of the batch key that may change while a request runs (plain, picklable
-        data): requests whose next steps have different step keys never share a forward. E.g.
-        Wan 2.2's two experts: the high-noise transformer runs the steps with timestep >= the
-        boundary, then the low-noise one. The runner reports it after `prepare` and after every
-        step (`Prepared.step_key`, `StepOutput.step_keys`); the request scheduler batches by
-        (`batch_key`, step key). Default None: constant."""
-        return None
+        data): requests whose next steps have different step keys never share a forward (the
+        expert of `expert_routing`). The runner reports it after `prepare` and after every step
+        when `step_keys_vary`. None: constant."""
+        return None if self.expert_routing is None else self.expert_routing.step_key(state)
+
+    @property
+    def step_keys_vary(self) -> bool:
+        """Whether `step_key` can change while a request runs."""
+        return self.expert_routing is not None
 
     def texts_to_encode(self, prompt: str, params: SamplingParams) -> list[tuple[str, int | None]]:
         """The (text, max_sequence_length) pairs `prepare` encodes for a request: the prompt
@@ -340,35 +335,68 @@ class PipelineAdapter(ABC):
         return self.text.is_truncated(prompt, max_sequence_length) if self.text is not None else False
 
     def prepare(self, state: RequestState) -> None:
-        """Note prompt truncation, seed the request's generator, then `prepare_request`: encode
-        the prompt(s), draw its latents and create its own diffusion scheduler with timesteps."""
+        """Note prompt truncation, seed the request's generator, set its guidance weight, then
+        `prepare_request`: encode the prompt(s), draw its latents and create its own diffusion
+        scheduler with timesteps."""
         p = state.params
         state.prompt_truncated = self.prompt_is_truncated(state.prompt, p.max_sequence_length)
         if p.negative_prompt and self.branches(p) > 1:
             state.negative_prompt_truncated = self.prompt_is_truncated(p.negative_prompt, p.max_sequence_length)
         state.generator = torch.Generator(device="cpu").manual_seed(p.seed)
         state.step_index = 0
+        state.guidance_scale = self.guidance.weight(p)
         self.prepare_request(state)
 
     @abstractmethod
     def prepare_request(self, state: RequestState) -> None:
-        """Fill `state`: branches (per-branch denoiser inputs), shared inputs, latents,
-        scheduler, timesteps, sigmas (for the batched step) and guidance_scale."""
+        """Fill `state`: ``branches`` (per-branch denoiser inputs, e.g. `text_branches`),
+        ``shared`` inputs, ``row_data``, ``latents`` (from ``state.generator``) and the schedule
+        (`set_schedule`)."""
+
+    def _branch_texts(self, state: RequestState) -> list[str]:
+        """The texts of the request's guidance branches, negative first (``negative_prompt or
+        ""``)."""
+        p = state.params
+        return [p.negative_prompt or "", state.prompt] if self.branches(p) == 2 else [state.prompt]
+
+    def text_branch(self, state: RequestState, text: str, **encode: Any) -> dict[str, Any]:
+        """One branch's inputs for `text`: its encoding (`text.encode` with the request's
+        ``max_sequence_length`` and `encode`'s keyword arguments) under `text_inputs`, repeated
+        for the request's images, plus the guidance's own inputs (embedded guidance). Also what
+        the runner asks for an interaction's new prompt in a stream (the conditional branch,
+        ``state.branches[-1]`` layout)."""
+        p = state.params
+        encoded = self.text.encode(text, p.max_sequence_length, **encode)
+        branch = {name: repeat_rows(t, p.num_images_per_prompt) for name, t in zip(self.text_inputs, encoded)}
+        branch.update(self.guidance.branch_inputs(p, p.num_images_per_prompt, self.device))
+        return branch
+
+    def text_branches(self, state: RequestState, **encode: Any) -> list[dict[str, Any]]:
+        """`text_branch` of each guidance branch's text, negative first (``negative_prompt or
+        ""``)."""
+        return [self.text_branch(state, text, **encode) for text in self._branch_texts(state)]
+
+    def set_schedule(self, state: RequestState, scheduler: Any, timesteps: torch.Tensor, begin: int = 0) -> None:
+        """Give the request `scheduler` (its own, `diffusion_scheduler.new_scheduler`, after
+        ``set_timesteps``) and
+        the `timesteps` it runs (from index `begin` of the scheduler's schedule): its sigmas for
+        the batched step (`stepping`), step 0, and its expert switch (`expert_routing`)."""
+        state.scheduler = scheduler
+        state.timesteps = timesteps
+        state.sigmas = self.stepping.sigmas(scheduler, len(timesteps), begin)
+        state.step_index = 0
+        if self.expert_routing is not None:
+            self.expert_routing.start(state)
 
     # ------------------------------------------------------------------ per step
-    def model_input(self, state: RequestState) -> torch.Tensor:
-        """This request's latent rows as the denoiser sees them (default: the latents; Euler-type
-        schedulers scale them, edit families append reference latents). Not overriding it lets
-        a repeated batch feed the previous step's concatenated latents straight in."""
-        return state.latents
-
     def collate(self, states: list[RequestState]) -> StepBatch:
         """Gather the requests' rows into one forward, branch-major: rows ``b * N + i`` hold
         branch ``b`` of latent row ``i`` (N = total images). ``batch.inputs`` holds the
-        per-branch inputs concatenated (padded where `pad_keys` says), ``hidden_states`` (rows,
-        ...) and ``timestep`` (rows,), plus the shared inputs of the first request. A batch of
-        the same requests as the previous step reuses all of it but latents and timesteps
-        (`step_batch.BatchCache`)."""
+        per-branch inputs concatenated (padded where `padded_inputs` says), ``hidden_states``
+        (rows, ...) (the `appended_latents` after the latents' tokens) and ``timestep``
+        (rows,), plus the shared inputs of the first request; ``batch.row_data`` the requests'
+        per-row data. A batch of the same requests as the previous step reuses all of it but
+        latents and timesteps (`step_batch.BatchCache`)."""
         caches = self.__dict__.setdefault("_batch_caches", OrderedDict())
         key = tuple(id(s) for s in states)  # safe: a cache holds its states alive
         if key not in caches:  # a new composition: drop caches of batches a request of which finished
@@ -378,64 +406,71 @@ class PipelineAdapter(ABC):
         caches[key] = cache
         while len(caches) > _BATCH_CACHES:
             caches.popitem(last=False)
-        overridden = type(self).model_input is not PipelineAdapter.model_input
-        model_input = self.model_input if overridden else None
-        return collate_branches(states, model_input, self.pad_keys(), cache)
-
-    def pad_keys(self) -> dict[str, tuple[str | None, float]]:
-        """Per-branch inputs of variable length: ``{key: (mask_key or None, pad_value)}``;
-        they are right-padded along dim 1 to the batch's longest and ``mask_key`` (rows, L)
-        bool marks the real tokens (None when no row is padded). Default: none."""
-        return {}
+        model_input = _scaled_model_input if self.stepping.scaled_input else None
+        batch = collate_branches(states, model_input, self.padded_inputs, cache)
+        if self.appended_latents is not None and self.appended_latents in batch.inputs:
+            reference = batch.inputs.pop(self.appended_latents)
+            batch.inputs["hidden_states"] = torch.cat([batch.inputs["hidden_states"], reference], dim=1)
+        return batch
 
     def denoise(self, batch: StepBatch, call: DenoiserCall | None = None) -> torch.Tensor:
-        """One denoiser forward; returns the raw prediction for every row (rows, ...) in the
-        latent layout. `call` replaces the plain module call (cache backends)."""
-        kwargs = self.denoise_kwargs(batch)
-        out = (call or self.call_denoiser)(batch, kwargs)
-        return self.denoise_output(batch, out)
-
-    @abstractmethod
-    def denoise_kwargs(self, batch: StepBatch) -> dict[str, Any]:
-        """Keyword arguments of the denoiser module for this batch."""
-
-    def call_denoiser(self, batch: StepBatch, kwargs: dict[str, Any]) -> torch.Tensor:
-        """The plain denoiser call (``module(**kwargs, return_dict=False)[0]``)."""
-        return self.denoiser(**kwargs, return_dict=False)[0]
-
-    def denoise_output(self, batch: StepBatch, out: torch.Tensor) -> torch.Tensor:
-        """Post-process the module output into the latent layout (default: unchanged)."""
+        """One denoiser forward with the batch's row data as the forward context
+        (`row_data.forward_rows`); returns the raw prediction for every row (rows, ...) in the
+        latent layout (reference tokens dropped). `call` replaces the plain module call (cache
+        backends, CUDA graphs)."""
+        kwargs = self.forward_inputs(batch)
+        if self.expert_routing is not None:
+            kwargs = {**kwargs, "expert": self.expert_routing.batch_expert(batch.states)}
+        if batch.row_data is NO_ROW_DATA and current_rows() is NO_ROW_DATA:  # nothing per row: no context to set
+            out = (call or self.call_denoiser)(batch, kwargs)
+        else:
+            with forward_rows(batch.row_data):
+                out = (call or self.call_denoiser)(batch, kwargs)
+        if self.appended_latents is not None:
+            out = out[:, : batch.latents.shape[1]]
         return out
 
+    def forward_inputs(self, batch: StepBatch) -> dict[str, Any]:
+        """Keyword arguments of the denoiser module for this batch (default: the batch's
+        inputs as collated)."""
+        return batch.inputs
+
+    def call_denoiser(self, batch: StepBatch, kwargs: dict[str, Any]) -> torch.Tensor:
+        """The plain denoiser call (``module(**kwargs, return_dict=False)[0]``); with expert
+        routing the module is expert ``kwargs["expert"]``."""
+        if "expert" in kwargs:
+            kwargs = dict(kwargs)
+            return self.expert_routing.experts[kwargs.pop("expert")](**kwargs, return_dict=False)[0]
+        return self.denoiser(**kwargs, return_dict=False)[0]
+
     def combine(self, batch: StepBatch, out: torch.Tensor) -> torch.Tensor:
-        """Guided prediction (N, ...) from the (branches * N, ...) output: CFG
-        ``uncond + w * (cond - uncond)`` (Ho & Salimans 2022) with each request's weight."""
+        """Guided prediction (N, ...) from the (branches * N, ...) output (`guidance`), with each
+        request's weight (its expert's with `expert_routing`): CFG ``uncond + w * (cond -
+        uncond)`` (Ho & Salimans 2022), norm-rescaled where declared."""
         if batch.branches == 1:
             return out
         uncond, cond = out.chunk(2)
-        scale = guidance.uniform_or_rows([s.guidance_scale for s in batch.states], batch.row_values)
-        return guidance.cfg(uncond, cond, scale)
+        weights = ([s.guidance_scale for s in batch.states] if self.expert_routing is None
+                   else self.expert_routing.guidance_weights(batch.states))
+        return self.guidance.combine(uncond, cond, uniform_or_rows(weights, batch.row_values))
 
     def step(self, batch: StepBatch, guided: torch.Tensor) -> dict[str, BaseException]:
         """One diffusion-scheduler step for every request of `batch` (batched where the
-        scheduler allows, see `diffusion_scheduler.step_batch`); returns per-request failures
-        (the others stepped)."""
-        return diffusion_scheduler.step_batch(batch, guided)
+        scheduler allows, see `diffusion_scheduler.step_batch`); a stream chunk's conditioning
+        frames are then put back at the next step's noise level (`video_chunks.ChunkCondition`).
+        Returns per-request failures (the others stepped)."""
+        failures = diffusion_scheduler.step_batch(batch, guided)
+        if self.chunk_streaming:
+            for state in batch.states:
+                if state.chunk_condition is not None and state.request_id not in failures:
+                    state.latents = state.chunk_condition.apply(state.latents, state.step_index)
+        return failures
 
     # ------------------------------------------------------------ video streams
-    #: Whether requests may stream video chunks (``num_chunks``, see
-    #: `diffserve.pipelines.video_chunks`): the adapter implements `start_chunk` and
-    #: `prompt_branch`.
-    chunk_streaming: ClassVar[bool] = False
-    #: Decoded frames a chunk after the first repeats from the end of the previous chunk (its
-    #: conditioning frames); they are not emitted again.
-    chunk_overlap_frames: ClassVar[int] = 0
-
     def start_chunk(self, state: RequestState, previous: Any) -> None:
         """Set `state` up for the next chunk of a stream, conditioned on the previous chunk:
-        fresh latents from ``state.generator``, a fresh diffusion scheduler and timesteps,
-        ``step_index`` 0 and ``state.chunk_condition``; the prompt inputs (``branches``) are
-        the caller's.
+        fresh latents from ``state.generator``, a fresh schedule (`set_schedule`) and
+        ``state.chunk_condition``; the prompt inputs (``branches``) are the caller's.
 
         Args:
             previous: the previous chunk's decoded frames, uint8 numpy (F, H, W, 3).
@@ -445,20 +480,11 @@ class PipelineAdapter(ABC):
         """
         raise NotImplementedError(f"{self.pipeline_class_name} cannot stream video chunks")
 
-    def prompt_branch(self, state: RequestState, prompt: str) -> dict[str, Any]:
-        """The conditional branch's denoiser inputs (``state.branches[-1]`` layout) for
-        `prompt` with the request's other params, encoded through the prompt cache (an
-        interaction's new prompt).
-
-        Raises:
-            NotImplementedError: the family cannot stream chunks.
-        """
-        raise NotImplementedError(f"{self.pipeline_class_name} cannot stream video chunks")
-
     # ------------------------------------------------------------------ decode
     @abstractmethod
     def decode(self, state: RequestState, latents: torch.Tensor | None = None) -> Any:
-        """Decode `latents` (default: the state's) into media of ``params.output_type``."""
+        """Decode `latents` (default: the state's) into media of ``params.output_type``
+        (`checked_pixels` before PIL / uint8); video models return one entry per video."""
 
     def decode_many(self, states: list[RequestState], latents: list[torch.Tensor]) -> list[Any]:
         """Decode several requests (each its own latents); one result or exception per request.
@@ -470,6 +496,12 @@ class PipelineAdapter(ABC):
             except Exception as exc:  # noqa: BLE001 - each request's failure stays its own
                 results.append(exc)
         return results
+
+
+def _scaled_model_input(state: RequestState) -> torch.Tensor:
+    """``scheduler.scale_model_input(latents, t)`` with the request's own scheduler (identity for
+    PNDM / DDIM / DPM-Solver, ``x / sqrt(sigma^2 + 1)`` for Euler types)."""
+    return state.scheduler.scale_model_input(state.latents, state.timestep)
 
 
 def checked_pixels(image: torch.Tensor) -> torch.Tensor:

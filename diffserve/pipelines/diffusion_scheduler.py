@@ -7,17 +7,22 @@ request. For the flow-matching Euler scheduler (SD3, Flux, Qwen-Image) the updat
 whole batch steps in ONE tensor expression over per-row sigma differences instead of one
 ``scheduler.step`` call per request; requests then record their sigma schedule in
 ``RequestState.sigmas``.
+
+A family declares how its requests step (`Stepping`): flow-matching families the batched Euler
+step (`FLOW_MATCH_EULER`; a folder whose scheduler is not a plain flow-matching Euler one falls
+back to its own step per request), discrete-time UNet families their scheduler's own step per
+request on scaled model inputs (`PER_REQUEST`).
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
-    from diffserve.pipelines.base import RequestState
     from diffserve.pipelines.step_batch import StepBatch
 
 
@@ -55,6 +60,36 @@ def batchable_sigmas(scheduler: Any, num_steps: int, begin: int = 0) -> torch.Te
     if len(sigmas) != num_steps + 1:
         return None
     return sigmas.to(torch.float32)
+
+
+@dataclass(frozen=True)
+class Stepping:
+    """How a family's requests take a denoising step (`PipelineAdapter.stepping`).
+
+    Attributes:
+        batched_euler: requests whose scheduler is a plain flow-matching Euler one record their
+            sigmas (`batchable_sigmas`) and the whole batch steps in one tensor expression
+            (`step_batch`); False: every request steps with its scheduler's own ``step``.
+        scaled_input: the denoiser sees each request's ``scheduler.scale_model_input(latents,
+            t)`` (Euler-type discrete schedulers divide by ``sqrt(sigma^2 + 1)``); False: the
+            latents as they are (a repeated batch then feeds the previous step's concatenated
+            latents straight in).
+    """
+
+    batched_euler: bool = True
+    scaled_input: bool = False
+
+    def sigmas(self, scheduler: Any, num_steps: int, begin: int = 0) -> torch.Tensor | None:
+        """``RequestState.sigmas`` of a request whose scheduler's ``set_timesteps`` ran:
+        `batchable_sigmas`, or None (stepped per request)."""
+        return batchable_sigmas(scheduler, num_steps, begin) if self.batched_euler else None
+
+
+#: Flow-matching families (SD3, Flux, Qwen-Image, Wan): the batched Euler step where it applies.
+FLOW_MATCH_EULER = Stepping()
+#: Discrete-time UNet families (SD 1.x/2.x, SDXL): each request's scheduler steps it, on
+#: scheduler-scaled model inputs.
+PER_REQUEST = Stepping(batched_euler=False, scaled_input=True)
 
 
 def step_batch(batch: "StepBatch", guided: torch.Tensor) -> dict[str, BaseException]:

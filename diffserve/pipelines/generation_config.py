@@ -3,16 +3,20 @@
 A model folder may carry the defaults its authors recommend (keys: ``num_inference_steps``,
 ``guidance_scale``, ``true_cfg_scale``, ``height``, ``width``, ``num_frames``, ``fps``,
 ``max_sequence_length``) and acceleration presets (``teacache``: ``coefficients``,
-``rel_l1_thresh``, ``source``). They override the family's diffusers ``__call__`` defaults.
+``rel_l1_thresh``, ``source``). They override the family's diffusers ``__call__`` defaults:
+`model_spec` builds a loaded model's `ModelSpec` from both (the step adapter declares the
+defaults, `PipelineAdapter.sampling_defaults`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from diffserve.core.errors import UnsupportedModelError
+from diffserve.core.sampling_params import ModelSpec
 
 GENERATION_CONFIG = "generation_config.json"
 
@@ -35,3 +39,38 @@ def read_generation_config(model_dir: Path | None) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise UnsupportedModelError(f"{path} must hold a JSON object")
     return config
+
+
+#: Sampling field -> (its `ModelSpec` default field, type).
+SPEC_DEFAULTS: dict[str, tuple[str, type]] = {
+    "height": ("default_height", int),
+    "width": ("default_width", int),
+    "num_inference_steps": ("default_num_inference_steps", int),
+    "guidance_scale": ("default_guidance_scale", float),
+    "true_cfg_scale": ("default_true_cfg_scale", float),
+    "guidance_scale_2": ("default_guidance_scale_2", float),
+    "max_sequence_length": ("default_max_sequence_length", int),
+    "num_frames": ("default_num_frames", int),
+    "fps": ("default_fps", int),
+    "strength": ("default_strength", float),
+}
+
+
+def model_spec(pipeline: str, defaults: Mapping[str, Any], config: Mapping[str, Any],
+               limits: Mapping[str, Any]) -> ModelSpec:
+    """A model's `ModelSpec`: each sampling default of `defaults` (by sampling field, e.g.
+    ``num_inference_steps``; the family's diffusers ``__call__`` defaults) replaced by the
+    folder's `config` (``generation_config.json``) where it sets the field, plus the `limits`
+    the components fix (`ModelSpec` fields: ``resolution_factor``, ``max_height``, ...). A
+    sampling field absent from `defaults` is not used by the model (its default is None, so a
+    request setting it is refused by name); ``guidance_scale`` defaults to None when absent.
+
+    Raises:
+        KeyError: a key of `defaults` is not a sampling field of `SPEC_DEFAULTS`.
+    """
+    fields: dict[str, Any] = {"default_guidance_scale": None}
+    for name, value in defaults.items():
+        spec_field, cast = SPEC_DEFAULTS[name]
+        value = config.get(name, value)
+        fields[spec_field] = None if value is None else cast(value)
+    return ModelSpec(pipeline=pipeline, **fields, **limits)

@@ -12,6 +12,10 @@ keeps what does not change for such a run (the concatenated prompt embeddings an
 per-branch inputs, per-row guidance weights, per-row timestep / sigma tables) and the previous
 step's concatenated latents, so a repeated batch costs a constant number of tensor operations
 whatever its number of requests, with no host-device synchronisation.
+
+Besides the denoiser's inputs, a batch carries its requests' per-row data (`row_data.RowData`,
+laid out in the same branch-major row order), which the forward reads through the forward
+context instead of as arguments (LoRA adapters per row, Wan's folded context length).
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from diffserve.pipelines.row_data import NO_ROW_DATA, RowData, collate_row_data
+
 if TYPE_CHECKING:
-    from diffserve.pipelines.base import RequestState
+    from diffserve.pipelines.request_state import RequestState
 
 
 @dataclass
@@ -40,6 +46,8 @@ class StepBatch:
         latents: (N, ...) the requests' latents concatenated (what the diffusion scheduler
             steps).
         timesteps: (N,) each latent row's current timestep.
+        row_data: the requests' per-row data (`RowData`, branch-major, B * N rows);
+            `row_data.NO_ROW_DATA` when no request has any.
     """
 
     states: list["RequestState"]
@@ -49,6 +57,7 @@ class StepBatch:
     latents: torch.Tensor
     timesteps: torch.Tensor
     cache: "BatchCache | None" = field(default=None, repr=False)
+    row_data: RowData = NO_ROW_DATA
     _offsets: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -116,6 +125,7 @@ class BatchCache:
             its last timestep and are never read); dt_table: (S, N) float32 ``sigma_{i+1} -
             sigma_i`` likewise (flow-matching), or None.
         row_values: per-request value lists -> (N,) tensors (guidance weights).
+        row_data: the composition's per-row data (`RowData`).
     """
 
     def __init__(self) -> None:
@@ -134,6 +144,7 @@ class BatchCache:
         self.dt_table: torch.Tensor | None = None
         self._t_by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self.row_values: dict[Any, torch.Tensor] = {}
+        self.row_data: RowData = NO_ROW_DATA
 
     def matches(self, states: list["RequestState"]) -> bool:
         """The same request states, in the same order, each exactly one step further."""
@@ -151,6 +162,7 @@ class BatchCache:
         self.row_values = {}
         self.ahead = 0
         self.branches = max(len(states[0].branches), 1)
+        self.row_data = collate_row_data(states, self.branches)
         self._t_by_dtype = {}
         device = states[0].latents.device
         timesteps = [s.timesteps for s in states]
@@ -260,13 +272,13 @@ def padding_mask(values: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def collate_branches(states: list["RequestState"], model_input: Callable[["RequestState"], torch.Tensor] | None,
-                     pad_keys: dict[str, tuple[str | None, float]], cache: BatchCache | None = None) -> StepBatch:
+                     padded_inputs: dict[str, tuple[str | None, float]], cache: BatchCache | None = None) -> StepBatch:
     """The default collation (see `PipelineAdapter.collate`).
 
     Args:
         states: requests sharing a batch key (same branch count and latent shape).
         model_input: a request's latent rows as the denoiser sees them; None = its latents.
-        pad_keys: per-branch keys of variable length (dim 1) -> (mask key or None, pad value);
+        padded_inputs: per-branch keys of variable length (dim 1) -> (mask key or None, pad value);
             a mask key receives the (B*N, L) bool `padding_mask` (None when nothing is padded).
         cache: the adapter's `BatchCache`; a batch of the same requests as the previous step
             reuses its inputs, latents and timestep tables.
@@ -274,7 +286,7 @@ def collate_branches(states: list["RequestState"], model_input: Callable[["Reque
     Returns:
         A `StepBatch` whose inputs hold ``hidden_states`` (B*N, ...), ``timestep`` (B*N,), every
         per-branch key concatenated branch-major (plus its padding mask), and the first
-        request's shared inputs.
+        request's shared inputs; and the requests' per-row data (`row_data.collate_row_data`).
     """
     branches = len(states[0].branches)
     row_counts = [s.num_images for s in states]
@@ -286,7 +298,7 @@ def collate_branches(states: list["RequestState"], model_input: Callable[["Reque
         if branches:
             for key in states[0].branches[0]:
                 values = [s.branches[b][key] for b in range(branches) for s in states]
-                mask_key, pad_value = pad_keys.get(key, (None, None))
+                mask_key, pad_value = padded_inputs.get(key, (None, None))
                 inputs[key] = _concat(values, pad_value)
                 if mask_key is not None:
                     mask = padding_mask(values)
@@ -315,5 +327,6 @@ def collate_branches(states: list["RequestState"], model_input: Callable[["Reque
             t = torch.cat([s.timestep.expand(s.num_images) for s in states])
         inputs["timestep"] = t if branches <= 1 else t.repeat(branches)
     inputs["hidden_states"] = x if branches <= 1 else torch.cat([x] * branches)
+    row_data = cache.row_data if cache is not None else collate_row_data(states, branches)
     return StepBatch(states=states, branches=max(branches, 1), row_counts=row_counts, inputs=inputs,
-                     latents=latents, timesteps=t, cache=cache)
+                     latents=latents, timesteps=t, cache=cache, row_data=row_data)

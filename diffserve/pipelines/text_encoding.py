@@ -20,12 +20,9 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from diffserve.pipelines.base import PipelineAdapter
 
 #: No tokenizer diffserve serves maps more than this many characters to one token (CLIP BPE,
 #: T5/UMT5 unigram and Qwen byte-level BPE pieces are all shorter; runs of whitespace aside), so
@@ -60,6 +57,15 @@ class PromptCache(Protocol):
         cached."""
 
 
+class TextOwner(Protocol):
+    """What a `TextEncoder` reads of its owner (a step adapter): the prompt-embedding cache
+    the runner installs (or None), and the dtype and device in every cache key."""
+
+    prompt_embed_cache: PromptCache | None
+    dtype: torch.dtype
+    device: torch.device
+
+
 class TextEncoder:
     """Cached, length-safe text encoding for one adapter.
 
@@ -76,11 +82,15 @@ class TextEncoder:
         batched: `encode` also takes a list of texts and returns tensors with one row per
             text, in order, each row what the text alone gives (every encoder pads to a fixed
             length): `encoding_together` then encodes several texts in one call.
+        clean: what the family's encoding does to a text before tokenizing it (e.g. Wan's
+            ``prompt_clean``), applied when `is_truncated` counts tokens; None = nothing.
     """
 
-    def __init__(self, adapter: "PipelineAdapter", encode: Callable[[str, int | None], Sequence[Any]],
-                 tokenizers: Sequence[tuple[Any, int | None]], key: Hashable = (), batched: bool = False):
+    def __init__(self, adapter: TextOwner, encode: Callable[[str, int | None], Sequence[Any]],
+                 tokenizers: Sequence[tuple[Any, int | None]], key: Hashable = (), batched: bool = False,
+                 clean: Callable[[str], str] | None = None):
         self.adapter = adapter
+        self.clean = clean
         self._encode = encode
         self.tokenizers = [(t, limit) for t, limit in tokenizers if t is not None]
         self.key = key
@@ -113,6 +123,8 @@ class TextEncoder:
         return verdict
 
     def _tokenize_is_truncated(self, text: str, max_sequence_length: int | None) -> bool:
+        if self.clean is not None:
+            text = self.clean(text)
         cut = self.cut(text, max_sequence_length)
         if len(cut) < len(text):
             return True

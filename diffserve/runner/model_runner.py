@@ -226,16 +226,9 @@ class ModelRunner(Runner):
         if failures:
             out.errors = {i: WorkError.of(e) for i, e in failures.items()}
             states = [s for s in states if s.request_id not in failures]
-        if self._step_keys_vary:
+        if adapter.step_keys_vary:  # else steps report none: the engine keeps the one `prepare` reported
             out.step_keys = {s.request_id: adapter.step_key(s) for s in states}
         return out
-
-    @property
-    def _step_keys_vary(self) -> bool:
-        """Whether the adapter's step key can change while a request runs (it overrides
-        `PipelineAdapter.step_key`); if not, steps report none and the engine keeps the one
-        `prepare` reported."""
-        return type(self.adapter).step_key is not PipelineAdapter.step_key
 
     def _denoise(self, batch):
         """The batch's forward; with CFG parallelism each rank runs its share of the rows."""
@@ -362,7 +355,7 @@ class ModelRunner(Runner):
                 self.free([request_id])
                 return ChunkDone(request_id, chunk_index=index, frames=new, video=video, event_ids=event_ids,
                                  seconds=time.perf_counter() - start)
-            interactions = [(i, self.adapter.prompt_branch(state, i.prompt)) for i in work.interactions]
+            interactions = [(i, self.adapter.text_branch(state, i.prompt)) for i in work.interactions]
             state.branches[-1] = stream.next_branch(state.branches[-1], interactions)
             self.adapter.start_chunk(state, frames)
             self.accelerator.reset(state)

@@ -64,3 +64,23 @@ def test_batches_above_the_largest_bucket_run_eagerly(tiny_sd3_dir):
 def test_cuda_graphs_refuse_a_cache_backend(tiny_sd3_dir):
     with pytest.raises(InvalidRequestError, match="cuda_graphs"):
         DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), device="cuda", cuda_graphs=True, cache_backend="teacache"))
+
+
+def test_graphs_are_keyed_by_the_forwards_row_data(tiny_wan_dir):
+    """Wan with context folding reads each request's text length from the forward's row data
+    (not an argument): the same prompt with two ``max_sequence_length`` values has the same
+    arguments but gets a graph for each length, and every replay equals the eager forward."""
+    eager, graphs = _engines(tiny_wan_dir)
+    assert graphs.runner.adapter.context_folding
+
+    def params(seed, length):
+        return SamplingParams(seed=seed, num_inference_steps=2, guidance_scale=4.0, height=32, width=48,
+                              num_frames=5, max_sequence_length=length, output_type="latent")
+
+    jobs = [("a red car", params(1, 16)), ("a red car", params(1, 32))]
+    for a, b in zip(eager.generate([p for p, _ in jobs], [q for _, q in jobs]),
+                    graphs.generate([p for p, _ in jobs], [q for _, q in jobs])):
+        assert a.ok and b.ok, (a.error, b.error)
+        assert (a.videos[0] - b.videos[0]).abs().max() <= TOL
+    stats = graphs.runner.acceleration_stats()["cuda_graphs"]
+    assert stats["captures"] >= 2 and stats["eager"] == 0

@@ -174,7 +174,7 @@ def test_adapter_refuses_a_batch_across_experts(wan22):
         state.step_index = step
         states.append(state)
     assert [adapter.step_key(s) for s in states] == [0, 1]
-    with pytest.raises(ValueError, match="different Wan 2.2 experts"):
+    with pytest.raises(ValueError, match="different experts"):
         adapter.denoise(adapter.collate(states))
 
 
@@ -250,11 +250,10 @@ def test_context_folding_shortens_the_context_and_leaves_stock_modules(wan):
     assert [s.branches[1]["encoder_hidden_states"].shape[1] for s in states] == [n + 1 for n in tokens]
     batch = adapter.collate(states)
     assert batch.inputs["encoder_hidden_states"].shape[1] == max(tokens) + 1
-    kwargs = adapter.denoise_kwargs(batch)
-    assert kwargs["folded_context_length"] == 512
+    assert batch.row_data.uniform("folded_context_length") == 512  # the rows the folded context stands for
     adapter.denoise(batch)
     processors = [block.attn2.processor for block in adapter.pipe.transformer.blocks]
-    assert all(p.max_sequence_length is None for p in processors)
+    assert all(p.max_sequence_length is None for p in processors)  # the count comes from the forward context
 
 
 def test_fold_padding_rows_keeps_one_zero_row():

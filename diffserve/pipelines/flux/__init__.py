@@ -1,1 +1,2 @@
-"""diffusers ``FluxPipeline``: the adapter (`adapter`). Imported lazily through the registry."""
+"""diffusers ``FluxPipeline``: the step adapter (`adapter`) and its TeaCache forward split
+(`teacache`). Imported lazily through the registry."""

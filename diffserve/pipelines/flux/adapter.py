@@ -29,79 +29,15 @@ import torch
 from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
-from diffserve.pipelines import teacache_coefficients
-from diffserve.pipelines.base import (
-    AdapterOptions,
-    Capabilities,
-    CacheDiTSupport,
-    PipelineAdapter,
-    RequestState,
-    StepBatch,
-    TeaCacheSupport,
-    checked_pixels,
-)
-from diffserve.pipelines.diffusion_scheduler import batchable_sigmas, new_scheduler
-from diffserve.pipelines.generation_config import read_generation_config
-from diffserve.pipelines.text_encoding import TextEncoder, repeat_rows
-from diffserve.core.sampling_params import ModelSpec, SamplingParams
+from diffserve.pipelines.base import PipelineAdapter, RequestState, StepBatch, checked_pixels
+from diffserve.pipelines.capabilities import CacheDiTSupport, Capabilities
+from diffserve.pipelines.diffusion_scheduler import new_scheduler
+from diffserve.pipelines.flux.teacache import TEACACHE
+from diffserve.pipelines.guidance import Guidance
+from diffserve.pipelines.text_encoding import TextEncoder
 
 # diffserve reports truncation itself (GenerationOutput.prompt_truncated).
 logging.getLogger("diffusers.pipelines.flux.pipeline_flux").setLevel(logging.ERROR)
-
-# diffusers' FluxPipeline.__call__ defaults.
-DEFAULT_NUM_INFERENCE_STEPS = 28
-DEFAULT_GUIDANCE_SCALE = 3.5
-DEFAULT_TRUE_CFG_SCALE = 1.0
-DEFAULT_MAX_SEQUENCE_LENGTH = 512
-#: diffusers' check_inputs refuses more T5 tokens than this.
-MAX_SEQUENCE_LENGTH_LIMIT = 512
-
-
-class FluxTeaCacheSplit:
-    """`FluxTransformer2DModel.forward` (diffusers 0.42) in three parts around the blocks, for
-    TeaCache; the modulated input is the first double block's ``norm1`` output, as in
-    TeaCache4FLUX. Covers the text-to-image / Kontext path (no ControlNet, IP-Adapter).
-
-    Tensors: hidden (rows, N_img, D) (reference-image tokens included for Kontext); context =
-    dict(encoder (rows, N_txt, D), temb (rows, D), rotary (cos, sin) of (N_txt + N_img, head_dim),
-    joint_attention_kwargs); output (rows, N_img, 4C).
-    """
-
-    @staticmethod
-    def embed(model, kwargs: dict[str, Any]):
-        """Returns (hidden, context, modulated input of the first double block)."""
-        hidden = model.x_embedder(kwargs["hidden_states"])
-        timestep = kwargs["timestep"].to(hidden.dtype) * 1000
-        guidance = kwargs.get("guidance")
-        if guidance is None:
-            temb = model.time_text_embed(timestep, kwargs["pooled_projections"])
-        else:
-            temb = model.time_text_embed(timestep, guidance.to(hidden.dtype) * 1000, kwargs["pooled_projections"])
-        encoder = model.context_embedder(kwargs["encoder_hidden_states"])
-        rotary = model.pos_embed(torch.cat((kwargs["txt_ids"], kwargs["img_ids"]), dim=0))
-        modulated = model.transformer_blocks[0].norm1(hidden, emb=temb)[0]
-        context = {"encoder": encoder, "temb": temb, "rotary": rotary,
-                   "joint_attention_kwargs": kwargs.get("joint_attention_kwargs")}
-        return hidden, context, modulated
-
-    @staticmethod
-    def select_rows(context: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
-        return {**context, "encoder": context["encoder"][index], "temb": context["temb"][index]}
-
-    @staticmethod
-    def blocks(model, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
-        """Every double then single block; returns the image stream (rows, N_img, D)."""
-        encoder = context["encoder"]
-        for block in (*model.transformer_blocks, *model.single_transformer_blocks):
-            encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb=context["temb"],
-                                    image_rotary_emb=context["rotary"],
-                                    joint_attention_kwargs=context["joint_attention_kwargs"])
-        return hidden
-
-    @staticmethod
-    def head(model, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
-        """norm_out and proj_out: (rows, N_img, 4C)."""
-        return model.proj_out(model.norm_out(hidden, context["temb"]))
 
 
 class FluxAdapter(PipelineAdapter):
@@ -116,74 +52,30 @@ class FluxAdapter(PipelineAdapter):
     """
 
     pipeline_class_name = "FluxPipeline"
-    pipeline_class: type = FluxPipeline
-    #: whether requests carry input images (`FluxKontextAdapter`)
-    accepts_images = False
+    pipeline_class = FluxPipeline
+    # diffusers' FluxPipeline.__call__ defaults
+    sampling_defaults = {"num_inference_steps": 28, "guidance_scale": 3.5, "true_cfg_scale": 1.0,
+                         "max_sequence_length": 512}
+    #: the T5 length sets ``txt_ids``, shared by the batch
+    batch_key_fields = ("max_sequence_length",)
+    text_inputs = ("encoder_hidden_states", "pooled_projections")
 
-    def __init__(self, pipe: FluxPipeline, device: torch.device, dtype: torch.dtype, options: AdapterOptions):
-        self.pipe = pipe
-        self.device = device
-        self.dtype = dtype
-        self.guidance_embeds = bool(pipe.transformer.config.guidance_embeds)
-        config = read_generation_config(options.model_dir)
-        default_side = pipe.default_sample_size * pipe.vae_scale_factor
-        self.spec = ModelSpec(
-            pipeline=self.pipeline_class_name,
-            resolution_factor=pipe.vae_scale_factor * 2,  # VAE down-sampling x 2x2 packing
-            default_height=int(config.get("height", default_side)),
-            default_width=int(config.get("width", default_side)),
-            default_num_inference_steps=int(config.get("num_inference_steps", DEFAULT_NUM_INFERENCE_STEPS)),
-            # a transformer without guidance embedding (schnell) has no use for guidance_scale
-            default_guidance_scale=(float(config.get("guidance_scale", DEFAULT_GUIDANCE_SCALE))
-                                    if self.guidance_embeds else None),
-            default_true_cfg_scale=float(config.get("true_cfg_scale", DEFAULT_TRUE_CFG_SCALE)),
-            default_max_sequence_length=int(config.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)),
-            max_sequence_length_limit=MAX_SEQUENCE_LENGTH_LIMIT,
-            text_conditioned=True,
-            max_prompt_tokens=pipe.tokenizer_max_length,
-            accepts_images=self.accepts_images,
-        )
-        teacache = config.get("teacache", {})
-        self.capabilities = Capabilities(
-            teacache=TeaCacheSupport(
-                split=FluxTeaCacheSplit,
-                coefficients=tuple(teacache.get("coefficients", teacache_coefficients.FLUX_DEV)),
-                rel_l1_thresh=float(teacache.get("rel_l1_thresh", 0.4)),
-                source=teacache.get("source", teacache_coefficients.FLUX_DEV_SOURCE),
-            ),
-            # Both block kinds take (hidden_states, encoder_hidden_states) and return
-            # (encoder_hidden_states, hidden_states): cache-dit's Pattern_1, as in its own Flux
-            # adapter (cache-dit 1.5.3, CACHE_DIT_FLUX_ENABLE_DUMMY_BLOCKS=0 layout).
-            cache_dit=CacheDiTSupport(blocks=("transformer_blocks", "single_transformer_blocks"),
-                                      patterns=("Pattern_1", "Pattern_1")),
-            repeated_blocks=tuple(getattr(pipe.transformer, "_repeated_blocks", None) or ()),
-        )
+    def setup(self) -> dict[str, Any]:
+        """True CFG, plus embedded guidance on guidance-distilled transformers (FLUX.1-dev);
+        CLIP + T5 encoding in batches; TeaCache and cache-dit."""
+        pipe = self.pipe
+        self.guidance = Guidance("true_cfg_scale", embedded=bool(pipe.transformer.config.guidance_embeds))
         self.text = TextEncoder(self, self._encode_text,
                                 [(pipe.tokenizer, pipe.tokenizer_max_length), (pipe.tokenizer_2, None)], batched=True)
-
-    @classmethod
-    def from_components(cls, components, device, dtype, options):
-        components = {**components}
-        for optional in ("image_encoder", "feature_extractor"):
-            components.setdefault(optional, None)
-        pipe = cls.pipeline_class(**components)
-        pipe.to(device, silence_dtype_warnings=True)
-        pipe.set_progress_bar_config(disable=True)
-        return cls(pipe, device, dtype, options)
-
-    @property
-    def denoiser(self) -> torch.nn.Module:
-        return self.pipe.transformer
-
-    def branches(self, params: SamplingParams) -> int:
-        """2 with true CFG (diffusers' rule: ``true_cfg_scale > 1 and negative_prompt is not
-        None``), else 1; embedded guidance never adds rows."""
-        return 2 if params.true_cfg_scale is not None and params.true_cfg_scale > 1.0 \
-            and params.negative_prompt is not None else 1
-
-    def extra_batch_key(self, params: SamplingParams):
-        """The T5 length: it sets ``txt_ids``, shared by the batch."""
-        return params.max_sequence_length
+        # Both block kinds take (hidden_states, encoder_hidden_states) and return
+        # (encoder_hidden_states, hidden_states): cache-dit's Pattern_1, as in its own Flux
+        # adapter (cache-dit 1.5.3, CACHE_DIT_FLUX_ENABLE_DUMMY_BLOCKS=0 layout).
+        self.capabilities = Capabilities(
+            teacache=TEACACHE, cache_dit=CacheDiTSupport(blocks=("transformer_blocks", "single_transformer_blocks"),
+                                                         patterns=("Pattern_1", "Pattern_1")))
+        # VAE down-sampling x 2x2 packing; diffusers' check_inputs refuses more than 512 T5 tokens
+        return {"resolution_factor": pipe.vae_scale_factor * 2, "max_sequence_length_limit": 512,
+                "max_prompt_tokens": pipe.tokenizer_max_length}
 
     def _encode_text(self, text: str | list[str], max_sequence_length: int | None):
         """diffusers' Flux encoding of a text (or of n texts, a row each: CLIP and T5 pad to
@@ -194,22 +86,11 @@ class FluxAdapter(PipelineAdapter):
         return pe, pooled
 
     def encode_branches(self, state: RequestState) -> None:
-        """Per-branch text inputs (and embedded guidance), `state.guidance_scale` (the true-CFG
-        weight) and the shared ``txt_ids``."""
-        p = state.params
-        n, L = p.num_images_per_prompt, p.max_sequence_length
-        texts = [p.negative_prompt, state.prompt] if self.branches(p) == 2 else [state.prompt]
-        branches = []
-        for text in texts:
-            pe, pooled = self.text.encode(text, L)
-            branch = {"encoder_hidden_states": repeat_rows(pe, n), "pooled_projections": repeat_rows(pooled, n)}
-            if self.guidance_embeds:
-                branch["guidance"] = torch.full((n,), p.guidance_scale, device=self.device, dtype=torch.float32)
-            branches.append(branch)
-        state.branches = branches
-        state.guidance_scale = p.true_cfg_scale if len(branches) == 2 else 1.0
+        """Per-branch text inputs (and embedded guidance) and the shared ``txt_ids``."""
+        state.branches = self.text_branches(state)
         text_dtype = self.pipe.text_encoder.dtype if self.pipe.text_encoder is not None else self.dtype
-        state.shared = {"txt_ids": torch.zeros(L, 3, device=self.device, dtype=text_dtype)}
+        state.shared = {"txt_ids": torch.zeros(state.params.max_sequence_length, 3, device=self.device,
+                                               dtype=text_dtype)}
 
     def prepare_request(self, state: RequestState) -> None:
         """Encode the prompt(s) through the cache, draw packed latents and position ids exactly
@@ -243,11 +124,9 @@ class FluxAdapter(PipelineAdapter):
                              config.get("base_shift", 0.5), config.get("max_shift", 1.15))
         timesteps, _ = retrieve_timesteps(scheduler, n, self.device, sigmas=sigmas, mu=mu)
         scheduler.set_begin_index(0)
-        state.scheduler = scheduler
-        state.timesteps = timesteps
-        state.sigmas = batchable_sigmas(scheduler, len(timesteps))
+        self.set_schedule(state, scheduler, timesteps)
 
-    def denoise_kwargs(self, batch: StepBatch) -> dict[str, Any]:
+    def forward_inputs(self, batch: StepBatch) -> dict[str, Any]:
         """The batch inputs with ``timestep / 1000`` in the latents' dtype (the transformer
         multiplies it back, as in diffusers)."""
         return {**batch.inputs, "timestep": batch.inputs["timestep"].to(batch.latents.dtype) / 1000}

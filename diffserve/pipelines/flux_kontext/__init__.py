@@ -1,1 +1,1 @@
-"""diffusers ``FluxKontextPipeline``: the adapter (`adapter`). Imported lazily through the registry."""
+"""diffusers ``FluxKontextPipeline``: the step adapter (`adapter`). Imported lazily through the registry."""

@@ -32,9 +32,9 @@ import torch
 from diffusers import FluxKontextPipeline
 
 from diffserve.core.errors import InvalidRequestError
-from diffserve.pipelines.base import RequestInputs, RequestState, StepBatch
-from diffserve.pipelines.flux.adapter import FluxAdapter
 from diffserve.core.sampling_params import SamplingParams
+from diffserve.pipelines.base import RequestInputs, RequestState
+from diffserve.pipelines.flux.adapter import FluxAdapter
 
 
 class FluxKontextAdapter(FluxAdapter):
@@ -43,43 +43,34 @@ class FluxKontextAdapter(FluxAdapter):
     Tensors (besides `FluxAdapter`'s): per branch ``image_latents`` (N, (h/16)*(w/16), 4C), the
     packed reference latents of an h x w reference; shared ``img_ids`` (noisy then reference
     position ids). The forward's ``hidden_states`` are (rows, N_img + N_ref, 4C); its output is cut
-    back to the N_img noisy-latent tokens.
+    back to the N_img noisy-latent tokens (`appended_latents`).
     """
 
     pipeline_class_name = "FluxKontextPipeline"
     pipeline_class = FluxKontextPipeline
-    accepts_images = True
+    image_input = "required"
+    appended_latents = "image_latents"
 
-    def reference_size(self, image: Any) -> tuple[int, int]:
+    def image_size(self, image: Any) -> tuple[int, int]:
         """(height, width) in pixels the reference image is encoded at: its own size floored to
-        multiples of 16 (diffusers with ``_auto_resize=False``)."""
+        multiples of 16 (diffusers with ``_auto_resize=False``); its tokens join every row of
+        the batch, so it is part of the batch key."""
         multiple = self.pipe.vae_scale_factor * 2
         height, width = self.pipe.image_processor.get_default_height_width(image)
         return height // multiple * multiple, width // multiple * multiple
 
     def check_params(self, params: SamplingParams, inputs: RequestInputs | None) -> None:
-        """Exactly one input image (the reference), at least 16x16 pixels, and no mask.
+        """One input image (the reference) of at least 16x16 pixels, and no mask.
 
         Raises:
             InvalidRequestError: naming ``image`` or ``mask``.
         """
-        images = inputs.images if inputs is not None else []
-        if len(images) != 1:
-            raise InvalidRequestError("image", f"{len(images)} images",
-                                      f"exactly one input image ({self.pipeline_class_name} edits a reference image)")
-        if inputs.mask is not None:
-            raise InvalidRequestError("mask", "<mask>", f"absent: {self.pipeline_class_name} takes no mask")
-        height, width = self.reference_size(images[0])
+        super().check_params(params, inputs)
+        height, width = self.image_size(inputs.images[0])
         if height <= 0 or width <= 0:
-            w, h = images[0].size
+            w, h = inputs.images[0].size
             raise InvalidRequestError("image", f"{w}x{h}", "at least 16x16 pixels (the reference is cut to "
                                       "multiples of 16 pixels)")
-
-    def batch_key(self, params: SamplingParams, inputs: RequestInputs | None = None):
-        """`FluxAdapter`'s key plus the reference's encoded size: its tokens and ids are
-        concatenated to every row."""
-        size = self.reference_size(inputs.images[0]) if inputs is not None and inputs.images else None
-        return (*super().batch_key(params, inputs), size)
 
     def prepare_request(self, state: RequestState) -> None:
         """Encode the prompt(s), VAE-encode the reference (``argmax``: no noise drawn) and draw
@@ -87,29 +78,14 @@ class FluxKontextAdapter(FluxAdapter):
         noisy latents' token count, as diffusers does."""
         self.encode_branches(state)
         p, pipe = state.params, self.pipe
-        image = state.inputs.images[0] if state.inputs is not None and state.inputs.images else None
-        if image is not None:
-            height, width = self.reference_size(image)
-            image = pipe.image_processor.preprocess(pipe.image_processor.resize(image, height, width), height, width)
+        image = state.inputs.images[0]
+        height, width = self.image_size(image)
+        image = pipe.image_processor.preprocess(pipe.image_processor.resize(image, height, width), height, width)
         latents, image_latents, latent_ids, image_ids = pipe.prepare_latents(
             image, p.num_images_per_prompt, self.latent_channels, p.height, p.width, self.embeds_dtype(state),
             self.device, state.generator)
         state.latents = latents
-        if image_latents is not None:
-            for branch in state.branches:
-                branch["image_latents"] = image_latents
-            latent_ids = torch.cat([latent_ids, image_ids], dim=0)
-        state.shared["img_ids"] = latent_ids
+        for branch in state.branches:
+            branch["image_latents"] = image_latents
+        state.shared["img_ids"] = torch.cat([latent_ids, image_ids], dim=0)
         self.set_timesteps(state, image_seq_len=latents.shape[1])
-
-    def denoise_kwargs(self, batch: StepBatch) -> dict[str, Any]:
-        """`FluxAdapter`'s, with the reference latents appended to ``hidden_states`` in sequence."""
-        kwargs = super().denoise_kwargs(batch)
-        reference = kwargs.pop("image_latents", None)
-        if reference is not None:
-            kwargs["hidden_states"] = torch.cat([kwargs["hidden_states"], reference], dim=1)
-        return kwargs
-
-    def denoise_output(self, batch: StepBatch, out: torch.Tensor) -> torch.Tensor:
-        """The prediction for the noisy-latent tokens only (rows, N_img, 4C)."""
-        return out[:, : batch.latents.shape[1]]

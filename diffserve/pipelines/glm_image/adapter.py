@@ -22,17 +22,14 @@ from diffusers import GlmImagePipeline
 from diffusers.pipelines.glm_image.pipeline_glm_image import calculate_shift, retrieve_timesteps
 
 from diffserve.core.errors import InvalidRequestError
-from diffserve.pipelines.base import AdapterOptions, PipelineAdapter, RequestState, StepBatch, checked_pixels
-from diffserve.pipelines.diffusion_scheduler import batchable_sigmas, new_scheduler
-from diffserve.pipelines.generation_config import read_generation_config
+from diffserve.core.sampling_params import SamplingParams
+from diffserve.pipelines.base import PipelineAdapter, RequestState, StepBatch, checked_pixels
+from diffserve.pipelines.diffusion_scheduler import new_scheduler
 from diffserve.pipelines.glm_image.ar_stage import GlmImageARStage
 from diffserve.pipelines.glm_image.glyph_attention import install_masked_glyph_attention
 from diffserve.pipelines.text_encoding import repeat_rows
-from diffserve.core.sampling_params import ModelSpec, SamplingParams
 
-#: GlmImagePipeline.__call__ defaults.
-DEFAULT_NUM_INFERENCE_STEPS = 50
-DEFAULT_GUIDANCE_SCALE = 1.5
+#: GlmImagePipeline.__call__'s glyph text budget.
 DEFAULT_MAX_SEQUENCE_LENGTH = 2048
 
 
@@ -45,43 +42,22 @@ class GlmImageAdapter(PipelineAdapter):
     """
 
     pipeline_class_name = "GlmImagePipeline"
+    pipeline_class = GlmImagePipeline
     ar_stage_components = ("vision_language_encoder", "processor")
+    optional_components = ar_stage_components  # built without them: the AR stage has its own runner
+    # GlmImagePipeline.__call__ defaults
+    sampling_defaults = {"height": 1024, "width": 1024, "num_inference_steps": 50, "guidance_scale": 1.5}
+    #: glyph embeddings of different lengths: right-padded with a key mask (`glyph_attention`)
+    padded_inputs = {"encoder_hidden_states": ("glyph_mask", 0.0)}
 
-    def __init__(self, pipe: GlmImagePipeline, device: torch.device, dtype: torch.dtype, options: AdapterOptions):
-        self.pipe = pipe
-        self.device = device
-        self.dtype = dtype
-        install_masked_glyph_attention(pipe.transformer)
-        config = read_generation_config(options.model_dir)
-        factor = pipe.vae_scale_factor * pipe.transformer.config.patch_size * 2
-        side = 1024
-        self.spec = ModelSpec(
-            pipeline=self.pipeline_class_name,
-            resolution_factor=factor,
-            default_height=int(config.get("height", side)),
-            default_width=int(config.get("width", side)),
-            default_num_inference_steps=int(config.get("num_inference_steps", DEFAULT_NUM_INFERENCE_STEPS)),
-            default_guidance_scale=float(config.get("guidance_scale", DEFAULT_GUIDANCE_SCALE)),
-            text_conditioned=True,
-        )
-
-    @classmethod
-    def from_components(cls, components, device, dtype, options):
-        components = {**components}
-        for name in cls.ar_stage_components:
-            components.setdefault(name, None)
-        pipe = GlmImagePipeline(**components)
-        pipe.to(device)
-        pipe.set_progress_bar_config(disable=True)
-        return cls(pipe, device, dtype, options)
+    def setup(self) -> dict[str, Any]:
+        """The masked glyph attention; sizes in multiples of the prior tokens' grid."""
+        install_masked_glyph_attention(self.pipe.transformer)
+        return {"resolution_factor": self.pipe.vae_scale_factor * self.pipe.transformer.config.patch_size * 2}
 
     @classmethod
     def build_ar_stage(cls, components: dict[str, Any], device: torch.device, dtype: torch.dtype):
         return GlmImageARStage(components["vision_language_encoder"].to(device), components["processor"])
-
-    @property
-    def denoiser(self) -> torch.nn.Module:
-        return self.pipe.transformer
 
     def context_branches(self, params: SamplingParams) -> tuple[str, ...]:
         """The prior tokens (``"cond"``); the unconditional branch drops them, so needs no payload."""
@@ -95,13 +71,12 @@ class GlmImageAdapter(PipelineAdapter):
             raise InvalidRequestError("negative_prompt", params.negative_prompt,
                                       "unset: GLM-Image's unconditional branch takes no negative prompt")
 
-    def pad_keys(self) -> dict[str, tuple[str | None, float]]:
-        return {"encoder_hidden_states": ("glyph_mask", 0.0)}
-
     def _glyph(self, text: str) -> torch.Tensor:
         return self.pipe._get_glyph_embeds([text], DEFAULT_MAX_SEQUENCE_LENGTH, self.device, self.dtype)
 
     def prepare_request(self, state: RequestState) -> None:
+        """Per branch the glyph embeddings and the prior tokens (dropped on the unconditional
+        one), latents and the schedule exactly as `GlmImagePipeline.__call__` draws them."""
         p = state.params
         n = p.num_images_per_prompt
         pipe = self.pipe
@@ -117,7 +92,6 @@ class GlmImageAdapter(PipelineAdapter):
             branches.append({"encoder_hidden_states": repeat_rows(self._glyph(text), n), "prior_token_drop": drop,
                              "prior_token_id": prior, "target_size": size, "crop_coords": crop})
         state.branches = branches
-        state.guidance_scale = p.guidance_scale
         state.latents = pipe.prepare_latents(n, pipe.transformer.config.in_channels, p.height, p.width, self.dtype,
                                              self.device, state.generator)
         scheduler = new_scheduler(pipe.scheduler)
@@ -130,11 +104,10 @@ class GlmImageAdapter(PipelineAdapter):
         mu = calculate_shift(seq_len, scheduler.config.get("base_image_seq_len", 256),
                              scheduler.config.get("base_shift", 0.25), scheduler.config.get("max_shift", 0.75))
         timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, timesteps, sigmas, mu=mu)
-        state.timesteps = timesteps
-        state.sigmas = batchable_sigmas(scheduler, len(timesteps))
-        state.scheduler = scheduler
+        self.set_schedule(state, scheduler, timesteps)
 
-    def denoise_kwargs(self, batch: StepBatch) -> dict[str, Any]:
+    def forward_inputs(self, batch: StepBatch) -> dict[str, Any]:
+        """The glyph mask goes to the attention processors; the DiT takes ``timestep - 1``."""
         inputs = dict(batch.inputs)
         mask = inputs.pop("glyph_mask", None)
         inputs["attention_kwargs"] = {"glyph_mask": mask} if mask is not None else None
@@ -142,6 +115,7 @@ class GlmImageAdapter(PipelineAdapter):
         return inputs
 
     def call_denoiser(self, batch: StepBatch, kwargs: dict[str, Any]) -> torch.Tensor:
+        """The transformer's prediction in float32 (as diffusers' loop casts it)."""
         return self.denoiser(**kwargs, return_dict=False)[0].float()
 
     def decode(self, state: RequestState, latents: torch.Tensor | None = None) -> Any:

@@ -1,1 +1,2 @@
-"""diffusers ``QwenImagePipeline``: the adapter (`adapter`). Imported lazily through the registry."""
+"""diffusers ``QwenImagePipeline``: the step adapter (`adapter`) and its TeaCache forward split
+(`teacache`). Imported lazily through the registry."""

@@ -12,7 +12,7 @@ What differs from SD3 and how it maps onto the step contract:
 - Text is VARIABLE length (the encoder keeps the prompt's tokens after a fixed template prefix).
   Each text is encoded alone (one row, no mask, as diffusers does for one prompt); a step batch
   right-pads ``encoder_hidden_states`` with zeros to its longest text and passes
-  ``encoder_hidden_states_mask`` (`pad_keys`). The transformer masks padded keys in its joint
+  ``encoder_hidden_states_mask`` (`padded_inputs`). The transformer masks padded keys in its joint
   attention and gives text token i RoPE position ``max_vid_index + i`` whatever the padding, so a
   padded row equals its unpadded solo run within float rounding (measured ~5e-7): text length is
   NOT part of the batch key. An unpadded batch gets no mask (diffusers' rule: an all-ones mask
@@ -33,90 +33,22 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers import QwenImagePipeline
-from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
-from diffserve.core.errors import InvalidRequestError, UnsupportedModelError
-from diffserve.pipelines import guidance
-from diffserve.pipelines.base import (
-    AdapterOptions,
-    CacheDiTSupport,
-    Capabilities,
-    PipelineAdapter,
-    RequestInputs,
-    RequestState,
-    StepBatch,
-    TeaCacheSupport,
-    checked_pixels,
-)
-from diffserve.pipelines.diffusion_scheduler import batchable_sigmas, new_scheduler
-from diffserve.pipelines.generation_config import read_generation_config
-from diffserve.pipelines.text_encoding import TextEncoder, repeat_rows
-from diffserve.core.sampling_params import ModelSpec, SamplingParams
+from diffserve.core.errors import UnsupportedModelError
+from diffserve.pipelines.base import PipelineAdapter, RequestState, StepBatch, checked_pixels
+from diffserve.pipelines.capabilities import CacheDiTSupport, Capabilities
+from diffserve.pipelines.diffusion_scheduler import new_scheduler
+from diffserve.pipelines.guidance import TRUE_CFG_NORM_RESCALED
+from diffserve.pipelines.qwen_image.teacache import TEACACHE
+from diffserve.pipelines.text_encoding import TextEncoder
 
 # diffserve decides guidance itself; diffusers warns on every call with true_cfg_scale > 1 and no
 # negative prompt (its default).
 logging.getLogger("diffusers.pipelines.qwenimage").setLevel(logging.ERROR)
 
-# diffusers' QwenImagePipeline.__call__ defaults.
-DEFAULT_NUM_INFERENCE_STEPS = 50
-DEFAULT_TRUE_CFG_SCALE = 4.0
-DEFAULT_MAX_SEQUENCE_LENGTH = 512
-#: diffusers' check_inputs refuses more (the pipeline's tokenizer_max_length).
+#: diffusers' check_inputs refuses a longer text budget (the pipeline's tokenizer_max_length).
 MAX_SEQUENCE_LENGTH_LIMIT = 1024
-
-#: Qwen-Image TeaCache rescaling coefficients as vLLM-Omni ships them for
-#: QwenImageTransformer2DModel ("from ComfyUI-TeaCache"; vllm_omni/diffusion/cache/teacache/config.py).
-QWEN_TEACACHE_COEFFICIENTS = (-4.5e02, 2.8e02, -4.5e01, 3.2e00, -2.0e-02)
-
-
-class QwenImageTeaCacheSplit:
-    """`QwenImageTransformer2DModel.forward` (diffusers 0.42.1) in three parts around the blocks,
-    for TeaCache; transformers without ``zero_cond_t`` / ``use_additional_t_cond`` and without
-    ControlNet residuals.
-
-    Tensors: hidden (rows, N_img, D); context = dict(encoder (rows, N_txt, D), mask (rows, N_txt)
-    bool or None, temb (rows, D), rotary (image and text RoPE, shared by the rows),
-    attention_kwargs); output (rows, N_img, patch**2 * C_out) packed.
-    """
-
-    @staticmethod
-    def embed(model, kwargs: dict[str, Any]):
-        """Returns (hidden, context, modulated input of the first block's image stream)."""
-        hidden = model.img_in(kwargs["hidden_states"])
-        timestep = kwargs["timestep"].to(hidden.dtype)
-        encoder = model.txt_in(model.txt_norm(kwargs["encoder_hidden_states"]))
-        text_len, _, mask = compute_text_seq_len_from_mask(encoder, kwargs.get("encoder_hidden_states_mask"))
-        temb = model.time_text_embed(timestep, hidden)
-        rotary = model.pos_embed(kwargs["img_shapes"], max_txt_seq_len=text_len, device=hidden.device)
-        first = model.transformer_blocks[0]
-        img_mod1 = first.img_mod(temb).chunk(2, dim=-1)[0]
-        modulated = first._modulate(first.img_norm1(hidden), img_mod1)[0]
-        context = {"encoder": encoder, "mask": mask, "temb": temb, "rotary": rotary,
-                   "attention_kwargs": kwargs.get("attention_kwargs")}
-        return hidden, context, modulated
-
-    @staticmethod
-    def select_rows(context: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
-        mask = context["mask"]
-        return {**context, "encoder": context["encoder"][index], "temb": context["temb"][index],
-                "mask": None if mask is None else mask[index]}
-
-    @staticmethod
-    def blocks(model, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
-        """Every transformer block; returns the image stream (rows, N_img, D)."""
-        encoder = context["encoder"]
-        for block in model.transformer_blocks:
-            encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder,
-                                    encoder_hidden_states_mask=context["mask"], temb=context["temb"],
-                                    image_rotary_emb=context["rotary"],
-                                    joint_attention_kwargs=context["attention_kwargs"])
-        return hidden
-
-    @staticmethod
-    def head(model, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
-        """norm_out and proj_out: (rows, N_img, patch**2 * C_out)."""
-        return model.proj_out(model.norm_out(hidden, context["temb"]))
 
 
 class QwenImageAdapter(PipelineAdapter):
@@ -130,48 +62,25 @@ class QwenImageAdapter(PipelineAdapter):
 
     pipeline_class_name = "QwenImagePipeline"
     pipeline_class: type = QwenImagePipeline
+    # diffusers' QwenImagePipeline.__call__ defaults
+    sampling_defaults = {"num_inference_steps": 50, "true_cfg_scale": 4.0, "max_sequence_length": 512}
+    guidance = TRUE_CFG_NORM_RESCALED
+    #: text embeddings are right-padded with zeros; the mask marks the real tokens
+    padded_inputs = {"encoder_hidden_states": ("encoder_hidden_states_mask", 0.0)}
 
-    def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, options: AdapterOptions):
-        self.pipe = pipe
-        self.device = device
-        self.dtype = dtype
+    def setup(self) -> dict[str, Any]:
+        """Refuses guidance-distilled transformers; text encoding; TeaCache (plain time
+        embeddings only), cache-dit and regional compile."""
+        pipe = self.pipe
         transformer = pipe.transformer.config
         if transformer.get("guidance_embeds"):
             raise UnsupportedModelError(
                 f"{self.pipeline_class_name} with a guidance-distilled transformer (guidance_embeds=true) is not "
                 "supported: diffusers 0.42.1's QwenImageTransformer2DModel cannot take the guidance input")
-        config = read_generation_config(options.model_dir)
-        factor = pipe.vae_scale_factor * 2
-        rope_positions = pipe.transformer.pos_embed.pos_freqs.shape[0]
-        #: RoPE rows: text positions start after max(h, w) / 2 of the latent grid (scale_rope).
-        max_side = (rope_positions - MAX_SEQUENCE_LENGTH_LIMIT) * 2 * factor
-        default_side = pipe.default_sample_size * pipe.vae_scale_factor
-        fields = dict(
-            pipeline=self.pipeline_class_name,
-            resolution_factor=factor,
-            default_height=int(config.get("height", default_side)),
-            default_width=int(config.get("width", default_side)),
-            default_num_inference_steps=int(config.get("num_inference_steps", DEFAULT_NUM_INFERENCE_STEPS)),
-            default_guidance_scale=None,
-            default_true_cfg_scale=float(config.get("true_cfg_scale", DEFAULT_TRUE_CFG_SCALE)),
-            default_max_sequence_length=int(config.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)),
-            max_sequence_length_limit=MAX_SEQUENCE_LENGTH_LIMIT,
-            text_conditioned=True,
-            max_prompt_tokens=pipe.tokenizer_max_length,
-            max_height=max_side,
-            max_width=max_side,
-        )
-        self.spec = ModelSpec(**{**fields, **self.extra_spec(config)})
-        teacache = config.get("teacache", {})
+        self.text = self.make_text_encoder()
         plain_time_embedding = not (transformer.get("zero_cond_t") or transformer.get("use_additional_t_cond"))
         self.capabilities = Capabilities(
-            teacache=TeaCacheSupport(
-                split=QwenImageTeaCacheSplit,
-                coefficients=tuple(teacache.get("coefficients", QWEN_TEACACHE_COEFFICIENTS)),
-                rel_l1_thresh=float(teacache.get("rel_l1_thresh", 0.2)),
-                source=teacache.get("source", "vLLM-Omni's QwenImageTransformer2DModel coefficients (from "
-                                              "ComfyUI-TeaCache); 0.2 ~1.5x per vLLM-Omni's TeaCache guide"),
-            ) if plain_time_embedding else None,
+            teacache=TEACACHE if plain_time_embedding else None,
             # QwenImageTransformerBlock takes (hidden_states, encoder_hidden_states) and returns
             # (encoder_hidden_states, hidden_states): cache-dit 1.5.3's own QwenImage adapter uses
             # ForwardPattern.Pattern_1; every block returns the encoder stream.
@@ -179,46 +88,15 @@ class QwenImageAdapter(PipelineAdapter):
                                       has_encoder_residual=True),
             repeated_blocks=("QwenImageTransformerBlock",),
         )
-        self.text = self.make_text_encoder()
-
-    def extra_spec(self, config: dict[str, Any]) -> dict[str, Any]:
-        """`ModelSpec` fields a subclass sets differently (edit: image inputs, no text budget)."""
-        return {}
+        factor = pipe.vae_scale_factor * 2
+        # RoPE rows: text positions start after max(h, w) / 2 of the latent grid (scale_rope)
+        max_side = (pipe.transformer.pos_embed.pos_freqs.shape[0] - MAX_SEQUENCE_LENGTH_LIMIT) * 2 * factor
+        return {"resolution_factor": factor, "max_sequence_length_limit": MAX_SEQUENCE_LENGTH_LIMIT,
+                "max_prompt_tokens": pipe.tokenizer_max_length, "max_height": max_side, "max_width": max_side}
 
     def make_text_encoder(self) -> TextEncoder:
         """The cached text encoding (the request's max_sequence_length bounds the tokens)."""
         return TextEncoder(self, self._encode_text, [(self.pipe.tokenizer, None)])
-
-    @classmethod
-    def from_components(cls, components, device, dtype, options):
-        pipe = cls.pipeline_class(**components)
-        pipe.to(device, silence_dtype_warnings=True)
-        pipe.set_progress_bar_config(disable=True)
-        return cls(pipe, device, dtype, options)
-
-    @property
-    def denoiser(self) -> torch.nn.Module:
-        return self.pipe.transformer
-
-    # --------------------------------------------------------------- per request
-    def check_params(self, params: SamplingParams, inputs: RequestInputs | None) -> None:
-        """No image inputs, and `check_schedule`."""
-        super().check_params(params, inputs)
-        self.check_schedule(params)
-
-    def check_schedule(self, params: SamplingParams) -> None:
-        """Refuse 1 step when the scheduler stretches its sigmas to a terminal value
-        (``shift_terminal``, as in Qwen-Image's folders): a 1-sigma schedule stretches to
-        0/0 = NaN in diffusers."""
-        if params.num_inference_steps == 1 and self.pipe.scheduler.config.get("shift_terminal"):
-            raise InvalidRequestError("num_inference_steps", 1,
-                                      "at least 2 for this model (its scheduler's shift_terminal turns a "
-                                      "1-step schedule into NaN in diffusers)")
-
-    def branches(self, params: SamplingParams) -> int:
-        """2 (negative, positive) with true CFG: ``true_cfg_scale > 1`` and a negative prompt
-        given (even ``""``), as diffusers decides; else 1."""
-        return 2 if params.true_cfg_scale > 1.0 and params.negative_prompt is not None else 1
 
     def prompt_is_truncated(self, prompt: str, max_sequence_length: int | None = None) -> bool:
         """Whether the prompt's tokens after the template prefix exceed max_sequence_length
@@ -238,25 +116,16 @@ class QwenImageAdapter(PipelineAdapter):
                                             max_sequence_length=max_sequence_length)
         return (embeds,)
 
-    def texts(self, state: RequestState) -> list[str]:
-        """The texts of the request's branches, negative first."""
-        p = state.params
-        return [p.negative_prompt, state.prompt] if self.branches(p) == 2 else [state.prompt]
-
     def prepare_request(self, state: RequestState) -> None:
         """Encode the texts through the cache, draw packed latents exactly as diffusers does,
         and create the request's own scheduler with diffusers' sigmas and dynamic shift."""
-        p = state.params
+        p, pipe = state.params, self.pipe
         n = p.num_images_per_prompt
-        pipe = self.pipe
         shapes = [(1, p.height // pipe.vae_scale_factor // 2, p.width // pipe.vae_scale_factor // 2)]
-        state.branches = []
-        for text in self.texts(state):
-            (embeds,) = self.text.encode(text, p.max_sequence_length)
-            state.branches.append({"encoder_hidden_states": repeat_rows(embeds, n), "img_shapes": [shapes] * n})
+        state.branches = [{**branch, "img_shapes": [shapes] * n} for branch in self.text_branches(state)]
         state.latents = pipe.prepare_latents(n, pipe.transformer.config.in_channels // 4, p.height, p.width,
-                                             embeds.dtype, self.device, state.generator)
-        state.guidance_scale = p.true_cfg_scale
+                                             state.branches[-1]["encoder_hidden_states"].dtype, self.device,
+                                             state.generator)
         self.set_timesteps(state, image_seq_len=state.latents.shape[1])
 
     def set_timesteps(self, state: RequestState, image_seq_len: int) -> None:
@@ -270,17 +139,10 @@ class QwenImageAdapter(PipelineAdapter):
         timesteps, _ = retrieve_timesteps(scheduler, steps, self.device,
                                           sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
         scheduler.set_begin_index(0)
-        state.scheduler = scheduler
-        state.timesteps = timesteps
-        state.sigmas = batchable_sigmas(scheduler, len(timesteps))
+        self.set_schedule(state, scheduler, timesteps)
 
-    # ------------------------------------------------------------------ per step
-    def pad_keys(self) -> dict[str, tuple[str | None, float]]:
-        """Text embeddings are right-padded with zeros; ``encoder_hidden_states_mask`` marks
-        the real tokens (None when no row is padded)."""
-        return {"encoder_hidden_states": ("encoder_hidden_states_mask", 0.0)}
-
-    def denoise_kwargs(self, batch: StepBatch) -> dict[str, Any]:
+    def forward_inputs(self, batch: StepBatch) -> dict[str, Any]:
+        """The transformer's arguments, with ``timestep / 1000``."""
         x = batch.inputs
         hidden = x["hidden_states"]
         return {"hidden_states": hidden, "timestep": x["timestep"].to(hidden.dtype) / 1000,
@@ -288,16 +150,6 @@ class QwenImageAdapter(PipelineAdapter):
                 "encoder_hidden_states_mask": x.get("encoder_hidden_states_mask"),
                 "img_shapes": x["img_shapes"]}
 
-    def combine(self, batch: StepBatch, out: torch.Tensor) -> torch.Tensor:
-        """True CFG rescaled per token to the conditional prediction's norm (diffusers'
-        `QwenImagePipeline`)."""
-        if batch.branches == 1:
-            return out
-        uncond, cond = out.chunk(2)
-        scale = guidance.uniform_or_rows([s.guidance_scale for s in batch.states], batch.row_values)
-        return guidance.cfg_norm_rescaled(uncond, cond, scale)
-
-    # ------------------------------------------------------------------ decode
     def decode(self, state: RequestState, latents: torch.Tensor | None = None) -> Any:
         """Unpack to (N, C, 1, H/8, W/8), undo the latent normalisation (``x * std + mean``),
         VAE-decode the single frame and post-process to the request's output_type

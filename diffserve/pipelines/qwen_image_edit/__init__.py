@@ -1,1 +1,1 @@
-"""diffusers ``QwenImageEditPipeline``: the adapter (`adapter`). Imported lazily through the registry."""
+"""diffusers ``QwenImageEditPipeline``: the step adapter (`adapter`). Imported lazily through the registry."""

@@ -33,11 +33,9 @@ with or without torchvision installed.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
-import torch
 from diffusers import QwenImageEditPipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 from transformers import Qwen2Tokenizer, Qwen2VLProcessor
@@ -45,10 +43,9 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from transformers.processing_utils import ProcessorMixin
 
 from diffserve.core.errors import InvalidRequestError
-from diffserve.pipelines.base import RequestInputs, RequestState, StepBatch
+from diffserve.pipelines.base import RequestState
 from diffserve.pipelines.qwen_image.adapter import QwenImageAdapter
-from diffserve.pipelines.text_encoding import TextEncoder, repeat_rows
-from diffserve.core.sampling_params import SamplingParams
+from diffserve.pipelines.text_encoding import TextEncoder
 
 #: diffusers' QwenImageEditPipeline resizes the input image to this area (pixels).
 TARGET_AREA = 1024 * 1024
@@ -111,22 +108,29 @@ def image_digest(image) -> str:
 class QwenImageEditAdapter(QwenImageAdapter):
     """Step-contract adapter over a diffusers `QwenImageEditPipeline`.
 
-    Tensors as `QwenImageAdapter`, plus per request the packed input-image latents
-    (N, (H_in/16)*(W_in/16), 4*C_latent) in ``state.extra["image_latents"]``, appended to the
-    latents in `model_input`; per branch ``img_shapes`` holds ``[(1, H/16, W/16), (1, H_in/16,
-    W_in/16)]`` per row and the text includes the image's vision tokens.
+    Tensors as `QwenImageAdapter`, plus per branch the packed input-image latents
+    ``image_latents`` (N, (H_in/16)*(W_in/16), 4*C_latent), appended to the latents' tokens in
+    the forward (`appended_latents`); per branch ``img_shapes`` holds ``[(1, H/16, W/16), (1,
+    H_in/16, W_in/16)]`` per row and the text includes the image's vision tokens.
     """
 
     pipeline_class_name = "QwenImageEditPipeline"
     pipeline_class: type = QwenImageEditPipeline
+    # diffusers' QwenImageEditPipeline.__call__ defaults (it never cuts its text: no text budget)
+    sampling_defaults = {"num_inference_steps": 50, "true_cfg_scale": 4.0}
+    image_input = "required"
+    appended_latents = "image_latents"
 
     @classmethod
     def component_loaders(cls):
         return {"processor": load_qwen2vl_processor}
 
-    def extra_spec(self, config: dict[str, Any]) -> dict[str, Any]:
-        return {"accepts_images": True, "default_max_sequence_length": None, "max_sequence_length_limit": None,
-                "max_prompt_tokens": None}
+    def setup(self) -> dict[str, Any]:
+        """`QwenImageAdapter`'s, without a text budget (the text is never cut)."""
+        limits = super().setup()
+        for name in ("max_sequence_length_limit", "max_prompt_tokens"):
+            limits.pop(name)
+        return limits
 
     def make_text_encoder(self) -> TextEncoder:
         """Encodes text with the input image; the only token bound is the transformer's RoPE
@@ -134,21 +138,9 @@ class QwenImageEditAdapter(QwenImageAdapter):
         rope_positions = self.pipe.transformer.pos_embed.pos_freqs.shape[0]
         return TextEncoder(self, self._encode_text, [(self.pipe.tokenizer, rope_positions)])
 
-    def check_params(self, params: SamplingParams, inputs: RequestInputs | None) -> None:
-        """Exactly one input image, no mask, and `check_schedule`."""
-        self.check_schedule(params)
-        if inputs is None or not inputs.images:
-            raise InvalidRequestError("image", None, f"one input image: {self.pipeline_class_name} edits an image")
-        if len(inputs.images) != 1:
-            raise InvalidRequestError("image", f"{len(inputs.images)} images",
-                                      f"exactly one image for {self.pipeline_class_name}")
-        if inputs.mask is not None:
-            raise InvalidRequestError("mask", "<mask>", f"absent: {self.pipeline_class_name} takes no mask")
-
-    def batch_key(self, params: SamplingParams, inputs: RequestInputs | None = None) -> Hashable:
-        """The text-to-image key plus the input image's resized size (its latent token count)."""
-        size = input_size(inputs.images[0]) if inputs is not None and inputs.images else None
-        return (super().batch_key(params, inputs), size)
+    def image_size(self, image) -> tuple[int, int]:
+        """The input image's resized size (its latent token count is part of the batch key)."""
+        return input_size(image)
 
     def prompt_is_truncated(self, prompt: str, max_sequence_length: int | None = None) -> bool:
         """Never: diffusers' edit pipeline keeps the whole text."""
@@ -169,26 +161,22 @@ class QwenImageEditAdapter(QwenImageAdapter):
             InvalidRequestError: the text (with its vision tokens) does not fit the transformer's
                 RoPE table at this size.
         """
-        p = state.params
+        p, pipe = state.params, self.pipe
         n = p.num_images_per_prompt
-        pipe = self.pipe
         image = state.inputs.images[0]
         height_in, width_in = input_size(image)
         prompt_image = pipe.image_processor.resize(image, height_in, width_in)
         pixels = pipe.image_processor.preprocess(prompt_image, height_in, width_in).unsqueeze(2)
         f = pipe.vae_scale_factor * 2
         shapes = [(1, p.height // f, p.width // f), (1, height_in // f, width_in // f)]
-        key = ("image", image_digest(image))
-        state.branches = []
-        for text in self.texts(state):
-            (embeds,) = self.text.encode(text, None, extra_key=key, image=prompt_image)
-            self._check_text_fits(embeds.shape[1], shapes)
-            state.branches.append({"encoder_hidden_states": repeat_rows(embeds, n), "img_shapes": [shapes] * n})
+        branches = self.text_branches(state, extra_key=("image", image_digest(image)), image=prompt_image)
+        for branch in branches:
+            self._check_text_fits(branch["encoder_hidden_states"].shape[1], shapes)
         state.latents, image_latents = pipe.prepare_latents(
-            pixels, n, pipe.transformer.config.in_channels // 4, p.height, p.width, embeds.dtype, self.device,
-            state.generator)
-        state.extra["image_latents"] = image_latents
-        state.guidance_scale = p.true_cfg_scale
+            pixels, n, pipe.transformer.config.in_channels // 4, p.height, p.width,
+            branches[-1]["encoder_hidden_states"].dtype, self.device, state.generator)
+        state.branches = [{**branch, "img_shapes": [shapes] * n, "image_latents": image_latents}
+                          for branch in branches]
         self.set_timesteps(state, image_seq_len=state.latents.shape[1])
 
     def _check_text_fits(self, text_len: int, shapes: list[tuple[int, int, int]]) -> None:
@@ -198,11 +186,3 @@ class QwenImageEditAdapter(QwenImageAdapter):
             raise InvalidRequestError("prompt", f"{text_len} tokens with the image",
                                       f"at most {rope_positions - first_text_position} tokens with the image "
                                       "(the transformer's RoPE table at this size)")
-
-    def model_input(self, state: RequestState) -> torch.Tensor:
-        """(N, L + L_in, 4C): the noisy latents, then the input image's latents."""
-        return torch.cat([state.latents, state.extra["image_latents"]], dim=1)
-
-    def denoise_output(self, batch: StepBatch, out: torch.Tensor) -> torch.Tensor:
-        """The prediction for the noisy latents only (the input image's tokens dropped)."""
-        return out[:, : batch.latents.shape[1]]

@@ -20,84 +20,22 @@ from typing import Any
 
 import torch
 from diffusers import StableDiffusion3Img2ImgPipeline, StableDiffusion3Pipeline
-from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
-    calculate_shift,
-    retrieve_timesteps,
-)
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift, retrieve_timesteps
 
 from diffserve.core.errors import InvalidRequestError
-from diffserve.pipelines import teacache_coefficients
-from diffserve.pipelines.base import (
-    AdapterOptions,
-    Capabilities,
-    CacheDiTSupport,
-    PipelineAdapter,
-    RequestState,
-    StepBatch,
-    TeaCacheSupport,
-    checked_pixels,
-)
-from diffserve.pipelines.diffusion_scheduler import batchable_sigmas, new_scheduler
-from diffserve.pipelines.generation_config import read_generation_config
-from diffserve.pipelines.text_encoding import TextEncoder, repeat_rows
-from diffserve.core.sampling_params import ModelSpec, SamplingParams
+from diffserve.core.sampling_params import SamplingParams
+from diffserve.pipelines.base import CacheDiTSupport, Capabilities, PipelineAdapter, RequestState, checked_pixels
+from diffserve.pipelines.diffusion_scheduler import new_scheduler
+from diffserve.pipelines.sd3 import context_folding
+from diffserve.pipelines.sd3.teacache import TEACACHE
+from diffserve.pipelines.text_encoding import TextEncoder
 
 # diffserve reports truncation itself (GenerationOutput.prompt_truncated); diffusers' own warning
 # echoes the whole cut text on every encode.
 logging.getLogger("diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3").setLevel(logging.ERROR)
 
-# diffusers' StableDiffusion3Pipeline.__call__ defaults.
-DEFAULT_NUM_INFERENCE_STEPS = 28
-DEFAULT_GUIDANCE_SCALE = 7.0
+#: diffusers' StableDiffusion3Pipeline.__call__ T5 budget (also the folded row count).
 DEFAULT_MAX_SEQUENCE_LENGTH = 256
-#: StableDiffusion3Img2ImgPipeline.__call__'s default strength.
-DEFAULT_STRENGTH = 0.6
-#: T5's positional budget in SD3 (diffusers refuses more than 512).
-MAX_SEQUENCE_LENGTH_LIMIT = 512
-
-
-class SD3TeaCacheSplit:
-    """`SD3Transformer2DModel.forward` (diffusers 0.42) in three parts around the blocks, for
-    TeaCache. Covers the text-to-image path (no ControlNet, IP-Adapter, skip_layers).
-
-    Tensors: hidden (rows, N_img, D); context = dict(encoder (rows, N_txt, D), temb (rows, D),
-    height, width in latent pixels, joint_attention_kwargs); output (rows, C, height, width).
-    """
-
-    @staticmethod
-    def embed(model, kwargs: dict[str, Any]):
-        """Returns (hidden, context, modulated input of the first block)."""
-        x = kwargs["hidden_states"]
-        hidden = model.pos_embed(x).contiguous()
-        temb = model.time_text_embed(kwargs["timestep"], kwargs["pooled_projections"])
-        encoder = model.context_embedder(kwargs["encoder_hidden_states"])
-        modulated = model.transformer_blocks[0].norm1(hidden, emb=temb)[0]
-        context = {"encoder": encoder, "temb": temb, "height": x.shape[-2], "width": x.shape[-1],
-                   "joint_attention_kwargs": kwargs.get("joint_attention_kwargs")}
-        return hidden, context, modulated
-
-    @staticmethod
-    def select_rows(context: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
-        return {**context, "encoder": context["encoder"][index], "temb": context["temb"][index]}
-
-    @staticmethod
-    def blocks(model, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
-        """Every transformer block; returns the image stream (rows, N_img, D)."""
-        encoder, temb = context["encoder"], context["temb"]
-        for block in model.transformer_blocks:
-            encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb=temb,
-                                    joint_attention_kwargs=context["joint_attention_kwargs"])
-        return hidden
-
-    @staticmethod
-    def head(model, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
-        """norm_out, proj_out and unpatchify to (rows, C, height, width)."""
-        hidden = model.proj_out(model.norm_out(hidden, context["temb"]))
-        p = model.config.patch_size
-        h, w = context["height"] // p, context["width"] // p
-        hidden = hidden.reshape(hidden.shape[0], h, w, p, p, model.out_channels)
-        hidden = torch.einsum("nhwpqc->nchpwq", hidden)
-        return hidden.reshape(hidden.shape[0], model.out_channels, h * p, w * p)
 
 
 def _sd3_context_parallel(transformer: torch.nn.Module) -> dict:
@@ -115,53 +53,35 @@ class StableDiffusion3Adapter(PipelineAdapter):
     """
 
     pipeline_class_name = "StableDiffusion3Pipeline"
+    pipeline_class = StableDiffusion3Pipeline
+    optional_components = ("text_encoder_3", "tokenizer_3")
+    # diffusers' StableDiffusion3Pipeline.__call__ defaults; StableDiffusion3Img2ImgPipeline's strength
+    sampling_defaults = {"num_inference_steps": 28, "guidance_scale": 7.0,
+                         "max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH, "strength": 0.6}
+    #: the T5 budget sets the text length (and the fold count with folding)
+    batch_key_fields = ("max_sequence_length",)
+    image_input = "optional"
+    text_inputs = ("encoder_hidden_states", "pooled_projections")
 
-    def __init__(self, pipe: StableDiffusion3Pipeline, device: torch.device, dtype: torch.dtype,
-                 options: AdapterOptions):
-        self.pipe = pipe
-        # the image-to-image pipeline on the very same modules (no copies)
+    def setup(self) -> dict[str, Any]:
+        """The image-to-image pipeline on the same modules, context folding of the zero T5 rows
+        (folders without T5), CLIP (+ T5) encoding in batches, TeaCache, cache-dit, regional
+        compile and the Ulysses plan."""
+        pipe = self.pipe
         self.img2img = StableDiffusion3Img2ImgPipeline(**{k: v for k, v in pipe.components.items()
                                                           if k not in ("image_encoder", "feature_extractor")})
         self.img2img.set_progress_bar_config(disable=True)
-        self.device = device
-        self.dtype = dtype
-        config = read_generation_config(options.model_dir)
-        self.context_folding = False
-        if options.context_folding and pipe.text_encoder_3 is None:
-            from diffserve.pipelines.sd3.context_folding import install_folded_context_attention
-
-            install_folded_context_attention(pipe.transformer, DEFAULT_MAX_SEQUENCE_LENGTH)
-            self.context_folding = True
-        vae_factor = pipe.vae_scale_factor
-        pos_max = pipe.transformer.config.get("pos_embed_max_size")
-        max_side = None if pos_max is None else pos_max * pipe.patch_size * vae_factor
-        default_side = pipe.default_sample_size * vae_factor
-        self.spec = ModelSpec(
-            pipeline=self.pipeline_class_name,
-            resolution_factor=vae_factor * pipe.patch_size,
-            default_height=int(config.get("height", default_side)),
-            default_width=int(config.get("width", default_side)),
-            default_num_inference_steps=int(config.get("num_inference_steps", DEFAULT_NUM_INFERENCE_STEPS)),
-            default_guidance_scale=float(config.get("guidance_scale", DEFAULT_GUIDANCE_SCALE)),
-            default_max_sequence_length=int(config.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)),
-            max_sequence_length_limit=MAX_SEQUENCE_LENGTH_LIMIT,
-            text_conditioned=True,
-            max_prompt_tokens=pipe.tokenizer_max_length,
-            # PatchEmbed crops a pos_embed_max_size^2 grid of positions: larger inputs fail
-            max_height=max_side,
-            max_width=max_side,
-            accepts_images=True,
-            default_strength=float(config.get("strength", DEFAULT_STRENGTH)),
+        self.context_folding = self.options.context_folding and pipe.text_encoder_3 is None
+        if self.context_folding:
+            context_folding.install_folded_context_attention(pipe.transformer, DEFAULT_MAX_SEQUENCE_LENGTH)
+        self.text = TextEncoder(
+            self, self._encode_text,
+            [(pipe.tokenizer, pipe.tokenizer_max_length), (pipe.tokenizer_2, pipe.tokenizer_max_length),
+             (pipe.tokenizer_3, None)],
+            key=("folded" if self.context_folding else "full",), batched=True,
         )
-        teacache = config.get("teacache", {})
         self.capabilities = Capabilities(
-            teacache=TeaCacheSupport(
-                split=SD3TeaCacheSplit,
-                coefficients=tuple(teacache.get("coefficients", teacache_coefficients.FLUX_DEV)),
-                rel_l1_thresh=float(teacache.get("rel_l1_thresh", 0.4)),
-                source=teacache.get("source", "TeaCache4FLUX coefficients (FLUX.1-dev), as reused by SD3 "
-                                              "TeaCache ports; 0.25 ~1.5x, 0.4 ~1.8x on FLUX per the TeaCache README"),
-            ),
+            teacache=TEACACHE,
             # JointTransformerBlock takes (hidden_states, encoder_hidden_states) and returns
             # (encoder_hidden_states, hidden_states): cache-dit's Pattern_1 (its own SD3 adapter
             # uses it); the last block is context_pre_only (no encoder stream out).
@@ -171,37 +91,18 @@ class StableDiffusion3Adapter(PipelineAdapter):
             repeated_blocks=("JointTransformerBlock",),
             context_parallel=_sd3_context_parallel,
         )
-        self.text = TextEncoder(
-            self, self._encode_text,
-            [(pipe.tokenizer, pipe.tokenizer_max_length), (pipe.tokenizer_2, pipe.tokenizer_max_length),
-             (pipe.tokenizer_3, None)],
-            key=("folded" if self.context_folding else "full",), batched=True,
-        )
-
-    @classmethod
-    def from_components(cls, components, device, dtype, options):
-        components = {**components}
-        for optional in ("text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor"):
-            components.setdefault(optional, None)
-        pipe = StableDiffusion3Pipeline(**components)
-        pipe.to(device, silence_dtype_warnings=True)
-        pipe.set_progress_bar_config(disable=True)
-        return cls(pipe, device, dtype, options)
-
-    @property
-    def denoiser(self) -> torch.nn.Module:
-        return self.pipe.transformer
+        pos_max = pipe.transformer.config.get("pos_embed_max_size")
+        # PatchEmbed crops a pos_embed_max_size^2 grid of positions: larger inputs fail
+        max_side = None if pos_max is None else pos_max * pipe.patch_size * pipe.vae_scale_factor
+        # T5's positional budget in SD3: diffusers refuses more than 512
+        return {"resolution_factor": pipe.vae_scale_factor * pipe.patch_size, "max_sequence_length_limit": 512,
+                "max_prompt_tokens": pipe.tokenizer_max_length, "max_height": max_side, "max_width": max_side}
 
     def check_params(self, params: SamplingParams, inputs) -> None:
-        """Image-to-image takes exactly one input image and no mask; strength needs an image
-        and must leave at least one step."""
-        images = inputs.images if inputs is not None else []
-        if inputs is not None and inputs.mask is not None:
-            raise InvalidRequestError("mask", "<mask>", f"absent: {self.pipeline_class_name} image-to-image "
-                                      "does not inpaint")
-        if len(images) > 1:
-            raise InvalidRequestError("image", f"{len(images)} images", "one input image for image-to-image")
-        if not images:
+        """At most one input image and no mask; strength needs an image and must leave at
+        least one step."""
+        super().check_params(params, inputs)
+        if inputs is None or not inputs.images:
             if params.strength is not None:
                 raise InvalidRequestError("strength", params.strength, "unset without an input image")
             return
@@ -222,10 +123,6 @@ class StableDiffusion3Adapter(PipelineAdapter):
         n = params.num_inference_steps
         return n - int(max(n - min(n * self._strength(params), n), 0))
 
-    def extra_batch_key(self, params: SamplingParams):
-        """The T5 budget: it sets the text length (and the fold count with folding)."""
-        return params.max_sequence_length
-
     def _encode_text(self, text: str | list[str], max_sequence_length: int | None):
         """diffusers' SD3 encoding of a text (or of n texts, a row each: every encoder pads to
         a fixed length, so a row equals the text alone): prompt_embeds (n, L_clip + L_t5, D)
@@ -235,29 +132,18 @@ class StableDiffusion3Adapter(PipelineAdapter):
             num_images_per_prompt=1, device=self.device, max_sequence_length=max_sequence_length,
         )
         if self.context_folding:
-            from diffserve.pipelines.sd3.context_folding import fold_placeholder_rows
-
-            pe = fold_placeholder_rows(pe, self.pipe.tokenizer_max_length)
+            pe = context_folding.fold_placeholder_rows(pe, self.pipe.tokenizer_max_length)
         return pe, pooled
 
     def prepare_request(self, state: RequestState) -> None:
         """Encode prompt (and negative prompt with CFG) through the cache, draw latents
         (N, C, H/f, W/f) exactly as diffusers does, and create the request's own scheduler."""
-        p = state.params
-        n, L = p.num_images_per_prompt, p.max_sequence_length
-        texts = [p.negative_prompt or "", state.prompt] if self.branches(p) == 2 else [state.prompt]
-        branches = []
-        for text in texts:
-            pe, pooled = self.text.encode(text, L)
-            branches.append({"encoder_hidden_states": repeat_rows(pe, n),
-                             "pooled_projections": repeat_rows(pooled, n)})
-        state.branches = branches
-        state.guidance_scale = p.guidance_scale
+        p, pipe = state.params, self.pipe
+        state.branches = self.text_branches(state)
         if self.context_folding:
-            state.shared = {"joint_attention_kwargs": {"fold_count": L}}
-        pipe = self.pipe
-        dtype = branches[-1]["encoder_hidden_states"].dtype
-        scheduler = new_scheduler(pipe.scheduler)
+            state.shared = {"joint_attention_kwargs": {"fold_count": p.max_sequence_length}}
+        dtype = state.branches[-1]["encoder_hidden_states"].dtype
+        scheduler = new_scheduler(self.pipe.scheduler)
         kwargs = {}
         if scheduler.config.get("use_dynamic_shifting", None):
             patch, f = pipe.transformer.config.patch_size, pipe.vae_scale_factor
@@ -270,13 +156,11 @@ class StableDiffusion3Adapter(PipelineAdapter):
             )
         if state.inputs is not None and state.inputs.images:
             self._prepare_img2img(state, scheduler, kwargs, dtype)
-        else:
-            state.latents = pipe.prepare_latents(n, pipe.transformer.config.in_channels, p.height, p.width,
-                                                 dtype, self.device, state.generator)
-            timesteps, _ = retrieve_timesteps(scheduler, p.num_inference_steps, self.device, **kwargs)
-            state.timesteps = timesteps
-            state.sigmas = batchable_sigmas(scheduler, len(timesteps))
-        state.scheduler = scheduler
+            return
+        state.latents = pipe.prepare_latents(p.num_images_per_prompt, pipe.transformer.config.in_channels, p.height,
+                                             p.width, dtype, self.device, state.generator)
+        timesteps, _ = retrieve_timesteps(scheduler, p.num_inference_steps, self.device, **kwargs)
+        self.set_schedule(state, scheduler, timesteps)
 
     @contextmanager
     def _img2img_with(self, scheduler):
@@ -299,16 +183,11 @@ class StableDiffusion3Adapter(PipelineAdapter):
         with self._img2img_with(scheduler) as pipe:
             pixels = pipe.image_processor.preprocess(image, height=p.height, width=p.width)
             retrieve_timesteps(scheduler, p.num_inference_steps, self.device, **kwargs)
-            timesteps, num_steps = pipe.get_timesteps(p.num_inference_steps, self._strength(p), self.device)
+            timesteps, _ = pipe.get_timesteps(p.num_inference_steps, self._strength(p), self.device)
             latent_timestep = timesteps[:1].repeat(p.num_images_per_prompt)
             state.latents = pipe.prepare_latents(pixels, latent_timestep, 1, p.num_images_per_prompt, dtype,
                                                  self.device, state.generator)
-        begin = len(scheduler.timesteps) - len(timesteps)
-        state.timesteps = timesteps
-        state.sigmas = batchable_sigmas(scheduler, len(timesteps), begin=begin)
-
-    def denoise_kwargs(self, batch: StepBatch) -> dict[str, Any]:
-        return batch.inputs
+        self.set_schedule(state, scheduler, timesteps, begin=len(scheduler.timesteps) - len(timesteps))
 
     def decode(self, state: RequestState, latents: torch.Tensor | None = None) -> Any:
         """Unscale (latents / scaling_factor + shift_factor), VAE-decode and post-process to

@@ -1,1 +1,1 @@
-"""diffusers ``StableDiffusionPipeline``: the adapter (`adapter`). Imported lazily through the registry."""
+"""diffusers ``StableDiffusionPipeline``: the step adapter (`adapter`). Imported lazily through the registry."""

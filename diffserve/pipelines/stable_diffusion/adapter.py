@@ -1,5 +1,5 @@
 """Adapter for Stable Diffusion 1.x / 2.x folders (`StableDiffusionPipeline`), and the UNet
-mechanics shared with SDXL (`stable_diffusion_xl.py`).
+mechanics shared with SDXL (`stable_diffusion_xl/adapter.py`).
 
 Latent diffusion (Rombach et al. 2022, "High-Resolution Image Synthesis with Latent Diffusion
 Models", arXiv:2112.10752): a `UNet2DConditionModel` predicting noise (epsilon, SD 1.x / 2.x
@@ -37,26 +37,15 @@ from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retri
 from diffusers.utils.torch_utils import randn_tensor
 
 from diffserve.core.errors import UnsupportedModelError
-from diffserve.pipelines.base import (
-    AdapterOptions,
-    Capabilities,
-    PipelineAdapter,
-    RequestState,
-    StepBatch,
-    checked_pixels,
-)
-from diffserve.pipelines.diffusion_scheduler import new_scheduler
-from diffserve.pipelines.generation_config import read_generation_config
-from diffserve.pipelines.text_encoding import TextEncoder, repeat_rows
-from diffserve.core.sampling_params import ModelSpec, SamplingParams
+from diffserve.pipelines.base import PipelineAdapter, RequestState, StepBatch, checked_pixels
+from diffserve.pipelines.capabilities import AdapterOptions, Capabilities
+from diffserve.pipelines.diffusion_scheduler import PER_REQUEST, new_scheduler
+from diffserve.pipelines.text_encoding import TextEncoder
 
 logger = logging.getLogger(__name__)
 # diffserve reports truncation itself (GenerationOutput.prompt_truncated).
 logging.getLogger("diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion").setLevel(logging.ERROR)
 
-# diffusers' StableDiffusionPipeline.__call__ defaults.
-DEFAULT_NUM_INFERENCE_STEPS = 50
-DEFAULT_GUIDANCE_SCALE = 7.5
 #: ``eta`` of DDIM-type schedulers (diffusers' __call__ default; not a request field).
 ETA = 0.0
 
@@ -72,72 +61,38 @@ class StableDiffusionAdapter(PipelineAdapter):
 
     pipeline_class_name = "StableDiffusionPipeline"
     pipeline_class: type = StableDiffusionPipeline
-    default_guidance_scale = DEFAULT_GUIDANCE_SCALE
+    denoiser_name = "unet"
+    # diffusers' StableDiffusionPipeline.__call__ defaults
+    sampling_defaults = {"num_inference_steps": 50, "guidance_scale": 7.5}
+    stepping = PER_REQUEST
     #: diffusers' SDXL ``__call__`` calls ``scheduler.set_begin_index(0)``; SD's does not.
     set_begin_index = False
 
-    def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, options: AdapterOptions):
-        self.pipe = pipe
-        self.device = device
-        self.dtype = dtype
+    @classmethod
+    def pipeline_settings(cls, components: dict[str, Any], options: AdapterOptions) -> dict[str, Any]:
+        """The folder's settings; without a safety checker diffusers' warning about it is noise
+        (the folder decided), so ``requires_safety_checker`` follows its presence."""
+        settings = super().pipeline_settings(components, options)
+        if "safety_checker" in components:
+            settings["requires_safety_checker"] = bool(settings.get("requires_safety_checker", True)
+                                                       and components["safety_checker"] is not None)
+        return settings
+
+    def setup(self) -> dict[str, Any]:
+        """Refuses guidance-embedded (LCM) UNets; CLIP encoding in batches; regional compile
+        only (TeaCache and cache-dit describe DiT block stacks, not UNets)."""
+        pipe = self.pipe
         if pipe.unet.config.time_cond_proj_dim is not None:
             raise UnsupportedModelError(
                 f"{self.pipeline_class_name} with a guidance-embedded UNet (time_cond_proj_dim, LCM-distilled) "
                 "is not supported")
-        config = read_generation_config(options.model_dir)
-        height, width = self.default_size()
-        self.spec = ModelSpec(
-            pipeline=self.pipeline_class_name,
-            # diffusers' check_inputs: multiples of 8 (the UNet pads odd latent sizes itself)
-            resolution_factor=pipe.vae_scale_factor,
-            default_height=int(config.get("height", height)),
-            default_width=int(config.get("width", width)),
-            default_num_inference_steps=int(config.get("num_inference_steps", DEFAULT_NUM_INFERENCE_STEPS)),
-            default_guidance_scale=float(config.get("guidance_scale", self.default_guidance_scale)),
-            text_conditioned=True,
-            max_prompt_tokens=self.tokenizers()[-1].model_max_length,
-        )
-        # TeaCache and cache-dit describe DiT block stacks, not UNets: both refused (None).
-        # Regional compile: diffusers 0.42.1 declares UNet2DConditionModel._repeated_blocks =
-        # ["BasicTransformerBlock"] (the transformer blocks inside the cross-attention blocks).
-        self.capabilities = Capabilities(repeated_blocks=tuple(getattr(pipe.unet, "_repeated_blocks", None) or ()))
-        self.text = TextEncoder(self, self._encode_text,
-                                [(t, t.model_max_length) for t in self.tokenizers()], batched=True)
-
-    @classmethod
-    def from_components(cls, components, device, dtype, options):
-        from diffserve.models.model_index import pipeline_config
-
-        extra = pipeline_config(options.model_dir)
-        components = {**components}
-        for optional in ("safety_checker", "feature_extractor", "image_encoder"):
-            components.setdefault(optional, None)
-        # without a checker, diffusers' warning about it is noise: the folder decided
-        extra["requires_safety_checker"] = bool(extra.get("requires_safety_checker", True)
-                                                and components["safety_checker"] is not None)
-        return cls.build(components, device, dtype, options, extra)
-
-    @classmethod
-    def build(cls, components: dict[str, Any], device: torch.device, dtype: torch.dtype,
-              options: AdapterOptions, extra: dict[str, Any]) -> "StableDiffusionAdapter":
-        """Construct the diffusers pipeline (its ``__init__`` fixes outdated scheduler configs,
-        as ``from_pretrained`` would) with the model_index entries it accepts, move it to
-        `device`, wrap it."""
-        import inspect
-
-        accepted = inspect.signature(cls.pipeline_class.__init__).parameters
-        pipe = cls.pipeline_class(**components, **{k: v for k, v in extra.items() if k in accepted})
-        pipe.to(device)
-        pipe.set_progress_bar_config(disable=True)
-        return cls(pipe, device, dtype, options)
-
-    @property
-    def denoiser(self) -> torch.nn.Module:
-        return self.pipe.unet
-
-    def tokenizers(self) -> list[Any]:
-        """The CLIP tokenizers whose limit (77) truncates a prompt."""
-        return [self.pipe.tokenizer]
+        # diffusers 0.42.1 declares UNet2DConditionModel._repeated_blocks = ["BasicTransformerBlock"]
+        # (the transformer blocks inside the cross-attention blocks): the default of regional compile
+        self.capabilities = Capabilities()
+        tokenizers = [t for t in (pipe.tokenizer, getattr(pipe, "tokenizer_2", None)) if t is not None]
+        self.text = TextEncoder(self, self._encode_text, [(t, t.model_max_length) for t in tokenizers], batched=True)
+        # diffusers' check_inputs: multiples of 8 (the UNet pads odd latent sizes itself)
+        return {"resolution_factor": pipe.vae_scale_factor, "max_prompt_tokens": tokenizers[-1].model_max_length}
 
     def default_size(self) -> tuple[int, int]:
         """(height, width) in pixels when a request gives none: ``unet.config.sample_size``
@@ -154,30 +109,15 @@ class StableDiffusionAdapter(PipelineAdapter):
         pe, _ = self.pipe.encode_prompt(text, self.device, 1, False)
         return (pe,)
 
-    def texts_to_encode(self, prompt: str, params: SamplingParams) -> list[tuple[str, int | None]]:
-        """The prompt and, with CFG, ``negative_prompt or ""``; CLIP's fixed 77 tokens (no
-        max_sequence_length)."""
-        return [(text, None) for text, _ in super().texts_to_encode(prompt, params)]
-
-    def branch_inputs(self, state: RequestState) -> list[dict[str, Any]]:
-        """Per CFG branch (negative first) the UNet's text inputs, N rows each: diffusers'
-        negative is ``negative_prompt or ""``."""
-        p = state.params
-        texts = [p.negative_prompt or "", state.prompt] if self.branches(p) == 2 else [state.prompt]
-        return [{"encoder_hidden_states": repeat_rows(self.text.encode(t)[0], p.num_images_per_prompt)}
-                for t in texts]
-
     def prepare_request(self, state: RequestState) -> None:
         """Encode the texts (through the cache), create the request's own scheduler and its
         timesteps (PNDM with ``skip_prk_steps``: N steps give N + 1 UNet passes, as in
         diffusers), draw latents (N, 4, H/8, W/8) from the request's generator times the
         scheduler's ``init_noise_sigma`` (diffusers' ``prepare_latents``), and the step keyword
         arguments (diffusers' ``prepare_extra_step_kwargs``: eta, the request's generator)."""
-        p = state.params
-        pipe = self.pipe
-        state.branches = self.branch_inputs(state)
-        state.guidance_scale = p.guidance_scale
-        scheduler = new_scheduler(pipe.scheduler)
+        p, pipe = state.params, self.pipe
+        state.branches = self.text_branches(state)
+        scheduler = new_scheduler(self.pipe.scheduler)
         timesteps, _ = retrieve_timesteps(scheduler, p.num_inference_steps, self.device)
         if self.set_begin_index and hasattr(scheduler, "set_begin_index"):
             scheduler.set_begin_index(0)
@@ -186,21 +126,14 @@ class StableDiffusionAdapter(PipelineAdapter):
         dtype = state.branches[-1]["encoder_hidden_states"].dtype
         latents = randn_tensor(shape, generator=state.generator, device=self.device, dtype=dtype)
         state.latents = latents * scheduler.init_noise_sigma
-        state.scheduler = scheduler
-        state.timesteps = timesteps
-        state.sigmas = None  # the scheduler's own step, per request
+        self.set_schedule(state, scheduler, timesteps)
         # reads only the scheduler class's `step` signature: the template's is the request's
         state.step_kwargs = pipe.prepare_extra_step_kwargs(state.generator, ETA)
 
     # ------------------------------------------------------------------ per step
-    def model_input(self, state: RequestState) -> torch.Tensor:
-        """``scheduler.scale_model_input(latents, t)`` with the request's scheduler (identity
-        for PNDM / DDIM / DPM-Solver, ``x / sqrt(sigma^2 + 1)`` for Euler types); diffusers
-        scales the CFG-doubled input, equal per row."""
-        return state.scheduler.scale_model_input(state.latents, state.timestep)
-
-    def denoise_kwargs(self, batch: StepBatch) -> dict[str, Any]:
-        """The UNet's arguments: ``sample`` (rows, 4, h, w), ``timestep`` (rows,),
+    def forward_inputs(self, batch: StepBatch) -> dict[str, Any]:
+        """The UNet's arguments: ``sample`` (rows, 4, h, w) (each request's
+        ``scheduler.scale_model_input``, `stepping`), ``timestep`` (rows,),
         ``encoder_hidden_states`` (rows, 77, D) and, for SDXL, ``added_cond_kwargs``."""
         kwargs = dict(batch.inputs)
         kwargs["sample"] = kwargs.pop("hidden_states")

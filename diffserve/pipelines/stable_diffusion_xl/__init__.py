@@ -1,1 +1,1 @@
-"""diffusers ``StableDiffusionXLPipeline``: the adapter (`adapter`). Imported lazily through the registry."""
+"""diffusers ``StableDiffusionXLPipeline``: the step adapter (`adapter`). Imported lazily through the registry."""

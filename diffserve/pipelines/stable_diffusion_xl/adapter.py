@@ -1,6 +1,6 @@
 """Adapter for Stable Diffusion XL folders (`StableDiffusionXLPipeline`).
 
-SDXL (Podell et al. 2023, arXiv:2307.01952): the UNet mechanics of `stable_diffusion.py`
+SDXL (Podell et al. 2023, arXiv:2307.01952): the UNet mechanics of `stable_diffusion/adapter.py`
 (per-request classic scheduler, scaled model input, per-request ``scheduler.step``) plus two
 CLIP text encoders whose penultimate hidden states are concatenated, the second encoder's
 pooled projection and six size/crop "time ids" as ``added_cond_kwargs`` (micro-conditioning).
@@ -25,15 +25,12 @@ from typing import Any
 import torch
 from diffusers import StableDiffusionXLPipeline
 
-from diffserve.pipelines.base import AdapterOptions, RequestState
+from diffserve.core.sampling_params import SamplingParams
+from diffserve.pipelines.base import RequestState
 from diffserve.pipelines.stable_diffusion.adapter import StableDiffusionAdapter
 from diffserve.pipelines.text_encoding import repeat_rows
-from diffserve.core.sampling_params import SamplingParams
 
 logging.getLogger("diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl").setLevel(logging.ERROR)
-
-#: diffusers' StableDiffusionXLPipeline.__call__ default.
-DEFAULT_GUIDANCE_SCALE = 5.0
 
 
 class StableDiffusionXLAdapter(StableDiffusionAdapter):
@@ -46,31 +43,17 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
 
     pipeline_class_name = "StableDiffusionXLPipeline"
     pipeline_class = StableDiffusionXLPipeline
-    default_guidance_scale = DEFAULT_GUIDANCE_SCALE
+    # diffusers' StableDiffusionXLPipeline.__call__ defaults
+    sampling_defaults = {"num_inference_steps": 50, "guidance_scale": 5.0}
     set_begin_index = True
 
-    def __init__(self, pipe: StableDiffusionXLPipeline, device: torch.device, dtype: torch.dtype,
-                 options: AdapterOptions):
-        super().__init__(pipe, device, dtype, options)
-        vae = pipe.vae
+    def setup(self) -> dict[str, Any]:
+        """As SD's; an fp16 VAE with ``force_upcast`` is kept in float32."""
+        limits = super().setup()
+        vae = self.pipe.vae
         if vae.dtype == torch.float16 and vae.config.force_upcast:
             vae.to(torch.float32)
-
-    @classmethod
-    def from_components(cls, components, device, dtype, options):
-        from diffserve.models.model_index import pipeline_config
-
-        components = {**components}
-        for optional in ("image_encoder", "feature_extractor"):
-            components.setdefault(optional, None)
-        return cls.build(components, device, dtype, options, pipeline_config(options.model_dir))
-
-    def tokenizers(self) -> list[Any]:
-        return [t for t in (self.pipe.tokenizer, self.pipe.tokenizer_2) if t is not None]
-
-    def default_size(self) -> tuple[int, int]:
-        side = self.pipe.default_sample_size * self.pipe.vae_scale_factor
-        return side, side
+        return limits
 
     def _encode_text(self, text: str | list[str], max_sequence_length: int | None):
         """diffusers' SDXL encoding of a text (prompt_2 = text; or of n texts, a row each:
@@ -88,7 +71,7 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
             texts = texts[:1]
         return texts
 
-    def branch_inputs(self, state: RequestState) -> list[dict[str, Any]]:
+    def text_branches(self, state: RequestState, **encode: Any) -> list[dict[str, Any]]:
         """Per CFG branch (negative first): text embeddings and ``added_cond_kwargs``, N rows."""
         p = state.params
         pipe = self.pipe

@@ -1,1 +1,3 @@
-"""diffusers ``WanPipeline``: the adapter (`adapter`) and context folding of the padding rows (`context_folding`). Imported lazily through the registry."""
+"""diffusers ``WanPipeline``: the step adapter (`adapter`), its TeaCache forward split
+(`teacache`) and context folding of the padding rows (`context_folding`). Imported lazily
+through the registry."""

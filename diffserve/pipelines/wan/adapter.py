@@ -8,9 +8,9 @@ scheduler (the folders ship `UniPCMultistepScheduler` with flow sigmas and ``flo
 Wan 2.2 A14B (``boundary_ratio`` in ``model_index.json``) has two experts: ``transformer``
 denoises the steps with timestep >= ``boundary_ratio * num_train_timesteps`` (high noise) with
 ``guidance_scale``, ``transformer_2`` the rest with ``guidance_scale_2``; requests on different
-experts never share a forward (`step_key`). Prompt encoding, latents, timesteps and video
-post-processing reuse diffusers' `WanPipeline` methods on the same components, so a video
-equals diffusers' for the same seed (tests/pipelines/test_wan.py).
+experts never share a forward (the declared `diffserve.pipelines.experts.ExpertRouting`). Prompt
+encoding, latents, timesteps and video post-processing reuse diffusers' `WanPipeline` methods on
+the same components, so a video equals diffusers' for the same seed (tests/pipelines/test_wan.py).
 
 With context folding (``EngineConfig.context_folding``, on by default) the zero padding rows of
 the prompts run as one row with an attention bias (:mod:`diffserve.pipelines.wan.context_folding`,
@@ -35,92 +35,20 @@ from diffusers import WanPipeline
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
 from diffserve.core.errors import UnsupportedModelError
-from diffserve.pipelines import guidance
-from diffserve.pipelines.wan import context_folding as wan_context_folding
-from diffserve.pipelines.base import (
-    AdapterOptions,
-    Capabilities,
-    CacheDiTSupport,
-    DenoiserCall,
-    PipelineAdapter,
-    RequestState,
-    StepBatch,
-    TeaCacheSupport,
-    checked_pixels,
-)
-from diffserve.pipelines.diffusion_scheduler import batchable_sigmas, new_scheduler
-from diffserve.pipelines.generation_config import read_generation_config
-from diffserve.pipelines.text_encoding import TextEncoder, repeat_rows
+from diffserve.pipelines.base import PipelineAdapter, RequestState, StepBatch, checked_pixels
+from diffserve.pipelines.capabilities import CacheDiTSupport, Capabilities
+from diffserve.pipelines.diffusion_scheduler import new_scheduler
+from diffserve.pipelines.experts import ExpertRouting
+from diffserve.pipelines.text_encoding import TextEncoder
 from diffserve.pipelines.video_chunks import ChunkCondition, frames_to_video_tensor, per_token_timesteps
-from diffserve.core.sampling_params import ModelSpec, SamplingParams
+from diffserve.pipelines.wan import context_folding
+from diffserve.pipelines.wan.teacache import teacache_support
 
 logging.getLogger("diffusers.pipelines.wan.pipeline_wan").setLevel(logging.ERROR)
 
-# diffusers' WanPipeline.__call__ defaults (480x832, 81 frames, 50 steps, CFG 5, 512 tokens)
-# and Wan 2.1's 16 frames per second (the Wan repository's sample_fps).
-DEFAULT_HEIGHT, DEFAULT_WIDTH, DEFAULT_NUM_FRAMES = 480, 832, 81
-DEFAULT_NUM_INFERENCE_STEPS = 50
-DEFAULT_GUIDANCE_SCALE = 5.0
-DEFAULT_MAX_SEQUENCE_LENGTH = 512
-DEFAULT_FPS = 16
-#: Wan's UMT5 context length (``text_len`` in the Wan repository).
-MAX_SEQUENCE_LENGTH_LIMIT = 512
-#: Wan 2.2 two-expert folders: ``RequestState.extra`` key of the number of leading steps the
-#: high-noise expert runs (those with timestep >= the boundary).
-HIGH_NOISE_STEPS = "wan_high_noise_steps"
-
-#: TeaCache4Wan2.1 (github.com/ali-vilab/TeaCache, TeaCache4Wan2.1/teacache_generate.py, T2V,
-#: modulated input = the time embedding ``e``, first and last step computed): rescaling
-#: coefficients and the threshold of its README's ~2x row, by transformer width.
-WAN21_TEACACHE = {
-    1536: ((2.39676752e03, -1.31110545e03, 2.01331979e02, -8.29855975e00, 1.37887774e-01), 0.08, "1.3B"),
-    5120: ((-5784.54975374, 5449.50911966, -1811.16591783, 256.27178429, -13.02252404), 0.2, "14B"),
-}
-
-
-class WanTeaCacheSplit:
-    """`WanTransformer3DModel.forward` (diffusers 0.42) in three parts around the blocks, for
-    TeaCache; text-to-video with one timestep per row (no image embeddings, no per-token
-    timesteps).
-
-    Tensors: hidden (rows, N_patches, D); context = dict(encoder (rows, L, D), temb (rows, D),
-    proj (rows, 6, D), rotary (cos, sin), each (1, N_patches, 1, head_dim), shape of the
-    latent input (rows, C, F, h, w)); modulated = temb (TeaCache4Wan2.1's ``e``); output
-    (rows, C_out, F, h, w).
-    """
-
-    @staticmethod
-    def embed(model, kwargs: dict[str, Any]):
-        x = kwargs["hidden_states"]
-        rotary = model.rope(x)
-        hidden = model.patch_embedding(x).flatten(2).transpose(1, 2).contiguous()
-        temb, proj, encoder, _ = model.condition_embedder(kwargs["timestep"], kwargs["encoder_hidden_states"])
-        context = {"encoder": encoder, "temb": temb, "proj": proj.unflatten(1, (6, -1)), "rotary": rotary,
-                   "shape": tuple(x.shape)}
-        return hidden, context, temb
-
-    @staticmethod
-    def select_rows(context: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
-        return {**context, "encoder": context["encoder"][index], "temb": context["temb"][index],
-                "proj": context["proj"][index]}
-
-    @staticmethod
-    def blocks(model, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
-        for block in model.blocks:
-            hidden = block(hidden, context["encoder"], context["proj"], context["rotary"])
-        return hidden
-
-    @staticmethod
-    def head(model, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
-        """Output norm, projection and unpatchify to (rows, C_out, F, h, w)."""
-        temb = context["temb"]
-        shift, scale = (model.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
-        hidden = (model.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
-        hidden = model.proj_out(hidden)
-        _, _, f, h, w = context["shape"]
-        p_t, p_h, p_w = model.config.patch_size
-        hidden = hidden.reshape(hidden.shape[0], f // p_t, h // p_h, w // p_w, p_t, p_h, p_w, -1)
-        return hidden.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
+#: ``RequestState.row_data`` key: the clean latent frames a stream chunk starts with (0 for
+#: other requests), which get timestep-0 tokens on ``expand_timesteps`` folders.
+KNOWN_LATENT_FRAMES = "known_latent_frames"
 
 
 class WanAdapter(PipelineAdapter):
@@ -136,138 +64,79 @@ class WanAdapter(PipelineAdapter):
     """
 
     pipeline_class_name = "WanPipeline"
+    pipeline_class = WanPipeline
+    # diffusers' WanPipeline.__call__ defaults (480x832, 81 frames, 50 steps, CFG 5, 512 tokens)
+    # and Wan 2.1's 16 frames per second (the Wan repository's sample_fps)
+    sampling_defaults = {"height": 480, "width": 832, "num_frames": 81, "num_inference_steps": 50,
+                         "guidance_scale": 5.0, "max_sequence_length": 512, "fps": 16}
+    #: prompts are zero-padded to the UMT5 length and attended without a mask (with context
+    #: folding it sets the folded row's count)
+    batch_key_fields = ("max_sequence_length",)
     chunk_streaming = True
     chunk_overlap_frames = 1
 
-    def __init__(self, pipe: WanPipeline, device: torch.device, dtype: torch.dtype, options: AdapterOptions):
-        self.pipe = pipe
-        self.device = device
-        self.dtype = dtype
-        config = read_generation_config(options.model_dir)
+    def setup(self) -> dict[str, Any]:
+        """The experts (two on Wan 2.2 A14B folders: `expert_routing`), context folding of the
+        prompts' padding rows, UMT5 encoding, TeaCache / cache-dit on Wan 2.1-layout folders and
+        regional compile everywhere."""
+        pipe = self.pipe
         transformer = pipe.transformer
         self.experts = [transformer] if pipe.transformer_2 is None else [transformer, pipe.transformer_2]
         ratio = pipe.config.boundary_ratio
-        if len(self.experts) == 2 and ratio is None:
-            raise UnsupportedModelError(f"{options.model_dir}: a WanPipeline with transformer_2 needs "
-                                        "boundary_ratio in model_index.json")
-        self._denoiser = transformer if len(self.experts) == 1 else torch.nn.ModuleList(self.experts)
-        #: timestep at and above which the high-noise expert runs (None: one expert)
-        self.boundary = None if ratio is None else ratio * pipe.scheduler.config.num_train_timesteps
+        if len(self.experts) == 2:
+            if ratio is None:
+                raise UnsupportedModelError(f"{self.options.model_dir}: a WanPipeline with transformer_2 needs "
+                                            "boundary_ratio in model_index.json")
+            self.expert_routing = ExpertRouting(self.experts, ratio * pipe.scheduler.config.num_train_timesteps)
         self.expand_timesteps = bool(pipe.config.expand_timesteps)
+        #: whether the zero padding rows of the prompts run as one row (text-to-video experts)
+        self.context_folding = self.options.context_folding and all(
+            context_folding.supports_folding(e) for e in self.experts)
+        if self.context_folding:
+            for expert in self.experts:
+                context_folding.install_folded_cross_attention(expert)
+            # prompts of different lengths are right-padded with zero rows (exact: the padding is
+            # zero rows either way; no mask)
+            self.padded_inputs = {"encoder_hidden_states": (None, 0.0)}
+        self.text = TextEncoder(self, self._encode_text, [(pipe.tokenizer, None)],
+                                key=("folded" if self.context_folding else "full",), clean=prompt_clean)
+        # TeaCache and cache-dit for one expert with one timestep per row (Wan 2.1 layout: the
+        # TeaCache4Wan2.1 coefficients; WanTransformerBlock(hidden_states, encoder_hidden_states,
+        # ...) -> hidden_states: cache-dit's Pattern_2, as its own Wan adapter declares)
+        plain = len(self.experts) == 1 and not self.expand_timesteps and transformer.config.image_dim is None
+        self.capabilities = Capabilities(
+            teacache=teacache_support(transformer) if plain else None,
+            cache_dit=CacheDiTSupport(blocks=("blocks",), patterns=("Pattern_2",), has_encoder_residual=False)
+            if plain else None,
+            repeated_blocks=("WanTransformerBlock",))
         p_t, p_h, _ = transformer.config.patch_size
         spatial, temporal = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
         rope = transformer.config.rope_max_seq_len  # RoPE positions per axis, in patches
-        guidance_scale = float(config.get("guidance_scale", DEFAULT_GUIDANCE_SCALE))
-        self.spec = ModelSpec(
-            pipeline=self.pipeline_class_name,
-            resolution_factor=spatial * p_h,
-            default_height=int(config.get("height", DEFAULT_HEIGHT)),
-            default_width=int(config.get("width", DEFAULT_WIDTH)),
-            default_num_inference_steps=int(config.get("num_inference_steps", DEFAULT_NUM_INFERENCE_STEPS)),
-            default_guidance_scale=guidance_scale,
-            default_guidance_scale_2=(float(config.get("guidance_scale_2", guidance_scale))
-                                      if self.boundary is not None else None),
-            default_max_sequence_length=int(config.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)),
-            max_sequence_length_limit=MAX_SEQUENCE_LENGTH_LIMIT,
-            text_conditioned=True,
-            max_height=rope * p_h * spatial,
-            max_width=rope * p_h * spatial,
-            default_num_frames=int(config.get("num_frames", DEFAULT_NUM_FRAMES)),
-            frame_factor=temporal,
-            max_num_frames=(rope * p_t - 1) * temporal + 1,
-            default_fps=int(config.get("fps", DEFAULT_FPS)),
-        )
-        self.capabilities = self._capabilities(config.get("teacache", {}))
-        #: whether the zero padding rows of the prompts run as one row (text-to-video experts)
-        self.context_folding = options.context_folding and all(
-            wan_context_folding.supports_folding(e) for e in self.experts)
-        if self.context_folding:
-            for expert in self.experts:
-                wan_context_folding.install_folded_cross_attention(expert)
-        self.text = TextEncoder(self, self._encode_text, [(pipe.tokenizer, None)],
-                                key=("folded" if self.context_folding else "full",))
-
-    def _capabilities(self, teacache: dict[str, Any]) -> Capabilities:
-        """TeaCache and cache-dit for one expert with one timestep per row (Wan 2.1 layout:
-        the TeaCache4Wan2.1 coefficients, cache-dit's own Wan pattern); compile everywhere."""
-        transformer = self.experts[0]
-        if len(self.experts) > 1 or self.expand_timesteps or transformer.config.image_dim is not None:
-            return Capabilities(repeated_blocks=("WanTransformerBlock",))
-        width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
-        coefficients, thresh, size = WAN21_TEACACHE.get(width, WAN21_TEACACHE[1536])
-        source = (f"TeaCache4Wan2.1 T2V-{size} coefficients (github.com/ali-vilab/TeaCache)"
-                  + ("" if width in WAN21_TEACACHE else f"; no calibration for width {width}, the 1.3B one"))
-        return Capabilities(
-            teacache=TeaCacheSupport(
-                split=WanTeaCacheSplit,
-                coefficients=tuple(teacache.get("coefficients", coefficients)),
-                rel_l1_thresh=float(teacache.get("rel_l1_thresh", thresh)),
-                source=teacache.get("source", source)),
-            # WanTransformerBlock(hidden_states, encoder_hidden_states, ...) -> hidden_states:
-            # cache-dit's Pattern_2, as its own Wan adapter declares
-            cache_dit=CacheDiTSupport(blocks=("blocks",), patterns=("Pattern_2",), has_encoder_residual=False),
-            repeated_blocks=("WanTransformerBlock",),
-        )
-
-    @classmethod
-    def from_components(cls, components, device, dtype, options):
-        components = {**components}
-        components.setdefault("transformer_2", None)
-        from diffserve.models.model_index import pipeline_config
-
-        index = pipeline_config(options.model_dir)
-        pipe = WanPipeline(**components, boundary_ratio=index.get("boundary_ratio"),
-                           expand_timesteps=bool(index.get("expand_timesteps", False)))
-        pipe.to(device, silence_dtype_warnings=True)
-        pipe.set_progress_bar_config(disable=True)
-        return cls(pipe, device, dtype, options)
-
-    @property
-    def denoiser(self) -> torch.nn.Module:
-        """The transformer; with two experts both (``nn.ModuleList`` [high-noise, low-noise]:
-        what regional compile wraps; the per-step choice is `call_denoiser`'s)."""
-        return self._denoiser
+        # Wan's UMT5 context length is 512 (``text_len`` in the Wan repository)
+        return {"resolution_factor": spatial * p_h, "max_sequence_length_limit": 512,
+                "max_height": rope * p_h * spatial, "max_width": rope * p_h * spatial, "frame_factor": temporal,
+                "max_num_frames": (rope * p_t - 1) * temporal + 1}
 
     # --------------------------------------------------------------- per request
-    def extra_batch_key(self, params: SamplingParams):
-        """The UMT5 length: prompts are zero-padded to it and attended without a mask (with
-        context folding it sets the folded row's count)."""
-        return params.max_sequence_length
-
-    def pad_keys(self) -> dict[str, tuple[str | None, float]]:
-        """With context folding, prompts of different lengths are right-padded with zero rows
-        (exact: the padding is zero rows either way; no mask)."""
-        return {"encoder_hidden_states": (None, 0.0)} if self.context_folding else {}
-
-    def prompt_is_truncated(self, prompt: str, max_sequence_length: int | None = None) -> bool:
-        return super().prompt_is_truncated(prompt_clean(prompt), max_sequence_length)
-
     def _encode_text(self, text: str, max_sequence_length: int | None):
         """diffusers' Wan encoding of one text: (1, max_sequence_length, text_dim), the UMT5
         states of its tokens then zeros, in the transformer dtype; with context folding cut to
-        (1, K, text_dim) after its first padding row (`wan_context_folding.fold_padding_rows`)."""
+        (1, K, text_dim) after its first padding row (`context_folding.fold_padding_rows`)."""
         pe, _ = self.pipe.encode_prompt(prompt=text, do_classifier_free_guidance=False, num_videos_per_prompt=1,
                                         max_sequence_length=max_sequence_length, device=self.device)
         pe = pe.to(self.experts[0].dtype)
-        return (wan_context_folding.fold_padding_rows(pe) if self.context_folding else pe,)
+        return (context_folding.fold_padding_rows(pe) if self.context_folding else pe,)
 
     def prepare_request(self, state: RequestState) -> None:
         """Encode prompt (and negative prompt under CFG) through the cache, draw float32 latents
-        (N, C, F_lat, h, w) exactly as diffusers does, and create the request's own scheduler."""
-        p = state.params
-        texts = [p.negative_prompt or ""] if self.branches(p) == 2 else []
-        state.branches = [self._text_branch(text, p) for text in texts] + [self.prompt_branch(state, state.prompt)]
-        state.guidance_scale = p.guidance_scale
+        (N, C, F_lat, h, w) exactly as diffusers does, and create the request's own scheduler;
+        with context folding the request's text length is its row data (the folded row stands
+        for the rest, `context_folding.FoldedCrossAttnProcessor`)."""
+        state.branches = self.text_branches(state)
+        if self.context_folding:
+            state.row_data[context_folding.FOLDED_CONTEXT_LENGTH] = state.params.max_sequence_length
         state.latents = self._noise(state)
         self._new_schedule(state)
-
-    def _text_branch(self, text: str, p: SamplingParams) -> dict[str, Any]:
-        return {"encoder_hidden_states": repeat_rows(self.text.encode(text, p.max_sequence_length)[0],
-                                                     p.num_images_per_prompt)}
-
-    def prompt_branch(self, state: RequestState, prompt: str) -> dict[str, Any]:
-        """``{"encoder_hidden_states": (N, max_sequence_length, text_dim)}`` for `prompt`."""
-        return self._text_branch(prompt, state.params)
 
     def _noise(self, state: RequestState) -> torch.Tensor:
         """Initial latents (N, C, F_lat, h, w) float32 from the request's generator, as diffusers
@@ -281,12 +150,7 @@ class WanAdapter(PipelineAdapter):
         scheduler = new_scheduler(self.pipe.scheduler)
         scheduler.set_timesteps(state.params.num_inference_steps, device=self.device)
         scheduler.set_begin_index(0)
-        state.scheduler = scheduler
-        state.timesteps = scheduler.timesteps
-        state.sigmas = batchable_sigmas(scheduler, len(state.timesteps))
-        state.step_index = 0
-        if self.boundary is not None:  # the timesteps decrease: the first k steps are the high-noise expert's
-            state.extra[HIGH_NOISE_STEPS] = int((scheduler.timesteps.double() >= self.boundary).sum())
+        self.set_schedule(state, scheduler, scheduler.timesteps)
 
     def _latent_stats(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The VAE's per-channel ``latents_mean`` and ``1 / latents_std``, (1, C, 1, 1, 1)."""
@@ -301,8 +165,9 @@ class WanAdapter(PipelineAdapter):
         as a one-frame clip by the causal VAE (its posterior mode, normalised as diffusers
         normalises latents) and fixed as latent frame 0 of fresh latents from the request's
         generator (`video_chunks.ChunkCondition`): clean with timestep-0 tokens when the
-        pipeline has ``expand_timesteps`` (Wan 2.2 TI2V's first-frame conditioning), else by
-        the replacement method; a fresh scheduler with the request's timesteps."""
+        pipeline has ``expand_timesteps`` (Wan 2.2 TI2V's first-frame conditioning; the frame
+        count is the request's row data), else by the replacement method; a fresh scheduler
+        with the request's timesteps."""
         vae = self.pipe.vae
         tail = frames_to_video_tensor(previous[-self.chunk_overlap_frames:], self.device, vae.dtype)
         encoded = vae.encode(tail).latent_dist.mode().float()  # (1, C, 1, h, w)
@@ -313,105 +178,25 @@ class WanAdapter(PipelineAdapter):
         sigmas = state.scheduler.sigmas.to(torch.float32)  # flow sigmas, (num_steps + 1,), last 0
         state.chunk_condition = ChunkCondition(clean=clean, noise=latents[:, :, :clean.shape[2]].clone(),
                                                sigmas=sigmas, clean_tokens=self.expand_timesteps)
+        if self.expand_timesteps:
+            state.row_data[KNOWN_LATENT_FRAMES] = state.chunk_condition.num_frames
         state.latents = state.chunk_condition.apply(latents, 0)
 
-    def step_key(self, state: RequestState):
-        """The expert of the request's next step (0 high-noise, 1 low-noise); None with one
-        expert or when done."""
-        if self.boundary is None or state.done:
-            return None
-        return self._expert(state)
-
-    def _expert(self, state: RequestState) -> int:
-        """0 (high noise) while the step's timestep >= the boundary, else 1; read from the step
-        count fixed with the schedule, so a step reads no timestep back from the device."""
-        return 0 if self.boundary is None or state.step_index < state.extra[HIGH_NOISE_STEPS] else 1
-
     # ------------------------------------------------------------------ per step
-    def denoise(self, batch: StepBatch, call: DenoiserCall | None = None) -> torch.Tensor:
-        """`PipelineAdapter.denoise`; with context folding the cross-attention processors
-        are unfolded again afterwards, so the shared transformer computes stock diffusers
-        outside the adapter's forwards (e.g. a diffusers pipeline built on the same modules)."""
-        if not self.context_folding:
-            return super().denoise(batch, call)
-        try:
-            return super().denoise(batch, call)
-        finally:
-            for expert in self.experts:
-                wan_context_folding.set_max_sequence_length(expert, None)
-
-    def collate(self, states: list[RequestState]) -> StepBatch:
-        """`PipelineAdapter.collate`; with ``expand_timesteps``, when a request of the batch is a
-        stream chunk conditioned on clean latent frames, also ``known_latent_frames``: (rows,)
-        long, each row's number of such frames (0 for the others), a per-row input so that a
-        split of the rows (CFG parallel) keeps it with its rows; `denoise_kwargs` turns it into
-        timestep 0 for those frames' tokens."""
-        batch = super().collate(states)
-        if self.expand_timesteps and any(s.chunk_condition is not None for s in states):
-            known = torch.tensor([s.chunk_condition.num_frames if s.chunk_condition is not None else 0
-                                  for s, n in zip(states, batch.row_counts) for _ in range(n)],
-                                 device=batch.latents.device)
-            batch.inputs = {**batch.inputs, "known_latent_frames": known.repeat(batch.branches)}
-        return batch
-
-    def denoise_kwargs(self, batch: StepBatch) -> dict[str, Any]:
-        """The batch's inputs (latents cast to the transformer dtype, as diffusers does per
-        call); with two experts also ``expert`` (its index: an input of the call, so a captured
-        CUDA graph is one expert's); with context folding also ``folded_context_length`` (the
-        requests' ``max_sequence_length``: the rows the folded context stands for, set on the
-        cross-attention processors here; an input of the call too, for the same reason).
-
-        Raises:
-            ValueError: the batch mixes experts (the request scheduler keeps them apart).
-        """
+    def forward_inputs(self, batch: StepBatch) -> dict[str, Any]:
+        """The batch's inputs, latents cast to the transformer dtype (as diffusers does per
+        call); with ``expand_timesteps`` one timestep per patch token (float, as diffusers'),
+        0 on the tokens of a stream chunk's clean latent frames (`KNOWN_LATENT_FRAMES`)."""
         inputs = dict(batch.inputs)
-        if self.context_folding:
-            length = batch.states[0].params.max_sequence_length  # one per batch (batch key)
-            for expert in self.experts:
-                wan_context_folding.set_max_sequence_length(expert, length)
-            inputs["folded_context_length"] = length
         inputs["hidden_states"] = inputs["hidden_states"].to(self.experts[0].dtype)  # float32 latents
-        if self.expand_timesteps:  # one timestep per patch token (Wan 2.2 TI2V), float as diffusers'
+        if self.expand_timesteps:
             _, _, f, h, w = inputs["hidden_states"].shape
             p_t, p_h, p_w = self.experts[0].config.patch_size
-            known = inputs.pop("known_latent_frames", None)  # (rows,): a stream chunk's clean frames, see `collate`
-            inputs["timestep"] = per_token_timesteps(inputs["timestep"], None if known is None else known // p_t,
-                                                     f // p_t, (h // p_h) * (w // p_w))
-        if len(self.experts) > 1:
-            experts = {self._expert(s) for s in batch.states}
-            if len(experts) > 1:
-                raise ValueError("requests on different Wan 2.2 experts cannot share a forward")
-            inputs["expert"] = experts.pop()
+            known = None
+            if KNOWN_LATENT_FRAMES in batch.row_data:
+                known = batch.row_data.tensor(KNOWN_LATENT_FRAMES, torch.long, batch.latents.device) // p_t
+            inputs["timestep"] = per_token_timesteps(inputs["timestep"], known, f // p_t, (h // p_h) * (w // p_w))
         return inputs
-
-    def call_denoiser(self, batch: StepBatch, kwargs: dict[str, Any]) -> torch.Tensor:
-        """The expert ``kwargs["expert"]`` (default the only one) on the other inputs (with
-        context folding, for ``kwargs["folded_context_length"]`` context rows)."""
-        kwargs = dict(kwargs)
-        expert = self.experts[kwargs.pop("expert", 0)]
-        length = kwargs.pop("folded_context_length", None)
-        if length is not None:
-            wan_context_folding.set_max_sequence_length(expert, length)
-        return expert(**kwargs, return_dict=False)[0]
-
-    def step(self, batch: StepBatch, guided: torch.Tensor) -> dict[str, BaseException]:
-        """The diffusion-scheduler step, then a stream chunk's conditioning frames are put back
-        at the next step's noise level (`video_chunks.ChunkCondition.apply`)."""
-        failures = super().step(batch, guided)
-        for state in batch.states:
-            if state.chunk_condition is not None and state.request_id not in failures:
-                state.latents = state.chunk_condition.apply(state.latents, state.step_index)
-        return failures
-
-    def combine(self, batch: StepBatch, out: torch.Tensor) -> torch.Tensor:
-        """CFG with each request's weight for its expert (guidance_scale, or guidance_scale_2
-        on the low-noise expert)."""
-        if batch.branches == 1:
-            return out
-        uncond, cond = out.chunk(2)
-        weights = [s.params.guidance_scale if self._expert(s) == 0 else s.params.guidance_scale_2
-                   for s in batch.states]
-        return guidance.cfg(uncond, cond, guidance.uniform_or_rows(weights, batch.row_values))
 
     # ------------------------------------------------------------------ decode
     def decode(self, state: RequestState, latents: torch.Tensor | None = None) -> list[Any]:

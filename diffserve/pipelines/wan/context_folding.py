@@ -17,6 +17,11 @@ On the built-in video model (prompts of ~8 UMT5 tokens) the cross-attention keys
 512 rows to ~9 per block; ``benchmarks/serving.py --no-context-folding`` measures the speed-up.
 At fold count 1 (the default) the processor computes exactly diffusers' ``WanAttnProcessor``.
 
+The count's ``max_sequence_length`` comes from the processor (``max_sequence_length``, set by
+training code) or, when serving, from the forward context: each request's text length is its
+row data (`FOLDED_CONTEXT_LENGTH`, equal within a batch: it is part of Wan's batch key), so a
+processor outside diffserve's forwards computes stock diffusers.
+
 Used by diffserve's Wan adapter (:mod:`diffserve.pipelines.wan.adapter`, when
 ``EngineConfig.context_folding`` is on) and to train the built-in video model
 (``training.digits_video.train``); SD3's zero T5 rows are folded the same way
@@ -28,6 +33,12 @@ from __future__ import annotations
 
 import torch
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+from diffserve.pipelines.row_data import current_rows
+
+#: ``RequestState.row_data`` key: the request's ``max_sequence_length``, the rows its folded
+#: context stands for.
+FOLDED_CONTEXT_LENGTH = "folded_context_length"
 
 
 class FoldedCrossAttnProcessor(WanAttnProcessor):
@@ -43,7 +54,9 @@ class FoldedCrossAttnProcessor(WanAttnProcessor):
 
     Attributes:
         max_sequence_length: the number of rows the context stands for (the requests' padded
-            UMT5 length, 512 by default); None = diffusers' stock computation (no fold).
+            UMT5 length, 512 by default); None = the forward context's `FOLDED_CONTEXT_LENGTH`
+            (`diffserve.pipelines.row_data.current_rows`), and without one diffusers' stock
+            computation (no fold).
     """
 
     def __init__(self, max_sequence_length: int | None = None):
@@ -51,7 +64,10 @@ class FoldedCrossAttnProcessor(WanAttnProcessor):
         self.max_sequence_length = max_sequence_length
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        if self.max_sequence_length is None:
+        max_sequence_length = self.max_sequence_length
+        if max_sequence_length is None:
+            max_sequence_length = current_rows().uniform(FOLDED_CONTEXT_LENGTH)
+        if max_sequence_length is None:
             return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         if encoder_hidden_states is None or attention_mask is not None or attn.add_k_proj is not None:
             raise ValueError("FoldedCrossAttnProcessor is for unmasked text-only cross-attention")
@@ -59,7 +75,7 @@ class FoldedCrossAttnProcessor(WanAttnProcessor):
         # log(max_sequence_length - K + 1) for it; from tensor ops only, so K stays a dynamic shape
         dtype = torch.promote_types(hidden_states.dtype, torch.float32)  # the log in at least fp32
         ones = torch.ones(1, 1, 1, encoder_hidden_states.shape[1], dtype=dtype, device=hidden_states.device)
-        last = (self.max_sequence_length + 1) - ones.sum()
+        last = (max_sequence_length + 1) - ones.sum()
         counts = torch.cat([ones[..., :-1], last.view(1, 1, 1, 1)], dim=-1)
         return super().__call__(attn, hidden_states, encoder_hidden_states, counts.log().to(hidden_states.dtype),
                                 rotary_emb)

@@ -246,6 +246,19 @@ class EngineConfig:
         return self.cfg_parallel_size * self.ulysses_degree
 
     @property
+    def uses_worker_processes(self) -> bool:
+        """Whether the model runs in worker processes (`diffserve.executor.multiproc`): asked
+        for with ``executor="multiprocess"``, or ``"auto"`` with more than one rank."""
+        return self.executor == "multiprocess" or (self.executor == "auto" and self.world_size > 1)
+
+    @property
+    def connector_kind(self) -> str:
+        """The connector a multi-stage model's stages use (`diffserve.connector.CONNECTORS`):
+        ``"shared_memory"`` when they run in separate processes (worker processes: the AR stage
+        then has its own), else ``"inprocess"`` (no copy)."""
+        return "shared_memory" if self.uses_worker_processes else "inprocess"
+
+    @property
     def model_path(self) -> Path:
         """The model folder to load: `model` resolved by `diffserve.models.resolve_model` (the
         built-in default when None, a built-in model's folder for its name)."""

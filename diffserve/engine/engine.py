@@ -21,6 +21,12 @@ the request scheduler, with the same batch key, for its next chunk. Each chunk i
 video. `submit_interaction` changes the prompt of a running stream's following chunks; the
 interaction travels to the workers with the next chunk boundary.
 
+Multi-stage models (`ModelInfo.ar_stage`: an autoregressive stage before the DiT, e.g. the
+built-in ``digits-reasoning``, GLM-Image): the engine also owns the AR stage client
+(`diffserve.executor.ar_stage`: on threads of this process sharing the in-process runner's
+connector, or in its own process putting into shared memory when the DiT stage runs in worker
+processes); the request scheduler submits each request to it first (see its docstring).
+
 Memory: with ``EngineConfig.max_memory`` the request scheduler also admits by estimated memory
 (`diffserve.engine.memory_budget`); `sleep` / `wake_up` give the device's memory back between
 bursts (vLLM's levels 1 and 2).
@@ -36,6 +42,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
 from diffserve.config import EngineConfig
@@ -47,7 +54,7 @@ from diffserve.engine.input_processor import InputProcessor, ProcessedRequest
 from diffserve.engine.queues import RequestQueues
 from diffserve.engine.scheduler import RequestScheduler
 from diffserve.engine.sleep_mode import SleepMode
-from diffserve.executor import Executor, InProcessExecutor, build_executor
+from diffserve.executor import Executor, InProcessExecutor, build_ar_stage, build_executor
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +102,10 @@ class DiffusionEngine:
         queues = RequestQueues(self.config.max_batch_size, self.config.max_waiting_requests,
                                self.config.execution_mode,
                                memory_limit=self.memory_budget.available if self.memory_budget is not None else None)
+        #: multi-stage models: the AR stage client (None for single-stage models)
+        self.ar_stage = build_ar_stage(self.config, executor) if self.model_info.ar_stage else None
         self.scheduler = RequestScheduler(queues, self.model_info, executor.peak_memory_bytes,
-                                          notify=self._mail.notify_all)
+                                          notify=self._mail.notify_all, ar_stage=self.ar_stage)
         self.sleep_mode = SleepMode(executor, self._lock, self._step_lock, self._drain)
         self._step_listeners: list[Callable[[int, int, float], None]] = []
 
@@ -239,13 +248,17 @@ class DiffusionEngine:
 
     def stats(self) -> dict[str, Any]:
         """Executor counters (acceleration, non-finite outputs, workers alive, offload), plus
-        ``memory_budget`` (`MemoryBudget.stats`) with ``max_memory``, ``sleep_level`` and
-        ``quantization`` (the quantized components, `ModelInfo.quantization`; None without)."""
+        ``memory_budget`` (`MemoryBudget.stats`) with ``max_memory``, ``sleep_level``,
+        ``quantization`` (the quantized components, `ModelInfo.quantization`; None without), and for
+        multi-stage models ``ar_stage`` (the AR stage's counters and its connector's accounting)
+        and ``payloads`` (the DiT side's receiver)."""
         stats = dict(self.executor.stats())
         stats["quantization"] = self.model_info.quantization
         if self.memory_budget is not None:
             stats["memory_budget"] = self.memory_budget.stats(self.scheduler.queues.running_memory)
         stats["sleep_level"] = self.sleep_mode.level
+        if self.ar_stage is not None:
+            stats["ar_stage"] = self.ar_stage.stats()
         return stats
 
     def add_step_listener(self, listener: Callable[[int, int, float], None]) -> None:
@@ -316,6 +329,7 @@ class DiffusionEngine:
 
     def _step_locked(self) -> None:
         scheduler, executor = self.scheduler, self.executor
+        ar_futures = None
         for _ in range(2):
             with self._lock:
                 out = scheduler.schedule()
@@ -328,7 +342,10 @@ class DiffusionEngine:
                 scheduler.update_from_output(out, result)
                 # nothing stepped, but results made a batch ready (e.g. prepared requests): step now
                 if out.step_ids or not scheduler.has_batch():
-                    return
+                    ar_futures = scheduler.ar_futures() if not out.step_ids and not executor.busy else None
+                    break
+        if ar_futures:  # only the AR stage is at work: wait (briefly) for it instead of spinning
+            wait(ar_futures, timeout=_WAIT_S, return_when=FIRST_COMPLETED)
 
     def _step_or_wait(self, nothing_new: Callable[[], bool]) -> None:
         """Step if no other thread is stepping; else wait (briefly) for the stepping thread's
@@ -440,5 +457,7 @@ class DiffusionEngine:
         return [self._processed(prompt, p, x) for prompt, p, x in zip(prompts, params_list, inputs_list)]
 
     def shutdown(self) -> None:
-        """Stop the executor's background work."""
+        """Stop the executor's background work (and a multi-stage model's AR stage)."""
+        if self.ar_stage is not None:
+            self.ar_stage.shutdown()
         self.executor.shutdown()

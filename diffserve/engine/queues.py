@@ -76,13 +76,17 @@ class RequestQueues:
     def _fits_memory(self, used: int, request: Request) -> bool:
         return self.memory_limit is None or used + request.memory_bytes <= self.memory_limit
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, bounded: bool = True) -> None:
         """Queue a request.
+
+        Args:
+            bounded: check the bound (False: a request counted against it already, when it
+                entered its model's AR stage).
 
         Raises:
             EngineOverloadedError: the waiting queue already holds `max_waiting` requests.
         """
-        if len(self.waiting) >= self.max_waiting:
+        if bounded and len(self.waiting) >= self.max_waiting:
             raise EngineOverloadedError(
                 f"waiting queue is full ({self.max_waiting} requests); retry later"
             )

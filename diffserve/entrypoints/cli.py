@@ -226,7 +226,11 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 path = writer.write(output.images[0], output.seed, png_metadata(prompt, used, output.seed, name))
             print(path)
             m = output.metrics
-            print(f"seed={output.seed} encode={m.encode_s:.3f}s denoise={m.denoise_s:.3f}s "
+            if output.ar_text is not None:  # a multi-stage model's AR stage wrote text (e.g. its answer)
+                print(f"ar_text: {output.ar_text}", file=sys.stderr)
+            stages = (f"ar={m.ar_s:.3f}s transfer={m.transfer_s:.3f}s payload_wait={m.payload_wait_s:.3f}s "
+                      if m.payload_bytes else "")
+            print(f"seed={output.seed} {stages}encode={m.encode_s:.3f}s denoise={m.denoise_s:.3f}s "
                   f"decode={m.decode_s:.3f}s total={m.total_s:.3f}s "
                   f"peak_memory={m.peak_memory_bytes / 2**20:.0f}MiB", file=sys.stderr)
     except BaseException:

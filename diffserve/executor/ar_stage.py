@@ -283,4 +283,18 @@ class MultiprocARStage:
             self._proc.join(timeout=5)
 
 
-__all__ = ["InProcessARStage", "MultiprocARStage"]
+def build_ar_stage(config, executor) -> "InProcessARStage | MultiprocARStage":
+    """The AR stage client for a multi-stage model served by `executor`: on threads of this
+    process, sharing the in-process runner's connector (nothing copied), or, when the DiT stage
+    runs in worker processes, in its own process putting into shared memory.
+
+    Raises:
+        UnsupportedModelError / other load errors: the AR stage could not load.
+    """
+    runner = getattr(executor, "runner", None)
+    if runner is not None and getattr(runner, "connector", None) is not None:
+        return InProcessARStage(config, runner.connector)
+    return MultiprocARStage(config)
+
+
+__all__ = ["InProcessARStage", "MultiprocARStage", "build_ar_stage"]

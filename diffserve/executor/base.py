@@ -45,6 +45,11 @@ class Executor(ABC):
         #: background work in flight, in submission order
         self._inflight: list[tuple[WorkItem, Future]] = []
 
+    @property
+    def busy(self) -> bool:
+        """Background work is in flight (`execute` then waits for it when a tick steps nothing)."""
+        return bool(self._inflight)
+
     # ------------------------------------------------------------------ one tick
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run one tick's scheduler output (see `SchedulerOutput` for the order). When it steps

@@ -50,13 +50,17 @@ class InProcessExecutor(Executor):
     def stats(self) -> dict[str, Any]:
         """``acceleration`` (`Runner.acceleration_stats`), ``nonfinite_outputs`` (requests
         failed for NaN/inf), ``workers_alive`` (1) and ``offload`` (`Runner.offload_stats`,
-        where the runner places components itself)."""
+        where the runner places components itself) and ``payloads`` (multi-stage models:
+        `Runner.payload_stats`)."""
         runner = self.worker.runner
         stats = {"acceleration": runner.acceleration_stats(), "nonfinite_outputs": runner.nonfinite_count,
                  "workers_alive": 1}
         offload = runner.offload_stats()
         if offload is not None:
             stats["offload"] = offload
+        payloads = runner.payload_stats()
+        if payloads is not None:
+            stats["payloads"] = payloads
         return stats
 
     def memory_profile(self):

@@ -120,7 +120,9 @@ def _worker_main(config, rank: int, master_port: int, conn) -> None:  # pragma: 
             run(message_id, runner.plan, *args)
         elif method == "stats":
             run(message_id, lambda: {"acceleration": runner.acceleration_stats(),
-                                     "nonfinite_outputs": runner.nonfinite_count})
+                                     "nonfinite_outputs": runner.nonfinite_count,
+                                     **({"payloads": runner.payload_stats()}
+                                        if runner.payload_stats() is not None else {})})
         else:
             reply(message_id, False, ValueError(f"unknown work item {method!r}"))
     worker.shutdown()

@@ -85,6 +85,16 @@ class Runner(ABC):
         """Drop requests' state (unknown ids are ignored)."""
 
     # ------------------------------------------------------------------ stats and memory
+    def prefetch(self, request_id: str, handle: Any, params: SamplingParams) -> None:
+        """Multi-stage models: start fetching an admitted request's AR-stage payloads (its
+        `diffserve.connector.PayloadHandle`) beside the steps; its `prepare` then waits only for
+        what is left. Single-stage runners receive none (default: nothing to do)."""
+
+    def payload_stats(self) -> dict[str, Any] | None:
+        """Multi-stage models: the DiT side's payload counters and its connector's accounting
+        (`diffserve.runner.payload_receiver.PayloadReceiver.stats`); None otherwise."""
+        return None
+
     @abstractmethod
     def acceleration_stats(self) -> dict[str, Any]:
         """Acceleration counters (prompt-embedding cache, cache backend, compile)."""

@@ -18,7 +18,7 @@ import torch
 from diffserve.acceleration.accelerator import Accelerator
 from diffserve.memory.offload import weights_device
 from diffserve.config import EngineConfig
-from diffserve.core.errors import InvalidRequestError, UnsupportedModelError, NonFiniteOutputError
+from diffserve.core.errors import InvalidRequestError, NonFiniteOutputError
 from diffserve.core.messages import (
     ChunkDone,
     ChunkWork,
@@ -31,6 +31,7 @@ from diffserve.core.messages import (
     StepOutput,
     WorkError,
 )
+from diffserve.connector.handles import PayloadMissingError
 from diffserve.pipelines.base import PipelineAdapter, RequestState, is_finite
 from diffserve.runner.base import Runner
 from diffserve.runner.loader import load_adapter
@@ -63,14 +64,6 @@ class ModelRunner(Runner):
             torch.set_num_threads(config.num_threads)
         self.device = config.torch_device
         self.parallel = parallel
-        if adapter is None:
-            from diffserve.models.model_index import read_model_index
-            from diffserve.pipelines.registry import adapter_class, has_adapter
-
-            class_name = read_model_index(config.model_path).get("_class_name", "")
-            if has_adapter(class_name) and adapter_class(class_name).ar_stage_components:
-                raise UnsupportedModelError(f"{class_name} has an autoregressive stage before its DiT stage; the "
-                                            "engine does not run such stages yet (issue 25: being integrated)")
         self.adapter = adapter or load_adapter(config.model_path, self.device, config.torch_dtype,
                                                config.load_format,
                                                config.context_folding and config.ulysses_degree == 1,
@@ -99,12 +92,34 @@ class ModelRunner(Runner):
                                   quantization=self.quantization.plan)
         self.accelerator = Accelerator(self.adapter, config, stage=self.memory.offload.stage)
         self.memory.ready()
+        #: multi-stage models: the consumer side of the AR stage's connector (in process: the very
+        #: object the AR stage puts into, `connector`; in a worker process: shared memory) and the
+        #: receiver that fetches each request's payloads from its admission on
+        self.connector = None
+        self.receiver = None
+        if self.adapter.ar_stage_components:
+            from diffserve.connector import make_connector
+            from diffserve.runner.payload_receiver import PayloadReceiver
+
+            self.connector = make_connector(config.connector_kind)
+            self.receiver = PayloadReceiver(self.connector, self.device)
 
     # ------------------------------------------------------------------ model facts
     def info(self) -> ModelInfo:
         """The model's spec, pipeline class and quantized components."""
         return ModelInfo(spec=self.adapter.spec, pipeline=self.adapter.pipeline_class_name,
-                         chunk_streaming=self.adapter.chunk_streaming, quantization=self.quantization.summary())
+                         chunk_streaming=self.adapter.chunk_streaming,
+                         ar_stage=bool(self.adapter.ar_stage_components),
+                         quantization=self.quantization.summary())
+
+    def prefetch(self, request_id: str, handle, params: SamplingParams) -> None:
+        """Start fetching an admitted request's AR-stage payloads (the branches its DiT stage
+        needs) on the receiver's side thread; `prepare` then waits only for what is left."""
+        if self.receiver is not None:
+            self.receiver.prefetch(handle, self.adapter.context_branches(params))
+
+    def payload_stats(self) -> dict[str, Any] | None:
+        return self.receiver.stats() if self.receiver is not None else None
 
     def plan(self, params: SamplingParams, inputs: Any = None) -> RequestPlan:
         """Rows and batch key of a request with resolved `params`, after the family's own
@@ -156,12 +171,21 @@ class ModelRunner(Runner):
         for new in requests:
             start = time.perf_counter()
             state = RequestState(new.request_id, new.prompt, new.params, inputs=new.inputs)
+            wait_s = fetch_s = 0.0
             try:
+                if self.receiver is not None:
+                    if new.context is None:
+                        raise PayloadMissingError(f"request {new.request_id!r} reached the DiT stage without the "
+                                                  "payloads of its AR stage")
+                    state.context, wait_s, fetch_s = self.receiver.receive(
+                        new.context, self.adapter.context_branches(new.params))
                 self.adapter.prepare(state)
                 self.accelerator.reset(state)
             except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
                 logger.exception("prepare failed for %s", new.request_id)
                 state.release()
+                if self.receiver is not None:
+                    self.receiver.release(new.request_id)
                 results.append(Prepared(new.request_id, error=WorkError.of(exc)))
                 continue
             self.states[new.request_id] = state
@@ -172,7 +196,9 @@ class ModelRunner(Runner):
                                     prompt_truncated=state.prompt_truncated,
                                     negative_prompt_truncated=state.negative_prompt_truncated,
                                     seconds=time.perf_counter() - start,
-                                    step_key=self.adapter.step_key(state)))
+                                    step_key=self.adapter.step_key(state), payload_wait_s=wait_s,
+                                    payload_fetch_s=fetch_s,
+                                    payload_bytes=sum(p.nbytes for p in (state.context or {}).values())))
         return results
 
     @torch.inference_mode()
@@ -376,6 +402,8 @@ class ModelRunner(Runner):
             state = self.states.pop(request_id, None)
             if state is not None:
                 state.release()
+            if self.receiver is not None:
+                self.receiver.release(request_id)
 
     # ------------------------------------------------------------------ stats
     def acceleration_stats(self) -> dict[str, Any]:

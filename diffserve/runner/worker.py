@@ -96,6 +96,9 @@ class Worker:
         submitted = []
         for item in work_items(out):
             if item.kind == PREPARE:
+                for new in item.payload:  # multi-stage: the payloads' fetch starts now, beside the steps
+                    if new.context is not None:
+                        runner.prefetch(new.request_id, new.context, new.params)
                 future = self._submit(runner.prepare, item.payload)
             elif item.kind == CHUNK:
                 future = self._submit(self._chunk, [item.payload])

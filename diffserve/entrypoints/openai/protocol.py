@@ -140,7 +140,8 @@ class _ImageRequest(_StrictRequest):
                     "reproducible alone")
     stream_progress: bool | None = Field(
         None, description="with stream=true: also send diffserve.queued (place in the waiting queue) and "
-                          "diffserve.progress (denoising steps done) events")
+                          "diffserve.progress (denoising steps done) events, and diffserve.ar_delta "
+                          "(multi-stage models: each new piece of the AR stage's text) events")
 
     @field_validator("n", "output_compression", "partial_images", "num_inference_steps", "seed", mode="before")
     @classmethod
@@ -287,7 +288,9 @@ class ImageObject(BaseModel):
 
     Attributes:
         b64_json / url: the image, per ``response_format``.
-        revised_prompt: always null (prompts are used as given).
+        revised_prompt: multi-stage models whose AR stage writes text (the built-in
+            ``digits-reasoning``: its language model's answer): that text; else null (prompts
+            are used as given).
         seed: diffserve extension: the seed that reproduces this image alone (with ``n=1``).
         prompt_truncated: diffserve extension: the prompt exceeded the text encoder's token
             limit and was cut.
@@ -361,7 +364,7 @@ class ImageUsage(BaseModel):
 class CompletedEvent(BaseModel):
     """SSE event ``image_generation.completed`` (``image_edit.completed`` for edits): one final
     image (one event per image when ``n > 1``). diffserve extensions: ``image_index``,
-    ``seed``, ``timings`` (as in `ImageObject`)."""
+    ``seed``, ``timings``, ``revised_prompt`` (as in `ImageObject`)."""
 
     type: Literal["image_generation.completed", "image_edit.completed"] = "image_generation.completed"
     b64_json: str
@@ -374,6 +377,7 @@ class CompletedEvent(BaseModel):
     image_index: int = 0
     seed: int
     timings: dict[str, Any]
+    revised_prompt: str | None = None
 
 
 # ------------------------------------------------------------------------------- videos

@@ -388,7 +388,7 @@ class ImageGenerationService:
         for output in outputs:
             encoded = encode_image(output.images[0], plan.output_format, plan.compression)
             item = ImageObject(seed=output.seed, prompt_truncated=output.prompt_truncated,
-                               timings=output.metrics.as_dict())
+                               timings=output.metrics.as_dict(), revised_prompt=output.ar_text)
             if reservation is not None:
                 now = time.time()
                 name, ttl_s = self.store.put(encoded, MEDIA_TYPES[plan.output_format], plan.output_format,
@@ -457,7 +457,8 @@ class ImageGenerationService:
                         done = CompletedEvent(type=f"{plan.events}.completed", b64_json=to_base64(encoded),
                                               created_at=int(time.time()),
                                               image_index=index, seed=output.seed,
-                                              timings=output.metrics.as_dict(), **common)
+                                              timings=output.metrics.as_dict(), revised_prompt=output.ar_text,
+                                              **common)
                         self.metrics.observe_images(1)
                         yield _sse(done.type, done.model_dump())
                         last_sent = loop.time()

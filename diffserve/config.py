@@ -99,6 +99,17 @@ class EngineConfig:
             Requests are admitted only while resident weights + the estimated memory of every
             running request stay within it; a request that alone exceeds it is refused (see
             `diffserve.engine.memory_budget`).
+        loras: LoRA adapters loaded at startup, ``{name: path}`` (any format diffusers reads:
+            see `diffserve.lora.reading`).
+        lora_dir: a folder whose ``NAME.safetensors`` files and ``NAME/`` folders load the first
+            time a request names ``NAME`` (beside the steps; the request waits in the queue);
+            the only place ``POST /v1/loras`` may load from. None = none.
+        max_loras: device slots for LoRA adapters: the most distinct adapters the running
+            requests may use at once (a request needing another waits), and per request.
+        max_lora_rank: the largest adapter rank accepted (slots are padded to it).
+        max_cpu_loras: adapters kept in host memory (least recently used ones no request holds
+            are dropped beyond it and reload from their path when named again); None = 4 x
+            ``max_loras``.
         quantization: quantized weights through torchao, applied after load and before
             compile and offload: None (off), one method for every denoiser and text encoder
             (``"int8_weight_only"``, ``"int8_dynamic"``; on CUDA also ``"float8"``,
@@ -148,6 +159,11 @@ class EngineConfig:
     offload_blocks: int = 1
     enable_sleep_mode: bool = False
     max_memory: int | str | None = None
+    loras: dict[str, str] = field(default_factory=dict)
+    lora_dir: str | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None
     quantization: str | dict | None = None
     quantization_skip: str | list | None = None
     quantization_error_budget: float = DEFAULT_ERROR_BUDGET
@@ -207,7 +223,29 @@ class EngineConfig:
         from diffserve.core.memory_size import parse_memory
 
         parse_memory(self.max_memory)  # validates `max_memory`
+        self._check_loras()
         self._check_quantization()
+
+    def _check_loras(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidRequestError(name, value, "an integer >= 1")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (not isinstance(cpu, int) or isinstance(cpu, bool) or cpu < self.max_loras):
+            raise InvalidRequestError("max_cpu_loras", cpu, f"an integer >= max_loras ({self.max_loras}), or None")
+        if not isinstance(self.loras, dict):
+            raise InvalidRequestError("loras", self.loras, "a mapping of LoRA names to paths")
+        for name, path in self.loras.items():
+            if not isinstance(name, str) or not name or not isinstance(path, (str, os.PathLike)):
+                raise InvalidRequestError("loras", {name: path}, "a mapping of LoRA names to paths")
+        if self.lora_dir is not None and not Path(self.lora_dir).is_dir():
+            raise InvalidRequestError("lora_dir", self.lora_dir, "an existing folder")
+
+    @property
+    def cpu_lora_capacity(self) -> int:
+        """Adapters kept in host memory (`max_cpu_loras`, default 4 x `max_loras`)."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else 4 * self.max_loras
 
     @property
     def quantization_spec(self) -> QuantizationSpec:

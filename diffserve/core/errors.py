@@ -65,6 +65,11 @@ class EngineDeadError(RuntimeError):
     """The engine loop (or a worker) died; requests fail fast (HTTP 503) instead of waiting."""
 
 
+class LoraInUseError(RuntimeError):
+    """A LoRA adapter that waiting or running requests use cannot be unloaded or replaced now
+    (HTTP 409); the message says which and why."""
+
+
 class InteractionRefusedError(InvalidRequestError):
     """An interaction (`DiffusionEngine.submit_interaction`) that cannot apply to its request.
 

@@ -10,6 +10,10 @@
   `to()` can lead to inconsistent results``: printed for every model cast to a dtype (the dummy
   load format builds models, then casts them) even when the list is empty; only the empty-list
   form is dropped (a model with float32 modules still warns).
+- diffusers' ``No LoRA keys associated to X found with the prefix=...``: printed for every
+  LoRA-loadable component a LoRA file does not touch (most files change only the denoiser);
+  diffserve's LoRA reader counts matched and unmatched modules itself and refuses a file that
+  does not match (`diffserve.lora.reading`).
 - transformers' ``Token indices sequence length is longer than the specified maximum sequence
   length for this model (...). Running this sequence through the model will result in indexing
   errors``: diffserve tokenizes a prompt once without truncation only to tell whether it is
@@ -47,6 +51,8 @@ INAPPLICABLE_WARNINGS: tuple[tuple[str, str], ...] = (
     ("torchao.kernel.intmm", "Detected no triton"),
     ("diffusers.quantizers.torchao.torchao_quantizer", "Unable to import `torchao` Tensor objects"),
     ("diffusers.quantizers.torchao.torchao_quantizer", "for integer quantization, but only bfloat16 is supported"),
+    ("diffusers.loaders.lora_base", "No LoRA keys associated to"),
+    ("diffusers.loaders.peft", "No LoRA keys associated to"),
     ("torch.utils._pytree", "is an Enum subclass and is now natively supported by torch.compile"),
 )
 

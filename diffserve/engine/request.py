@@ -89,6 +89,12 @@ class Request:
     ar_end_time: float | None = None
 
     @property
+    def lora_names(self) -> tuple[str, ...]:
+        """Names of the LoRA adapters the request uses (``params.loras``)."""
+        loras = self.params.loras if self.params is not None else None
+        return tuple(loras) if loras else ()
+
+    @property
     def streaming(self) -> bool:
         """A stream of video chunks (``params.num_chunks`` set)."""
         return self.params.num_chunks is not None

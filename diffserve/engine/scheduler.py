@@ -183,6 +183,16 @@ class RequestScheduler:
             self._aborting.add(request_id)
         return True
 
+    def fail_waiting(self, request_id: str, error: BaseException) -> bool:
+        """Fail a request that is still waiting (e.g. its LoRA adapter failed to load): it
+        leaves the queue and its final event (``failed``, with `error`) is emitted. Returns
+        False when it is not waiting."""
+        request = self.queues.remove_waiting(request_id)
+        if request is None:
+            return False
+        self._close(request, RequestStatus.FAILED, error=error)
+        return True
+
     def submit_interaction(self, request_id: str, interaction: Interaction) -> str:
         """Queue a checked interaction for a running stream's next chunk boundary; returns its
         event id.

@@ -114,6 +114,17 @@ class Executor(ABC):
     def _step(self, request_ids: list[str]) -> StepOutput:
         """Run the denoising step of `request_ids` and wait for its outcome."""
 
+    # ------------------------------------------------------------------ LoRA adapters
+    def submit_load_lora(self, name: str, path: str) -> "Future[dict[str, Any]]":
+        """Read the LoRA adapter at `path` into every worker as `name`, beside the steps;
+        resolves to its summary (format, rank, modules, bytes) or the worker's error
+        (`InvalidRequestError` naming ``path``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters")
+
+    def unload_lora(self, name: str) -> None:
+        """Drop adapter `name` from every worker (no request may hold it)."""
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters")
+
     # ------------------------------------------------------------------ queries
     @abstractmethod
     def info(self) -> ModelInfo:

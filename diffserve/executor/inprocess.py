@@ -40,6 +40,12 @@ class InProcessExecutor(Executor):
     def _step(self, request_ids: list[str]) -> StepOutput:
         return self.worker.runner.step(request_ids)
 
+    def submit_load_lora(self, name: str, path: str) -> "Future[dict[str, Any]]":
+        return self.worker.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.worker.unload_lora(name)
+
     def info(self) -> ModelInfo:
         return self.worker.runner.info()
 

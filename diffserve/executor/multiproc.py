@@ -116,6 +116,10 @@ def _worker_main(config, rank: int, master_port: int, conn) -> None:  # pragma: 
                 future.add_done_callback(replier(work_id))
             if step_id is not None:  # main thread: collectives in the same order on every rank
                 run(step_id, worker.step, out.step_ids)
+        elif method == "load_lora":  # the worker's loader thread: a slow read stalls neither steps nor decodes
+            worker.load_lora(*args).add_done_callback(replier(message_id))
+        elif method == "unload_lora":
+            run(message_id, worker.unload_lora, *args)
         elif method == "plan":
             run(message_id, runner.plan, *args)
         elif method == "stats":
@@ -292,6 +296,12 @@ class MultiprocExecutor(Executor):
         if step_id is not None:
             self._step_future, futures = futures[0], futures[1:]
         return list(zip(items, futures))
+
+    def submit_load_lora(self, name: str, path: str) -> "Future[dict[str, Any]]":
+        return self._call("load_lora", name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self._call("unload_lora", name).result()
 
     def _step(self, request_ids: list[str]) -> StepOutput:
         future, self._step_future = self._step_future, None

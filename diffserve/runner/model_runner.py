@@ -8,6 +8,7 @@ its batch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -35,6 +36,8 @@ from diffserve.connector.handles import PayloadMissingError
 from diffserve.pipelines.base import PipelineAdapter, RequestState, is_finite
 from diffserve.runner.base import Runner
 from diffserve.runner.loader import load_adapter
+from diffserve.lora.rows import ROW_KEY
+from diffserve.runner.loras import RunnerLoras
 from diffserve.memory.accounting import peak_memory_bytes
 from diffserve.runner.model_memory import ModelMemory
 from diffserve.runner.quantization import quantize_adapter
@@ -90,7 +93,10 @@ class ModelRunner(Runner):
         self.memory = ModelMemory(self.adapter, config, self.device,
                                   denoising=lambda: any(not s.done for s in list(self.states.values())),
                                   quantization=self.quantization.plan)
-        self.accelerator = Accelerator(self.adapter, config, stage=self.memory.offload.stage)
+        #: LoRA adapters: reading, slots, per-request pins, per-row batches
+        self.loras = RunnerLoras(self.adapter, config)
+        self.accelerator = Accelerator(self.adapter, config, stage=self.memory.offload.stage,
+                                       warmup_contexts=self.loras.warmup_contexts())
         self.memory.ready()
         #: multi-stage models: the consumer side of the AR stage's connector (in process: the very
         #: object the AR stage puts into, `connector`; in a worker process: shared memory) and the
@@ -159,11 +165,26 @@ class ModelRunner(Runner):
         return results
 
     def _prepare(self, requests: list[NewRequest]) -> list[Prepared]:
+        groups: dict[tuple, list[NewRequest]] = {}  # by text-encoder LoRA adapters: they change the encoding
+        for new in requests:
+            groups.setdefault(self.loras.text_key(new.params.loras), []).append(new)
+        results: dict[str, Prepared] = {}
+        for group in groups.values():
+            for result in self._prepare_group(group):
+                results[result.request_id] = result
+        return [results[new.request_id] for new in requests]
+
+    def _prepare_group(self, requests: list[NewRequest]) -> list[Prepared]:
         text = self.adapter.text
         if text is None or len(requests) < 2:
             return self._prepare_each(requests)
         texts = [pair for new in requests for pair in self.adapter.texts_to_encode(new.prompt, new.params)]
-        with text.encoding_together(texts):  # one encoder forward for the group's new texts
+        with contextlib.ExitStack() as stack:
+            try:  # the group's text-encoder adapters (all equal)
+                stack.enter_context(self.loras.encoding(requests[0].params.loras))
+            except Exception:  # noqa: BLE001 - an adapter gone: each request reports its own failure
+                return self._prepare_each(requests)
+            stack.enter_context(text.encoding_together(texts))  # one encoder forward for the new texts
             return self._prepare_each(requests)
 
     def _prepare_each(self, requests: list[NewRequest]) -> list[Prepared]:
@@ -179,10 +200,13 @@ class ModelRunner(Runner):
                                                   "payloads of its AR stage")
                     state.context, wait_s, fetch_s = self.receiver.receive(
                         new.context, self.adapter.context_branches(new.params))
-                self.adapter.prepare(state)
+                self.loras.acquire(state)
+                with self.loras.encoding(new.params.loras):
+                    self.adapter.prepare(state)
                 self.accelerator.reset(state)
             except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
                 logger.exception("prepare failed for %s", new.request_id)
+                self.loras.release(state)
                 state.release()
                 if self.receiver is not None:
                     self.receiver.release(new.request_id)
@@ -220,6 +244,8 @@ class ModelRunner(Runner):
             states, composition = self._last_states
         else:
             states, composition = [self.states[i] for i in request_ids], tuple(request_ids)
+            if any(ROW_KEY in s.row_data for s in states):  # requests sharing adapters in adjacent rows: slices
+                states.sort(key=lambda s: s.row_data.get(ROW_KEY, ()))
             self._last_ids, self._last_states = request_ids, (states, composition)
         with self.memory.offload.stage("denoise") as loads, self.memory.window(composition) as window:
             if len(states) > 1 and not self.accelerator.shares_forward:
@@ -262,9 +288,14 @@ class ModelRunner(Runner):
         if p is not None and p.cfg_parallel_size > 1:
             from diffserve.parallel.cfg import cfg_parallel_denoise
 
-            return cfg_parallel_denoise(self.accelerator.denoise, batch, p.cfg_rank, p.cfg_parallel_size,
+            return cfg_parallel_denoise(self._denoise_rows, batch, p.cfg_rank, p.cfg_parallel_size,
                                         p.cfg_group)
-        return self.accelerator.denoise(batch)
+        return self._denoise_rows(batch)
+
+    def _denoise_rows(self, batch):
+        """The accelerator's forward of `batch`, each row with its LoRA adapters."""
+        with self.loras.denoising(batch):
+            return self.accelerator.denoise(batch)
 
     def _step_alone(self, states: list[RequestState]) -> StepOutput:
         """One forward per request; num_rows is the largest forward's, request_rows each one's."""
@@ -381,7 +412,8 @@ class ModelRunner(Runner):
                 self.free([request_id])
                 return ChunkDone(request_id, chunk_index=index, frames=new, video=video, event_ids=event_ids,
                                  seconds=time.perf_counter() - start)
-            interactions = [(i, self.adapter.text_branch(state, i.prompt)) for i in work.interactions]
+            with self.loras.encoding(state.params.loras):
+                interactions = [(i, self.adapter.text_branch(state, i.prompt)) for i in work.interactions]
             state.branches[-1] = stream.next_branch(state.branches[-1], interactions)
             self.adapter.start_chunk(state, frames)
             self.accelerator.reset(state)
@@ -401,9 +433,19 @@ class ModelRunner(Runner):
             self.streams.pop(request_id, None)
             state = self.states.pop(request_id, None)
             if state is not None:
+                self.loras.release(state)
                 state.release()
             if self.receiver is not None:
                 self.receiver.release(request_id)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Read the adapter at `path` as `name` (see `RunnerLoras.load`); its summary."""
+        return self.loras.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter `name` (see `RunnerLoras.unload`)."""
+        self.loras.unload(name)
 
     # ------------------------------------------------------------------ stats
     def acceleration_stats(self) -> dict[str, Any]:

@@ -103,6 +103,7 @@ class _Job:
     def __init__(self, request_id: str, pipe: Any, kwargs: dict[str, Any], guess_steps: int):
         self.pipe = pipe
         self.kwargs = kwargs
+        self.loras: dict[str, float] = {}
         self.steps_done = 0
         self.num_steps = guess_steps
         self.output: Any = None
@@ -183,6 +184,12 @@ class WholeRequestRunner(Runner):
         self.nonfinite_count = 0
         self._keys = itertools.count()
         self.sleeper = WeightSleeper(self._modules, self._reload_components, self.device)
+        #: LoRA adapters: diffusers' own ``load_lora_weights`` into the live pipeline and
+        #: ``set_adapters`` before each request's step (no two requests share a forward here);
+        #: the lock keeps a load's PEFT injection out of a running step
+        self._loras: dict[str, dict[str, Any]] = {}
+        self._active_loras: dict[str, float] | None = None
+        self._lora_lock = threading.Lock()
         logger.warning("%s has no step adapter: requests run whole through diffusers' own pipeline call, "
                        "one step at a time, without step batching", self.class_name)
 
@@ -274,6 +281,11 @@ class WholeRequestRunner(Runner):
                 if getattr(self.pipe, "scheduler", None) is not None:
                     vars(pipe)["scheduler"] = new_scheduler(self.pipe.scheduler)
                 job = _Job(new.request_id, pipe, self._kwargs(new), new.params.num_inference_steps)
+                job.loras = dict(new.params.loras or {})
+                missing = [name for name in job.loras if name not in self._loras]
+                if missing:
+                    raise InvalidRequestError("loras", job.loras, "names of loaded LoRA adapters",
+                                              detail=f"{missing[0]!r} is not loaded")
             except Exception as exc:  # noqa: BLE001
                 results.append(Prepared(new.request_id, error=WorkError.of(exc)))
                 continue
@@ -291,7 +303,9 @@ class WholeRequestRunner(Runner):
         out = StepOutput(num_rows=0)
         for request_id in request_ids:
             job = self.states[request_id]
-            job.advance()
+            with self._lora_lock:
+                self._use_loras(job.loras)
+                job.advance()
             if job.error is not None:
                 out.errors[request_id] = WorkError.of(job.error)
                 self.free([request_id])
@@ -333,6 +347,60 @@ class WholeRequestRunner(Runner):
             job = self.states.pop(request_id, None)
             if job is not None:
                 job.abort()
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Check the adapter at `path` against the model (`diffserve.lora.reading`), then load
+        it into the live pipeline with its class's ``load_lora_weights`` as `name`.
+
+        Raises:
+            InvalidRequestError: (field ``path``) see `diffserve.lora.reading.read_lora`.
+            LoraInUseError: a request holds an adapter of that name.
+        """
+        from diffserve.lora.reading import read_lora, text_encoder_loader
+
+        info = read_lora(path, self.pipe, name).info()
+        with self._lora_lock:
+            if name in self._loras:
+                self._unload(name)
+            # text encoders through PEFT directly: transformers 5.24's load_adapter wants peft >= 0.22
+            self.pipe.load_lora_into_text_encoder = text_encoder_loader(self.pipe)
+            self.pipe.load_lora_weights(path, adapter_name=name, low_cpu_mem_usage=False)
+            self._loras[name] = info
+            self._active_loras = None
+        return info
+
+    def unload_lora(self, name: str) -> None:
+        """Delete adapter `name` from the live pipeline.
+
+        Raises:
+            LoraInUseError: a request holds it.
+        """
+        with self._lora_lock:
+            if name in self._loras:
+                self._unload(name)
+
+    def _unload(self, name: str) -> None:
+        from diffserve.core.errors import LoraInUseError
+
+        users = [r for r, job in self.states.items() if name in job.loras]
+        if users:
+            raise LoraInUseError(f"LoRA {name!r} is used by {len(users)} request(s)")
+        self.pipe.delete_adapters(name)
+        del self._loras[name]
+        self._active_loras = None
+
+    def _use_loras(self, loras: dict[str, float]) -> None:
+        """Make `loras` the pipeline's active adapters (diffusers' ``set_adapters``; none:
+        ``disable_lora``), if they are not already (lock held)."""
+        if not self._loras or loras == self._active_loras:
+            return
+        if loras:
+            self.pipe.enable_lora()
+            self.pipe.set_adapters(list(loras), list(loras.values()))
+        else:
+            self.pipe.disable_lora()
+        self._active_loras = dict(loras)
 
     # ------------------------------------------------------------------ stats
     def acceleration_stats(self) -> dict[str, Any]:

@@ -60,6 +60,7 @@ from diffserve.entrypoints.openai.errors import (
 from diffserve.entrypoints.openai.middleware import ApiKeyAuth, StatusCounter
 from diffserve.entrypoints.openai.ops.health import install_health_route
 from diffserve.entrypoints.openai.ops.metrics import ServerMetrics, install_metrics_route
+from diffserve.entrypoints.openai.ops.loras import install_lora_routes
 from diffserve.entrypoints.openai.ops.sleep import CONTROL_PATHS, install_sleep_routes
 from diffserve.entrypoints.openai.playground import install_playground
 from diffserve.entrypoints.openai.protocol import (
@@ -307,6 +308,7 @@ def create_app(
     install_sleep_routes(app, state, wake_on_request=wake_on_request, allowed_origins=allowed_origins,
                          public_url=public_url)
     install_video_stream_routes(app, state)
+    install_lora_routes(app, state)
     app.add_middleware(StatusCounter, metrics=metrics, paths=GENERATION_PATHS)
     if api_key is not None:
         app.add_middleware(ApiKeyAuth, api_key=api_key, control_paths=CONTROL_PATHS, links_prefix=FILES_PATH_PREFIX,

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from diffserve.core.errors import InvalidRequestError
-from diffserve.core.sampling_params import MAX_GUIDANCE_SCALE, MAX_SEED
+from diffserve.core.sampling_params import MAX_GUIDANCE_SCALE, MAX_LORA_SCALE, MAX_SEED
 
 if TYPE_CHECKING:
     from diffserve.core.sampling_params import ModelSpec, RequestLimits
@@ -78,6 +78,29 @@ def _schema_enum(*values: str):
 
 class _StrictRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+#: The ``loras`` extension field of generation requests (images, edits, videos, video streams).
+LORAS_DESCRIPTION = ("LoRA adapters to apply, {name: scale} (GET /v1/loras lists the names; several compose, as "
+                     "diffusers' set_adapters); scales finite in [-4, 4]; in a multipart form, a JSON object")
+
+
+def loras_from_text(value: Any) -> Any:
+    """A ``loras`` form field (text) as the JSON object it holds; other values unchanged.
+
+    Raises:
+        ValueError: text that is not a JSON object.
+    """
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValueError('must be a JSON object of LoRA names to scales, e.g. {"mirror": 1.0}') from None
+        if not isinstance(value, dict):
+            raise ValueError('must be a JSON object of LoRA names to scales, e.g. {"mirror": 1.0}')
+    return value
 
 
 class _ImageRequest(_StrictRequest):
@@ -142,6 +165,12 @@ class _ImageRequest(_StrictRequest):
         None, description="with stream=true: also send diffserve.queued (place in the waiting queue) and "
                           "diffserve.progress (denoising steps done) events, and diffserve.ar_delta "
                           "(multi-stage models: each new piece of the AR stage's text) events")
+    loras: dict[str, float] | None = Field(None, description=LORAS_DESCRIPTION)
+
+    @field_validator("loras", mode="before")
+    @classmethod
+    def _loras_from_form_text(cls, value: Any) -> Any:
+        return loras_from_text(value)
 
     @field_validator("n", "output_compression", "partial_images", "num_inference_steps", "seed", mode="before")
     @classmethod
@@ -417,6 +446,12 @@ class VideoCreateRequest(_StrictRequest):
     true_cfg_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE_SCALE, allow_inf_nan=False,
                                          description="true-CFG weight (models with true CFG)")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="seed (default: random, reported)")
+    loras: dict[str, float] | None = Field(None, description=LORAS_DESCRIPTION)
+
+    @field_validator("loras", mode="before")
+    @classmethod
+    def _loras_from_form_text(cls, value: Any) -> Any:
+        return loras_from_text(value)
 
     @field_validator("num_frames", "fps", "num_inference_steps", "seed", mode="before")
     @classmethod
@@ -514,7 +549,8 @@ class ParameterInfo(BaseModel):
     property.
 
     Attributes:
-        type: ``integer``, ``number``, ``string`` or ``boolean``.
+        type: ``integer``, ``number``, ``string``, ``boolean`` or ``object`` (``loras``: a
+            mapping whose values are in [minimum, maximum]).
         default: the value used when a request omits the parameter (None: none, or drawn at
             random, e.g. ``seed``).
         minimum / maximum: inclusive range of numeric parameters.
@@ -528,7 +564,7 @@ class ParameterInfo(BaseModel):
     Fields that are None are left out of the JSON.
     """
 
-    type: Literal["integer", "number", "string", "boolean"]
+    type: Literal["integer", "number", "string", "boolean", "object"]
     default: int | float | str | bool | None = None
     minimum: int | float | None = None
     maximum: int | float | None = None
@@ -590,6 +626,8 @@ class ModelCard(BaseModel):
             ``true_cfg_scale`` without true CFG, is absent).
         step_batching: False when the model's pipeline class has no step adapter and runs
             whole requests without step batching (the whole-request fallback).
+        loras: the LoRA adapters requests may name in ``loras`` (as ``GET /v1/loras`` lists
+            them: name, state, origin, rank, format, ...; ``--lora-dir`` files appear once named).
         quantization: the quantized components (`QuantizationInfo`), null when the weights are
             not quantized.
     """
@@ -601,6 +639,7 @@ class ModelCard(BaseModel):
     capabilities: list[str] | None = None
     parameters: dict[str, ParameterInfo] | None = None
     step_batching: bool | None = None
+    loras: list[dict[str, Any]] | None = None
     quantization: QuantizationInfo | None = None
 
     @classmethod
@@ -654,6 +693,9 @@ class ModelCard(BaseModel):
             "partial_images": ParameterInfo(type="integer", default=0, minimum=0, maximum=MAX_PARTIAL_IMAGES,
                                             capabilities=images,
                                             description="with stream=true: previews sent before each image"),
+            "loras": ParameterInfo(type="object", minimum=-MAX_LORA_SCALE, maximum=MAX_LORA_SCALE,
+                                   description=f"LoRA adapters, {{name: scale}}; at most {config.max_loras} per "
+                                               "request (GET /v1/loras)"),
         }
         unused = {"guidance_scale": spec.default_guidance_scale, "true_cfg_scale": spec.default_true_cfg_scale,
                   "strength": spec.default_strength if spec.accepts_images else None,
@@ -662,7 +704,7 @@ class ModelCard(BaseModel):
             if default is None:
                 parameters.pop(name)
         return cls(id=model_id, created=created, capabilities=model_tasks(spec), parameters=parameters,
-                   step_batching=engine.model_info.step_batching,
+                   step_batching=engine.model_info.step_batching, loras=engine.list_loras(),
                    quantization=QuantizationInfo.of(engine.model_info.quantization))
 
 

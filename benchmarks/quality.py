@@ -23,6 +23,12 @@ Usage::
 ``--backend diffserve`` (default) generates through ``diffserve.DiffusionEngine``;
 ``--backend diffusers`` through ``diffusers.StableDiffusion3Pipeline`` with the same prompts and
 seeds (image ``k`` uses seed ``--seed + k``).
+
+``--quantization none,int8_weight_only,int8_dynamic`` (diffserve backend) runs each arm on the
+same prompts and seeds in one process (the first arm is the baseline) and reports, per arm, the
+judge accuracy, its difference from the baseline's in points, and the PSNR of its images
+against the baseline's (dB, pixels in [0, 1]); ``--quantization-skip`` applies to every
+quantized arm.
 """
 
 from __future__ import annotations
@@ -130,9 +136,10 @@ def make_prompts(templates: tuple[str, ...], n_per_digit: int) -> tuple[list[str
 
 
 def generate_diffserve(
-    model: Path | None, prompts: list[str], seed: int, steps: int, guidance: float
+    model: Path | None, prompts: list[str], seed: int, steps: int, guidance: float, **engine_options
 ) -> tuple[np.ndarray, float]:
-    """Generate one 8x8 image per prompt through diffserve's engine.
+    """Generate one 8x8 image per prompt through diffserve's engine (`engine_options`: more
+    `EngineConfig` fields, e.g. ``quantization``).
 
     Returns:
         ``(images, seconds)``: float32 (N, 8, 8) in [0, 1]; wall-clock seconds of the generate call.
@@ -142,7 +149,7 @@ def generate_diffserve(
     """
     from diffserve import DiffusionEngine, EngineConfig, SamplingParams
 
-    engine = DiffusionEngine(EngineConfig(model=None if model is None else str(model)))
+    engine = DiffusionEngine(EngineConfig(model=None if model is None else str(model), **engine_options))
     params = [
         SamplingParams(num_inference_steps=steps, guidance_scale=guidance, seed=seed + k,
                        height=data.IMAGE_SIZE, width=data.IMAGE_SIZE, output_type="np")
@@ -523,8 +530,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lora", choices=["mirror"], default=None,
                         help="judge the built-in model's LoRA adapter instead (mirror: images are judged mirrored "
                              "back; --update-card writes its LORA_CARD.md)")
+    parser.add_argument("--quantization", default=None, metavar="ARMS",
+                        help="comma-separated quantization arms (none = unquantized; the first is the baseline)")
+    parser.add_argument("--quantization-skip", default=None, help="EngineConfig.quantization_skip for every arm")
     add_run_arguments(parser)
     return parser.parse_args(argv)
+
+
+def psnr(images: np.ndarray, reference: np.ndarray) -> float:
+    """PSNR in dB of images against `reference`, pixels in [0, 1] (inf when identical)."""
+    mse = float(np.mean((np.asarray(images, np.float64) - np.asarray(reference, np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * float(np.log10(1.0 / mse))
+
+
+def compare_quantization(args: argparse.Namespace, clf: SVC, judge_accuracy: float, prompts: list[str],
+                         labels: np.ndarray) -> dict[str, QualityReport]:
+    """Run each ``--quantization`` arm (see the module docstring) and print one line per arm."""
+    reports, baseline = {}, None
+    for arm in [a.strip() for a in args.quantization.split(",") if a.strip()]:
+        method = None if arm in ("none", "fp32") else arm
+        skip = args.quantization_skip if method is not None else None
+        images, seconds = generate_diffserve(args.model, prompts, args.seed, args.steps, args.guidance,
+                                             quantization=method, quantization_skip=skip)
+        report = reports[arm] = evaluate(clf, judge_accuracy, images, labels, seconds)
+        if baseline is None:
+            baseline = (images, report)
+        delta = 100 * (report.accuracy - baseline[1].accuracy)
+        print(f"arm {arm:18s} accuracy {100 * report.accuracy:6.2f} %  vs baseline {delta:+.2f} points  "
+              f"PSNR vs baseline {psnr(images, baseline[0]):6.2f} dB  worst digit "
+              f"{worst_digit(report.per_digit_accuracy)}  s/image {report.seconds_per_image:.4f}", flush=True)
+    return reports
 
 
 def main(argv: list[str] | None = None) -> QualityReport | MirrorReport:
@@ -539,6 +574,12 @@ def main(argv: list[str] | None = None) -> QualityReport | MirrorReport:
     if args.lora == "mirror":
         return run_mirror(args, argv, clf)
     prompts, labels = make_prompts(templates, args.n_per_digit)
+    if args.quantization:
+        if args.backend != "diffserve" or args.update_card:
+            raise SystemExit("--quantization runs the diffserve backend and records nothing in the card")
+        print(f"images: {len(prompts)}  steps: {args.steps}  guidance: {args.guidance:g}  threads: {args.threads}")
+        reports = compare_quantization(args, clf, judge_accuracy, prompts, labels)
+        return next(iter(reports.values()))
     generate = generate_diffserve if args.backend == "diffserve" else generate_diffusers
     images, seconds = generate(args.model, prompts, args.seed, args.steps, args.guidance)
     report = evaluate(clf, judge_accuracy, images, labels, seconds)

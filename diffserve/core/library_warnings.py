@@ -27,6 +27,9 @@
   tensor classes that torchao 0.18 no longer has; pre-quantized folders load from safetensors)
   and ``You are trying to set torch_dtype to torch.float32 for integer quantization, but only
   bfloat16 is supported`` (int8 runs in float32 on CPU; diffserve's CPU default).
+- torch's ``<enum 'KernelPreference'> is an Enum subclass and is now natively supported by
+  torch.compile ...`` (torchao registers its enums the older way when it is imported: a
+  deprecation notice for torchao, nothing a user can act on).
 
 Only these messages are dropped (logger filters on the exact loggers that emit them), so every
 other library warning still shows. Installing the filters imports neither library; the loader
@@ -50,6 +53,7 @@ INAPPLICABLE_WARNINGS: tuple[tuple[str, str], ...] = (
     ("diffusers.quantizers.torchao.torchao_quantizer", "for integer quantization, but only bfloat16 is supported"),
     ("diffusers.loaders.lora_base", "No LoRA keys associated to"),
     ("diffusers.loaders.peft", "No LoRA keys associated to"),
+    ("torch.utils._pytree", "is an Enum subclass and is now natively supported by torch.compile"),
 )
 
 

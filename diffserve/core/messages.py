@@ -216,6 +216,9 @@ class ModelInfo:
         step_batching: whether requests run step by step (False: whole-request fallback).
         chunk_streaming: whether requests may stream video chunks (``num_chunks``) and take
             interactions.
+        quantization: the quantized components, plain data (``{"spec": ..., "components":
+            {name: report}}``, `diffserve.core.quantization.ComponentReport.as_dict`), None when
+            nothing is quantized.
         ar_stage: whether the model has an autoregressive stage before its DiT stage (its
             requests go through the AR stage first and reach the runner with their payloads).
     """
@@ -224,6 +227,7 @@ class ModelInfo:
     pipeline: str
     step_batching: bool = True
     chunk_streaming: bool = False
+    quantization: dict | None = None
     ar_stage: bool = False
 
 

@@ -258,10 +258,12 @@ class DiffusionEngine:
 
     def stats(self) -> dict[str, Any]:
         """Executor counters (acceleration, non-finite outputs, workers alive, offload), plus
-        ``memory_budget`` (`MemoryBudget.stats`) with ``max_memory``, ``sleep_level``, and for
+        ``memory_budget`` (`MemoryBudget.stats`) with ``max_memory``, ``sleep_level``,
+        ``quantization`` (the quantized components, `ModelInfo.quantization`; None without), and for
         multi-stage models ``ar_stage`` (the AR stage's counters and its connector's accounting)
         and ``payloads`` (the DiT side's receiver)."""
         stats = dict(self.executor.stats())
+        stats["quantization"] = self.model_info.quantization
         if self.memory_budget is not None:
             stats["memory_budget"] = self.memory_budget.stats(self.scheduler.queues.running_memory)
         stats["sleep_level"] = self.sleep_mode.level

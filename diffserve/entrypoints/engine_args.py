@@ -84,6 +84,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     from diffserve.entrypoints.memory_options import add_memory_arguments
 
     add_memory_arguments(parser)
+    # ---- quantized weights, GGUF transformers (diffserve.entrypoints.quantization_options)
+    from diffserve.entrypoints.quantization_options import add_quantization_arguments
+
+    add_quantization_arguments(parser)
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -94,6 +98,7 @@ def engine_config_from_args(args: argparse.Namespace):
     """
     from diffserve.config import EngineConfig
     from diffserve.entrypoints.memory_options import memory_config
+    from diffserve.entrypoints.quantization_options import quantization_config
 
     return EngineConfig(
         model=args.model,
@@ -124,6 +129,7 @@ def engine_config_from_args(args: argparse.Namespace):
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
         **memory_config(args),
+        **quantization_config(args),
     )
 
 
@@ -186,3 +192,6 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
     from diffserve.core.memory_size import parse_memory  # torch-free
 
     parse_memory(getattr(args, "max_memory", None))
+    from diffserve.entrypoints.quantization_options import check_quantization_arguments
+
+    check_quantization_arguments(args)

@@ -52,6 +52,9 @@ def _free_port() -> int:
 # ---------------------------------------------------------------------------------- worker
 def _worker_main(config, rank: int, master_port: int, conn) -> None:  # pragma: no cover - child process
     """A worker process: join the grid, load the model, serve work items until told to stop."""
+    from diffserve.core.library_warnings import silence_inapplicable_library_warnings
+
+    silence_inapplicable_library_warnings()  # before torch, diffusers and torchao are imported
     import torch
 
     from diffserve.parallel.state import init_parallel, shutdown_parallel

@@ -40,6 +40,7 @@ from diffserve.lora.rows import ROW_KEY
 from diffserve.runner.loras import RunnerLoras
 from diffserve.memory.accounting import peak_memory_bytes
 from diffserve.runner.model_memory import ModelMemory
+from diffserve.runner.quantization import quantize_adapter
 from diffserve.runner.streaming import StreamState, assemble_video
 from diffserve.core.sampling_params import SamplingParams
 
@@ -69,7 +70,10 @@ class ModelRunner(Runner):
         self.adapter = adapter or load_adapter(config.model_path, self.device, config.torch_dtype,
                                                config.load_format,
                                                config.context_folding and config.ulysses_degree == 1,
-                                               load_device=weights_device(config))
+                                               load_device=weights_device(config),
+                                               transformer_file=config.transformer_file)
+        # quantized weights: after load, before Ulysses, offload placement, sleep pool and compile
+        self.quantization = quantize_adapter(self.adapter, config)
         if parallel is not None and parallel.world_size > 1 and config.cache_backend != "none":
             raise InvalidRequestError("cache_backend", config.cache_backend, "none with CFG / Ulysses "
                                       "parallelism (its per-request decisions would differ between ranks)")
@@ -87,7 +91,8 @@ class ModelRunner(Runner):
         self._last_states: tuple[list[RequestState], tuple[str, ...]] = ([], ())
         # offload placement, sleep mode, memory profile, per-step peaks
         self.memory = ModelMemory(self.adapter, config, self.device,
-                                  denoising=lambda: any(not s.done for s in list(self.states.values())))
+                                  denoising=lambda: any(not s.done for s in list(self.states.values())),
+                                  quantization=self.quantization.plan)
         #: LoRA adapters: reading, slots, per-request pins, per-row batches
         self.loras = RunnerLoras(self.adapter, config)
         self.accelerator = Accelerator(self.adapter, config, stage=self.memory.offload.stage,
@@ -107,10 +112,11 @@ class ModelRunner(Runner):
 
     # ------------------------------------------------------------------ model facts
     def info(self) -> ModelInfo:
-        """The model's spec and pipeline class."""
+        """The model's spec, pipeline class and quantized components."""
         return ModelInfo(spec=self.adapter.spec, pipeline=self.adapter.pipeline_class_name,
                          chunk_streaming=self.adapter.chunk_streaming,
-                         ar_stage=bool(self.adapter.ar_stage_components))
+                         ar_stage=bool(self.adapter.ar_stage_components),
+                         quantization=self.quantization.summary())
 
     def prefetch(self, request_id: str, handle, params: SamplingParams) -> None:
         """Start fetching an admitted request's AR-stage payloads (the branches its DiT stage

@@ -38,6 +38,8 @@ from diffserve.pipelines.diffusion_scheduler import new_scheduler
 from diffserve.memory.accounting import peak_memory_bytes
 from diffserve.core.sleep_levels import check_level
 from diffserve.memory.sleep import WeightSleeper
+from diffserve.quantization.plan import apply_plan
+from diffserve.runner.quantization import quantize_pipeline
 from diffserve.runner.base import Runner
 from diffserve.core.sampling_params import ModelSpec, SamplingParams
 
@@ -177,6 +179,7 @@ class WholeRequestRunner(Runner):
         self.device = config.torch_device
         self.class_name = type(pipe).__name__
         self.signature = call_parameters(type(pipe))
+        self.quantization = quantize_pipeline(pipe, config)
         self.spec = self._spec()
         self.states: dict[str, _Job] = {}
         self.nonfinite_count = 0
@@ -230,8 +233,9 @@ class WholeRequestRunner(Runner):
     # ------------------------------------------------------------------ model facts
     def info(self) -> ModelInfo:
         """The pipeline's spec (from its ``__call__`` defaults); no step batching, no chunk
-        streaming."""
-        return ModelInfo(spec=self.spec, pipeline=self.class_name, step_batching=False)
+        streaming; what was quantized at load."""
+        return ModelInfo(spec=self.spec, pipeline=self.class_name, step_batching=False,
+                         quantization=self.quantization.summary())
 
     def plan(self, params: SamplingParams, inputs: Any = None) -> RequestPlan:
         """One row, and a batch key of its own (never batched).
@@ -419,8 +423,12 @@ class WholeRequestRunner(Runner):
     def _reload_components(self) -> dict[str, Any]:
         from diffserve.runner.loader import load_components
 
-        load_format = "default" if self.config.load_format == "custom_pipeline" else self.config.load_format
-        return load_components(self.config.model_path, self.config.torch_dtype, load_format, device=self.device)[1]
+        config = self.config
+        load_format = "default" if config.load_format == "custom_pipeline" else config.load_format
+        components = load_components(config.model_path, config.torch_dtype, load_format, device=self.device,
+                                     transformer_file=config.transformer_file)[1]
+        apply_plan(components, self.quantization.plan, config.torch_dtype)  # as quantized at load
+        return components
 
     def sleep(self, level: int) -> None:
         """Sleep mode (see `diffserve.memory.sleep`); no request may be held.

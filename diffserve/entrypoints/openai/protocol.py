@@ -20,9 +20,10 @@ diffserve extension fields (send them with the openai client's ``extra_body=``):
     `diffserve.entrypoints.openai.services.sse_progress`); edits add strength (`ImageEditRequest`),
     videos their own (`VideoCreateRequest`).
 
-``GET /v1/models`` cards carry two diffserve extensions (`ModelCard`): ``capabilities`` (what the
+``GET /v1/models`` cards carry diffserve extensions (`ModelCard`): ``capabilities`` (what the
 model does, hence which endpoints serve it) and ``parameters`` (the request parameters it takes,
-with defaults and ranges), so a client such as the web playground can build its form from them.
+with defaults and ranges), so a client such as the web playground can build its form from them;
+``quantization`` (the quantized components: method, kept layers, bytes).
 """
 
 from __future__ import annotations
@@ -696,6 +697,41 @@ class ParameterInfo(BaseModel):
         return {key: value for key, value in handler(self).items() if value is not None}
 
 
+class ComponentQuantization(BaseModel):
+    """How one component's weights are quantized (`diffserve.core.quantization.ComponentReport`)."""
+
+    method: str = Field(description="int8_weight_only, int8_dynamic, float8, int4_weight_only; torchao:<Config> "
+                                    "for a pre-quantized folder; gguf:<types> for a GGUF file")
+    source: str = Field(description="quantized at load, pre-quantized folder or gguf file")
+    quantized_layers: int = Field(description="linear layers holding quantized weights")
+    kept_layers: list[str] = Field(description="linear layers kept in full precision (component.layer)")
+    bytes: int = Field(description="bytes of the component's weights as stored")
+    full_precision_bytes: int = Field(description="bytes of the same weights unquantized, in the model dtype")
+    ratio: float | None = Field(None, description="bytes / full_precision_bytes")
+    error: float | None = Field(None, description="the denoiser output's relative L2 error measured at load by "
+                                                  "the automatic skip list")
+
+
+class QuantizationInfo(BaseModel):
+    """The served model's quantized weights (``/v1/models`` extension)."""
+
+    methods: str | dict[str, str | None] | None = Field(description="what was asked: one method or per component")
+    skip: str | list[str] | None = Field(description="auto, layer-name patterns, or null")
+    error_budget: float = Field(description="the automatic skip list's bound on the relative output error")
+    transformer_file: str | None = Field(description="the GGUF transformer file's name, or null")
+    components: dict[str, ComponentQuantization]
+
+    @classmethod
+    def of(cls, info: dict | None) -> "QuantizationInfo | None":
+        """From `ModelInfo.quantization` (None stays None); the GGUF file by name only."""
+        if not info:
+            return None
+        spec = dict(info["spec"])
+        if spec.get("transformer_file"):
+            spec["transformer_file"] = re.split(r"[\\/]", spec["transformer_file"])[-1]
+        return cls(**spec, components=info["components"])
+
+
 class ModelCard(BaseModel):
     """An entry of ``GET /v1/models``.
 
@@ -709,6 +745,8 @@ class ModelCard(BaseModel):
             whole requests without step batching (the whole-request fallback).
         loras: the LoRA adapters requests may name in ``loras`` (as ``GET /v1/loras`` lists
             them: name, state, origin, rank, format, ...; ``--lora-dir`` files appear once named).
+        quantization: the quantized components (`QuantizationInfo`), null when the weights are
+            not quantized.
     """
 
     id: str
@@ -719,6 +757,7 @@ class ModelCard(BaseModel):
     parameters: dict[str, ParameterInfo] | None = None
     step_batching: bool | None = None
     loras: list[dict[str, Any]] | None = None
+    quantization: QuantizationInfo | None = None
 
     @classmethod
     def describe(cls, model_id: str, created: int, engine: "EngineClient | None") -> "ModelCard":
@@ -783,7 +822,8 @@ class ModelCard(BaseModel):
             if default is None:
                 parameters.pop(name)
         return cls(id=model_id, created=created, capabilities=tasks, parameters=parameters,
-                   step_batching=engine.model_info.step_batching, loras=engine.list_loras())
+                   step_batching=engine.model_info.step_batching, loras=engine.list_loras(),
+                   quantization=QuantizationInfo.of(engine.model_info.quantization))
 
 
 def model_tasks(spec) -> list[str]:

@@ -247,6 +247,9 @@ class WholeRequestRunner(Runner):
         if params.num_chunks is not None:
             raise InvalidRequestError("num_chunks", params.num_chunks, f"unset: {self.class_name} is served "
                                       "whole-request (no step adapter), which cannot stream video chunks")
+        if params.cache_quality not in (None, "max"):
+            raise InvalidRequestError("cache_quality", params.cache_quality, f"unset or max: {self.class_name} is "
+                                      "served whole-request (no step adapter), which has no step caching")
         if inputs is not None:
             if inputs.images and "image" not in self.signature:
                 raise InvalidRequestError("image", "<image>", f"absent: {self.class_name} takes no input image")

@@ -202,21 +202,27 @@ class TeaCacheBackend(CacheBackend):
     def _timestep(self, st: TeaCacheState) -> float:
         return st.timesteps[st.step] if st.step < len(st.timesteps) else float(st.step)
 
-    def _decide(self, st: TeaCacheState, modulated: torch.Tensor) -> _Decision:
-        """One request's decision at its current step."""
+    def _decide(self, st: TeaCacheState, modulated: torch.Tensor | None) -> _Decision | None:
+        """One request's decision at its current step; None when it needs the modulated input
+        and `modulated` is None (the forward's embedding has not run yet)."""
         level = st.level
         if (not level.skips or st.step < level.warmup_for(st.num_steps) or st.step >= st.num_steps - 1
-                or st.forecaster is None or st.previous_modulated is None
-                or st.previous_modulated.shape != modulated.shape):
-            return _Decision(True, 0.0)
-        # A fitted polynomial can dip below 0 near x = 0; a change is never negative.
-        accumulated = st.accumulated + max(0.0, rescale(
-            self.coefficients, relative_l1(modulated, st.previous_modulated)))
-        if accumulated >= level.rel_l1_thresh:  # TeaCache: the input moved too far
-            return _Decision(True, 0.0)
-        if level.interval and st.since_compute + 1 >= level.interval_for(st.num_steps):  # a check step
+                or st.forecaster is None):
             return _Decision(True, 0.0)
         remainder = st.forecaster.remainder(self._timestep(st))
+        accumulated = 0.0
+        if level.target == "residual" or math.isfinite(level.rel_l1_thresh) or remainder is None:
+            if modulated is None:
+                return None
+            if st.previous_modulated is None or st.previous_modulated.shape != modulated.shape:
+                return _Decision(True, 0.0)
+            # A fitted polynomial can dip below 0 near x = 0; a change is never negative.
+            accumulated = st.accumulated + max(0.0, rescale(
+                self.coefficients, relative_l1(modulated, st.previous_modulated)))
+            if accumulated >= level.rel_l1_thresh:  # TeaCache: the input moved too far
+                return _Decision(True, 0.0)
+        if level.interval and st.since_compute + 1 >= level.interval_for(st.num_steps):  # a check step
+            return _Decision(True, 0.0)
         step_error = accumulated if remainder is None else remainder / st.scale
         weight = st.weight(st.step)
         if math.isfinite(level.budget) and not st.guard.allows(step_error, weight, level.budget):
@@ -230,9 +236,12 @@ class TeaCacheBackend(CacheBackend):
 
     def _forward(self, model, batch: "StepBatch", kwargs: dict) -> torch.Tensor:
         split = self.split
+        states = [s.extra[STATE_KEY] for s in batch.states]
+        early = [self._decide(st, None) for st in states]
+        if all(d is not None and not d.compute and st.level.target == "output" for st, d in zip(states, early)):
+            return self._forecast_all(batch, states, early)  # nothing to run: not even the embedding
         hidden, context, modulated = split.embed(model, kwargs)
         rows = [batch.request_rows(i).to(hidden.device) for i in range(len(batch.states))]
-        states = [s.extra[STATE_KEY] for s in batch.states]
         decisions = [self._decide(st, modulated[index]) for st, index in zip(states, rows)]
         computing = [i for i, d in enumerate(decisions) if d.compute]
         if len(computing) == len(states):
@@ -275,6 +284,22 @@ class TeaCacheBackend(CacheBackend):
                 st.guard = st.guard.skipped(d.step_error, d.weight)
             st.accumulated = d.accumulated
             st.previous_modulated = modulated[rows[i]].clone()
+            st.step += 1
+        self.transformer_calls += len(states)
+        return output
+
+    def _forecast_all(self, batch: "StepBatch", states: list[TeaCacheState], decisions: list[_Decision]):
+        """The step of a batch whose every request skips and forecasts its output: the
+        forecasts laid out over the batch's rows, no denoiser call."""
+        forecasts = [st.forecaster.predict(self._timestep(st)) for st in states]
+        rows = [batch.request_rows(i).to(forecasts[0].device) for i in range(len(states))]
+        output = forecasts[0].new_empty((sum(len(r) for r in rows), *forecasts[0].shape[1:]))
+        for index, forecast, st, d in zip(rows, forecasts, states, decisions):
+            output[index] = forecast
+            self.skipped += 1
+            st.skipped += 1
+            st.since_compute += 1
+            st.guard = st.guard.skipped(d.step_error, d.weight)
             st.step += 1
         self.transformer_calls += len(states)
         return output

@@ -23,8 +23,9 @@ LEVELS = {"high": {"interval": 2, "warmup_steps": 2, "budget": 1.0},
           "fast": {"interval": 4, "warmup_steps": 2, "budget": None}}
 
 
-def _engine(model_dir, **options) -> DiffusionEngine:
+def _engine(model_dir, compile=False, max_batch_size=16, **options) -> DiffusionEngine:
     return DiffusionEngine(EngineConfig(model=str(model_dir), cache_backend="teacache", overlap_stages=False,
+                                        compile=compile, max_batch_size=max_batch_size,
                                         cache_config={"levels": LEVELS, **options}))
 
 
@@ -169,3 +170,19 @@ def test_bad_cache_quality_names_the_field(tiny_sd3_dir):
         _engine(tiny_sd3_dir).add_request("x", _p(1, cache_quality="ultra"))
     with pytest.raises(InvalidRequestError, match="cache_config.cache_quality"):
         EngineConfig(model=str(tiny_sd3_dir), cache_backend="teacache", cache_config={"cache_quality": "ultra"})
+
+
+def test_levels_run_on_regionally_compiled_blocks_without_recompiles(tmp_path_factory):
+    from tiny_models import build_tiny_sd3
+
+    one_block = build_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3_1"), num_layers=1)
+    compiled = _engine(one_block, compile=True, max_batch_size=6)
+    eager = _engine(one_block)
+    jobs = [("a", _p(1, steps=9, cache_quality="fast")), ("b", _p(2, steps=8, cache_quality="max")),
+            ("c", _p(3, steps=10, cache_quality="high", guidance_scale=1.0))]
+    outs = compiled.generate([j[0] for j in jobs], [j[1] for j in jobs])  # computing subsets: 1-5 rows
+    for out, job in zip(outs, jobs):
+        assert np.abs(out.images - _run(eager, *job).images).max() <= TOL
+    assert sum(o.metrics.cache_skipped_steps for o in outs) > 0
+    stats = compiled.runner.acceleration_stats()["compile"]
+    assert stats["enabled"] and stats["recompiles_after_warmup"] == 0

@@ -206,8 +206,9 @@ def plot_frontier(rows: list[dict], path: str, title: str,
     ax.axhline(30, color="k", lw=0.5, ls="--")
     ax.axhline(25, color="k", lw=0.5, ls=":")
     ax.set_xlabel(xlabel)
-    ax.set_ylabel(f"PSNR vs none, dB (filled: all pixels, open: worst image; inf drawn at {cap:g})")
-    ax.set_title(title, fontsize=9)
+    ax.set_ylabel("PSNR vs none, dB")
+    ax.set_title(f"{title}\nfilled: PSNR over all pixels, open: worst image (inf drawn at {cap:g}); blue: guarded, "
+                 "red: guard off", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)

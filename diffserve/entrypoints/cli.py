@@ -13,8 +13,9 @@ number already there (so names sort in generation order across runs), each carry
 generation parameters (see `diffserve.entrypoints.output_files`). The folder is created only
 when there is something to write.
 
-``--model`` takes a local diffusers folder or a built-in model name (``digits``, the default;
-``digits-video``), see `diffserve.models`.
+``--model`` takes a local diffusers folder, a built-in model name (``digits``, the default;
+``digits-video``) or a Hugging Face Hub id (``ORG/NAME[@REVISION]``), see `diffserve.models`;
+``diffserve download ORG/NAME`` fetches a Hub model without serving it.
 """
 
 from __future__ import annotations
@@ -273,6 +274,17 @@ def _attach_dash_values(argv: list[str]) -> list[str]:
     return out
 
 
+def _download(args: argparse.Namespace) -> int:
+    """``diffserve download ORG/NAME[@REV]``: fetch what the model's pipeline needs, print the folder."""
+    from diffserve.models.hub import download_model, parse_hub_id
+
+    hub_id = parse_hub_id(args.model)
+    if hub_id is None:
+        raise InvalidRequestError("model", args.model, "a Hugging Face Hub id ORG/NAME[@REVISION] (not a local path)")
+    print(download_model(hub_id, args.download_dir, args.variant))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``diffserve`` command; returns the process exit status."""
     argv = _attach_dash_values(sys.argv[1:] if argv is None else list(argv))
@@ -283,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in ("generate", "edit"):
             return _generate(args, command)
+        if args.command == "download":
+            return _download(args)
         if args.command == "serve":
             from diffserve.core.library_warnings import silence_inapplicable_library_warnings
             from diffserve.entrypoints.server_args import check_server_arguments

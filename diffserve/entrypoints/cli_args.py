@@ -1,4 +1,4 @@
-"""The ``diffserve`` command-line parser: the ``generate``, ``edit`` and ``serve`` sub-commands
+"""The ``diffserve`` command-line parser: the ``generate``, ``edit``, ``serve`` and ``download`` sub-commands
 with their generation, engine (`diffserve.entrypoints.engine_args`), memory
 (`diffserve.entrypoints.memory_options`) and server (`diffserve.entrypoints.server_args`)
 options, one-line usage errors naming the flag as typed (`usage_error_message`), exit status 2.
@@ -12,7 +12,7 @@ import re
 
 from diffserve import __version__
 from diffserve.core.errors import InvalidRequestError
-from diffserve.entrypoints.engine_args import add_engine_arguments
+from diffserve.entrypoints.engine_args import add_download_arguments, add_engine_arguments
 
 EXIT_USAGE = 2
 #: Largest ``--display-size``, pixels.
@@ -141,7 +141,12 @@ def build_parser() -> _ArgumentParser:
     from diffserve.entrypoints.memory_options import add_sleep_server_arguments
 
     add_sleep_server_arguments(srv)
-    parser.commands = {"generate": gen, "edit": edit, "serve": srv}
+    download = sub.add_parser("download", help="fetch a model from the Hugging Face Hub without serving it",
+                              description="Fetch the files a Hub model's pipeline needs into the Hugging Face "
+                                          "cache (or --download-dir) and print the local folder.")
+    download.add_argument("model", metavar="ORG/NAME[@REV]", help="a Hugging Face Hub id, with an optional revision")
+    add_download_arguments(download)
+    parser.commands = {"generate": gen, "edit": edit, "serve": srv, "download": download}
     return parser
 
 

@@ -7,14 +7,11 @@ replicas (a folder that cannot be served fails there, early). torch-free.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 from diffserve.core.errors import UnsupportedModelError
 from diffserve.models import BUILTIN_MODELS, builtin_name
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def read_model_index(model_dir: Path) -> dict[str, Any]:
@@ -22,8 +19,8 @@ def read_model_index(model_dir: Path) -> dict[str, Any]:
 
     Raises:
         UnsupportedModelError: the folder does not exist (the message lists the built-in model
-            names; a missing built-in folder and a Hugging Face Hub id get their own messages:
-            diffserve serves local folders), or its model_index.json is missing or unreadable.
+            names; a missing built-in folder gets its own message), or its model_index.json is
+            missing or unreadable. (Hub ids are fetched before: `diffserve.models.resolve_model`.)
     """
     model_dir = Path(model_dir)
     index_path = model_dir / "model_index.json"
@@ -32,12 +29,8 @@ def read_model_index(model_dir: Path) -> dict[str, Any]:
         if builtin is not None:
             raise UnsupportedModelError(f"the built-in model {builtin!r} is not part of this installation (its "
                                         f"folder {model_dir} does not exist)")
-        if _HUB_ID.match(str(model_dir)):
-            raise UnsupportedModelError(
-                f"{model_dir} looks like a Hugging Face Hub id, but diffserve serves local folders only: "
-                f"download it first (huggingface-cli download {model_dir} --local-dir DIR) and pass that DIR")
         raise UnsupportedModelError(f"model folder {model_dir} does not exist, and {str(model_dir)!r} is not a "
-                                    f"built-in model name ({', '.join(BUILTIN_MODELS)})")
+                                    f"built-in model name ({', '.join(BUILTIN_MODELS)}), nor a Hugging Face Hub id (ORG/NAME)")
     if not index_path.is_file():
         raise UnsupportedModelError(
             f"{model_dir} is not a diffusers model folder (no model_index.json); pass a local "

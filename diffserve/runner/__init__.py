@@ -33,7 +33,7 @@ def build_runner(config, parallel=None):
     if custom is not None and issubclass(custom, PipelineAdapter):
         adapter = load_adapter(config.model_path, config.torch_device, config.torch_dtype, load_format,
                                config.context_folding and config.ulysses_degree == 1, adapter_cls=custom,
-                               load_device=weights_device(config))
+                               load_device=weights_device(config), variant=config.variant)
         return ModelRunner(config, adapter, parallel=parallel)
     if custom is None and has_adapter(read_model_index(config.model_path).get("_class_name", "")):
         return ModelRunner(config, parallel=parallel)
@@ -43,5 +43,6 @@ def build_runner(config, parallel=None):
         name = "cfg_parallel_size" if config.cfg_parallel_size > 1 else "ulysses_degree"
         raise InvalidRequestError(name, getattr(config, name), "1: the folder's pipeline class has no step "
                                   "adapter (whole-request serving does not split forwards)")
-    pipe = load_pipeline(config.model_path, config.torch_device, config.torch_dtype, load_format, custom)
+    pipe = load_pipeline(config.model_path, config.torch_device, config.torch_dtype, load_format, custom,
+                         variant=config.variant)
     return WholeRequestRunner(pipe, config)

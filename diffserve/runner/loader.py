@@ -32,7 +32,7 @@ _PIPELINE_PACKAGES = ("stable_diffusion", "glm_image")
 
 
 def _load_component(library: str, class_name: str, folder: Path, dtype: torch.dtype,
-                    load_format: str, device: torch.device) -> Any:
+                    load_format: str, device: torch.device, variant: str | None = None) -> Any:
     if library not in _LIBRARIES + _PIPELINE_PACKAGES:
         raise UnsupportedModelError(
             f"component in {folder.name!r} comes from library {library!r}; supported: "
@@ -49,7 +49,7 @@ def _load_component(library: str, class_name: str, folder: Path, dtype: torch.dt
             if load_format == "dummy":
                 with torch.device(device):  # initialise where it will run (fast on GPU)
                     return cls.from_config(cls.load_config(folder)).to(dtype)
-            return cls.from_pretrained(folder, torch_dtype=dtype)
+            return cls.from_pretrained(folder, torch_dtype=dtype, variant=_variant(folder, variant))
         return cls.from_pretrained(folder)  # schedulers and other config-only objects
     from transformers import AutoConfig, PreTrainedModel
 
@@ -57,13 +57,22 @@ def _load_component(library: str, class_name: str, folder: Path, dtype: torch.dt
         if load_format == "dummy":
             with torch.device(device):
                 return cls(AutoConfig.from_pretrained(folder)).to(dtype)
-        return cls.from_pretrained(folder, dtype=dtype)
+        return cls.from_pretrained(folder, dtype=dtype, variant=_variant(folder, variant))
     return cls.from_pretrained(folder)  # tokenizers
+
+
+def _variant(folder: Path, variant: str | None) -> str | None:
+    """`variant` when the component folder has weights of that variant, else None (its
+    variant-less weights; diffusers' ``from_pretrained`` does the same per component)."""
+    if variant is None or not any(folder.glob(f"*.{variant}.*")) and not any(folder.glob(f"*.{variant}-*")):
+        return None
+    return variant
 
 
 def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "default",
                     seed: int = 0, device: torch.device | str = "cpu",
-                    only: frozenset[str] | None = None, skip: frozenset[str] = frozenset()) -> tuple[str, dict[str, Any]]:
+                    only: frozenset[str] | None = None, skip: frozenset[str] = frozenset(),
+                    variant: str | None = None) -> tuple[str, dict[str, Any]]:
     """Load every component listed in ``model_index.json`` (or the ones `only` names, less `skip`).
 
     Args:
@@ -73,6 +82,7 @@ def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "def
             initialised directly on `device`).
         only / skip: component names to load / to leave out (a multi-stage model's stages load
             their own components, each in its own process).
+        variant: weights variant (``"fp16"``...) of the components that have it.
 
     Returns:
         (pipeline class name, {component name: object or None}).
@@ -118,7 +128,7 @@ def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "def
                 components[name] = custom_loaders[name](folder)
             else:
                 components[name] = _load_component(library, cls_name, folder, dtype, load_format,
-                                                   torch.device(device))
+                                                   torch.device(device), variant)
         except UnsupportedModelError:
             raise
         except (OSError, ValueError, KeyError) as exc:  # missing / corrupt weight or config files
@@ -155,7 +165,7 @@ def import_class(target: str) -> type:
 def load_adapter(model_dir: Path, device: torch.device, dtype: torch.dtype,
                  load_format: str = "default", context_folding: bool = True,
                  adapter_cls: type[PipelineAdapter] | None = None,
-                 load_device: torch.device | None = None) -> PipelineAdapter:
+                 load_device: torch.device | None = None, variant: str | None = None) -> PipelineAdapter:
     """Load a model folder and wrap it in the adapter registered for its pipeline class (or
     `adapter_cls`, a custom adapter).
 
@@ -170,7 +180,7 @@ def load_adapter(model_dir: Path, device: torch.device, dtype: torch.dtype,
     load_device = device if load_device is None else load_device
     cls = adapter_cls or adapter_class(read_model_index(model_dir).get("_class_name", ""))  # fails before loading
     class_name, components = load_components(model_dir, dtype, load_format, device=load_device,
-                                             skip=frozenset(cls.ar_stage_components))
+                                             skip=frozenset(cls.ar_stage_components), variant=variant)
     _eval(components)
     options = AdapterOptions(context_folding=context_folding, model_dir=Path(model_dir))
     adapter = (adapter_cls or adapter_class(class_name)).from_components(components, load_device, dtype, options)
@@ -199,7 +209,7 @@ def load_ar_stage(model_dir: Path, device: torch.device, dtype: torch.dtype, loa
 
 
 def load_pipeline(model_dir: Path, device: torch.device, dtype: torch.dtype, load_format: str = "default",
-                  pipeline_cls: type | None = None) -> Any:
+                  pipeline_cls: type | None = None, variant: str | None = None) -> Any:
     """Load a model folder into a pipeline object of its own diffusers class (or
     `pipeline_cls`) for whole-request serving.
 
@@ -207,7 +217,7 @@ def load_pipeline(model_dir: Path, device: torch.device, dtype: torch.dtype, loa
         UnsupportedModelError: see `load_components`; diffusers has no such pipeline class, or
             the class cannot be built from the folder's components.
     """
-    class_name, components = load_components(model_dir, dtype, load_format, device=device)
+    class_name, components = load_components(model_dir, dtype, load_format, device=device, variant=variant)
     _eval(components)
     if pipeline_cls is None:
         import diffusers

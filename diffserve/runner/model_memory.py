@@ -137,7 +137,8 @@ class ModelMemory:
 
         config = self.config
         load_format = "default" if config.load_format == "custom_pipeline" else config.load_format
-        return load_components(config.model_path, config.torch_dtype, load_format, device=weights_device(config))[1]
+        return load_components(config.model_path, config.torch_dtype, load_format, device=weights_device(config),
+                               variant=config.variant)[1]
 
     def stats(self) -> dict[str, Any]:
         """`OffloadManager.stats` plus ``sleeping`` (the sleep level, or None)."""

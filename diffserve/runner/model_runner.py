@@ -73,7 +73,7 @@ class ModelRunner(Runner):
         self.adapter = adapter or load_adapter(config.model_path, self.device, config.torch_dtype,
                                                config.load_format,
                                                config.context_folding and config.ulysses_degree == 1,
-                                               load_device=weights_device(config))
+                                               load_device=weights_device(config), variant=config.variant)
         if parallel is not None and parallel.world_size > 1 and config.cache_backend != "none":
             raise InvalidRequestError("cache_backend", config.cache_backend, "none with CFG / Ulysses "
                                       "parallelism (its per-request decisions would differ between ranks)")

@@ -348,7 +348,8 @@ class WholeRequestRunner(Runner):
         from diffserve.runner.loader import load_components
 
         load_format = "default" if self.config.load_format == "custom_pipeline" else self.config.load_format
-        return load_components(self.config.model_path, self.config.torch_dtype, load_format, device=self.device)[1]
+        return load_components(self.config.model_path, self.config.torch_dtype, load_format, device=self.device,
+                               variant=self.config.variant)[1]
 
     def sleep(self, level: int) -> None:
         """Sleep mode (see `diffserve.memory.sleep`); no request may be held.

@@ -35,7 +35,7 @@ from diffserve.entrypoints.cli_args import EXIT_USAGE, MAX_DISPLAY_SIZE, build_p
 from diffserve.entrypoints.engine_args import check_engine_arguments, engine_config_from_args
 from diffserve.entrypoints.model_name import model_name
 from diffserve.entrypoints.output_files import OutputWriter
-from diffserve.media.metadata import png_metadata, video_metadata
+from diffserve.media.metadata import image_metadata, video_metadata
 from diffserve.models import builtin_name
 
 if TYPE_CHECKING:
@@ -220,11 +220,13 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             used = request.params
             if inputs is not None and used.strength is None:
                 used = dataclasses.replace(used, strength=spec.default_strength)  # the strength the edit ran with
+            keep = args.output_metadata
             if is_video:
                 path = writer.write_video(output.videos[0], output.seed, used.fps, video_format,
-                                          video_metadata(prompt, used, output.seed, name))
+                                          video_metadata(prompt, used, output.seed, name) if keep else None)
             else:
-                path = writer.write(output.images[0], output.seed, png_metadata(prompt, used, output.seed, name))
+                path = writer.write(output.images[0], output.seed,
+                                    image_metadata(prompt, used, output.seed, name) if keep else None)
             print(path)
             m = output.metrics
             print(f"seed={output.seed} encode={m.encode_s:.3f}s denoise={m.denoise_s:.3f}s "

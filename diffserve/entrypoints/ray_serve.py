@@ -124,7 +124,8 @@ class DiffusionReplica:
                          shutdown_timeout_s=args.shutdown_timeout,
                          api_key=args.api_key, api_key_protect_all=args.api_key_protect_all,
                          allowed_origins=allowed_origins(args.allowed_origins), public_url=args.public_url,
-                         sse_heartbeat_s=args.sse_heartbeat, wake_on_request=args.wake_on_request)
+                         sse_heartbeat_s=args.sse_heartbeat, wake_on_request=args.wake_on_request,
+                         output_metadata=args.output_metadata)
         app.add_middleware(_ReplicaHeader, replica_id=self.replica_id)
         self._state = app.state.diffserve
         return app

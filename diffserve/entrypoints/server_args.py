@@ -46,6 +46,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM/SIGINT, seconds in-flight requests may finish before being aborted")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="server log level")
+    parser.add_argument("--no-output-metadata", dest="output_metadata", action="store_false",
+                        help="leave the generation parameters out of the images (PNG text chunks, JPEG/WebP "
+                             "EXIF + XMP) and videos (MP4 tags) the server returns")
     auth = parser.add_argument_group("security")
     auth.add_argument("--api-key", default=None, metavar="KEY",
                       help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} when set, "

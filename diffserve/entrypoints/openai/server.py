@@ -155,7 +155,8 @@ def _serve(args: argparse.Namespace, config: EngineConfig, name: str, sock: sock
                      allowed_origins=allowed_origins(args.allowed_origins), public_url=args.public_url,
                      sse_heartbeat_s=args.sse_heartbeat, wake_on_request=args.wake_on_request,
                      video_store_dir=args.video_store_dir, video_ttl_s=args.video_ttl,
-                     max_video_jobs=args.max_video_jobs, max_video_bytes=args.max_video_bytes)
+                     max_video_jobs=args.max_video_jobs, max_video_bytes=args.max_video_bytes,
+                     output_metadata=args.output_metadata)
     state: ServerState = app.state.diffserve
     uv_config = uvicorn_config(app, args.host, args.port, limits=limits, log_level=args.log_level,
                                shutdown_timeout_s=args.shutdown_timeout)

@@ -102,6 +102,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                      help="run N engine replicas behind Ray Serve's HTTP proxy, each with its own engine and the "
                           "same API; url images go to --image-store-dir, shared by all replicas (default: one "
                           "server process, no Ray)")
+    ray.add_argument("--ray-dashboard", action="store_true",
+                     help="start Ray's dashboard with the local Ray instance (off: it takes ~1 GiB)")
     ray.add_argument("--ray-address", default=None, metavar="ADDR",
                      help="Ray cluster to run the replicas on (the address 'ray start --head' prints, or auto); "
                           "--image-store-dir is then required and must be on storage every node mounts (default: "

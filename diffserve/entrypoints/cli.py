@@ -164,6 +164,10 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     silence_inapplicable_library_warnings()
     config = engine_config_from_args(args)  # imports torch from here on
+    from diffserve.models.model_index import check_stated_limits
+
+    for p in params:  # the limits the model states in its config files, before its weights load
+        check_stated_limits(config.model_path, p)
     from tqdm import tqdm
 
     from diffserve.core.outputs import EventType
@@ -251,6 +255,10 @@ def _warn_out_of_vocabulary(prompt: str) -> None:
               f"and mostly ignored: {', '.join(unknown)}", file=sys.stderr)
 
 
+#: Top-level modules of the ``serve`` extra (a missing one: ``pip install 'diffserve[serve]'``).
+_SERVE_MODULES = ("fastapi", "starlette", "uvicorn", "pydantic", "prometheus_client", "multipart", "python_multipart")
+
+
 def _serve_replicas(args: argparse.Namespace) -> int:
     """``diffserve serve --replicas N``: the replicas on Ray Serve (`diffserve.entrypoints.ray_serve`)."""
     try:
@@ -293,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if getattr(args, "compile", False):  # what is compiled and how long it takes (tens of seconds at start)
+        logging.getLogger("diffserve.acceleration.compile").setLevel(logging.INFO)
     command = parser.commands[args.command]
     try:
         if args.command in ("generate", "edit"):
@@ -308,8 +318,15 @@ def main(argv: list[str] | None = None) -> int:
             silence_inapplicable_library_warnings()
             if args.replicas is not None:
                 return _serve_replicas(args)
-            from diffserve.entrypoints.openai.server import run_server
-
+            try:
+                from diffserve.entrypoints.openai.server import run_server
+            except ImportError as exc:
+                missing = (exc.name or "").split(".")[0]
+                if missing not in _SERVE_MODULES:
+                    raise
+                print(f"diffserve: error: serve needs the HTTP server's packages ({missing} is missing): "
+                      "pip install 'diffserve[serve]'", file=sys.stderr)
+                return EXIT_USAGE
             return run_server(args)
     except InvalidRequestError as exc:
         print(f"diffserve: error: {usage_error_message(exc, command, argv)}", file=sys.stderr)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from diffserve.core.errors import UnsupportedModelError
-from diffserve.models.model_index import pipeline_config, read_model_index
+from diffserve.models.model_index import pipeline_config, read_model_index, with_stated_limits
 from diffserve.core.library_warnings import silence_inapplicable_library_warnings
 from diffserve.pipelines.base import AdapterOptions, PipelineAdapter
 from diffserve.pipelines.registry import adapter_class
@@ -185,6 +185,7 @@ def load_adapter(model_dir: Path, device: torch.device, dtype: torch.dtype,
     options = AdapterOptions(context_folding=context_folding, model_dir=Path(model_dir))
     adapter = (adapter_cls or adapter_class(class_name)).from_components(components, load_device, dtype, options)
     adapter.device = device
+    adapter.spec = with_stated_limits(adapter.spec, model_dir)  # the sizes / frames it was trained for
     logger.info("loaded %s from %s on %s (%s)", class_name, model_dir, device, dtype)
     return adapter
 

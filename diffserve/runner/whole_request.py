@@ -175,7 +175,9 @@ class WholeRequestRunner(Runner):
         self.device = config.torch_device
         self.class_name = type(pipe).__name__
         self.signature = call_parameters(type(pipe))
-        self.spec = self._spec()
+        from diffserve.models.model_index import with_stated_limits
+
+        self.spec = with_stated_limits(self._spec(), config.model_path)
         self.states: dict[str, _Job] = {}
         self.nonfinite_count = 0
         self._keys = itertools.count()

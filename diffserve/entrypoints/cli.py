@@ -97,7 +97,9 @@ def check_generate_arguments(args: argparse.Namespace, parser: argparse.Argument
     """
     from diffserve.core.sampling_params import MAX_SEED, ModelSpec, RequestLimits, SamplingParams, validate_prompt
 
-    prompt = validate_prompt(_prompt(args, parser))
+    prompt = _prompt(args, parser)
+    if prompt.strip() or _takes_a_prompt(args.model):  # an unconditional model takes "" (checked once loaded)
+        validate_prompt(prompt)
     check_engine_arguments(args)
     if args.display_size is not None and not 1 <= args.display_size <= MAX_DISPLAY_SIZE:
         raise InvalidRequestError("display_size", args.display_size, f"an integer in [1, {MAX_DISPLAY_SIZE}]")
@@ -116,14 +118,15 @@ def check_generate_arguments(args: argparse.Namespace, parser: argparse.Argument
                             num_inference_steps=args.steps, guidance_scale=args.guidance,
                             true_cfg_scale=args.true_cfg_scale, strength=getattr(args, "strength", None),
                             num_frames=getattr(args, "num_frames", None), fps=getattr(args, "fps", None),
-                            seed=args.seed)
+                            seed=args.seed, extra=_extra(args.extra))
     # The model-independent range checks (steps, guidance, seed, negative prompt, size > 0, strength,
     # frames, fps); the model's own rules (resolution multiple, maximum size, frame rule) are checked
     # once it is loaded.
     any_model = ModelSpec(resolution_factor=1, default_height=1, default_width=1, default_num_inference_steps=1,
                           default_guidance_scale=0.0, default_true_cfg_scale=1.0, default_num_frames=1,
                           default_fps=1, accepts_images=True, default_strength=1.0)
-    params.resolve(any_model, limits, default_seed=0)
+    # (extra parameters are the loaded pipeline's to check)
+    dataclasses.replace(params, extra=None).resolve(any_model, limits, default_seed=0)
     job = _Job(prompt, params, n, _check_output_dir(args.output_dir))
     if args.command == "edit":
         job.images = [_read_image_file(path, "image") for path in args.image]
@@ -133,6 +136,43 @@ def check_generate_arguments(args: argparse.Namespace, parser: argparse.Argument
             job.mask = mask_from_image(_read_image_file(args.mask, "mask"))
             check_mask_size(job.images[0].size, job.mask.size)
     return job
+
+
+def _takes_a_prompt(model: str | None) -> bool:
+    """Whether `model` (a local folder or built-in name) reads a prompt, judged from its
+    model_index.json before anything loads (`diffserve.models.model_index.takes_a_prompt`);
+    True when unknown (a Hub id, a folder that cannot be read)."""
+    from diffserve.models import resolve_model
+    from diffserve.models.hub import parse_hub_id
+    from diffserve.models.model_index import takes_a_prompt
+
+    if parse_hub_id(model) is not None:
+        return True
+    return takes_a_prompt(resolve_model(model)) is not False
+
+
+def _extra(items: list[str] | None) -> dict[str, Any] | None:
+    """``--extra KEY=JSON`` options as a dict (the value is JSON: ``pag_scale=3``,
+    ``eta=0.5``, ``use_resolution_binning=false``, ``'clean_caption="off"'``...).
+
+    Raises:
+        InvalidRequestError: field ``extra``: not ``KEY=JSON``, or the value is not JSON.
+    """
+    if not items:
+        return None
+    import json
+
+    extra: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise InvalidRequestError("extra", item, "KEY=JSON, e.g. pag_scale=3.0")
+        try:
+            extra[key] = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError("extra", item, "KEY=JSON, with a JSON value (strings in double quotes)",
+                                      detail=str(exc)) from None
+    return extra
 
 
 def _read_image_file(path: str, field: str):

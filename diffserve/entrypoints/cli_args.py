@@ -98,6 +98,10 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
                              "viewing; the raw output is kept as *_raw.EXT (default: no upscaling)")
     parser.add_argument("-o", "--output-dir", default=DEFAULT_OUTPUT_DIR, metavar="DIR",
                         help="folder for the output files, created when the first one is written")
+    parser.add_argument("--extra", action="append", default=None, metavar="KEY=JSON",
+                        help="a further __call__ argument of a pipeline served whole-request (no step adapter), "
+                             "e.g. --extra pag_scale=3.0; repeatable; checked against the pipeline's signature "
+                             "(default: none)")
     parser.add_argument("--no-output-metadata", dest="output_metadata", action="store_false",
                         help="write the files without their generation parameters (no PNG text chunks, MP4 "
                              "tags or WebP/GIF sidecar .json)")

@@ -50,7 +50,21 @@ def generation_fields(prompt: str, params: "SamplingParams", seed: int, model: s
         value = getattr(params, name, None)
         if value is not None:
             fields[name] = value
+    if getattr(params, "extra", None):
+        fields["extra"] = _jsonable(params.extra)
     return fields
+
+
+def _jsonable(value: Any) -> Any:
+    """`value` if JSON can hold it, else its ``repr`` (extra arguments given offline may be
+    tensors or images)."""
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        if isinstance(value, dict):
+            return {str(k): _jsonable(v) for k, v in value.items()}
+        return repr(value)
 
 
 def parameters_text(fields: dict[str, Any]) -> str:
@@ -67,6 +81,8 @@ def parameters_text(fields: dict[str, Any]) -> str:
         settings.append(f"Denoising strength: {fields['strength']:g}")
     if fields.get("num_frames") is not None:
         settings += [f"Frames: {fields['num_frames']}", f"FPS: {fields['fps']}"]
+    for key, value in (fields.get("extra") or {}).items():
+        settings.append(f"{key}: {json.dumps(value, ensure_ascii=False)}")
     lines.append(", ".join(settings))
     return "\n".join(lines)
 

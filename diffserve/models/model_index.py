@@ -50,6 +50,18 @@ def read_model_index(model_dir: Path) -> dict[str, Any]:
         raise UnsupportedModelError(f"{index_path} is not valid JSON: {exc}") from exc
 
 
+def takes_a_prompt(model_dir: Path) -> bool | None:
+    """Whether the folder's pipeline reads a prompt, from its ``model_index.json`` alone: False
+    when it lists no tokenizer (an unconditional pipeline such as ``DDIMPipeline``), True when
+    it does, None when the folder or its index cannot be read."""
+    try:
+        index = read_model_index(model_dir)
+    except UnsupportedModelError:
+        return None
+    return any(name.startswith("tokenizer") and isinstance(entry, list) and entry and entry[0] is not None
+               for name, entry in index.items())
+
+
 def pipeline_config(model_dir: Path | None) -> dict[str, Any]:
     """The pipeline's own settings in ``model_index.json`` (plain values such as Wan 2.2's
     ``boundary_ratio``, SD's ``requires_safety_checker``, SDXL's

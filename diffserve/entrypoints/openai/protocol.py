@@ -140,6 +140,22 @@ class _ImageRequest(_StrictRequest):
     stream_progress: bool | None = Field(
         None, description="with stream=true: also send diffserve.queued (place in the waiting queue) and "
                           "diffserve.progress (denoising steps done) events")
+    extra_params: dict[str, Any] | None = Field(
+        None, description="further __call__ arguments of a pipeline served whole-request (no step adapter), by "
+                          "name, e.g. {\"pag_scale\": 3.0}; the model card's extra_parameters lists the names "
+                          "(unknown names are a 400 naming them); in a form, a JSON object as text")
+
+    @field_validator("extra_params", mode="before")
+    @classmethod
+    def _json_text_is_an_object(cls, value: Any) -> Any:
+        if isinstance(value, str):  # multipart forms carry text
+            import json
+
+            try:
+                return json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"not a JSON object: {exc}") from None
+        return value
 
     @field_validator("n", "output_compression", "partial_images", "num_inference_steps", "seed", mode="before")
     @classmethod
@@ -550,6 +566,8 @@ class ModelCard(BaseModel):
             ``true_cfg_scale`` without true CFG, is absent).
         step_batching: False when the model's pipeline class has no step adapter and runs
             whole requests without step batching (the whole-request fallback).
+        extra_parameters: the names ``extra_params`` may set (the whole-request pipeline's own
+            ``__call__`` arguments); absent for step-batched models, which take none.
     """
 
     id: str
@@ -559,6 +577,7 @@ class ModelCard(BaseModel):
     capabilities: list[str] | None = None
     parameters: dict[str, ParameterInfo] | None = None
     step_batching: bool | None = None
+    extra_parameters: list[str] | None = None
 
     @classmethod
     def describe(cls, model_id: str, created: int, engine: "EngineClient | None") -> "ModelCard":
@@ -618,8 +637,9 @@ class ModelCard(BaseModel):
         for name, default in unused.items():  # a parameter the model does not take is not listed
             if default is None:
                 parameters.pop(name)
+        extra = list(spec.extra_parameters) if spec.extra_parameters is not None else None
         return cls(id=model_id, created=created, capabilities=model_tasks(spec), parameters=parameters,
-                   step_batching=engine.model_info.step_batching)
+                   step_batching=engine.model_info.step_batching, extra_parameters=extra)
 
 
 def model_tasks(spec) -> list[str]:

@@ -249,7 +249,8 @@ class ImageGenerationService:
             params = SamplingParams(negative_prompt=body.negative_prompt, num_images_per_prompt=1, height=height,
                                     width=width, num_inference_steps=body.num_inference_steps,
                                     guidance_scale=body.guidance_scale, true_cfg_scale=body.true_cfg_scale,
-                                    strength=getattr(body, "strength", None), seed=body.seed, output_type="pil")
+                                    strength=getattr(body, "strength", None), seed=body.seed, output_type="pil",
+                                    extra=body.extra_params)
             # seeds, every check (the family's own rules on images, mask, strength too) and the plan, before
             # any allocation; an edit's "auto" size is the input's
             requests = engine.input_processor.process(body.prompt, params, inputs, n=n, size_from_inputs=True)

@@ -206,8 +206,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config = engine_config_from_args(args)  # imports torch from here on
     from diffserve.models.model_index import check_stated_limits
 
-    for p in params:  # the limits the model states in its config files, before its weights load
-        check_stated_limits(config.model_path, p)
+    check_stated_limits(config.model_path, params)  # the limits the model states, before its weights load
     from tqdm import tqdm
 
     from diffserve.core.outputs import EventType

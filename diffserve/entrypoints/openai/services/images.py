@@ -414,8 +414,8 @@ class ImageGenerationService:
         if self.output_metadata:
             used = output.params
             if plan.inputs is not None and used.strength is None:  # the strength the edit ran with
-                used = dataclasses.replace(used, strength=self.engine.engine.spec.default_strength)
-            metadata = image_metadata(plan.prompt, used, output.seed, self.model_name)
+                used = dataclasses.replace(used, strength=self.engine.spec.default_strength)
+            metadata = image_metadata(plan.requests[0].prompt, used, output.seed, self.model_name)
         return encode_image(output.images[0], plan.output_format, plan.compression, metadata)
 
     def _log_disconnect(self, plan: _Plan, raw_request: Request) -> None:

@@ -61,7 +61,9 @@ class EngineConfig:
             ``"request"`` (static batches run to completion).
         default_seed: seed for requests that give none; None draws a random one per request
             (always reported back in the output).
-        max_num_inference_steps / max_pixels / max_num_images_per_prompt: request limits.
+        max_num_inference_steps / max_pixels / max_num_images_per_prompt / max_num_frames /
+            max_num_chunks: request limits (frames of a video or of a stream's chunk, below
+            the model's own limit; chunks of a video stream).
         num_threads: torch intra-op threads to set (None leaves torch's default).
         prompt_embed_cache_size: entries of the prompt-embedding LRU (0 = off); see
             `diffserve.acceleration.prompt_embed_cache`.
@@ -121,6 +123,8 @@ class EngineConfig:
     max_num_inference_steps: int = 200
     max_pixels: int = 2048 * 2048
     max_num_images_per_prompt: int = 10
+    max_num_frames: int = 1025
+    max_num_chunks: int = 1024
     num_threads: int | None = None
     prompt_embed_cache_size: int = 256
     prompt_embed_cache_bytes: int = 256 << 20
@@ -153,7 +157,8 @@ class EngineConfig:
         if self.load_format == "custom_pipeline" and self.custom_pipeline is None:
             raise InvalidRequestError("custom_pipeline", None, "set when load_format is custom_pipeline")
         for name in ("max_batch_size", "max_waiting_requests", "max_num_inference_steps",
-                     "max_pixels", "max_num_images_per_prompt", "cfg_parallel_size", "ulysses_degree"):
+                     "max_pixels", "max_num_images_per_prompt", "max_num_frames", "max_num_chunks",
+                     "cfg_parallel_size", "ulysses_degree"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidRequestError(name, value, "an integer >= 1")
@@ -262,6 +267,8 @@ class EngineConfig:
             max_num_inference_steps=self.max_num_inference_steps,
             max_pixels=self.max_pixels,
             max_num_images_per_prompt=self.max_num_images_per_prompt,
+            max_num_frames=self.max_num_frames,
+            max_num_chunks=self.max_num_chunks,
         )
 
 

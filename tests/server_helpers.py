@@ -11,11 +11,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
-import uvicorn
 
 from diffserve import AsyncDiffusionEngine, EngineConfig
 from diffserve.entrypoints.openai.http_protocol import ConnectionLimits
-from diffserve.entrypoints.openai.server import uvicorn_config
+from diffserve.entrypoints.openai.server import DiffserveServer, uvicorn_config
 
 #: Steps of a request meant to still be running when the test acts on it (aborted long before
 #: the end: a step takes ~1 ms on the tiny model, so this leaves seconds of margin).
@@ -35,7 +34,9 @@ def serve(app, limits: ConnectionLimits = ConnectionLimits(), log_level: str = "
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, limits=limits, log_level=log_level))
+    state = getattr(app.state, "diffserve", None)
+    server = DiffserveServer(uvicorn_config(app, "127.0.0.1", port, limits=limits, log_level=log_level),
+                             state.metrics.connections if state is not None else None)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -56,6 +56,10 @@ class ModelSpec:
             not used); ``frame_factor`` k: num_frames must be k*m + 1 (Wan: 4); max_num_frames.
         default_fps: frames per second of the output video.
         accepts_images: the model takes input images (image-to-image / edit).
+        requires_images: every request needs an input image (an edit-only model: no
+            text-to-image).
+        max_input_images: most input images a request may give (with `accepts_images`).
+        accepts_mask: the model takes a mask with its input image (inpainting).
         default_strength: img2img strength default (None = not used).
         extra_parameters: names ``SamplingParams.extra`` may set: the pipeline's own
             ``__call__`` arguments beyond the fields above (whole-request pipelines, e.g. PAG's
@@ -81,6 +85,9 @@ class ModelSpec:
     max_num_frames: int | None = None
     default_fps: int | None = None
     accepts_images: bool = False
+    requires_images: bool = False
+    max_input_images: int = 1
+    accepts_mask: bool = False
     default_strength: float | None = None
     extra_parameters: tuple[str, ...] | None = None
 
@@ -136,6 +143,9 @@ class SamplingParams:
             default, e.g. diffusers' 0.6 for SD3 img2img).
         seed: integer in [0, 2**63-1]. The same seed gives byte-identical output on the same
             machine and thread count; None draws a random seed that is reported in the output.
+            Image ``i`` of the request is drawn from seed ``(seed + i) mod 2**63``
+            (`image_seeds`), so each image equals the one-image request with that seed, as
+            the CLI's ``-n`` and the HTTP ``n`` make them.
         output_type: ``"pil"`` (list of PIL images), ``"np"`` (float32 array
             (N, H, W, C) in [0, 1]), ``"pt"`` (float tensor (N, C, H, W) in [0, 1]) or
             ``"latent"`` (the final latents (N, C, H/f, W/f)).
@@ -161,6 +171,16 @@ class SamplingParams:
     strength: float | None = None
     num_chunks: int | None = None
     extra: dict[str, Any] | None = None
+
+    def image_seeds(self) -> list[int]:
+        """The seed of each of the ``num_images_per_prompt`` images: `image_seed` (`seed`, i).
+
+        Raises:
+            ValueError: `seed` is None (resolve the params first).
+        """
+        if self.seed is None:
+            raise ValueError("image_seeds needs a seed: resolve the params first")
+        return [image_seed(self.seed, i) for i in range(self.num_images_per_prompt)]
 
     def resolve(
         self,
@@ -356,3 +376,10 @@ def _is_int(value: object) -> bool:
 def _check_int(field: str, value: object, low: int, high: int) -> None:
     if not _is_int(value) or not low <= value <= high:
         raise InvalidRequestError(field, value, f"an integer in [{low}, {high}]")
+
+
+def image_seed(seed: int, index: int) -> int:
+    """The seed of image `index` (0-based) of a request with `seed`: ``(seed + index) mod
+    2**63``. One rule for every interface (offline ``num_images_per_prompt``, the CLI's ``-n``,
+    the HTTP ``n``), so each image is reproducible alone with its own seed."""
+    return (seed + index) % (MAX_SEED + 1)

@@ -24,9 +24,11 @@ from diffserve.core.outputs import StreamEvent
 from diffserve.core.sampling_params import ModelSpec, SamplingParams
 from diffserve.engine.async_engine import AsyncDiffusionEngine
 from diffserve.engine.engine import DiffusionEngine
-from diffserve.engine.input_processor import InputProcessor, ProcessedRequest
+# the interaction limits, for request schemas that state them
+from diffserve.engine.input_processor import MAX_EVENT_ID_CHARS, MAX_TRANSITION_CHUNKS, InputProcessor, ProcessedRequest
 
-__all__ = ["AsyncDiffusionEngine", "DiffusionEngine", "EngineClient", "InputProcessor", "ProcessedRequest"]
+__all__ = ["AsyncDiffusionEngine", "DiffusionEngine", "EngineClient", "InputProcessor", "MAX_EVENT_ID_CHARS",
+           "MAX_TRANSITION_CHUNKS", "ProcessedRequest"]
 
 
 @runtime_checkable

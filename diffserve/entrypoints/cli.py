@@ -95,7 +95,8 @@ def check_generate_arguments(args: argparse.Namespace, parser: argparse.Argument
     Raises:
         InvalidRequestError: naming the field (mapped to its flag by `usage_error_message`).
     """
-    from diffserve.core.sampling_params import MAX_SEED, ModelSpec, RequestLimits, SamplingParams, validate_prompt
+    from diffserve.core.sampling_params import (MAX_SEED, ModelSpec, RequestLimits, SamplingParams,
+                                                validate_prompt)
 
     prompt = _prompt(args, parser)
     if prompt.strip() or _takes_a_prompt(args.model):  # an unconditional model takes "" (checked once loaded)
@@ -251,6 +252,10 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         limit = f" of {spec.max_prompt_tokens} tokens" if spec.max_prompt_tokens else ""
         print(f"diffserve: warning: the prompt is longer than the text encoder's limit{limit} and was truncated",
               file=sys.stderr)
+    if any(o.ok and o.negative_prompt_truncated for o in ordered):
+        limit = f" of {spec.max_prompt_tokens} tokens" if spec.max_prompt_tokens else ""
+        print(f"diffserve: warning: the negative prompt is longer than the text encoder's limit{limit} and was "
+              "truncated", file=sys.stderr)
     status = 0
     name = model_name(args.model)
     video_format = getattr(args, "video_format", None) or "mp4"

@@ -37,6 +37,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch intra-op threads (default: torch's, one per core)")
     parser.add_argument("--max-num-inference-steps", type=int, default=200, metavar="N",
                         help="most denoising steps a request may ask for")
+    parser.add_argument("--max-num-frames", type=int, default=1025, metavar="N",
+                        help="most frames a video request may ask for (video models; also capped by the model)")
+    parser.add_argument("--max-num-chunks", type=int, default=1024, metavar="N",
+                        help="most chunks a video stream may ask for (POST /v1/videos/streams)")
     parser.add_argument("--no-context-folding", dest="context_folding", action="store_false",
                         help="run SD3's 256 zero T5 placeholder tokens and Wan's zero prompt padding rows in "
                              "full instead of as one folded token (slower; same outputs within float rounding)")
@@ -101,6 +105,8 @@ def engine_config_from_args(args: argparse.Namespace):
         max_batch_size=args.max_batch_size,
         execution_mode=args.execution_mode,
         max_num_inference_steps=args.max_num_inference_steps,
+        max_num_frames=args.max_num_frames,
+        max_num_chunks=args.max_num_chunks,
         num_threads=args.threads,
         prompt_embed_cache_size=args.prompt_embed_cache_size,
         context_folding=args.context_folding,

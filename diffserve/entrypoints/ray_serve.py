@@ -118,7 +118,7 @@ class DiffusionReplica:
         store and the `REPLICA_HEADER` on every response."""
         from diffserve.entrypoints.openai.app import create_app, default_served_model_name
         from diffserve.entrypoints.openai.stores.image_store import ImageStore
-        from diffserve.entrypoints.server_args import allowed_origins
+        from diffserve.entrypoints.server_args import allowed_hosts, allowed_origins
         from diffserve.entrypoints.openai.stores.video_store import LocalVideoStore
 
         args = self._args
@@ -132,7 +132,7 @@ class DiffusionReplica:
                          api_key=args.api_key, api_key_protect_all=args.api_key_protect_all,
                          allowed_origins=allowed_origins(args.allowed_origins), public_url=args.public_url,
                          sse_heartbeat_s=args.sse_heartbeat, wake_on_request=args.wake_on_request,
-                         output_metadata=args.output_metadata)
+                         output_metadata=args.output_metadata, allowed_hosts=allowed_hosts(args))
         app.add_middleware(_ReplicaHeader, replica_id=self.replica_id)
         self._state = app.state.diffserve
         from diffserve.entrypoints.openai.ops.replica_metrics import ReplicaMetrics

@@ -11,6 +11,13 @@ Security-related options:
     --public-url: base of the ``url`` links of ``response_format="url"``; without it links use
         the address the connection was accepted on, never client-supplied Host /
         X-Forwarded-* headers.
+    --allowed-hosts: the ``Host`` header values the server answers (400 otherwise), against DNS
+        rebinding (a page of another site whose name was re-pointed at this server's address):
+        by default, on a loopback address (127.0.0.1, ::1, localhost) the bound address and the
+        localhost names; on any other address (0.0.0.0, ::, a public one) any host. The host of
+        ``--public-url`` is always allowed.
+    --enable-sleep-mode (an engine option): also serves ``POST /sleep``, ``POST /wake_up`` and
+        ``GET /is_sleeping`` (behind ``--api-key``); without it they are not served (404).
 
 Replicas (`diffserve.entrypoints.ray_serve`): ``--replicas N`` runs N engine replicas behind Ray
 Serve, with ``--ray-address``, ``--autoscaling-config``, ``--max-ongoing-requests`` and
@@ -20,17 +27,21 @@ Serve, with ``--ray-address``, ``--autoscaling-config``, ``--max-ongoing-request
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import re
 import resource
+from urllib.parse import urlsplit
 
 from diffserve.core.errors import InvalidRequestError
 
 #: Environment variable read when ``--api-key`` is not given.
 API_KEY_ENV = "DIFFSERVE_API_KEY"
-#: File descriptors kept free of connections (model files, logs, the listening socket...).
-RESERVED_FDS = 64
+#: File descriptors of ``RLIMIT_NOFILE`` not given to ``--max-connections``: the connections
+#: accepted only to be refused (`diffserve.entrypoints.openai.acceptor.REFUSAL_MARGIN`, 32) plus
+#: 64 for the rest of the process (model files, logs, the listening socket, spilled images...).
+RESERVED_FDS = 96
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,9 +73,16 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     auth.add_argument("--public-url", default=None, metavar="URL",
                       help="base URL of response_format=url links, e.g. https://images.example.com (default: "
                            "http://ADDRESS:PORT the connection was accepted on)")
+    auth.add_argument("--allowed-hosts", default=None, metavar="HOSTS",
+                      help="comma-separated Host header names the server answers (400 otherwise; .example.com "
+                           "also matches subdomains; * for any), against DNS rebinding (default: on a loopback "
+                           "--host, that address and localhost, 127.0.0.1, ::1; else any host); the host of "
+                           "--public-url is always allowed")
     conn = parser.add_argument_group("connections")
     conn.add_argument("--max-connections", type=int, default=512, metavar="N",
-                      help="most open connections; more are answered 503 and closed")
+                      help="most connections served at once; a few more are answered 503 and closed, the rest "
+                           "wait in the listen backlog until one closes (at most ulimit -n minus "
+                           f"{RESERVED_FDS})")
     conn.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
                       help="seconds for a request's line and headers to arrive (408 and close after)")
     conn.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
@@ -154,6 +172,13 @@ def check_server_arguments(args: argparse.Namespace) -> None:
         raise InvalidRequestError("api_key_protect_all", True, f"used with --api-key (or ${API_KEY_ENV})")
     if args.public_url is not None and not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", args.public_url):
         raise InvalidRequestError("public_url", args.public_url, "an http(s) URL such as https://images.example.com")
+    for host in (args.allowed_hosts or "").split(","):
+        if args.allowed_hosts is not None and not re.fullmatch(r"\*|\.?[A-Za-z0-9._-]+|\[?[0-9A-Fa-f:.]+\]?",
+                                                               host.strip()):
+            raise InvalidRequestError("allowed_hosts", args.allowed_hosts,
+                                      "comma-separated host names or addresses (no scheme or port), or *")
+    if getattr(args, "wake_on_request", False) and not getattr(args, "enable_sleep_mode", False):
+        raise InvalidRequestError("wake_on_request", True, "used with --enable-sleep-mode (the sleep routes)")
     for name in ("image_store_dir", "video_store_dir"):
         folder = getattr(args, name)
         if folder is not None and os.path.exists(folder) and not os.path.isdir(folder):
@@ -210,3 +235,33 @@ def allowed_origins(value: str | None) -> list[str]:
     if not value:
         return []
     return [origin.strip().rstrip("/") for origin in value.split(",") if origin.strip()]
+
+
+#: Names of this machine's loopback interface a local browser may send as ``Host``.
+LOCALHOST_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or ``localhost``) is a loopback address."""
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_hosts(args: argparse.Namespace) -> list[str] | None:
+    """The ``Host`` allow-list of ``--allowed-hosts`` / its default (see the module
+    docstring), with ``--public-url``'s host added; None: any host."""
+    if args.allowed_hosts is not None:
+        hosts = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
+        if "*" in hosts:
+            return None
+    elif is_loopback(args.host):
+        hosts = [args.host, *LOCALHOST_NAMES]
+    else:
+        return None
+    if args.public_url:
+        hosts.append(urlsplit(args.public_url).hostname or "")
+    return sorted({h.lower().strip("[]") for h in hosts if h})

@@ -150,6 +150,7 @@ class PipelineAdapter(ABC):
         self.generation_config = read_generation_config(options.model_dir)
         limits = dict(self.setup())
         limits.setdefault("accepts_images", self.image_input != "none")
+        limits.setdefault("requires_images", self.image_input == "required")
         self.spec = model_spec(self.pipeline_class_name, self._sampling_defaults(), self.generation_config, limits)
         preset = self.generation_config.get("teacache")
         if preset and self.capabilities.teacache is not None:
@@ -342,7 +343,7 @@ class PipelineAdapter(ABC):
         state.prompt_truncated = self.prompt_is_truncated(state.prompt, p.max_sequence_length)
         if p.negative_prompt and self.branches(p) > 1:
             state.negative_prompt_truncated = self.prompt_is_truncated(p.negative_prompt, p.max_sequence_length)
-        state.generator = torch.Generator(device="cpu").manual_seed(p.seed)
+        state.generator = request_generator(p)
         state.step_index = 0
         state.guidance_scale = self.guidance.weight(p)
         self.prepare_request(state)
@@ -523,3 +524,13 @@ def is_finite(tensor: torch.Tensor) -> bool:
 
 __all__ = ["AdapterOptions", "Capabilities", "CacheDiTSupport", "DenoiserCall", "PipelineAdapter",
            "RequestInputs", "RequestState", "StepBatch", "TeaCacheSupport", "checked_pixels", "is_finite"]
+
+
+def request_generator(params: SamplingParams) -> torch.Generator | list[torch.Generator]:
+    """The CPU generator(s) a request draws its noise from: one seeded with ``params.seed`` for
+    one image; for several, one per image seeded with `SamplingParams.image_seeds`, which
+    diffusers' ``prepare_latents`` / ``randn_tensor`` and schedulers' ``step`` take as a list
+    (row i drawn from generator i)."""
+    seeds = params.image_seeds()
+    generators = [torch.Generator(device="cpu").manual_seed(seed) for seed in seeds]
+    return generators[0] if len(generators) == 1 else generators

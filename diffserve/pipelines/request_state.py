@@ -19,7 +19,10 @@ class RequestState:
     Attributes:
         params: resolved `SamplingParams` (no None fields that the model uses).
         inputs: input images / mask, or None for text-to-image.
-        generator: CPU `torch.Generator` seeded with ``params.seed``.
+        generator: CPU `torch.Generator` seeded with ``params.seed``; with several images
+            per prompt, a list of one generator per image seeded with
+            `SamplingParams.image_seeds` (diffusers' per-image generators: image i is drawn as
+            the one-image request with seed + i draws it).
         latents: (num_images, ...) in the family's latent layout (e.g. (N, C, h, w) for SD3,
             packed (N, h*w/4, 4C) for Flux), in the model dtype.
         branches: per guidance branch (unconditional/negative first, conditional last), the
@@ -50,7 +53,7 @@ class RequestState:
     prompt: str
     params: SamplingParams
     inputs: RequestInputs | None = None
-    generator: torch.Generator | None = None
+    generator: torch.Generator | list[torch.Generator] | None = None
     latents: torch.Tensor | None = None
     branches: list[dict[str, Any]] = field(default_factory=list)
     shared: dict[str, Any] = field(default_factory=dict)

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from diffserve.core.errors import InvalidRequestError, UnsupportedModelError
+from diffserve.core.inputs import MAX_INPUT_IMAGES
 from diffserve.core.messages import Decoded, ModelInfo, NewRequest, Prepared, RequestPlan, StepOutput, WorkError
 from diffserve.pipelines.diffusion_scheduler import new_scheduler
 from diffserve.memory.accounting import peak_memory_bytes
@@ -248,6 +249,8 @@ class WholeRequestRunner(Runner):
             default_num_frames=int(self._default("num_frames")) if has("num_frames") and self._default("num_frames")
             else None,
             accepts_images=has("image"),
+            max_input_images=MAX_INPUT_IMAGES,  # whatever its ``image`` takes (a list or one)
+            accepts_mask=has("mask_image"),
             default_strength=float(self._default("strength")) if has("strength") and self._default("strength")
             else None,
             extra_parameters=tuple(sorted(n for n in self.signature if n not in _RESERVED)),
@@ -293,7 +296,8 @@ class WholeRequestRunner(Runner):
         if "num_images_per_prompt" not in self.signature and "batch_size" in self.signature:
             kwargs["batch_size"] = p.num_images_per_prompt  # unconditional pipelines: images per call
         kwargs.update(p.extra or {})
-        kwargs["generator"] = torch.Generator(device="cpu").manual_seed(p.seed)
+        generators = [torch.Generator(device="cpu").manual_seed(seed) for seed in p.image_seeds()]
+        kwargs["generator"] = generators[0] if len(generators) == 1 else generators  # image i: seed + i
         if "output_type" in self.signature:
             kwargs["output_type"] = p.output_type
         inputs = new.inputs

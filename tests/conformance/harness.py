@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
+from seeds import image_generators, per_image
 from tiny_models.registry import TestModel, uint8_levels
 
 #: A request batched with others vs alone: float noise only (NOTES: <= 5e-6 measured).
@@ -118,8 +119,8 @@ def diffusers_reference(model: TestModel, folder, prompt: str, params, image=Non
         _REFERENCE_PIPELINES[(str(folder), cls)] = pipe
     kwargs: dict[str, Any] = dict(
         prompt=prompt, negative_prompt=params.negative_prompt, num_inference_steps=params.num_inference_steps,
-        height=params.height, width=params.width, generator=torch.Generator("cpu").manual_seed(params.seed),
-        output_type="np")
+        height=params.height, width=params.width,
+        generator=image_generators(params.seed, params.num_images_per_prompt), output_type="np")
     kwargs["num_videos_per_prompt" if model.video else "num_images_per_prompt"] = params.num_images_per_prompt
     for name in ("guidance_scale", "true_cfg_scale", "guidance_scale_2", "max_sequence_length", "num_frames"):
         if name in model.fields:
@@ -129,6 +130,12 @@ def diffusers_reference(model: TestModel, folder, prompt: str, params, image=Non
         if "strength" in model.fields:
             kwargs["strength"] = params.strength
     kwargs.update(model.reference_call(params))
+    if image is not None and "strength" in model.fields and params.num_images_per_prompt > 1:
+        # diffusers' img2img draws image i's input-latent sample from generator 0 (it encodes the
+        # input once and repeats it); diffserve draws all of image i from seed + i
+        kwargs["num_images_per_prompt"] = 1
+        return per_image(lambda generator: pipe(**{**kwargs, "generator": generator}).images, params.seed,
+                         params.num_images_per_prompt)
     out = pipe(**kwargs)
     return out.frames if model.video else out.images
 

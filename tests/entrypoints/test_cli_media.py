@@ -68,7 +68,7 @@ def test_edit_writes_pngs_with_the_strength_in_their_metadata(three, tmp_path, c
     (["--image", __file__], "argument --image: invalid value"),
     (["--image", "THREE", "--mask", "SMALL"], "argument --mask: invalid value '4x4': must be the image's size 8x8"),
     (["--image", "THREE", "--strength", "0"], "argument --strength: invalid value 0.0: must be a number in (0, 1]"),
-    (["--image", "THREE", "--strength", "0.01"], "argument --strength: invalid value 0.01: must be at least"),
+    (["--image", "THREE", "--strength", "1e-300"], "argument --strength: invalid value 1e-300: must be large enough"),
     (["--image", "THREE", "--image", "THREE"], "argument --image: invalid value '2 images'"),
     (["--image", "THREE", "--mask", "THREE"], "argument --mask: invalid value '<mask>': must be absent"),
 ])

@@ -211,7 +211,7 @@ def test_sleep_routes(tiny_sd3_dir):
     body = {"prompt": "a cat", "size": "64x64", "num_inference_steps": 2, "seed": 1}
     for wake_on_request in (False, True):
         engine = AsyncDiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), num_threads=1))
-        app = create_app(engine, "tiny", wake_on_request=wake_on_request)  # serve installs the routes
+        app = create_app(engine, "tiny", wake_on_request=wake_on_request, enable_sleep_mode=True)
         with TestClient(app) as client:
             assert client.post("/v1/images/generations", json=body).status_code == 200
             assert client.get("/is_sleeping").json() == {"is_sleeping": False}
@@ -234,7 +234,7 @@ def test_sleep_routes_need_the_api_key_and_refuse_other_sites(tiny_sd3_dir):
     site cannot post them (403, no CORS preflight protects a body-less POST); GET /is_sleeping
     stays open like /health."""
     engine = AsyncDiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), num_threads=1))
-    app = create_app(engine, "tiny", api_key="secret")
+    app = create_app(engine, "tiny", api_key="secret", enable_sleep_mode=True)
     key = {"Authorization": "Bearer secret"}
     with TestClient(app) as client:
         for path in ("/sleep", "/wake_up"):

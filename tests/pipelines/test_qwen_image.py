@@ -11,11 +11,11 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
 from diffserve import DiffusionEngine, EngineConfig, InvalidRequestError, SamplingParams
 from diffserve.entrypoints.cli import main
+from seeds import image_generators
 
 TOL = 1e-4
 SIZE = dict(height=64, width=48)
@@ -55,7 +55,7 @@ def _reference(folder, prompt, params: SamplingParams):
         kwargs["true_cfg_scale"] = params.true_cfg_scale
     return pipe(prompt, negative_prompt=params.negative_prompt, num_images_per_prompt=params.num_images_per_prompt,
                 num_inference_steps=params.num_inference_steps, height=params.height, width=params.width,
-                generator=torch.Generator("cpu").manual_seed(params.seed), output_type="np", **kwargs).images
+                generator=image_generators(params.seed, params.num_images_per_prompt), output_type="np", **kwargs).images
 
 
 def _solo(engine, prompt, params):

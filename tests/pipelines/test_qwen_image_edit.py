@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from diffusers import QwenImageEditPipeline
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 from PIL import Image
@@ -24,6 +23,7 @@ from diffserve import DiffusionEngine, EngineConfig, InvalidRequestError, Sampli
 from diffserve.entrypoints.cli import main
 from diffserve.pipelines.qwen_image_edit import adapter as qwen_image_edit
 from diffserve.pipelines.qwen_image_edit.adapter import input_size, load_qwen2vl_processor, output_size
+from seeds import image_generators
 
 REAL_CALCULATE_DIMENSIONS = pipeline_qwenimage_edit.calculate_dimensions
 
@@ -61,7 +61,7 @@ def _reference(pipe, image, prompt, params: SamplingParams):
     return pipe(image=image, prompt=prompt, negative_prompt=params.negative_prompt,
                 true_cfg_scale=params.true_cfg_scale or 4.0, num_images_per_prompt=params.num_images_per_prompt,
                 num_inference_steps=params.num_inference_steps, height=params.height, width=params.width,
-                generator=torch.Generator("cpu").manual_seed(params.seed), output_type="np").images
+                generator=image_generators(params.seed, params.num_images_per_prompt), output_type="np").images
 
 
 def _solo(engine, prompt, params, image):

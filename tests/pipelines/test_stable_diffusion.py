@@ -18,6 +18,7 @@ from tiny_models import build_tiny_sd15
 
 from diffserve import DiffusionEngine, EngineConfig, SamplingParams
 from diffserve.entrypoints.cli import main
+from seeds import image_generators
 
 TOL = 1e-4
 PARITY = 1e-6  # measured: 0.0 for every case below
@@ -66,7 +67,7 @@ def _diffusers(folder, prompt, params: SamplingParams):
     pipe.set_progress_bar_config(disable=True)
     return pipe(prompt, negative_prompt=params.negative_prompt, num_images_per_prompt=params.num_images_per_prompt,
                 num_inference_steps=params.num_inference_steps, guidance_scale=params.guidance_scale,
-                height=params.height, width=params.width, generator=torch.Generator("cpu").manual_seed(params.seed),
+                height=params.height, width=params.width, generator=image_generators(params.seed, params.num_images_per_prompt),
                 output_type="np").images
 
 

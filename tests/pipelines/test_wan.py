@@ -18,6 +18,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 from diffserve import DiffusionEngine, EngineConfig, EventType, InvalidRequestError, SamplingParams
 from diffserve.core.errors import NonFiniteOutputError
 from diffserve.pipelines.base import RequestState
+from seeds import image_generators
 
 TOL = 1e-4
 SIZE = dict(height=32, width=48, num_frames=9)  # 3 latent frames of 4x6
@@ -51,7 +52,7 @@ def _reference(folder, prompt, *, steps, guidance, seed, n=1, negative=None, out
     pipe = WanPipeline.from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
     return pipe(prompt, negative_prompt=negative, num_videos_per_prompt=n, num_inference_steps=steps,
-                guidance_scale=guidance, generator=torch.Generator("cpu").manual_seed(seed),
+                guidance_scale=guidance, generator=image_generators(seed, n),
                 output_type=output_type, **SIZE, **kw).frames
 
 

@@ -57,13 +57,12 @@ from diffserve.entrypoints.openai.errors import (
     install_error_handlers,
     unavailable,
 )
-from diffserve.entrypoints.openai.middleware import ApiKeyAuth, StatusCounter
+from diffserve.entrypoints.openai.middleware import ApiKeyAuth, CapabilityGate, HostAllowList, StatusCounter
 from diffserve.entrypoints.openai.ops.health import install_health_route
 from diffserve.entrypoints.openai.ops.metrics import ServerMetrics, install_metrics_route
 from diffserve.entrypoints.openai.ops.sleep import CONTROL_PATHS, install_sleep_routes
 from diffserve.entrypoints.openai.playground import install_playground
 from diffserve.entrypoints.openai.protocol import (
-    CAPABILITY_ENDPOINTS,
     ErrorResponse,
     ImageGenerationRequest,
     ImagesResponse,
@@ -74,6 +73,7 @@ from diffserve.entrypoints.openai.protocol import (
     request_json_schema,
 )
 from diffserve.entrypoints.openai.request_body import log_body_disconnect, read_json
+from diffserve.entrypoints.openai.served_schema import GENERATIONS_PATH, capability_of, served_openapi
 from diffserve.entrypoints.openai.services.edits import EDITS_PATH, install_edit_routes
 from diffserve.entrypoints.openai.services.images import DEFAULT_HEARTBEAT_S, ImageGenerationService
 from diffserve.entrypoints.openai.services.video_streams import STREAMS_PATH, install_video_stream_routes
@@ -98,10 +98,14 @@ logger = logging.getLogger(__name__)
 
 #: Default bound on finishing in-flight requests at shutdown, seconds.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-GENERATIONS_PATH = "/v1/images/generations"
 FILES_PATH_PREFIX = "/v1/images/files/"
 #: The POST routes that start generations (counted by status in the metrics).
 GENERATION_PATHS = frozenset({GENERATIONS_PATH, EDITS_PATH, VIDEOS_PATH, STREAMS_PATH})
+#: What to use instead, per capability, for the 404 of a capability the model lacks.
+_INSTEAD = {"text-to-image": "the model generates videos: use POST /v1/videos",
+            "image-edit": "the model takes no input images, so it cannot edit: use POST /v1/images/generations",
+            "text-to-video": "the model generates images, not videos: use POST /v1/images/generations",
+            "video-stream": "the model cannot stream video chunks"}
 
 
 def default_served_model_name(config: EngineConfig) -> str:
@@ -142,6 +146,27 @@ class ServerState:
         self.draining = False
         self._shutdown_lock = threading.Lock()
         self._engine_stopped = False
+        #: whether ``--api-key`` protects a path (None: no key), for the served schema's 401s
+        self.key_protects: Callable[[str], bool] | None = None
+        #: whether a Host allow-list answers other hosts 400 (``--allowed-hosts``)
+        self.checks_host = False
+
+    @property
+    def capabilities(self) -> set[str] | None:
+        """What the loaded model serves: its tasks (`protocol.model_tasks`) plus
+        ``video-stream`` when it can stream video chunks; None while it loads."""
+        if self.images is None:
+            return None
+        engine = self.images.engine
+        served = set(model_tasks(engine.spec))
+        if engine.model_info.chunk_streaming:
+            served.add("video-stream")
+        return served
+
+    def not_served(self, path: str, capability: str) -> str:
+        """The message of the 404 for `path`, a route of `capability` the model lacks."""
+        return (f"The model '{self.model_name}' does not serve {path}: {_INSTEAD[capability]} (GET /v1/models lists "
+                "its capabilities).")
 
     @property
     def ready(self) -> bool:
@@ -238,6 +263,8 @@ def create_app(
     max_video_jobs: int = DEFAULT_MAX_VIDEO_JOBS,
     max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES,
     output_metadata: bool = True,
+    enable_sleep_mode: bool | None = None,
+    allowed_hosts: list[str] | None = None,
 ) -> FastAPI:
     """Build the FastAPI app serving `engine` under the name `served_model_name`.
 
@@ -273,6 +300,11 @@ def create_app(
         output_metadata: embed the generation parameters in every image (PNG text chunks, JPEG /
             WebP EXIF + XMP) and video (MP4 tags) the server returns
             (`diffserve.media.metadata`); False (``--no-output-metadata``) leaves them out.
+        enable_sleep_mode: serve ``POST /sleep``, ``POST /wake_up`` and ``GET /is_sleeping``
+            (``--enable-sleep-mode``); None: as `engine`'s config says (False with
+            `engine_loader`).
+        allowed_hosts: the ``Host`` header values (names or addresses, any port) the server
+            answers; others get 400 (`middleware.HostAllowList`). None: any host.
 
     Raises:
         ValueError: neither or both of `engine` and `engine_loader` given, or a non-positive
@@ -306,28 +338,35 @@ def create_app(
         store.close()
         video_store.close()
 
+    if enable_sleep_mode is None:
+        enable_sleep_mode = engine is not None and engine.config.enable_sleep_mode
     app = FastAPI(title="diffserve", summary="OpenAI-compatible image generation server", lifespan=lifespan)
     app.state.diffserve = state
     install_error_handlers(app)
     install_sleep_routes(app, state, wake_on_request=wake_on_request, allowed_origins=allowed_origins,
-                         public_url=public_url)
+                         public_url=public_url, routes=enable_sleep_mode)
     install_video_stream_routes(app, state)
     app.add_middleware(StatusCounter, metrics=metrics, paths=GENERATION_PATHS)
+    app.add_middleware(CapabilityGate, capability_of=capability_of, served=lambda: state.capabilities,
+                       message=state.not_served)
     if api_key is not None:
         app.add_middleware(ApiKeyAuth, api_key=api_key, control_paths=CONTROL_PATHS, links_prefix=FILES_PATH_PREFIX,
                            protect_all=api_key_protect_all)
+        state.key_protects = ApiKeyAuth(None, api_key, CONTROL_PATHS, FILES_PATH_PREFIX, api_key_protect_all).protects
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["Authorization", "Content-Type"],
                            expose_headers=["X-Request-Id", "Retry-After"])
-    auth = {401: {"model": ErrorResponse, "description": "Missing or wrong API key (with --api-key)"}}
+    if allowed_hosts is not None and "*" not in allowed_hosts:
+        app.add_middleware(HostAllowList, allowed_hosts=allowed_hosts)  # outermost: before anything else
+        state.checks_host = True
     errors = {code: {"model": ErrorResponse} for code in (400, 404, 408, 413, 415, 429, 500, 503)}
     sse = {"schema": SSE_EVENT_SCHEMA}
 
     @app.post(
         GENERATIONS_PATH,
         response_model=ImagesResponse,
-        responses={**errors, **auth, 200: {"description": "An ImagesResponse, or a text/event-stream when "
+        responses={**errors, 200: {"description": "An ImagesResponse, or a text/event-stream when "
                                                           "stream=true", "content": {"text/event-stream": sse}}},
         openapi_extra={"requestBody": {"required": True, "content": {
             "application/json": {"schema": request_json_schema()}}}},
@@ -346,7 +385,7 @@ def create_app(
                           for media in ("image/png", "image/jpeg", "image/webp")}, "description": "The image"}
 
     @app.get("/v1/images/files/{name}", response_class=Response,
-             responses={200: images, 404: {"model": ErrorResponse}, **(auth if api_key_protect_all else {})})
+             responses={200: images, 404: {"model": ErrorResponse}})
     async def get_image_file(name: str) -> Response:
         """An image of a ``response_format="url"`` response, until it expires."""
         image = state.store.get(name)
@@ -359,45 +398,27 @@ def create_app(
         return ModelCard.describe(state.model_name, state.created,
                                   state.engine)
 
-    @app.get("/v1/models", response_model=ModelList, responses=auth)
+    @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
         """The served model."""
         return ModelList(data=[model_card()])
 
-    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}, **auth})
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
     async def get_model(model_id: str) -> ModelCard:
         """The served model by name; 404 for any other name."""
         if model_id != state.model_name:
             raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
         return model_card()
 
-    open_routes_auth = auth if api_key_protect_all else {}
-    install_health_route(app, state, open_routes_auth)
-    install_metrics_route(app, metrics, open_routes_auth)
+    install_health_route(app, state)
+    install_metrics_route(app, metrics)
 
     default_openapi = app.openapi
 
     def openapi() -> dict:
-        """The OpenAPI schema, with the loaded model's limits in the request body schema; once
-        the model is loaded, the generation routes it cannot serve (its capabilities decide:
-        edits need image inputs, videos a video model, video streams a family that can stream
-        chunks) are left out."""
-        app.openapi_schema = None  # rebuilt on each request: the limits are known once loaded
-        schema = default_openapi()
-        if state.images is not None:
-            body = schema["paths"][GENERATIONS_PATH]["post"]["requestBody"]["content"]["application/json"]
-            body["schema"] = state.images.request_schema()
-            engine = state.images.engine
-            served = {CAPABILITY_ENDPOINTS[task].split()[1] for task in model_tasks(engine.spec)}
-            if engine.model_info.chunk_streaming:
-                served.add(STREAMS_PATH)
-            else:
-                schema["paths"].pop(STREAMS_PATH + "/{stream_id}/interactions", None)
-            for path in GENERATION_PATHS - served:
-                schema["paths"].get(path, {}).pop("post", None)
-                if not schema["paths"].get(path):
-                    schema["paths"].pop(path, None)
-        return schema
+        """The OpenAPI schema as served for the loaded model (`served_schema.served_openapi`)."""
+        app.openapi_schema = None  # rebuilt on each request: the model loads after the app starts
+        return served_openapi(default_openapi(), state)
 
     app.openapi = openapi  # type: ignore[method-assign]
     install_edit_routes(app, state, allowed_origins, public_url)

@@ -126,17 +126,16 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
 
 
 def _allowed_methods(request: Request) -> list[str]:
-    """The methods of all the app's routes whose path matches the request's, less the
-    operations the served OpenAPI schema leaves out (routes of capabilities the loaded model
-    lacks)."""
+    """The methods of all the app's routes whose path matches the request's (only those of a
+    route spelled exactly as the request's path when there is one), less the operations the
+    served OpenAPI schema leaves out (routes of capabilities the loaded model lacks)."""
     from starlette.routing import Match
 
     paths = request.app.openapi().get("paths", {})
     methods: set[str] = set()
-    for route in request.app.router.routes:
-        match, _ = route.matches(request.scope)
-        if match is Match.NONE:
-            continue
+    matching = [route for route in request.app.router.routes if route.matches(request.scope)[0] is not Match.NONE]
+    literal = [route for route in matching if getattr(route, "path", None) == request.scope["path"]]
+    for route in literal or matching:  # /v1/videos/streams is that resource, not /v1/videos/{video_id}
         for method in getattr(route, "methods", None) or ():
             served = paths.get(route.path, {})
             if not getattr(route, "include_in_schema", False) or method.lower() in served \

@@ -15,10 +15,11 @@ without the end of the body, is kept forever, and there is no bound on open conn
   it open); then ``408`` and close. The route sees a disconnect (``diffserve.body_timeout`` is
   set in its ASGI scope).
 - **Connection limit**: past `ConnectionLimits.max_connections` open connections a new one is
-  answered ``503`` with ``Retry-After`` and closed, so file descriptors are never exhausted and
-  kept connections keep answering. The refusal half-closes first and discards what the client
-  sends for up to `REFUSAL_LINGER_S` seconds (at most `MAX_LINGERING` such connections at
-  once; past that it closes at once), so the client reads the 503 instead of a reset.
+  answered ``503`` with ``Retry-After`` and closed, so kept connections keep answering. The
+  refusal half-closes first and discards what the client sends for up to `REFUSAL_LINGER_S`
+  seconds, so the client reads the 503 instead of a reset. Which connections are served or
+  refused, and how many are accepted at all (the bound on descriptors), is decided where they
+  are accepted: `diffserve.entrypoints.openai.acceptor`.
 - **Half-closed clients**: a client that sent a complete request and then shut down its
   sending side (``shutdown(SHUT_WR)``) still gets its full response (then the connection is
   closed); uvicorn treats that EOF as a disconnect. An EOF in the middle of a request, or a
@@ -29,8 +30,8 @@ without the end of the body, is kept forever, and there is no bound on open conn
   client that really went away makes the second write fail, which is a disconnect (its
   request is aborted). Once a response streams, ``CLIENT_EOF_KEY`` in the ASGI scope tells the
   route to probe with its own writes (the SSE route sends keep-alive comments).
-- **Bounded logging**: connection-level messages (timeouts, refused connections, uvicorn's
-  ``Invalid HTTP request received.``) are rate-limited per message: at most one line per
+- **Bounded logging**: connection-level messages (timeouts, refused connections, failed
+  accepts, uvicorn's ``Invalid HTTP request received.``) are rate-limited per message: at most one line per
   `LOG_INTERVAL_S` seconds, the next one saying how many were suppressed. No traceback is
   logged for a dropped connection.
 """
@@ -60,8 +61,6 @@ EOF_PROBE_DELAY_S = 0.2
 LOG_INTERVAL_S = 10.0
 #: Seconds a refused connection is kept half-closed so its client can read the 503.
 REFUSAL_LINGER_S = 1.0
-#: Most refused connections kept half-closed at once.
-MAX_LINGERING = 64
 
 
 @dataclass(frozen=True)
@@ -138,7 +137,8 @@ class RateLimitedLogger:
         self.log(logging.ERROR, msg, *args, **kwargs)
 
 
-_connection_log = RateLimitedLogger(logger)
+#: Connection-level messages of every server of the process (timeouts, refusals, failed accepts).
+connection_log = RateLimitedLogger(logger)
 #: uvicorn's own connection-level log, shared by every connection so the limit is per server.
 _uvicorn_log = RateLimitedLogger(logging.getLogger("uvicorn.error"))
 
@@ -156,10 +156,11 @@ def _raw_error_response(status: int, reason: str, message: str, code: str, retry
 
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's `H11Protocol` with the guards of the module docstring; its limits come from
-    the class attribute `limits` (see `protocol_class`)."""
+    the class attribute `limits` (see `protocol_class`). Its connections are accepted by a
+    `diffserve.entrypoints.openai.acceptor.ConnectionAcceptor`, which attaches each protocol's
+    slot (`attach_slot`) and decides whether it is served or refused."""
 
     limits: ClassVar[ConnectionLimits] = ConnectionLimits()
-    _lingering: ClassVar[int] = 0  # refused connections still half-open (all servers of the process)
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -168,38 +169,44 @@ class GuardedH11Protocol(H11Protocol):
         self._timer_kind: str | None = None
         self._watched_cycle: Any = None
         self._pending_bytes = False  # bytes of a request whose headers are not complete yet
-        self._refused = False
-        self._lingering_transport: asyncio.Transport | None = None
+        self._slot: Any = None
+
+    def attach_slot(self, slot: Any) -> None:
+        """Take the acceptor's `slot` for this connection (released when it is lost); a slot
+        with ``refused`` set makes this connection a refusal."""
+        self._slot = slot
+
+    @property
+    def _refused(self) -> bool:
+        return self._slot is not None and self._slot.refused
 
     # ------------------------------------------------------------------- asyncio protocol
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        if len(self.server_state.connections) >= self.limits.max_connections:
-            self._refused = True
+        if self._refused:
             transport.write(_raw_error_response(
                 503, "Service Unavailable",
                 f"the server has {self.limits.max_connections} open connections, its limit (--max-connections); "
                 "retry later", "too_many_connections", retry_after=1))
-            if GuardedH11Protocol._lingering < MAX_LINGERING and transport.can_write_eof():
-                GuardedH11Protocol._lingering += 1
-                self._lingering_transport = transport
+            if transport.can_write_eof():
                 transport.write_eof()  # FIN after the 503; read and drop what the client still sends
                 self.loop.call_later(REFUSAL_LINGER_S, transport.close)
             else:
                 transport.close()
-            _connection_log.warning("refused a connection: %d connections open (--max-connections %d)",
-                                    len(self.server_state.connections), self.limits.max_connections)
+            connection_log.warning("refused a connection: %d connections open (--max-connections %d)",
+                                   self._slot.open_at_accept,
+                                   self.limits.max_connections)
             return
         super().connection_made(transport)
         self._arm("header", self.limits.header_timeout_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        if self._refused:
-            if self._lingering_transport is not None:
-                self._lingering_transport = None
-                GuardedH11Protocol._lingering -= 1
-            return
-        super().connection_lost(exc)
+        try:
+            if not self._refused:
+                super().connection_lost(exc)
+        finally:
+            if self._slot is not None:
+                self._slot.release()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -281,7 +288,7 @@ class GuardedH11Protocol(H11Protocol):
                     408, "Request Timeout",
                     f"request headers not received within {self.limits.header_timeout_s:g}s",
                     "request_timeout"))
-                _connection_log.info("%s - closed: request headers not received within %gs", peer,
+                connection_log.info("%s - closed: request headers not received within %gs", peer,
                                      self.limits.header_timeout_s)
         else:
             cycle = self.cycle
@@ -290,7 +297,7 @@ class GuardedH11Protocol(H11Protocol):
                 self.transport.write(_raw_error_response(
                     408, "Request Timeout",
                     f"request body not received within {self.limits.body_timeout_s:g}s", "request_timeout"))
-            _connection_log.info("%s - closed: request body not received within %gs", peer,
+            connection_log.info("%s - closed: request body not received within %gs", peer,
                                  self.limits.body_timeout_s)
         self.transport.close()
 

@@ -27,6 +27,7 @@ with defaults and ranges), so a client such as the web playground can build its 
 
 from __future__ import annotations
 
+import math
 import re
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -55,6 +56,15 @@ PROMPT_PATTERN = (r"^[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]*[^\s\x00-\x1f\x7f-\x
                   r"[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]*$")
 #: Negative prompt text as enforced (may be empty or blank).
 TEXT_PATTERN = r"^[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]*$"
+#: Seeds are below this (``exclusiveMaximum`` in the schema): 2**63 is exact in a double, while
+#: 2**63 - 1 (`MAX_SEED`) rounds to it, so JSON-Schema tools working in doubles would disagree
+#: with the server about the largest seed.
+SEED_BOUND = MAX_SEED + 1
+#: Least ``strength`` of an edit: any above it leaves at least one denoising step at any step
+#: count (diffusers counts N - int(N - N x strength) steps; far below it that rounds to none).
+MIN_STRENGTH = 1e-6
+#: Longest video a request may ask for in ``seconds`` (the model's frame limit may be lower).
+MAX_VIDEO_SECONDS = 3600
 #: Largest number of size alternatives spelled out in the served schema's ``size`` pattern.
 MAX_SCHEMA_SIDES = 512
 
@@ -134,7 +144,7 @@ class _ImageRequest(_StrictRequest):
                                          description="true-CFG weight (Flux, Qwen-Image): on when > 1 and a "
                                                      "negative_prompt is given")
     seed: int | None = Field(
-        None, ge=0, le=MAX_SEED,
+        None, ge=0, lt=SEED_BOUND,
         description="seed of the first image; image i uses (seed + i) mod 2**63, so each image is "
                     "reproducible alone")
     stream_progress: bool | None = Field(
@@ -206,9 +216,10 @@ class ImageEditRequest(_ImageRequest):
     ``strength``: the model's img2img default.
     """
 
-    strength: float | None = Field(None, gt=0, le=1, allow_inf_nan=False,
+    strength: float | None = Field(None, ge=MIN_STRENGTH, le=1, allow_inf_nan=False,
                                    description="image-to-image strength: the fraction of the denoising schedule "
-                                               "run on the noised input image (0 < s <= 1; default: the model's)")
+                                               "run on the noised input image, at least one step (1e-6 <= s <= 1; "
+                                               "default: the model's)")
     input_fidelity: Literal["high", "low"] | None = Field(None, description="accepted for compatibility and "
                                                                             "ignored: use strength")
 
@@ -231,49 +242,125 @@ def parse_size(size: str | None) -> tuple[int, int] | None:
     return int(match.group(1)), int(match.group(2))
 
 
-def sse_event_schema(prefix: str = "image_generation") -> dict[str, Any]:
-    """Schema of one event of the ``text/event-stream`` response of image generations
-    (`prefix` ``image_generation``) or edits (``image_edit``); OpenAPI 3.1: ``schema`` of an
-    event-stream media type describes each event."""
+def sse_event_schema(events: list[str], payloads: list[str] | None = None,
+                     description: str = "") -> dict[str, Any]:
+    """Schema of one event of a ``text/event-stream`` response (OpenAPI 3.1: the ``schema`` of
+    an event-stream media type describes each event, as schemathesis reads it): its name, one
+    of `events`, and its ``data``, one line of JSON, described by the component schemas named
+    in `payloads` (`SSE_PAYLOAD_MODELS`; added to the served schema's components)."""
+    data: dict[str, Any] = {"type": "string", "contentMediaType": "application/json"}
+    if payloads:
+        data["contentSchema"] = {"oneOf": [{"$ref": f"#/components/schemas/{name}"} for name in payloads]}
+    if description:
+        data["description"] = description
     return {
         "type": "object",
         "description": "One Server-Sent Event; the stream also carries ': keep-alive' comments",
-        "properties": {
-            "event": {"type": "string", "enum": [f"{prefix}.partial_image", f"{prefix}.completed", "error"]},
-            "data": {"type": "string", "contentMediaType": "application/json",
-                     "description": "JSON: a PartialImageEvent, a CompletedEvent, or {type: error, error: {...}}"},
-        },
+        "properties": {"event": {"type": "string", "enum": events}, "data": data},
         "required": ["event", "data"],
     }
 
 
+def image_sse_event_schema(prefix: str = "image_generation") -> dict[str, Any]:
+    """`sse_event_schema` of the image generation (`prefix` ``image_generation``) and edit
+    (``image_edit``) streams; with ``stream_progress`` they also carry the ``diffserve.queued``
+    and ``diffserve.progress`` events."""
+    return sse_event_schema([f"{prefix}.partial_image", f"{prefix}.completed", "diffserve.queued",
+                             "diffserve.progress", "error"],
+                            ["PartialImageEvent", "CompletedEvent", "QueuedEvent", "ProgressEvent", "ErrorEvent"])
+
+
 #: Schema of one event of the ``POST /v1/images/generations`` stream.
-SSE_EVENT_SCHEMA: dict[str, Any] = sse_event_schema("image_generation")
+SSE_EVENT_SCHEMA: dict[str, Any] = image_sse_event_schema("image_generation")
+
+
+#: Request fields a model takes only when its spec has a default for them (`ModelSpec`: a
+#: ``default_*`` of None means the model refuses the field).
+MODEL_FIELDS = {"guidance_scale": "default_guidance_scale", "true_cfg_scale": "default_true_cfg_scale",
+                "guidance_scale_2": "default_guidance_scale_2", "strength": "default_strength",
+                "num_frames": "default_num_frames", "fps": "default_fps"}
 
 
 def request_json_schema(spec: "ModelSpec | None" = None, limits: "RequestLimits | None" = None,
-                        max_n: int | None = None) -> dict[str, Any]:
-    """JSON schema of `ImageGenerationRequest`, with the loaded model's and engine's limits
-    when given: ``n`` in [1, max_n], ``num_inference_steps`` in [1, limit], and ``size`` spelled
-    out as the allowed ``WxH`` values (multiples of the model's resolution factor up to its
-    maximum) when there are at most `MAX_SCHEMA_SIDES` per side."""
-    schema = ImageGenerationRequest.model_json_schema()
+                        max_n: int | None = None, model: type[BaseModel] | None = None) -> dict[str, Any]:
+    """JSON schema of a request body (`model`: `ImageGenerationRequest` by default), stating
+    what the server enforces for the loaded model when `spec` and `limits` are given: the
+    fields the model does not take are left out (`MODEL_FIELDS`: a request that sends one gets
+    400, like any unknown field); ``n`` in [1, max_n]; ``num_inference_steps`` in [1, limit];
+    ``num_frames`` as the list of counts the model allows (``k*m + 1`` up to its maximum);
+    ``num_chunks`` in [1, limit]; and ``size`` spelled out as the allowed ``WxH`` values
+    (multiples of the model's resolution factor up to its maximum) when there are at most
+    `MAX_SCHEMA_SIDES` per side."""
+    schema = (model or ImageGenerationRequest).model_json_schema()
     props = schema["properties"]
-    if max_n is not None:
+    if max_n is not None and "n" in props:
         _constrain(props["n"], minimum=1, maximum=max_n)
     if limits is not None:
         _constrain(props["num_inference_steps"], minimum=1, maximum=limits.max_num_inference_steps)
-    if spec is not None and limits is not None:
-        f = spec.resolution_factor
-        sides = []
-        for side_max in (spec.max_width, spec.max_height):
-            top = min(side_max if side_max is not None else limits.max_pixels // f, limits.max_pixels // f)
-            sides.append([str(v) for v in range(f, top + 1, f)])
-        widths, heights = sides
-        fits = int(widths[-1]) * int(heights[-1]) <= limits.max_pixels if widths and heights else False
-        if fits and max(len(widths), len(heights)) <= MAX_SCHEMA_SIDES:
-            _constrain(props["size"], pattern=f"^(auto|({'|'.join(widths)})[xX]({'|'.join(heights)}))$")
+        if "num_chunks" in props:
+            _constrain(props["num_chunks"], minimum=1, maximum=limits.max_num_chunks)
+    if spec is None or limits is None:
+        return schema
+    for name, default in MODEL_FIELDS.items():
+        if name in props and getattr(spec, default) is None:
+            del props[name]
+    if "num_frames" in props:
+        top = min(spec.max_num_frames or limits.max_num_frames, limits.max_num_frames)
+        allowed = list(range(1, top + 1, spec.frame_factor))
+        _constrain(props["num_frames"], **({"enum": allowed} if len(allowed) <= MAX_SCHEMA_SIDES
+                                            else {"minimum": 1, "maximum": top}))
+    f = spec.resolution_factor
+    sides = []
+    for side_max in (spec.max_width, spec.max_height):
+        top = min(side_max if side_max is not None else limits.max_pixels // f, limits.max_pixels // f)
+        sides.append([str(v) for v in range(f, top + 1, f)])
+    widths, heights = sides
+    fits = int(widths[-1]) * int(heights[-1]) <= limits.max_pixels if widths and heights else False
+    if fits and max(len(widths), len(heights)) <= MAX_SCHEMA_SIDES and "size" in props:
+        _constrain(props["size"], pattern=f"^(auto|({'|'.join(widths)})[xX]({'|'.join(heights)}))$")
     return schema
+
+
+def seconds_schema(max_seconds: float) -> list[dict[str, Any]]:
+    """The non-null branches of the ``seconds`` schema of video requests when at most
+    `max_seconds` are allowed: a whole number of seconds as text in [1, floor(max_seconds)]
+    (a pattern spelling the range out) and a JSON number in (0, max_seconds]."""
+    branches: list[dict[str, Any]] = []
+    whole = math.floor(max_seconds)
+    if whole >= 1:
+        branches.append({"type": "string", "pattern": f"^0*({integer_range_regex(1, whole)})$"})
+    branches.append({"type": "number", "exclusiveMinimum": 0, "maximum": max_seconds})
+    return branches
+
+
+def integer_range_regex(low: int, high: int) -> str:
+    """A regular expression (an alternation, no anchors) matching the decimal integers in
+    [`low`, `high`] written without leading zeros (0 <= low <= high), e.g. ``(1, 31)`` ->
+    ``[1-9]|[1-2][0-9]|3[0-1]``."""
+    parts: list[str] = []
+    for digits in range(len(str(low)), len(str(high)) + 1):
+        start = max(low, 10 ** (digits - 1) if digits > 1 else 0)
+        end = min(high, 10 ** digits - 1)
+        if start <= end:
+            parts += _same_length_ranges(str(start), str(end))
+    return "|".join(parts)
+
+
+def _same_length_ranges(low: str, high: str) -> list[str]:
+    """Patterns of the integers from `low` to `high`, equally long digit strings."""
+    if low == high:
+        return [low]
+    if len(low) == 1:
+        return [f"[{low}-{high}]"]
+    if low[0] == high[0]:
+        return [low[0] + f"({'|'.join(_same_length_ranges(low[1:], high[1:]))})"]
+    rest = len(low) - 1
+    parts = [low[0] + f"({'|'.join(_same_length_ranges(low[1:], '9' * rest))})"]
+    first, last = int(low[0]) + 1, int(high[0]) - 1
+    if first <= last:
+        parts.append((str(first) if first == last else f"[{first}-{last}]") + "[0-9]" * rest)
+    parts.append(high[0] + f"({'|'.join(_same_length_ranges('0' * rest, high[1:]))})")
+    return parts
 
 
 def _constrain(prop: dict[str, Any], **keywords: Any) -> None:
@@ -304,8 +391,9 @@ class ImageObject(BaseModel):
         b64_json / url: the image, per ``response_format``.
         revised_prompt: always null (prompts are used as given).
         seed: diffserve extension: the seed that reproduces this image alone (with ``n=1``).
-        prompt_truncated: diffserve extension: the prompt exceeded the text encoder's token
-            limit and was cut.
+        prompt_truncated / negative_prompt_truncated: diffserve extensions: the prompt / the
+            negative prompt exceeded the text encoder's token limit and was cut (the negative
+            prompt only counts where it is used: with guidance on).
         expires_at: diffserve extension (``url`` only): Unix time after which the URL is gone.
         timings: diffserve extension: this image's stage durations in seconds (queue_s,
             encode_s, denoise_s, decode_s, total_s), num_steps, batch_sizes (transformer rows
@@ -317,6 +405,7 @@ class ImageObject(BaseModel):
     revised_prompt: str | None = None
     seed: int
     prompt_truncated: bool = False
+    negative_prompt_truncated: bool = False
     expires_at: int | None = None
     timings: dict[str, Any]
 
@@ -376,7 +465,8 @@ class ImageUsage(BaseModel):
 class CompletedEvent(BaseModel):
     """SSE event ``image_generation.completed`` (``image_edit.completed`` for edits): one final
     image (one event per image when ``n > 1``). diffserve extensions: ``image_index``,
-    ``seed``, ``timings`` (as in `ImageObject`)."""
+    ``seed``, ``prompt_truncated``, ``negative_prompt_truncated``, ``timings`` (as in
+    `ImageObject`)."""
 
     type: Literal["image_generation.completed", "image_edit.completed"] = "image_generation.completed"
     b64_json: str
@@ -388,6 +478,8 @@ class CompletedEvent(BaseModel):
     usage: ImageUsage = Field(default_factory=ImageUsage)
     image_index: int = 0
     seed: int
+    prompt_truncated: bool = False
+    negative_prompt_truncated: bool = False
     timings: dict[str, Any]
 
 
@@ -411,8 +503,10 @@ class VideoCreateRequest(_StrictRequest):
     size: str | None = Field(None, description='"WIDTHxHEIGHT" in pixels, or "auto" (the model default)',
                              json_schema_extra={"pattern": SIZE_PATTERN})
     seconds: str | float | None = Field(
-        None, description="clip length in seconds (a positive number, e.g. \"4\"); frames = the nearest "
-                          "count the model allows to seconds x fps. Give seconds or num_frames, not both")
+        None, description="clip length in seconds: a whole number as text (OpenAI's form, e.g. \"4\"; forms "
+                          "take only this) or a JSON number; frames = the nearest count the model allows to "
+                          "seconds x the model's fps. Give seconds alone: not with num_frames or fps",
+        json_schema_extra=lambda schema: schema.update(anyOf=seconds_schema(MAX_VIDEO_SECONDS) + [{"type": "null"}]))
     num_frames: int | None = Field(None, ge=1, description="frames of the video (the model's rule, e.g. 4k+1 "
                                                            "for Wan); default: the model's")
     fps: int | None = Field(None, ge=1, le=240, description="frames per second; default: the model's")
@@ -427,7 +521,7 @@ class VideoCreateRequest(_StrictRequest):
                                            description="CFG weight of the low-noise expert (Wan 2.2)")
     true_cfg_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE_SCALE, allow_inf_nan=False,
                                          description="true-CFG weight (models with true CFG)")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="seed (default: random, reported)")
+    seed: int | None = Field(None, ge=0, lt=SEED_BOUND, description="seed (default: random, reported)")
 
     @field_validator("num_frames", "fps", "num_inference_steps", "seed", mode="before")
     @classmethod
@@ -441,12 +535,13 @@ class VideoCreateRequest(_StrictRequest):
     def _positive_seconds(cls, value: str | float | None) -> float | None:
         if value is None:
             return None
-        try:
-            seconds = float(value)
-        except ValueError:
-            raise ValueError("must be a number of seconds, e.g. \"4\"") from None
-        if not 0 < seconds <= 3600:
-            raise ValueError("must be a number of seconds in (0, 3600]")
+        if isinstance(value, str):
+            if not re.fullmatch(r"[0-9]+", value):
+                raise ValueError('must be a whole number of seconds as text (e.g. "4"), or a JSON number')
+            value = int(value) if len(value) <= 12 else MAX_VIDEO_SECONDS + 1  # never a huge int
+        seconds = float(value)
+        if not 0 < seconds <= MAX_VIDEO_SECONDS:
+            raise ValueError(f"must be a number of seconds in (0, {MAX_VIDEO_SECONDS}]")
         return seconds
 
 
@@ -469,7 +564,9 @@ class VideoObject(BaseModel):
     diffserve extensions: ``seed``, ``num_frames``, ``fps``, ``num_inference_steps`` and
     ``steps_done`` (progress in steps), ``queue_position`` (1-based place in the engine's
     waiting queue while queued, when the replica that runs the job answers), ``timings``
-    (stage durations in seconds, once completed).
+    (stage durations in seconds, once completed), ``prompt_truncated`` /
+    ``negative_prompt_truncated`` (the text exceeded the text encoder's token limit and was cut;
+    known once completed).
     """
 
     id: str
@@ -492,6 +589,8 @@ class VideoObject(BaseModel):
     steps_done: int = 0
     queue_position: int | None = None
     timings: dict[str, Any] | None = None
+    prompt_truncated: bool = False
+    negative_prompt_truncated: bool = False
 
 
 class VideoList(BaseModel):
@@ -596,7 +695,8 @@ class ModelCard(BaseModel):
         config = engine.config
         limits = config.limits
         max_n = min(limits.max_num_images_per_prompt, config.max_waiting_requests)
-        images = ["text-to-image", "image-edit"]  # the Images API's parameters; videos have their own
+        tasks = model_tasks(spec)
+        images = [t for t in ("text-to-image", "image-edit") if t in tasks]  # the Images API's; videos have theirs
         edit = ["image-edit"]
         video = ["text-to-video"]
         parameters = {
@@ -638,16 +738,17 @@ class ModelCard(BaseModel):
             if default is None:
                 parameters.pop(name)
         extra = list(spec.extra_parameters) if spec.extra_parameters is not None else None
-        return cls(id=model_id, created=created, capabilities=model_tasks(spec), parameters=parameters,
+        return cls(id=model_id, created=created, capabilities=tasks, parameters=parameters,
                    step_batching=engine.model_info.step_batching, extra_parameters=extra)
 
 
 def model_tasks(spec) -> list[str]:
     """What a model does, from its spec: ``text-to-video`` (a video model), else
-    ``text-to-image``, plus ``image-edit`` when it takes input images."""
+    ``text-to-image`` (unless every request needs an input image), plus ``image-edit`` when it
+    takes input images."""
     if spec.default_num_frames is not None:
         return ["text-to-video"]
-    return ["text-to-image"] + (["image-edit"] if spec.accepts_images else [])
+    return (["text-to-image"] if not spec.requires_images else []) + (["image-edit"] if spec.accepts_images else [])
 
 
 class ModelList(BaseModel):
@@ -670,3 +771,34 @@ class ErrorResponse(BaseModel):
     """Body of every error response: ``{"error": {"message", "type", "param", "code"}}``."""
 
     error: ErrorInfo
+
+
+class ErrorEvent(BaseModel):
+    """SSE event ``error``: the stream failed (the error in OpenAI's format)."""
+
+    type: Literal["error"] = "error"
+    error: ErrorInfo
+
+
+class QueuedEvent(BaseModel):
+    """SSE event ``diffserve.queued`` (with ``stream_progress``): the 1-based place of image
+    ``image_index`` in the engine's waiting queue, sent when queued and whenever it changes."""
+
+    type: Literal["diffserve.queued"] = "diffserve.queued"
+    image_index: int
+    queue_position: int
+
+
+class ProgressEvent(BaseModel):
+    """SSE event ``diffserve.progress`` (with ``stream_progress``): denoising steps done of
+    image ``image_index`` (step 0 when it leaves the queue)."""
+
+    type: Literal["diffserve.progress"] = "diffserve.progress"
+    image_index: int
+    step: int
+    num_inference_steps: int
+
+
+#: The payloads of the image streams' events, added to the served schema's components.
+SSE_PAYLOAD_MODELS: tuple[type[BaseModel], ...] = (PartialImageEvent, CompletedEvent, QueuedEvent, ProgressEvent,
+                                                   ErrorEvent)

@@ -13,6 +13,7 @@ the rest (they get a 503), and exits with status 0. A second SIGINT stops waitin
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
 import signal
@@ -22,6 +23,7 @@ from collections.abc import Callable
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.config import STARTUP_FAILURE
 
 from diffserve.config import EngineConfig
 from diffserve.core.errors import InvalidRequestError
@@ -32,21 +34,59 @@ from diffserve.entrypoints.openai.app import (
     create_app,
     default_served_model_name,
 )
+from diffserve.entrypoints.openai.acceptor import ConnectionAcceptor, ConnectionStats
 from diffserve.entrypoints.openai.http_protocol import ConnectionLimits, protocol_class
 
 logger = logging.getLogger(__name__)
 
 
-class _GracefulServer(uvicorn.Server):
-    """A `uvicorn.Server` whose first SIGTERM/SIGINT starts draining (see the module docstring)
-    and whose exit status stays 0 (uvicorn would re-raise the signal after shutting down)."""
+class DiffserveServer(uvicorn.Server):
+    """uvicorn's `Server` as ``diffserve serve`` runs it: connections accepted by a
+    `ConnectionAcceptor` per socket (the descriptor bound of
+    `diffserve.entrypoints.openai.acceptor`, on asyncio's loop and uvloop alike), counted in
+    `connection_stats`; the first SIGTERM/SIGINT calls `on_shutdown_signal` (draining, see the
+    module docstring) and the exit status stays 0 (uvicorn would re-raise the signal after
+    shutting down). Run it with ``run(sockets=[...])`` (bound sockets; see `bind_listen_socket`).
 
-    def __init__(self, config: uvicorn.Config, on_shutdown_signal: Callable[[], None]):
+    Args:
+        config: from `uvicorn_config` (its ``http`` protocol class carries the limits).
+        connection_stats: where the acceptors count (e.g. the app's
+            ``ServerMetrics.connections``); None: a private one.
+        on_shutdown_signal: called on the first SIGTERM/SIGINT.
+    """
+
+    def __init__(self, config: uvicorn.Config, connection_stats: ConnectionStats | None = None,
+                 on_shutdown_signal: Callable[[], None] | None = None):
         super().__init__(config)
+        self.connection_stats = connection_stats if connection_stats is not None else ConnectionStats()
         self._on_shutdown_signal = on_shutdown_signal
         self._signalled = False
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's startup (lifespan, protocol factory) with `ConnectionAcceptor` in place of
+        the event loop's own server."""
+        if not sockets:
+            raise ValueError("DiffserveServer runs on bound sockets: run(sockets=[bind_listen_socket(...)])")
+        await self.lifespan.startup()
+        if self.lifespan.should_exit:
+            sys.exit(STARTUP_FAILURE)
+        config = self.config
+
+        def create_protocol(_loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Protocol:
+            return config.http_protocol_class(config=config, server_state=self.server_state,  # type: ignore[call-arg]
+                                              app_state=self.lifespan.state, _loop=_loop)
+
+        limits = getattr(config.http_protocol_class, "limits", ConnectionLimits())
+        self.servers = [ConnectionAcceptor(sock, create_protocol, limits, self.connection_stats, config.backlog)
+                        for sock in sockets]  # type: ignore[misc]
+        for acceptor in self.servers:
+            acceptor.start()  # type: ignore[attr-defined]
+        self.started = True
+
     def handle_exit(self, sig: int, frame) -> None:
+        if self._on_shutdown_signal is None:
+            super().handle_exit(sig, frame)
+            return
         if self._signalled:
             if sig == signal.SIGINT:  # a second Ctrl-C: stop waiting for in-flight requests
                 self.force_exit = True
@@ -58,9 +98,9 @@ class _GracefulServer(uvicorn.Server):
         self.should_exit = True
 
 
-def bind_listen_socket(host: str, port: int) -> socket.socket:
+def bind_listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
     """A TCP socket bound to `host`:`port` (IPv6 when `host` contains ``:``; a host name is
-    resolved), for uvicorn to listen on.
+    resolved) and listening with `backlog` (uvicorn's default), for `DiffserveServer`.
 
     Raises:
         OSError: the address cannot be bound (in use, not local, unresolvable host, ...).
@@ -69,6 +109,7 @@ def bind_listen_socket(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
         sock.bind((host, port))
+        sock.listen(backlog)  # connections wait in the backlog until the server accepts
     except BaseException:
         sock.close()
         raise
@@ -81,10 +122,12 @@ def _address(host: str, port: int) -> str:
 
 def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *,
                    limits: ConnectionLimits = ConnectionLimits(), log_level: str = "info",
-                   shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> uvicorn.Config:
-    """The uvicorn configuration ``diffserve serve`` runs `app` with: the guarded h11 protocol
-    of `diffserve.entrypoints.openai.http_protocol` with `limits` (timeouts, connection cap, half-close), lifespan on."""
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                   shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S, loop: str = "auto") -> uvicorn.Config:
+    """The uvicorn configuration ``diffserve serve`` runs `app` with (in a `DiffserveServer`): the
+    guarded h11 protocol of `diffserve.entrypoints.openai.http_protocol` with `limits`
+    (timeouts, connection cap, half-close), lifespan on, on the event loop `loop` (uvicorn's
+    names: ``auto`` = uvloop when installed, else asyncio's; ``asyncio``; ``uvloop``)."""
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", loop=loop,
                           http=protocol_class(limits), timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]
                           timeout_graceful_shutdown=int(shutdown_timeout_s) + 10)
 
@@ -135,7 +178,7 @@ def run_server(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace, config: EngineConfig, name: str, sock: socket.socket,
            limits: ConnectionLimits) -> int:
     """`run_server` once the listening socket is bound."""
-    from diffserve.entrypoints.server_args import allowed_origins
+    from diffserve.entrypoints.server_args import allowed_hosts, allowed_origins
 
     server = None
 
@@ -156,11 +199,12 @@ def _serve(args: argparse.Namespace, config: EngineConfig, name: str, sock: sock
                      sse_heartbeat_s=args.sse_heartbeat, wake_on_request=args.wake_on_request,
                      video_store_dir=args.video_store_dir, video_ttl_s=args.video_ttl,
                      max_video_jobs=args.max_video_jobs, max_video_bytes=args.max_video_bytes,
-                     output_metadata=args.output_metadata)
+                     output_metadata=args.output_metadata, enable_sleep_mode=config.enable_sleep_mode,
+                     allowed_hosts=allowed_hosts(args))
     state: ServerState = app.state.diffserve
     uv_config = uvicorn_config(app, args.host, args.port, limits=limits, log_level=args.log_level,
                                shutdown_timeout_s=args.shutdown_timeout)
-    server = _GracefulServer(uv_config, state.begin_shutdown)
+    server = DiffserveServer(uv_config, state.metrics.connections, state.begin_shutdown)
     logger.info("serving %r on http://%s", name, _address(args.host, sock.getsockname()[1]))
     server.run(sockets=[sock])
     if state.load_error is not None:

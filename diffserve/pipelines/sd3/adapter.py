@@ -100,17 +100,16 @@ class StableDiffusion3Adapter(PipelineAdapter):
 
     def check_params(self, params: SamplingParams, inputs) -> None:
         """At most one input image and no mask; strength needs an image and must leave at
-        least one step."""
+        least one step as diffusers counts them (`num_steps`: any strength in (0, 1] does
+        unless it is below ~1e-15 x num_inference_steps, where the float count rounds to none)."""
         super().check_params(params, inputs)
         if inputs is None or not inputs.images:
             if params.strength is not None:
                 raise InvalidRequestError("strength", params.strength, "unset without an input image")
             return
-        strength = self._strength(params)
-        if int(params.num_inference_steps * strength) < 1:
-            raise InvalidRequestError(
-                "strength", strength, f"at least 1/num_inference_steps = {1 / params.num_inference_steps:g} "
-                "(strength x steps must leave at least one step)")
+        if self.num_steps(params, inputs) < 1:
+            raise InvalidRequestError("strength", self._strength(params), "large enough to leave one denoising step "
+                                      f"of {params.num_inference_steps} (e.g. 1e-6 or more)")
 
     def _strength(self, params: SamplingParams) -> float:
         return self.spec.default_strength if params.strength is None else params.strength
@@ -185,6 +184,8 @@ class StableDiffusion3Adapter(PipelineAdapter):
             retrieve_timesteps(scheduler, p.num_inference_steps, self.device, **kwargs)
             timesteps, _ = pipe.get_timesteps(p.num_inference_steps, self._strength(p), self.device)
             latent_timestep = timesteps[:1].repeat(p.num_images_per_prompt)
+            if isinstance(state.generator, list):  # one image row per generator, each encoded with its own
+                pixels = pixels.repeat(len(state.generator), 1, 1, 1)
             state.latents = pipe.prepare_latents(pixels, latent_timestep, 1, p.num_images_per_prompt, dtype,
                                                  self.device, state.generator)
         self.set_schedule(state, scheduler, timesteps, begin=len(scheduler.timesteps) - len(timesteps))

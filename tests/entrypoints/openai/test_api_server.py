@@ -266,21 +266,26 @@ def test_queue_room_is_checked_for_all_n_before_queueing(tiny_sd3_dir, monkeypat
             assert resp.headers["content-type"] == "application/json"
             assert resp.headers["retry-after"] == "1" and resp.json()["error"]["type"] == "rate_limit_error"
             assert engine.engine.num_waiting == 1
-            # So the free slot is free right away for another request.
+            # The free slot is held for the refused request (first refused, first served): a new
+            # one-image request is refused too while its client may still retry ...
+            assert_openai_error(httpx.post(url, json={"prompt": "y", **FAST}), 429)
+            # ... and is free again once the refused request's client gave up (its hold lapsed).
+            line = app.state.diffserve.images.admission
+            monkeypatch.setattr(line, "_clock", lambda: time.monotonic() + 60)
             with httpx.stream("POST", url, json=long, timeout=30) as third:
                 assert third.status_code == 200
                 wait_until(lambda: engine.engine.num_waiting == 2, what="third queued")
             wait_until(lambda: engine.engine.num_waiting == 1, timeout=5, what="third aborted")
             # Were the room taken between the check and the queueing anyway (a race the check
             # prevents), the queued part is aborted, and the answer is a 429 all the same.
-            monkeypatch.setattr(app.state.diffserve.images, "_check_queue_room", lambda n: None)
+            monkeypatch.setattr(app.state.diffserve.images, "check_queue_room", lambda n, fingerprint: None)
             assert_openai_error(httpx.post(url, json={"prompt": "x", "n": 2, **FAST}), 429)
             wait_until(lambda: engine.engine.num_waiting == 1, timeout=5, what="rejected part dropped")
             monkeypatch.undo()
         wait_until(lambda: not engine.engine.has_unfinished_requests(), timeout=5, what="abort")
         wait_until(lambda: count(base, "diffserve_requests_total", status="499") == 3, timeout=5,
                    what="499 counted")
-        assert count(base, "diffserve_requests_total", status="429") == 2
+        assert count(base, "diffserve_requests_total", status="429") == 3
         # Aborted: the three streams. The rejected requests are no engine requests.
         assert count(base, "diffserve_engine_requests_total", outcome="aborted") == 3
         assert sum(v for (name, _), v in scrape(base).items() if name == "diffserve_engine_requests_total") == 3

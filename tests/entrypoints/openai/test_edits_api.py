@@ -224,8 +224,9 @@ def test_models_without_image_inputs_refuse_edits(tiny_flux_dir):
     with serve(create_app(engine, "flux")) as base:
         resp = httpx.post(f"{base}/v1/images/edits", files={"image": ("x.png", encoded(np.zeros((16, 16))), "image/png")},
                           data={"prompt": "a cat"}, timeout=60)
-        assert_openai_error(resp, 400, param="image")
+        assert_openai_error(resp, 404, code="unsupported_endpoint")  # not served, nor in the schema
         assert "takes no input images" in resp.json()["error"]["message"]
+        assert "/v1/images/edits" not in httpx.get(f"{base}/openapi.json").json()["paths"]
         card = httpx.get(f"{base}/v1/models/flux").json()
         assert card["capabilities"] == ["text-to-image"]
 
@@ -243,12 +244,11 @@ def test_unsupported_endpoints_answer_an_openai_404(server):
     with pytest.raises(openai.NotFoundError, match="image variations"):
         server.client.images.create_variation(image=("x.png", encoded(np.zeros((8, 8))), "image/png"))
     assert json.loads(httpx.get(server.base + "/v1/nothing-here").text)["error"]["code"] == "not_found"
-    # an image model serves no video jobs: 405, saying so (the listing still answers)
-    resp = httpx.post(server.base + "/v1/videos", json={"prompt": "a digit"}, timeout=10)
-    assert_openai_error(resp, 405, code="method_not_allowed")
-    assert resp.headers["allow"] == "GET" and "generates images" in resp.json()["error"]["message"]
-    assert httpx.get(server.base + "/v1/videos", timeout=10).json()["data"] == []
+    # an image model serves no video jobs: 404 on every /v1/videos route, saying so
+    for method, path in (("POST", "/v1/videos"), ("GET", "/v1/videos"), ("GET", "/v1/videos/video_x"),
+                         ("DELETE", "/v1/videos/video_x"), ("POST", "/v1/videos/streams")):
+        resp = httpx.request(method, server.base + path, json={"prompt": "a digit"}, timeout=10)
+        assert_openai_error(resp, 404, code="unsupported_endpoint")
+        assert "generates images" in resp.json()["error"]["message"] or "stream" in resp.json()["error"]["message"]
     paths = httpx.get(server.base + "/openapi.json").json()["paths"]
-    assert "post" not in paths.get("/v1/videos", {})
-    # nor video streams (the schema lists only the generation routes the model serves)
-    assert not any(path.startswith("/v1/videos/streams") for path in paths), sorted(paths)
+    assert not any(path.startswith("/v1/videos") for path in paths), sorted(paths)  # nor streams

@@ -184,7 +184,7 @@ def test_connection_limit_refuses_with_503_and_logs_bounded(engine):
     old_level = log.level
     log.setLevel(logging.INFO)
     limits = ConnectionLimits(max_connections=4, header_timeout_s=30)
-    http_protocol._connection_log.reset()
+    http_protocol.connection_log.reset()
     try:
         with serve(create_app(engine, "m"), limits=limits) as base:
             address = _host_port(base)
@@ -494,8 +494,12 @@ def test_openapi_states_the_enforced_limits_and_content_types(engine):
         content = post["responses"]["200"]["content"]
         assert set(content) == {"application/json", "text/event-stream"}
         assert content["text/event-stream"]["schema"]["properties"]["event"]["enum"] == [
-            "image_generation.partial_image", "image_generation.completed", "error"]
-        assert {"400", "401", "404", "408", "413", "415", "429", "500", "503"} <= set(post["responses"])
+            "image_generation.partial_image", "image_generation.completed", "diffserve.queued", "diffserve.progress",
+            "error"]
+        assert {"400", "404", "408", "413", "415", "429", "500", "503"} <= set(post["responses"])
+        assert "401" not in post["responses"]  # no --api-key: nothing answers 401
+        keyed = create_app(engine, "m", api_key="k").openapi()["paths"]["/v1/images/generations"]["post"]
+        assert "401" in keyed["responses"]
         assert set(spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
         assert httpx.get(f"{base}/metrics").headers["content-type"].startswith("text/plain")
         # what the schema allows is accepted: integral numbers are integers, seeds wrap around
@@ -503,3 +507,57 @@ def test_openapi_states_the_enforced_limits_and_content_types(engine):
                           json={"prompt": "x", "n": 2.0, "seed": 2**63 - 1, "num_inference_steps": 1.0})
         assert resp.status_code == 200, resp.text
         assert [d["seed"] for d in resp.json()["data"]] == [2**63 - 1, 0]
+
+
+# ------------------------------------------------- 15: operational routes, Host allow-list
+def test_sleep_routes_are_served_only_with_sleep_mode(engine):
+    with serve(create_app(engine, "m")) as base:  # the engine's config has no enable_sleep_mode
+        for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping")):
+            assert_openai_error(httpx.request(method, f"{base}{path}"), 404, code="not_found")
+        assert not {"/sleep", "/wake_up", "/is_sleeping"} & set(httpx.get(f"{base}/openapi.json").json()["paths"])
+        assert not engine.engine.is_sleeping
+    with serve(create_app(engine, "m", enable_sleep_mode=True, api_key="k")) as base:
+        assert_openai_error(httpx.post(f"{base}/sleep"), 401, code="invalid_api_key")
+        bad = httpx.post(f"{base}/sleep", params={"level": 0}, headers={"Authorization": "Bearer k"})
+        assert_openai_error(bad, 400, param="level")
+        level = httpx.get(f"{base}/openapi.json").json()["paths"]["/sleep"]["post"]["parameters"][0]["schema"]
+        assert (level["minimum"], level["maximum"]) == (1, 2)
+    parser = build_parser()
+    with pytest.raises(InvalidRequestError) as info:
+        check_server_arguments(parser.parse_args(["serve", "--wake-on-request"]))
+    assert info.value.field == "wake_on_request"
+    args = parser.parse_args(["serve", "--wake-on-request", "--enable-sleep-mode"])
+    check_server_arguments(args)
+
+
+def test_host_allow_list_refuses_a_rebinding_host(engine):
+    from diffserve.entrypoints.server_args import allowed_hosts
+
+    parser = build_parser()
+    loopback = allowed_hosts(parser.parse_args(["serve"]))  # --host 127.0.0.1 by default
+    assert loopback == ["127.0.0.1", "::1", "localhost"]
+    assert allowed_hosts(parser.parse_args(["serve", "--host", "0.0.0.0"])) is None  # any host
+    assert allowed_hosts(parser.parse_args(["serve", "--host", "::1", "--public-url", "https://img.example/x"])) == [
+        "127.0.0.1", "::1", "img.example", "localhost"]
+    assert allowed_hosts(parser.parse_args(["serve", "--host", "0.0.0.0", "--allowed-hosts", "a.example,.b.example"])) \
+        == [".b.example", "a.example"]
+    assert allowed_hosts(parser.parse_args(["serve", "--allowed-hosts", "*"])) is None
+    with pytest.raises(InvalidRequestError) as info:
+        check_server_arguments(parser.parse_args(["serve", "--allowed-hosts", "http://x.example"]))
+    assert info.value.field == "allowed_hosts"
+    with serve(create_app(engine, "m", allowed_hosts=[*loopback, ".b.example"])) as base:
+        port = base.rsplit(":", 1)[1]
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", "LOCALHOST", f"[::1]:{port}", "b.example",
+                     "x.b.example:8"):
+            assert httpx.get(f"{base}/v1/models", headers={"Host": host}).status_code == 200, host
+        for host in (f"rebound.example:{port}", "127.0.0.1.evil.example", "b.example.evil", "localhost.evil"):
+            for method, path in (("GET", "/v1/models"), ("GET", "/health"), ("GET", "/"),
+                                 ("POST", "/v1/images/generations")):
+                resp = httpx.request(method, f"{base}{path}", headers={"Host": host},
+                                     json={"prompt": "x", **FAST})
+                assert_openai_error(resp, 400, code="invalid_host")
+        # the rebinding page cannot post an edit form either (same-origin by its Host), nor queue anything
+        resp = httpx.post(f"{base}/v1/images/edits", headers={"Host": "rebound.example", "Origin": "http://rebound.example"},
+                          files={"image": ("a.png", b"x", "image/png")}, data={"prompt": "x"})
+        assert_openai_error(resp, 400, code="invalid_host")
+        assert not engine.engine.has_unfinished_requests()

@@ -150,5 +150,6 @@ def test_disconnect_aborts_the_stream(base):
 def test_image_model_refuses_streams(tiny_sd3_dir):
     engine = AsyncDiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), num_threads=1))
     with serve(create_app(engine, "tiny-sd3")) as url:
-        assert_openai_error(httpx.post(url + STREAMS, json={"prompt": "a cat", "num_chunks": 2}), 400,
-                            "num_chunks", "streaming_unsupported")
+        assert_openai_error(httpx.post(url + STREAMS, json={"prompt": "a cat", "num_chunks": 2}), 404,
+                            None, "unsupported_endpoint")
+        assert not any(path.startswith(STREAMS) for path in httpx.get(url + "/openapi.json").json()["paths"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import time
 from types import SimpleNamespace
 
@@ -79,12 +80,23 @@ def test_create_poll_download_with_the_openai_client(server, tiny_wan_dir):
 def test_seconds_become_frames_the_model_allows(server):
     assert frames_for_seconds(4, 16, 4) == 65 and frames_for_seconds(1, 8, 4) == 9
     assert frames_for_seconds(0.01, 16, 4) == 1 and frames_for_seconds(2, 10, 1) == 20
-    video = server.client.videos.create(prompt="a dog", seconds="1", size="48x32",
-                                        extra_body={"num_inference_steps": 1, "fps": 8})
-    assert (video.num_frames, video.fps, video.seconds) == (9, 8, "1.125")
+    video = server.client.videos.create(prompt="a dog", seconds="1", size="48x32",  # at the model's 16 fps
+                                        extra_body={"num_inference_steps": 1})
+    assert (video.num_frames, video.fps, video.seconds) == (17, 16, "1.0625")
     video, _ = poll(server.client, video)
     assert video.status == "completed"
-    assert decode_mp4(server.client.videos.download_content(video.id).read())[0].shape[0] == 9
+    assert decode_mp4(server.client.videos.download_content(video.id).read())[0].shape[0] == 17
+    # a JSON number may have a fraction; the served schema states the model's range
+    resp = httpx.post(f"{server.base}/v1/videos", json={"prompt": "a dog", "seconds": 0.5, "size": "48x32",
+                                                       "num_inference_steps": 1})
+    assert resp.json()["num_frames"] == 9
+    spec = httpx.get(f"{server.base}/openapi.json").json()
+    seconds = spec["paths"]["/v1/videos"]["post"]["requestBody"]["content"]["application/json"]["schema"][
+        "properties"]["seconds"]["anyOf"]
+    longest = server.engine.engine.spec.max_num_frames / 16
+    assert seconds[1] == {"type": "number", "exclusiveMinimum": 0, "maximum": longest}
+    assert re.fullmatch(seconds[0]["pattern"], str(int(longest))) and not re.fullmatch(seconds[0]["pattern"],
+                                                                                      str(int(longest) + 1))
 
 
 def test_json_body_and_errors_name_the_field(server):
@@ -96,7 +108,9 @@ def test_json_body_and_errors_name_the_field(server):
         ({"num_frames": 8}, 400, "num_frames"),
         ({"seconds": "4", "num_frames": 9}, 400, "seconds"),
         ({"seconds": "soon"}, 400, "seconds"),
-        ({"seconds": "1000", "fps": 240}, 400, "seconds"),  # more frames than the model's positions allow
+        ({"seconds": "2.5"}, 400, "seconds"),  # as text: whole seconds (OpenAI's form); a JSON number may be 2.5
+        ({"seconds": "1000"}, 400, "seconds"),  # more frames than the model's positions allow
+        ({"seconds": "1", "fps": 8}, 400, "fps"),  # seconds count at the model's fps
         ({"true_cfg_scale": 2.0}, 400, "true_cfg_scale"),
         ({"n": 2}, 400, "n"),
         ({"model": "sora-2"}, 404, "model"),
@@ -157,7 +171,7 @@ def test_list_pages_with_the_openai_client(server):
     oldest_first = [v.id for v in server.client.videos.list(order="asc", limit=100)]
     assert oldest_first == every[::-1]
     # a cursor that is no video id is refused; a well-formed one still works after its job is gone
-    with pytest.raises(openai.BadRequestError, match="not a video id"):
+    with pytest.raises(openai.BadRequestError, match="after.*pattern"):
         server.client.videos.list(after="nope")
     server.client.videos.delete(ids[1])
     after_gone = server.client.videos.list(after=ids[1], limit=100)
@@ -176,11 +190,36 @@ def test_full_store_refuses_before_compute_and_image_routes_refuse_video_models(
         card = httpx.get(f"{base}/v1/models/{MODEL}").json()
         assert card["capabilities"] == ["text-to-video"] and {"num_frames", "fps"} <= set(card["parameters"])
         resp = httpx.post(f"{base}/v1/images/generations", json={"prompt": "x"})
-        assert_openai_error(resp, 400, param="model")
+        assert_openai_error(resp, 404, code="unsupported_endpoint")  # not served, nor in the schema
         assert "POST /v1/videos" in resp.json()["error"]["message"]
         png = io.BytesIO()
         Image.new("RGB", (48, 32)).save(png, format="PNG")
         resp = httpx.post(f"{base}/v1/images/edits", data={"prompt": "x"},
                           files={"image": ("x.png", png.getvalue(), "image/png")})
-        assert_openai_error(resp, 400, param="model")
+        assert_openai_error(resp, 404, code="unsupported_endpoint")
+        assert not {"/v1/images/generations", "/v1/images/edits"} & set(httpx.get(f"{base}/openapi.json").json()["paths"])
     assert len(list(tmp_path.glob("video_*.json"))) == 1  # a folder given by the user stays
+
+
+def test_queued_jobs_report_their_queue_position(tiny_wan_dir, tmp_path):
+    """A job waiting for admission reports its 1-based place in the engine's waiting queue on
+    every poll (the store holds it from creation on), and null once it runs."""
+    engine = AsyncDiffusionEngine(EngineConfig(model=str(tiny_wan_dir), num_threads=1, max_num_inference_steps=LONG_STEPS,
+                                               max_batch_size=2))  # one CFG request at a time
+    with serve(create_app(engine, MODEL, video_store=LocalVideoStore(tmp_path, ttl_s=600))) as base:
+        job = {"size": "48x32", "num_frames": 9}
+        running = httpx.post(f"{base}/v1/videos", json={**job, "prompt": "a", "num_inference_steps": LONG_STEPS}).json()
+        wait_until(lambda: engine.num_running == 1, what="the first job running")
+        waiting = [httpx.post(f"{base}/v1/videos", json={**job, "prompt": p, "num_inference_steps": 2}).json()
+                   for p in ("b", "c")]
+        assert [w["queue_position"] for w in waiting] == [1, 2]
+        for _ in range(4):  # polls right away and across the jobs' clock ticks
+            polled = [httpx.get(f"{base}/v1/videos/{w['id']}").json() for w in waiting]
+            assert [(p["status"], p["queue_position"]) for p in polled] == [("queued", 1), ("queued", 2)]
+            time.sleep(0.2)
+        assert httpx.get(f"{base}/v1/videos/{running['id']}").json()["queue_position"] is None
+        httpx.delete(f"{base}/v1/videos/{running['id']}")
+        for w in waiting:
+            wait_until(lambda: httpx.get(f"{base}/v1/videos/{w['id']}").json()["status"] == "completed", timeout=60,
+                       what="the queued job completed")
+            assert httpx.get(f"{base}/v1/videos/{w['id']}").json()["queue_position"] is None

@@ -12,16 +12,15 @@ from fastapi.responses import JSONResponse
 from diffserve.entrypoints.openai.protocol import ErrorResponse
 
 
-def install_health_route(app: FastAPI, state: Any, responses: dict) -> None:
+def install_health_route(app: FastAPI, state: Any) -> None:
     """Add ``GET /health`` to `app`.
 
     Args:
         state: the app's `diffserve.entrypoints.openai.app.ServerState` (``model_name``,
             ``require_service()``).
-        responses: extra OpenAPI responses of the route (401 under ``--api-key-protect-all``).
     """
 
-    @app.get("/health", responses={503: {"model": ErrorResponse}, **responses})
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> JSONResponse:
         """200 when the model is loaded and requests are admitted; 503 otherwise."""
         state.require_service()

@@ -23,8 +23,20 @@ Metrics (all durations in seconds):
     diffserve_cache_backend_{transformer_calls,skipped}_total{backend}
                                                 denoiser calls and the ones a cache backend skipped
     diffserve_compile_recompiles_after_warmup   torch.compile graphs compiled after warm-up
+    diffserve_nonfinite_outputs_total           engine requests failed because the denoiser or the VAE
+                                                produced NaN/inf (`NonFiniteOutputError`)
+    diffserve_connections_open                  connections held now (served, and being refused)
+    diffserve_connections_accepted_total        connections accepted
+    diffserve_connections_refused_total         connections answered 503: --max-connections were open
+    diffserve_accept_errors_total{error}        failed accepts by errno name (EMFILE, ENFILE, ...: the
+                                                process or system ran out of descriptors; accepting
+                                                pauses, see `diffserve.entrypoints.openai.acceptor`)
+    diffserve_accept_paused                     1 while accepting is paused (connection limit or
+                                                accept errors: new connections wait in the backlog)
 
-The step metrics come from the engine's step listener (`EngineClient.add_step_listener`).
+The step metrics come from the engine's step listener (`EngineClient.add_step_listener`);
+the engine counters (acceleration, non-finite outputs) from `EngineClient.stats` at scrape
+time; the connection counters from the server's `ConnectionStats` (`connections`).
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from diffserve.core.outputs import GenerationOutput, RequestStatus
+from diffserve.entrypoints.openai.acceptor import ConnectionStats
 
 if TYPE_CHECKING:
     from diffserve.engine.client import EngineClient
@@ -80,6 +93,9 @@ class ServerMetrics:
         self.stage_seconds = Histogram("diffserve_request_stage_seconds", "Per finished engine request: "
                                        "duration of each stage, seconds.", ["stage"], buckets=_STAGE_BUCKETS,
                                        registry=r)
+        #: counted by the server's connection acceptors (`diffserve.entrypoints.openai.server`)
+        self.connections = ConnectionStats()
+        r.register(_ConnectionCollector(self.connections))
         for outcome in ("finished", "failed", "aborted"):
             self.engine_requests.labels(outcome=outcome)
         for stage in STAGES:
@@ -91,7 +107,7 @@ class ServerMetrics:
         self.running.set_function(lambda: engine.num_running)
         self.running_rows.set_function(lambda: engine.num_running_rows)
         engine.add_step_listener(self._observe_step)
-        self.registry.register(_AccelerationCollector(lambda: engine.stats()["acceleration"]))
+        self.registry.register(_EngineCollector(engine.stats))
 
     def _observe_step(self, num_rows: int, num_requests: int, seconds: float) -> None:
         self.step_seconds.observe(seconds)
@@ -139,14 +155,18 @@ class ServerMetrics:
         return (self._view or self.render)()
 
 
-class _AccelerationCollector:
-    """Exports `ModelRunner.acceleration_stats()` (read at scrape time) as Prometheus metrics."""
+class _EngineCollector:
+    """Exports the engine's counters (`DiffusionEngine.stats`, read at scrape time): the
+    runner's acceleration stats and the non-finite outputs."""
 
     def __init__(self, stats: Callable[[], dict[str, Any]]):
         self._stats = stats
 
     def collect(self):
-        stats = self._stats()
+        engine_stats = self._stats()
+        yield CounterMetricFamily("diffserve_nonfinite_outputs", "Engine requests failed because the denoiser "
+                                  "or the VAE produced NaN/inf.", value=engine_stats.get("nonfinite_outputs", 0))
+        stats = engine_stats.get("acceleration", {})
         cache = stats.get("prompt_embed_cache", {})
         if cache.get("enabled"):
             for name in ("hits", "misses", "evictions"):
@@ -168,13 +188,34 @@ class _AccelerationCollector:
                                     value=compiled["recompiles_after_warmup"])
 
 
-def install_metrics_route(app: FastAPI, metrics: ServerMetrics, responses: dict) -> None:
-    """Add ``GET /metrics`` (the Prometheus exposition of `metrics`) to `app`; `responses`: extra
-    OpenAPI responses of the route (401 under ``--api-key-protect-all``)."""
+class _ConnectionCollector:
+    """Exports a `ConnectionStats` (read at scrape time)."""
+
+    def __init__(self, stats: ConnectionStats):
+        self._stats = stats
+
+    def collect(self):
+        snap = self._stats.snapshot()
+        yield GaugeMetricFamily("diffserve_connections_open", "Connections held now (served and being refused).",
+                                value=snap["open"])
+        yield CounterMetricFamily("diffserve_connections_accepted", "Connections accepted.", value=snap["accepted"])
+        yield CounterMetricFamily("diffserve_connections_refused", "Connections answered 503 because "
+                                  "--max-connections were open.", value=snap["refused"])
+        errors = CounterMetricFamily("diffserve_accept_errors", "Failed accepts by errno name (EMFILE, ENFILE: out "
+                                     "of descriptors; accepting pauses).", labels=["error"])
+        for name in sorted({"EMFILE", "ENFILE", *snap["accept_errors"]}):
+            errors.add_metric([name], snap["accept_errors"].get(name, 0))
+        yield errors
+        yield GaugeMetricFamily("diffserve_accept_paused", "1 while accepting is paused (connection limit or accept "
+                                "errors); new connections wait in the listen backlog.", value=int(snap["paused"]))
+
+
+def install_metrics_route(app: FastAPI, metrics: ServerMetrics) -> None:
+    """Add ``GET /metrics`` (the Prometheus exposition of `metrics`) to `app`."""
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={
         200: {"description": "Prometheus text exposition format",
-              "content": {"text/plain": {"schema": {"type": "string"}}}}, **responses})
+              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus_metrics() -> Response:
         """Prometheus exposition of the server's metrics."""
         body, content_type = metrics.exposition()

@@ -14,6 +14,11 @@ with ``wake_on_request`` they wake the engine instead (waiting for a sleep in pr
 finish first) and then run. A bad ``level`` is a 400 naming ``level``; the endpoints answer 503
 while the model is loading or the server is shutting down.
 
+The routes are served only with ``--enable-sleep-mode`` (as vLLM serves them only in its
+development mode): a client that may generate must not be able to stop the server for every
+other client. With ``--api-key`` the two POST routes need the key like ``/v1/*``, and a page of
+another site cannot post them (403).
+
 `install_sleep_routes` adds all of this to an app built by
 `diffserve.entrypoints.openai.app.create_app` (or any app whose state object has the
 engine as ``engine`` and, optionally, ``require_service()``).
@@ -24,12 +29,15 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
-from diffserve.entrypoints.openai.errors import APIError, unavailable
-from diffserve.entrypoints.openai.request_body import check_form_origin
 from diffserve.core.errors import EngineSleepingError
+from diffserve.core.sleep_levels import SLEEP_LEVELS
+from diffserve.entrypoints.openai.errors import APIError, unavailable
+from diffserve.entrypoints.openai.protocol import ErrorResponse
+from diffserve.entrypoints.openai.request_body import check_form_origin
 
 #: Path prefix of the requests the sleep gate holds back.
 GATED_PREFIX = "/v1/"
@@ -81,10 +89,19 @@ class _SleepGate:
         await self.app(scope, receive, send)
 
 
+class SleepState(BaseModel):
+    """Response of the sleep routes: whether the engine sleeps, and at which level (``POST /sleep``)."""
+
+    is_sleeping: bool
+    level: int | None = None
+
+
 def install_sleep_routes(app: FastAPI, state: Any, wake_on_request: bool = False,
-                         allowed_origins: list[str] | None = None, public_url: str | None = None) -> None:
-    """Add ``/sleep``, ``/wake_up``, ``/is_sleeping``, the sleep gate on ``POST /v1/...`` and
-    a 503 handler for `EngineSleepingError` to `app` (call before the app starts).
+                         allowed_origins: list[str] | None = None, public_url: str | None = None,
+                         routes: bool = True) -> None:
+    """Add the sleep gate on ``POST /v1/...``, a 503 handler for `EngineSleepingError` and,
+    with `routes`, ``/sleep``, ``/wake_up`` and ``/is_sleeping`` to `app` (call before the app
+    starts).
 
     Args:
         app: the FastAPI app (its OpenAI error handlers installed, see
@@ -96,6 +113,9 @@ def install_sleep_routes(app: FastAPI, state: Any, wake_on_request: bool = False
             besides the server's own (others get 403 ``cross_origin_forbidden``, see
             `request_body.check_form_origin`); the API key, when set, is checked by the
             server's auth middleware (`CONTROL_PATHS`).
+        routes: serve the three routes (``--enable-sleep-mode``); without them the engine can
+            still be put to sleep in process (`DiffusionEngine.sleep`), and the gate answers
+            for it.
     """
 
     app.add_middleware(_SleepGate, state=state, wake_on_request=wake_on_request)
@@ -106,8 +126,18 @@ def install_sleep_routes(app: FastAPI, state: Any, wake_on_request: bool = False
         name = engine.sleep_state if engine is not None else "asleep"
         return sleeping_error(name).to_response()
 
-    @app.post("/sleep")
-    async def sleep(request: Request, level: int = 1) -> JSONResponse:
+    if not routes:
+        return
+    error = {"model": ErrorResponse}
+    control = {403: {**error, "description": "Posted by a page of another site"},
+               503: {**error, "description": "The model is loading, failed to load, or the server is shutting down"}}
+
+    @app.post("/sleep", response_model=SleepState, responses={400: {**error, "description": "Invalid level"},
+                                                               **control})
+    async def sleep(request: Request, level: int = Query(1, ge=min(SLEEP_LEVELS), le=max(SLEEP_LEVELS),
+                                                         description="1: weights off the device; 2: discarded, "
+                                                                     "reloaded from the model folder on wake")
+                    ) -> JSONResponse:
         """Drain, then sleep at `level` (1 or 2); answers once asleep."""
         check_form_origin(request, allowed_origins, public_url)
         engine = _loaded_engine(state)
@@ -117,7 +147,7 @@ def install_sleep_routes(app: FastAPI, state: Any, wake_on_request: bool = False
         await asyncio.get_running_loop().run_in_executor(None, engine.sleep, level)
         return JSONResponse({"is_sleeping": True, "level": engine.sleep_level})
 
-    @app.post("/wake_up")
+    @app.post("/wake_up", response_model=SleepState, responses=control)
     async def wake_up(request: Request) -> JSONResponse:
         """Restore the weights; answers once awake."""
         check_form_origin(request, allowed_origins, public_url)
@@ -125,7 +155,7 @@ def install_sleep_routes(app: FastAPI, state: Any, wake_on_request: bool = False
         await asyncio.get_running_loop().run_in_executor(None, engine.wake_up)
         return JSONResponse({"is_sleeping": engine.is_sleeping})
 
-    @app.get("/is_sleeping")
+    @app.get("/is_sleeping", response_model=SleepState, responses={503: control[503]})
     async def is_sleeping() -> JSONResponse:
         """Whether the engine is asleep."""
         engine = _loaded_engine(state)

@@ -24,13 +24,14 @@ Streaming sends ``image_edit.partial_image`` / ``image_edit.completed`` events.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
 from diffserve.entrypoints.openai.errors import CLIENT_CLOSED_REQUEST, APIError, invalid_request
-from diffserve.entrypoints.openai.protocol import ErrorResponse, ImageEditRequest, ImagesResponse, sse_event_schema
+from diffserve.entrypoints.openai.protocol import ErrorResponse, ImageEditRequest, ImagesResponse, image_sse_event_schema
 from diffserve.entrypoints.openai.request_body import (
     MULTIPART,
     FormBody,
@@ -52,7 +53,9 @@ def parse_edit_form(form: FormBody):
     """The edit request and its inputs from a parsed form.
 
     Returns:
-        (`ImageEditRequest`, `RequestInputs`).
+        (`ImageEditRequest`, `RequestInputs`, SHA-256 digests of the uploaded files in form
+        order: part of the request's identity, see
+        `diffserve.entrypoints.openai.services.admission`).
 
     Raises:
         APIError: 400 naming the field: no image, ``markup`` given, an unreadable or too large
@@ -76,19 +79,26 @@ def parse_edit_form(form: FormBody):
         inputs = make_inputs(images, mask)
     except InvalidRequestError as exc:
         raise invalid_request(exc) from None
-    return body, inputs
+    digests = [hashlib.sha256(upload.data).digest() for upload in [*uploads, *masks]]
+    return body, inputs, digests
 
 
-def edit_form_schema() -> dict:
-    """OpenAPI schema of the ``multipart/form-data`` body (the text fields and the files)."""
+def edit_form_schema(fields: dict | None = None, max_images: int = MAX_INPUT_IMAGES, mask: bool = True) -> dict:
+    """OpenAPI schema of the ``multipart/form-data`` body: the text fields (`fields`, the JSON
+    schema of `ImageEditRequest`, e.g. as served for the loaded model; default: all of them)
+    and the files: ``image`` (at most `max_images`, several as ``image[]``) and, with `mask`,
+    ``mask``."""
     binary = {"type": "string", "format": "binary"}
-    schema = form_schema(ImageEditRequest.model_json_schema(), {
-        "image": {"anyOf": [binary, {"type": "array", "items": binary, "minItems": 1, "maxItems": MAX_INPUT_IMAGES}],
-                  "description": "input image(s): PNG, JPEG or WebP (several as image[])"},
-        "mask": {**binary, "description": "mask of the first image's size (transparent pixels are edited)"},
-    })
+    files = {"image": {"anyOf": [binary, {"type": "array", "items": binary, "minItems": 1, "maxItems": max_images}],
+                       "description": f"input image(s): PNG, JPEG or WebP files, at most {max_images} (several, or "
+                                      "one, as image[])"}}
+    if mask:
+        files["mask"] = {**binary, "description": "mask: a PNG, JPEG or WebP file of the first image's size "
+                                                  "(transparent pixels are edited)"}
+    schema = form_schema(fields or ImageEditRequest.model_json_schema(), files)
     schema["required"] = sorted({*schema.get("required", []), "image"})
     return schema
+
 
 
 def install_edit_routes(app: FastAPI, state, allowed_origins: list[str] | None = None,
@@ -102,13 +112,13 @@ def install_edit_routes(app: FastAPI, state, allowed_origins: list[str] | None =
         allowed_origins / public_url: the server's, for the cross-site form check
             (`request_body.check_form_origin`).
     """
-    errors = {code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 408, 413, 415, 429, 500, 503)}
+    errors = {code: {"model": ErrorResponse} for code in (400, 403, 404, 408, 413, 415, 429, 500, 503)}
 
     @app.post(
         EDITS_PATH,
         response_model=ImagesResponse,
         responses={**errors, 200: {"description": "An ImagesResponse, or a text/event-stream when stream=true",
-                                   "content": {"text/event-stream": {"schema": sse_event_schema("image_edit")}}}},
+                                   "content": {"text/event-stream": {"schema": image_sse_event_schema("image_edit")}}}},
         openapi_extra={"requestBody": {"required": True, "content": {MULTIPART: {"schema": edit_form_schema()}}}},
     )
     async def create_edit(raw_request: Request) -> Response:
@@ -121,5 +131,5 @@ def install_edit_routes(app: FastAPI, state, allowed_origins: list[str] | None =
         except ClientDisconnect:
             log_body_disconnect(raw_request)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        body, inputs = await asyncio.to_thread(parse_edit_form, form)  # decoding images: off the event loop
-        return await service.create(body, raw_request, inputs=inputs)
+        body, inputs, digests = await asyncio.to_thread(parse_edit_form, form)  # decoding: off the event loop
+        return await service.create(body, raw_request, inputs=inputs, upload_digests=digests)

@@ -16,7 +16,8 @@ model's resolution multiple (`diffserve.core.inputs.auto_size`), reported in the
   ``n`` could never be queued, so it is a 400, not a 429).
 - The free room of the waiting queue is checked for all ``n`` requests before any is queued (and
   stays reserved until they are queued): a queue without room for all of them is a 429 and
-  nothing is queued. Should the engine still refuse part of the group, the queued part is
+  nothing is queued. Refused requests are admitted first come, first served when they retry
+  (`services.admission`: room that frees is held for the oldest refused request). Should the engine still refuse part of the group, the queued part is
   aborted and the answer is a 429 too. Requests of a rejected group are not counted as engine
   requests in the metrics (the HTTP request is counted with status 429).
 - A client that disconnects has its engine requests aborted at the next step boundary; the
@@ -80,6 +81,7 @@ from diffserve.entrypoints.openai.protocol import (
     request_json_schema,
 )
 from diffserve.entrypoints.openai.request_body import CLIENT_DISCONNECTED_KEY
+from diffserve.entrypoints.openai.services.admission import AdmissionLine, request_fingerprint
 from diffserve.entrypoints.openai.services.request_groups import ENGINE_DEAD_MESSAGE, RequestGroup
 from diffserve.entrypoints.openai.services.sse_progress import StreamProgress
 from diffserve.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
@@ -154,37 +156,44 @@ class ImageGenerationService:
         self.output_metadata = output_metadata
         #: Engine requests of HTTP requests that passed the queue-room check but are not queued yet.
         self._reserved = 0
+        #: Requests refused for a full queue, in order, and the room held for them.
+        self.admission = AdmissionLine()
 
     async def create(self, body: ImageGenerationRequest | ImageEditRequest, raw_request: Request,
-                     inputs: RequestInputs | None = None) -> Response:
+                     inputs: RequestInputs | None = None, upload_digests: Sequence[bytes] = ()) -> Response:
         """Generate the images of `body` (an edit of `inputs` when given).
 
         Args:
             body: the validated request (`ImageGenerationRequest` or `ImageEditRequest`).
             raw_request: the HTTP request (for disconnects and the link base).
             inputs: the input images of an edit (`diffserve.core.inputs.make_inputs`), or None.
+            upload_digests: digests of the uploaded files (part of the request's identity for
+                `services.admission`).
 
         Returns:
             A JSON `ImagesResponse` (200), a ``text/event-stream`` response when streaming, or
             an empty 499 response when the client disconnected first (it gets nothing).
 
         Raises:
-            APIError: 400 invalid field (also: inputs the model cannot take, a video model), 404
-                unknown model, 429 queue full, 500 an engine failure, 503 shutting down, url
+            APIError: 400 invalid field (also: inputs the family cannot use), 404 unknown model,
+                429 queue full, 500 an engine failure, 503 shutting down, url
                 image store full, or engine loop dead.
         """
         plan = self._plan(body, inputs)
         reservation = self._reserve_urls(plan)
+        client = raw_request.client
+        fingerprint = request_fingerprint(client.host if client else None, raw_request.url.path,
+                                          body.model_dump_json(), upload_digests)
         try:
-            return await self._create(plan, body, raw_request, reservation)
+            return await self._create(plan, body, raw_request, reservation, fingerprint)
         finally:
             if reservation is not None:
                 reservation.release()
 
     async def _create(self, plan: "_Plan", body: ImageGenerationRequest | ImageEditRequest, raw_request: Request,
-                      reservation: Reservation | None) -> Response:
+                      reservation: Reservation | None, fingerprint: str) -> Response:
         group = self._group(plan)
-        await self.submit(group, len(plan.requests))
+        await self.submit(group, len(plan.requests), fingerprint)
         watcher = _DisconnectWatcher(raw_request.receive, group.abort)
         watcher.start()
         if body.user or body.safety_identifier:
@@ -322,25 +331,27 @@ class ImageGenerationService:
         """Whether the engine loop is running."""
         return self.engine.is_running
 
-    def _check_queue_room(self, n: int) -> None:
+    def check_queue_room(self, n: int, fingerprint: str | None = None) -> None:
         """Raise `EngineOverloadedError` unless the waiting queue has room for `n` more requests
-        besides those other HTTP requests are about to queue (`_reserved`)."""
+        besides those other HTTP requests are about to queue (`_reserved`) and the room held
+        for requests refused before (`admission`)."""
         free = self.engine.config.max_waiting_requests - self.engine.num_waiting - self._reserved
-        if n > free:
+        if not self.admission.admit(fingerprint, n, free):
             raise EngineOverloadedError(
                 f"waiting queue is full: room for {max(free, 0)} more request(s), this one needs {n} "
                 "(one per image); retry later")
 
-    async def submit(self, group: RequestGroup, n: int) -> None:
+    async def submit(self, group: RequestGroup, n: int, fingerprint: str | None = None) -> None:
         """Queue the `n` requests of `group` (all or none; see `_submit`). Also used for video
-        jobs, so images and videos share the waiting queue's room.
+        jobs, so images and videos share the waiting queue's room and its line
+        (`fingerprint`: `admission.request_fingerprint` of the HTTP request, None = untracked).
 
         Raises:
             APIError: 400 an engine validation error, 429 the queue has no room for all of
                 them, 503 shutting down or the engine loop died.
         """
         try:
-            await self._submit(group, n)
+            await self._submit(group, n, fingerprint)
         except InvalidRequestError as exc:
             raise invalid_request(exc) from None
         except EngineOverloadedError as exc:
@@ -350,7 +361,7 @@ class ImageGenerationService:
         except EngineDeadError:
             raise unavailable(self.engine_dead_message(), "engine_dead") from None
 
-    async def _submit(self, group: RequestGroup, n: int) -> None:
+    async def _submit(self, group: RequestGroup, n: int, fingerprint: str | None = None) -> None:
         """Check the queue has room for all `n` requests of `group`, then queue them.
 
         The room stays reserved from the check until the group's requests are in the engine's
@@ -358,7 +369,7 @@ class ImageGenerationService:
         take it in between; only the engine thread changes the queue otherwise, and it only
         frees room.
         """
-        self._check_queue_room(n)
+        self.check_queue_room(n, fingerprint)
         self._reserved += n
         released = False
 
@@ -395,6 +406,7 @@ class ImageGenerationService:
         for output in outputs:
             encoded = self._encode_output(plan, output)
             item = ImageObject(seed=output.seed, prompt_truncated=output.prompt_truncated,
+                               negative_prompt_truncated=output.negative_prompt_truncated,
                                timings=output.metrics.as_dict())
             if reservation is not None:
                 now = time.time()
@@ -474,6 +486,8 @@ class ImageGenerationService:
                         done = CompletedEvent(type=f"{plan.events}.completed", b64_json=to_base64(encoded),
                                               created_at=int(time.time()),
                                               image_index=index, seed=output.seed,
+                                              prompt_truncated=output.prompt_truncated,
+                                              negative_prompt_truncated=output.negative_prompt_truncated,
                                               timings=output.metrics.as_dict(), **common)
                         self.metrics.observe_images(1)
                         yield _sse(done.type, done.model_dump())

@@ -24,9 +24,11 @@ quiet stream):
   complete little file (``output_format`` mp4 (H.264, default), webp or gif, via
   `diffserve.media.video_encoding`) that plays alone; ``first_frame`` is its place in the
   whole video; ``event_ids`` are the interactions this chunk is the first to use;
-- ``video.stream.completed`` ``{id, num_frames, seed, media_type, b64_data, timings}``: the whole
-  video in one file (``b64_data`` null with ``"include_video": false``), ``timings`` with
-  ``chunk_s`` (seconds from arrival to each chunk: time to first chunk, inter-chunk gaps);
+- ``video.stream.completed`` ``{id, num_frames, seed, media_type, b64_data, prompt_truncated,
+  negative_prompt_truncated, timings}``: the whole video in one file (``b64_data`` null with
+  ``"include_video": false``), whether the first prompt / the negative prompt were cut at the
+  text encoder's token limit, ``timings`` with ``chunk_s`` (seconds from arrival to each
+  chunk: time to first chunk, inter-chunk gaps);
 - ``error`` ``{type: "error", error: {message, type, param, code}}`` if the stream fails.
 
 A client that disconnects aborts its stream (at the engine's next step). Interactions answer
@@ -52,21 +54,32 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.requests import ClientDisconnect
 
 from diffserve.entrypoints.openai.errors import CLIENT_CLOSED_REQUEST, APIError, invalid_request, overloaded, unavailable
 from diffserve.media.image_encoding import to_base64
-from diffserve.entrypoints.openai.protocol import MAX_PROMPT_CHARS, PROMPT_PATTERN, TEXT_PATTERN, parse_size
+from diffserve.entrypoints.openai.protocol import (
+    MAX_PROMPT_CHARS,
+    PROMPT_PATTERN,
+    SEED_BOUND,
+    SIZE_PATTERN,
+    TEXT_PATTERN,
+    ErrorResponse,
+    parse_size,
+    sse_event_schema,
+)
 from diffserve.entrypoints.openai.services.images import (  # the Images API's SSE plumbing, shared
     HEARTBEAT,
     _DisconnectWatcher,
     _EventStreamResponse,
     _sse,
 )
+from diffserve.entrypoints.openai.services.admission import request_fingerprint
 from diffserve.media.video_encoding import VIDEO_FORMATS, encode_video
 from diffserve.core.errors import EngineDeadError, EngineOverloadedError, InteractionRefusedError, InvalidRequestError
 from diffserve.core.outputs import EventType, RequestStatus, StreamEvent
+from diffserve.engine.client import MAX_EVENT_ID_CHARS, MAX_TRANSITION_CHUNKS
 from diffserve.core.sampling_params import MAX_GUIDANCE_SCALE, MAX_SEED, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -99,17 +112,30 @@ class VideoStreamRequest(BaseModel):
                         description="the first chunks' prompt (interactions change it later)")
     num_chunks: int = Field(ge=1, description="chunks to generate, 1..the engine's limit (1024 by default)")
     model: str | None = Field(None, description="the served model's name (GET /v1/models); optional")
-    size: str | None = Field(None, description='"WIDTHxHEIGHT" in pixels, or "auto" (the model default)')
+    size: str | None = Field(None, description='"WIDTHxHEIGHT" in pixels, or "auto" (the model default)',
+                             json_schema_extra={"pattern": SIZE_PATTERN})
     num_frames: int | None = Field(None, ge=1, description="frames per chunk (4k + 1 for Wan); the first chunk "
                                    "sends them all, each later one all but the one it repeats")
     fps: int | None = Field(None, ge=1, le=240, description="playback rate of the encoded chunks")
     negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS, json_schema_extra={"pattern": TEXT_PATTERN})
     num_inference_steps: int | None = Field(None, ge=1, description="denoising steps per chunk")
     guidance_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE_SCALE, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=0, lt=SEED_BOUND)
     output_format: Literal["mp4", "webp", "gif"] = Field("mp4", description="encoding of each chunk and of the "
                                                          "whole video")
     include_video: bool = Field(True, description="send the whole video again in the completed event")
+
+    @field_validator("num_chunks", "num_frames", "fps", "num_inference_steps", "seed", mode="before")
+    @classmethod
+    def _integral_numbers_are_integers(cls, value: Any) -> Any:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)  # JSON Schema's "integer" is any number without a fraction
+        return value
+
+
+#: An interaction's ``event_id`` over HTTP: printable ASCII (the engine takes any printable text;
+#: JSON Schema's regular expressions cannot state Python's `str.isprintable`).
+EVENT_ID_PATTERN = r"^[\x20-\x7e]+$"
 
 
 class InteractionRequest(BaseModel):
@@ -119,10 +145,31 @@ class InteractionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: str = Field(max_length=MAX_PROMPT_CHARS, json_schema_extra={"minLength": 1, "pattern": PROMPT_PATTERN})
-    transition_chunks: int = Field(0, ge=0, description="chunks over which the prompt moves to the new one")
-    event_id: str | None = Field(None, min_length=1, max_length=256,
-                                 description="echoed on the first chunk that uses the new prompt (default: a "
-                                             "fresh id, returned)")
+    transition_chunks: int = Field(0, ge=0, le=MAX_TRANSITION_CHUNKS,
+                                   description="chunks over which the prompt moves to the new one")
+    event_id: str | None = Field(None, min_length=1, max_length=MAX_EVENT_ID_CHARS, pattern=EVENT_ID_PATTERN,
+                                 description="echoed on the first chunk that uses the new prompt (printable "
+                                             "ASCII; default: a fresh id, returned)")
+
+    @field_validator("transition_chunks", mode="before")
+    @classmethod
+    def _integral_numbers_are_integers(cls, value: Any) -> Any:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return value
+
+
+class InteractionResponse(BaseModel):
+    """Response of ``POST /v1/videos/streams/{stream_id}/interactions``: the id the chunks that
+    use the new prompt carry in their ``event_ids``."""
+
+    object: Literal["video.stream.interaction"] = "video.stream.interaction"
+    stream_id: str
+    event_id: str
+
+
+#: The events of a stream, in order (besides ``error``).
+STREAM_EVENTS = ("video.stream.created", "video.stream.progress", "video.stream.chunk", "video.stream.completed")
 
 
 async def _read_body(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -172,7 +219,7 @@ class VideoStreamService:
         """Validate, queue the stream and answer its event stream.
 
         Raises:
-            APIError: 400 invalid field or a model without chunk streaming, 404 unknown model,
+            APIError: 400 invalid field, 404 unknown model,
                 429 queue full, 503 not ready / shutting down / engine dead.
         """
         self.state.require_service()
@@ -199,8 +246,11 @@ class VideoStreamService:
             raise invalid_request(exc) from None
         resolved = request.params
         stream_id = f"vstream-{uuid.uuid4().hex}"
-        events = engine.generate(request, request_id=stream_id)
+        client = raw_request.client
+        fingerprint = request_fingerprint(client.host if client else None, STREAMS_PATH, body.model_dump_json())
         try:
+            self.state.require_service().check_queue_room(1, fingerprint)  # the line of refused requests too
+            events = engine.generate(request, request_id=stream_id)
             queued = await anext(events)  # add_request's errors surface here, before any byte is sent
         except InvalidRequestError as exc:
             raise invalid_request(exc) from None
@@ -293,6 +343,8 @@ class VideoStreamService:
                             "type": "video.stream.completed", "id": stream_id, "num_frames": len(video),
                             "seed": output.seed, "media_type": media_type,
                             "b64_data": to_base64(data) if data is not None else None,
+                            "prompt_truncated": output.prompt_truncated,
+                            "negative_prompt_truncated": output.negative_prompt_truncated,
                             "timings": output.metrics.as_dict()})
                     elif not watcher.disconnected:
                         message = (output.error if output is not None else event.error) or "the stream was aborted"
@@ -347,17 +399,24 @@ def install_video_stream_routes(app: FastAPI, state: Any) -> None:
             ``require_service()``).
     """
     service = VideoStreamService(state)
-    sse = {"text/event-stream": {"schema": {"type": "string", "description": "Server-Sent Events (see the "
-                                                                             "module docstring)"}}}
+    sse = {"text/event-stream": {"schema": sse_event_schema(
+        [*STREAM_EVENTS, "error"], description="JSON with 'type' = the event name; the fields of each event are "
+                                               "listed in diffserve.entrypoints.openai.services.video_streams")}}
 
-    @app.post(STREAMS_PATH, response_class=Response, responses={200: {"content": sse}},
+    def errors(*codes: int) -> dict:
+        return {code: {"model": ErrorResponse} for code in codes}
+
+    @app.post(STREAMS_PATH, response_class=Response,
+              responses={200: {"content": sse, "description": "The stream's events"},
+                         **errors(400, 404, 408, 413, 415, 429, 503)},
               openapi_extra={"requestBody": {"required": True, "content": {
                   "application/json": {"schema": VideoStreamRequest.model_json_schema()}}}})
     async def start_video_stream(raw_request: Request) -> Response:
         """Start a video stream: chunks as Server-Sent Events as soon as each is generated."""
         return await service.start(raw_request)
 
-    @app.post(STREAMS_PATH + "/{stream_id}/interactions",
+    @app.post(STREAMS_PATH + "/{stream_id}/interactions", response_model=InteractionResponse,
+              responses=errors(400, 404, 408, 409, 413, 415, 503),
               openapi_extra={"requestBody": {"required": True, "content": {
                   "application/json": {"schema": InteractionRequest.model_json_schema()}}}})
     async def post_interaction(stream_id: str, raw_request: Request) -> JSONResponse:

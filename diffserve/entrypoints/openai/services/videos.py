@@ -17,13 +17,16 @@ Endpoints:
     GET    /v1/videos                 jobs, newest first (``order=asc`` for oldest first), pages
                                       of ``limit`` (1-100, default 20) after the id ``after``
 
-Length: ``seconds`` becomes ``num_frames`` = the nearest count the model allows to
-seconds x fps (Wan: 4k + 1 frames: 4 s at 16 fps -> 65 frames); ``num_frames`` (extension) sets it
-exactly; the job's ``seconds`` is the actual num_frames / fps. Other extensions: ``fps``,
+Length: ``seconds`` becomes ``num_frames`` = the nearest count the model allows to seconds x
+the model's fps (Wan: 4k + 1 frames: 4 s at 16 fps -> 65 frames), at most `max_video_seconds`;
+``num_frames`` (extension) sets it exactly, with any ``fps``. ``seconds`` comes alone (not with
+``num_frames`` or ``fps``: its range is the model's frame limit at the model's rate, which the
+served schema states). The job's ``seconds`` is the actual num_frames / fps. Other extensions: ``fps``,
 ``seed``, ``negative_prompt``, ``num_inference_steps``, ``guidance_scale``, ``guidance_scale_2``,
 ``true_cfg_scale``. Errors as for images: 400 naming the field, 404 unknown model or video, 429
 queue full, 503 loading / shutting down / video store full (with ``Retry-After``); on an image
-model ``POST /v1/videos`` answers 405 (saying so; the served OpenAPI schema leaves it out).
+model every ``/v1/videos`` route answers 404 (saying so; the served OpenAPI schema leaves them
+out, see `diffserve.entrypoints.openai.served_schema`).
 
 Jobs live in a `VideoStore` (bounded count, bytes and time; a job's stated ``expires_at`` always
 holds): any replica sharing the store answers the GET and DELETE routes, and a job deleted
@@ -46,6 +49,7 @@ from diffserve.entrypoints.openai.errors import CLIENT_CLOSED_REQUEST, APIError,
 from diffserve.entrypoints.openai.stores.image_store import StoreFullError
 from diffserve.entrypoints.openai.ops.metrics import ServerMetrics
 from diffserve.entrypoints.openai.protocol import (
+    MAX_VIDEO_SECONDS,
     ErrorResponse,
     VideoCreateRequest,
     VideoDeleted,
@@ -64,6 +68,7 @@ from diffserve.entrypoints.openai.request_body import (
     read_json,
     require_media_type,
 )
+from diffserve.entrypoints.openai.services.admission import request_fingerprint
 from diffserve.entrypoints.openai.services.request_groups import ENGINE_DEAD_MESSAGE, RequestGroup
 from diffserve.entrypoints.openai.stores.video_store import (
     LEASE_S,
@@ -93,6 +98,15 @@ RENEW_S = LEASE_S / 4
 MAX_LIST_LIMIT = 100
 #: Bytes per chunk when streaming a video.
 CHUNK_BYTES = 1 << 16
+
+
+def max_video_seconds(spec, limits) -> float:
+    """The longest ``seconds`` a video request may ask for on a model with `spec` (a
+    `ModelSpec`) and engine `limits`: its largest frame count at its default fps (capped at
+    `protocol.MAX_VIDEO_SECONDS`). `frames_for_seconds` of anything up to it stays within the
+    frame limit."""
+    top = min(spec.max_num_frames or limits.max_num_frames, limits.max_num_frames)
+    return min(top / spec.default_fps, MAX_VIDEO_SECONDS)
 
 
 def frames_for_seconds(seconds: float, fps: int, frame_factor: int) -> int:
@@ -134,8 +148,10 @@ class VideoService:
         self.images = images
 
     # ---------------------------------------------------------------------------- create
-    async def create(self, body: VideoCreateRequest) -> VideoObject:
-        """Validate `body`, store a queued job and queue its engine request.
+    async def create(self, body: VideoCreateRequest, fingerprint: str | None = None) -> VideoObject:
+        """Validate `body`, store a queued job and queue its engine request (`fingerprint`:
+        the request's place in the line of requests refused for a full queue, see
+        `services.admission`).
 
         Raises:
             APIError: 400 invalid field, 404 unknown model, 429 queue full, 503 video store full
@@ -154,8 +170,14 @@ class VideoService:
             if body.seconds is not None:
                 if num_frames is not None:
                     raise InvalidRequestError("seconds", body.seconds, "unset when num_frames is given (give one)")
-                fps = body.fps if body.fps is not None else spec.default_fps
-                num_frames = frames_for_seconds(body.seconds, fps, spec.frame_factor)
+                if body.fps is not None:
+                    raise InvalidRequestError("fps", body.fps, f"unset with seconds (seconds are counted at the "
+                                              f"model's {spec.default_fps} fps; give num_frames with fps)")
+                longest = max_video_seconds(spec, engine.config.limits)
+                if body.seconds > longest:
+                    raise InvalidRequestError("seconds", body.seconds, f"a number of seconds in (0, {longest:g}] (at "
+                                              f"most the model's frames at its {spec.default_fps} fps)")
+                num_frames = frames_for_seconds(body.seconds, spec.default_fps, spec.frame_factor)
             params = SamplingParams(negative_prompt=body.negative_prompt, height=height, width=width,
                                     num_inference_steps=body.num_inference_steps, guidance_scale=body.guidance_scale,
                                     guidance_scale_2=body.guidance_scale_2, true_cfg_scale=body.true_cfg_scale,
@@ -165,7 +187,7 @@ class VideoService:
             error = invalid_request(exc)
             if exc.field == "num_frames" and body.seconds is not None:
                 error.param = "seconds"
-                error.message += f" (from seconds={body.seconds:g} at {fps} fps)"
+                error.message += f" (from seconds={body.seconds:g} at {spec.default_fps} fps)"
             raise error from None
         prompt, resolved = request.prompt, request.params
         now = time.time()
@@ -184,11 +206,13 @@ class VideoService:
             raise error from None
         group = RequestGroup(engine, job.id, [request], self.metrics)
         try:
-            await images.submit(group, 1)
+            await images.submit(group, 1, fingerprint)
         except BaseException:
             await asyncio.to_thread(self.store.delete, job.id)
             raise
         job.queue_position = engine.queue_position(group.ids[0])
+        if job.queue_position is not None:  # the store holds the job as created: write its place now
+            await asyncio.to_thread(self.store.update, job)
         self._running[job.id] = group
         task = asyncio.create_task(self._run(job, group, prompt))
         self._tasks.add(task)
@@ -204,12 +228,14 @@ class VideoService:
         engine = self.images.engine
         last_write = loop.time()
         deleted = False
+        stored_position = job.queue_position  # what the store says (written by `create`)
 
         async def save(force: bool) -> None:
-            nonlocal last_write, deleted
+            nonlocal last_write, deleted, stored_position
             if deleted or (not force and loop.time() - last_write < PROGRESS_WRITE_S):
                 return
             last_write = loop.time()
+            stored_position = job.queue_position
             if not await asyncio.to_thread(self.store.update, job):  # deleted (maybe through another replica)
                 deleted = True
                 group.abort()
@@ -217,10 +243,8 @@ class VideoService:
         try:
             async for item in group.events(self.images.engine_alive, tick_s=TICK_S):
                 if item is None:
-                    position = engine.queue_position(group.ids[0]) if job.status == "queued" else None
-                    moved = position != job.queue_position
-                    job.queue_position = position
-                    if moved or loop.time() - last_write >= RENEW_S:
+                    job.queue_position = engine.queue_position(group.ids[0]) if job.status == "queued" else None
+                    if job.queue_position != stored_position or loop.time() - last_write >= RENEW_S:
                         await save(force=True)
                     elif not deleted and await asyncio.to_thread(self.store.get, job.id) is None:
                         deleted = True  # deleted through another replica
@@ -253,6 +277,8 @@ class VideoService:
             try:
                 data = await asyncio.to_thread(encode_mp4, output.videos[0], job.fps, metadata=metadata)
                 job.status, job.steps_done, job.timings = "completed", job.num_inference_steps, output.metrics.as_dict()
+                job.prompt_truncated = output.prompt_truncated
+                job.negative_prompt_truncated = output.negative_prompt_truncated
                 if await asyncio.to_thread(self.store.finish, job, data):
                     self.metrics.observe_videos(1)
                     logger.info("%s: video completed, %d bytes, %.3fs", job.id, len(data), output.metrics.total_s)
@@ -287,7 +313,8 @@ class VideoService:
             size=f"{job.width}x{job.height}", status=job.status, error=error, seed=job.seed,
             num_frames=job.num_frames, fps=job.fps, num_inference_steps=job.num_inference_steps,
             steps_done=job.steps_done, queue_position=job.queue_position if job.status == "queued" else None,
-            timings=job.timings)
+            timings=job.timings, prompt_truncated=job.prompt_truncated,
+            negative_prompt_truncated=job.negative_prompt_truncated)
 
     async def retrieve(self, video_id: str) -> VideoObject:
         """The job `video_id`.
@@ -336,11 +363,10 @@ class VideoService:
         exist any more: ids sort by creation time, so a page after an expired job still follows it).
 
         Raises:
-            APIError: 400 naming ``after`` when it is not a video id.
+            ValueError: `after` is not a video id (the route checks its pattern first).
         """
         if after is not None and not VIDEO_ID.fullmatch(after):
-            raise APIError(400, f"Invalid 'after': {after!r} is not a video id (video_ followed by 32 hex digits, "
-                                "as returned in 'id' / 'last_id').", param="after", code="invalid_value")
+            raise ValueError(f"after={after!r} is not a video id")
         jobs, more = await asyncio.to_thread(self.store.list, after, limit, order)
         data = [self.render(job) for job in jobs]
         return VideoList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
@@ -376,14 +402,16 @@ def install_video_routes(app: FastAPI, state, allowed_origins: list[str] | None 
             and ``videos`` (the `VideoService`).
         allowed_origins / public_url: the server's, for the cross-site form check.
     """
-    errors = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
+    def errors(*codes: int) -> dict:
+        return {code: {"model": ErrorResponse} for code in codes}
+
     mp4 = {200: {"content": {"video/mp4": {"schema": {"type": "string", "format": "binary"}}},
                  "description": "The MP4 video"}}
     create_schema = VideoCreateRequest.model_json_schema()
     create_form = form_schema(create_schema, {})
 
     @app.post(VIDEOS_PATH, response_model=VideoObject,
-              responses={**errors, **{c: {"model": ErrorResponse} for c in (403, 408, 413, 415, 429)}},
+              responses=errors(400, 403, 404, 408, 413, 415, 429, 503),
               openapi_extra={"requestBody": {"required": True, "content": {
                   JSON: {"schema": create_schema}, MULTIPART: {"schema": create_form}}}})
     async def create_video(raw_request: Request) -> Response:
@@ -408,22 +436,26 @@ def install_video_routes(app: FastAPI, state, allowed_origins: list[str] | None 
             log_body_disconnect(raw_request)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         state.require_service()  # still admitting once the body arrived
-        video = await state.videos.create(body)
+        client = raw_request.client
+        video = await state.videos.create(body, request_fingerprint(client.host if client else None, VIDEOS_PATH,
+                                                                    body.model_dump_json()))
         return JSONResponse(video.model_dump(), headers={"X-Request-Id": video.id})
 
-    @app.get(VIDEOS_PATH, response_model=VideoList, responses=errors)
-    async def list_videos(after: str | None = None, limit: int = Query(20, ge=1, le=MAX_LIST_LIMIT),
+    @app.get(VIDEOS_PATH, response_model=VideoList, responses=errors(400))
+    async def list_videos(after: str | None = Query(None, pattern=f"^{VIDEO_ID.pattern}$",
+                                                    description="a video id ('last_id' of the previous page)"),
+                          limit: int = Query(20, ge=1, le=MAX_LIST_LIMIT),
                           order: Literal["asc", "desc"] = "desc") -> VideoList:
         """Video jobs, newest first (``order=asc``: oldest first), ``limit`` per page after ``after``."""
         return await state.videos.list(after, limit, order)
 
-    @app.get(VIDEOS_PATH + "/{video_id}", response_model=VideoObject, responses=errors)
+    @app.get(VIDEOS_PATH + "/{video_id}", response_model=VideoObject, responses=errors(404))
     async def retrieve_video(video_id: str) -> VideoObject:
         """A video job: status, progress, and (once ended) expiry."""
         return await state.videos.retrieve(video_id)
 
     @app.get(VIDEOS_PATH + "/{video_id}/content", response_class=Response,
-             responses={**errors, **mp4, 409: {"model": ErrorResponse}})
+             responses={**errors(400, 404, 409), **mp4})
     async def video_content(video_id: str, variant: Literal["video"] = "video") -> Response:
         """The MP4 of a completed job (``variant``: only ``video``; no thumbnail or spritesheet)."""
         job, handle = await state.videos.content(video_id)
@@ -431,7 +463,7 @@ def install_video_routes(app: FastAPI, state, allowed_origins: list[str] | None 
             "Content-Length": str(job.content_bytes), "Content-Disposition": f'inline; filename="{job.id}.mp4"',
             "Cache-Control": "private, max-age=60"})
 
-    @app.delete(VIDEOS_PATH + "/{video_id}", response_model=VideoDeleted, responses=errors)
+    @app.delete(VIDEOS_PATH + "/{video_id}", response_model=VideoDeleted, responses=errors(404))
     async def delete_video(video_id: str) -> VideoDeleted:
         """Abort an unfinished job, delete a finished one (and its video)."""
         return await state.videos.delete(video_id)

@@ -81,7 +81,8 @@ class VideoJob:
 
     Times are Unix seconds (wall clock: replicas share them). ``reserved_bytes`` is the room
     held for the video until it is stored (then ``content_bytes``). ``error_code`` /
-    ``error_message`` are set when failed; ``timings`` (stage seconds) when completed.
+    ``error_message`` are set when failed; ``timings`` (stage seconds) and the truncation
+    flags when completed.
     """
 
     id: str
@@ -104,6 +105,8 @@ class VideoJob:
     error_code: str | None = None
     error_message: str | None = None
     timings: dict[str, Any] | None = None
+    prompt_truncated: bool = False
+    negative_prompt_truncated: bool = False
     content_bytes: int = 0
     media_type: str = "video/mp4"
     lease_until: float = 0.0

@@ -18,10 +18,17 @@ Usage::
     python benchmarks/quality.py                              # diffserve engine, built-in model
     python benchmarks/quality.py --templates heldout --steps 8
     python benchmarks/quality.py --backend diffusers          # reference arm: plain diffusers
+    python benchmarks/quality.py --lora mirror --update-card  # the built-in mirror LoRA's judge
 
 ``--backend diffserve`` (default) generates through ``diffserve.DiffusionEngine``;
 ``--backend diffusers`` through ``diffusers.StableDiffusion3Pipeline`` with the same prompts and
 seeds (image ``k`` uses seed ``--seed + k``).
+
+``--quantization none,int8_weight_only,int8_dynamic`` (diffserve backend) runs each arm on the
+same prompts and seeds in one process (the first arm is the baseline) and reports, per arm, the
+judge accuracy, its difference from the baseline's in points, and the PSNR of its images
+against the baseline's (dB, pixels in [0, 1]); ``--quantization-skip`` applies to every
+quantized arm.
 """
 
 from __future__ import annotations
@@ -129,9 +136,10 @@ def make_prompts(templates: tuple[str, ...], n_per_digit: int) -> tuple[list[str
 
 
 def generate_diffserve(
-    model: Path | None, prompts: list[str], seed: int, steps: int, guidance: float
+    model: Path | None, prompts: list[str], seed: int, steps: int, guidance: float, **engine_options
 ) -> tuple[np.ndarray, float]:
-    """Generate one 8x8 image per prompt through diffserve's engine.
+    """Generate one 8x8 image per prompt through diffserve's engine (`engine_options`: more
+    `EngineConfig` fields, e.g. ``quantization``).
 
     Returns:
         ``(images, seconds)``: float32 (N, 8, 8) in [0, 1]; wall-clock seconds of the generate call.
@@ -141,7 +149,7 @@ def generate_diffserve(
     """
     from diffserve import DiffusionEngine, EngineConfig, SamplingParams
 
-    engine = DiffusionEngine(EngineConfig(model=None if model is None else str(model)))
+    engine = DiffusionEngine(EngineConfig(model=None if model is None else str(model), **engine_options))
     params = [
         SamplingParams(num_inference_steps=steps, guidance_scale=guidance, seed=seed + k,
                        height=data.IMAGE_SIZE, width=data.IMAGE_SIZE, output_type="np")
@@ -155,11 +163,14 @@ def generate_diffserve(
 
 
 def generate_diffusers(
-    model: Path | None, prompts: list[str], seed: int, steps: int, guidance: float, batch_size: int = 100
+    model: Path | None, prompts: list[str], seed: int, steps: int, guidance: float, batch_size: int = 100,
+    loras: list[dict[str, float] | None] | None = None,
 ) -> tuple[np.ndarray, float]:
     """Generate one 8x8 image per prompt with diffusers' ``StableDiffusion3Pipeline`` (reference arm).
 
-    Image ``k`` uses ``torch.Generator().manual_seed(seed + k)``.
+    Image ``k`` uses ``torch.Generator().manual_seed(seed + k)``. `loras`: per prompt, built-in
+    LoRA adapters by name (`diffserve.models.BUILTIN_LORAS`) set with ``set_adapters`` (prompts
+    with the same adapters run in batches together).
 
     Returns:
         ``(images, seconds)``: float32 (N, 8, 8) in [0, 1]; wall-clock seconds of the pipeline calls.
@@ -176,7 +187,27 @@ def generate_diffusers(
                    guidance_scale=guidance, generator=generators, output_type="np")
         return out.images[..., 0]
 
-    return generate_in_batches(call, prompts, seed, batch_size)
+    if not loras or not any(loras):
+        return generate_in_batches(call, prompts, seed, batch_size)
+    from diffserve.models import BUILTIN_LORAS
+
+    for name in {n for spec in loras if spec for n in spec}:
+        pipe.load_lora_weights(str(BUILTIN_LORAS["digits"][name]), adapter_name=name)
+    images, seconds = np.zeros((len(prompts), data.IMAGE_SIZE, data.IMAGE_SIZE), np.float32), 0.0
+    for spec in {tuple(sorted((l or {}).items())) for l in loras}:
+        members = [k for k, l in enumerate(loras) if tuple(sorted((l or {}).items())) == spec]
+        if spec:
+            pipe.enable_lora()
+            pipe.set_adapters([n for n, _ in spec], [w for _, w in spec])
+        else:
+            pipe.disable_lora()
+        for lo in range(0, len(members), batch_size):
+            chunk = members[lo:lo + batch_size]
+            generators = [torch.Generator().manual_seed(seed + k) for k in chunk]
+            start = time.perf_counter()
+            images[chunk] = call([prompts[k] for k in chunk], generators)
+            seconds += time.perf_counter() - start
+    return images, seconds
 
 
 def generate_in_batches(
@@ -359,6 +390,133 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         "built-in model, else MODEL/MODEL_CARD.md")
 
 
+#: Digits whose left-right mirror images the judge mostly reads as another digit (real held-out
+#: digits mirrored read as themselves < 30 % of the time); 0, 1, 4, 8 and 9 stay legible mirrored.
+ASYMMETRIC_DIGITS = (2, 3, 5, 6, 7)
+
+
+@dataclass
+class MirrorReport:
+    """The `mirror` LoRA's judge numbers (fractions in [0, 1]).
+
+    Attributes:
+        mirrored_back: images read as the prompted digit once mirrored back left to right.
+        unmirrored / unmirrored_asymmetric: read as the prompted digit as generated (all digits;
+            `ASYMMETRIC_DIGITS` only).
+        per_digit_mirrored_back / per_digit_unmirrored: the same per digit 0..9.
+        without: accuracy of the same prompts and seeds without the adapter, run in the same
+            engine and the same step batches as the adapter's requests.
+        real_unmirrored / real_unmirrored_asymmetric: held-out real digits mirrored, read as
+            themselves (what a perfect mirror would score unmirrored).
+    """
+
+    mirrored_back: float
+    unmirrored: float
+    unmirrored_asymmetric: float
+    per_digit_mirrored_back: list[float]
+    per_digit_unmirrored: list[float]
+    without: float
+    real_unmirrored: float
+    real_unmirrored_asymmetric: float
+    seconds_per_image: float
+
+
+def evaluate_mirror(clf: SVC, styled: np.ndarray, plain: np.ndarray, labels: np.ndarray,
+                    seconds: float) -> MirrorReport:
+    """Score the `mirror` adapter's images `styled` and the same prompts' images `plain`
+    (float (N, 8, 8) in [0, 1]) whose intended digits are ``labels``."""
+    back = judge_images(clf, styled[:, :, ::-1].copy())
+    raw = judge_images(clf, styled)
+    asym = np.isin(labels, ASYMMETRIC_DIGITS)
+    split = data.load_split()
+    real = split.heldout_images[:, :, ::-1] / data.MAX_INTENSITY
+    real_pred = judge_images(clf, np.ascontiguousarray(real))
+    real_asym = np.isin(split.heldout_labels, ASYMMETRIC_DIGITS)
+    return MirrorReport(
+        mirrored_back=float(np.mean(back == labels)),
+        unmirrored=float(np.mean(raw == labels)),
+        unmirrored_asymmetric=float(np.mean(raw[asym] == labels[asym])),
+        per_digit_mirrored_back=[float(np.mean(back[labels == d] == d)) for d in range(10)],
+        per_digit_unmirrored=[float(np.mean(raw[labels == d] == d)) for d in range(10)],
+        without=float(np.mean(judge_images(clf, plain) == labels)),
+        real_unmirrored=float(np.mean(real_pred == split.heldout_labels)),
+        real_unmirrored_asymmetric=float(np.mean(real_pred[real_asym] == split.heldout_labels[real_asym])),
+        seconds_per_image=seconds / (2 * len(labels)),
+    )
+
+
+def update_mirror_card(card: Path, command: str, args: argparse.Namespace, report: MirrorReport) -> None:
+    """Insert or replace this run's row in the LoRA card's judge table."""
+    header = [
+        f"Judge: the digits model's (`SVC(C={JUDGE_C}, gamma='scale')` on the training split). Each prompt runs "
+        "twice in one engine, with and without the adapter (same seeds; the requests share step batches). "
+        "\"Mirrored back\": images flipped left to right before judging. \"Real\": held-out real digits "
+        f"mirrored, read as themselves (what a perfect mirror scores unmirrored). Asymmetric digits: "
+        f"{', '.join(map(str, ASYMMETRIC_DIGITS))}. Produced by `benchmarks/quality.py --lora mirror`.",
+        "",
+        "| command | backend | steps | guidance | images | mirrored back | worst digit | unmirrored (all / asymmetric) "
+        "| real mirrored, unmirrored (all / asymmetric) | without the adapter | s/image |",
+        "|---|---|---:|---:|---:|---:|---|---|---|---:|---:|",
+    ]
+    row = (
+        f"| `{command}` | {args.backend} | {args.steps} | {args.guidance:g} | {10 * args.n_per_digit} | "
+        f"{100 * report.mirrored_back:.1f} % | {worst_digit(report.per_digit_mirrored_back)} | "
+        f"{100 * report.unmirrored:.1f} % / {100 * report.unmirrored_asymmetric:.1f} % | "
+        f"{100 * report.real_unmirrored:.1f} % / {100 * report.real_unmirrored_asymmetric:.1f} % | "
+        f"{100 * report.without:.1f} % | {report.seconds_per_image:.4f} |"
+    )
+    write_judge_table(card, command, header, row)
+
+
+def run_mirror(args: argparse.Namespace, argv: list[str] | None, clf: SVC) -> MirrorReport:
+    """``--lora mirror``: judge the built-in `mirror` adapter (see `MirrorReport`)."""
+    from diffserve.models import BUILTIN_LORAS
+
+    templates = templates_for(args.templates)
+    prompts, labels = make_prompts(templates, args.n_per_digit)
+    loras = [{"mirror": 1.0}] * len(prompts) + [None] * len(prompts)
+    images, seconds = _generate_arms(args, prompts + prompts, loras)
+    report = evaluate_mirror(clf, images[:len(prompts)], images[len(prompts):], labels, seconds)
+    print(f"mirror LoRA: mirrored back {100 * report.mirrored_back:.1f} %, unmirrored {100 * report.unmirrored:.1f} % "
+          f"(asymmetric digits {100 * report.unmirrored_asymmetric:.1f} %), without the adapter "
+          f"{100 * report.without:.1f} %")
+    print("per digit, mirrored back: " + "  ".join(f"{d}:{100 * a:.0f}%"
+                                                  for d, a in enumerate(report.per_digit_mirrored_back)))
+    print("per digit, unmirrored:    " + "  ".join(f"{d}:{100 * a:.0f}%"
+                                                  for d, a in enumerate(report.per_digit_unmirrored)))
+    print(f"real held-out digits mirrored, read unmirrored: {100 * report.real_unmirrored:.1f} % "
+          f"(asymmetric {100 * report.real_unmirrored_asymmetric:.1f} %)")
+    if args.update_card:
+        card = BUILTIN_LORAS["digits"]["mirror"] / "LORA_CARD.md"
+        command = "python benchmarks/quality.py " + shlex.join(
+            [a for a in (sys.argv[1:] if argv is None else argv) if a != "--update-card"])
+        update_mirror_card(card, command.strip(), args, report)
+        print(f"recorded in {card}")
+    return report
+
+
+def _generate_arms(args, prompts: list[str], loras: list) -> tuple[np.ndarray, float]:
+    """The adapter's arm (first half of `prompts`) and the plain arm (second half); image k of
+    each arm uses seed ``args.seed + k``. diffserve runs both in one engine call (their requests
+    share step batches)."""
+    half = len(prompts) // 2
+    if args.backend == "diffserve":
+        from diffserve import DiffusionEngine, EngineConfig, SamplingParams
+
+        engine = DiffusionEngine(EngineConfig(model=None if args.model is None else str(args.model)))
+        params = [SamplingParams(num_inference_steps=args.steps, guidance_scale=args.guidance,
+                                 seed=args.seed + k % half, height=data.IMAGE_SIZE, width=data.IMAGE_SIZE,
+                                 output_type="np", loras=loras[k]) for k in range(len(prompts))]
+        start = time.perf_counter()
+        outputs = engine.generate(prompts, params)
+        seconds = time.perf_counter() - start
+        return np.stack([np.asarray(out.images)[0, :, :, 0] for out in outputs]), seconds
+    styled, s1 = generate_diffusers(args.model, prompts[:half], args.seed, args.steps, args.guidance,
+                                    loras=loras[:half])
+    plain, s2 = generate_diffusers(args.model, prompts[half:], args.seed, args.steps, args.guidance)
+    return np.concatenate([styled, plain]), s1 + s2
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line arguments (see module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -369,11 +527,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", type=Path, default=None, help="pipeline folder (default: built-in)")
     parser.add_argument("--templates", choices=TEMPLATE_SETS, default="both")
     parser.add_argument("--backend", choices=["diffserve", "diffusers"], default="diffserve")
+    parser.add_argument("--lora", choices=["mirror"], default=None,
+                        help="judge the built-in model's LoRA adapter instead (mirror: images are judged mirrored "
+                             "back; --update-card writes its LORA_CARD.md)")
+    parser.add_argument("--quantization", default=None, metavar="ARMS",
+                        help="comma-separated quantization arms (none = unquantized; the first is the baseline)")
+    parser.add_argument("--quantization-skip", default=None, help="EngineConfig.quantization_skip for every arm")
     add_run_arguments(parser)
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> QualityReport:
+def psnr(images: np.ndarray, reference: np.ndarray) -> float:
+    """PSNR in dB of images against `reference`, pixels in [0, 1] (inf when identical)."""
+    mse = float(np.mean((np.asarray(images, np.float64) - np.asarray(reference, np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * float(np.log10(1.0 / mse))
+
+
+def compare_quantization(args: argparse.Namespace, clf: SVC, judge_accuracy: float, prompts: list[str],
+                         labels: np.ndarray) -> dict[str, QualityReport]:
+    """Run each ``--quantization`` arm (see the module docstring) and print one line per arm."""
+    reports, baseline = {}, None
+    for arm in [a.strip() for a in args.quantization.split(",") if a.strip()]:
+        method = None if arm in ("none", "fp32") else arm
+        skip = args.quantization_skip if method is not None else None
+        images, seconds = generate_diffserve(args.model, prompts, args.seed, args.steps, args.guidance,
+                                             quantization=method, quantization_skip=skip)
+        report = reports[arm] = evaluate(clf, judge_accuracy, images, labels, seconds)
+        if baseline is None:
+            baseline = (images, report)
+        delta = 100 * (report.accuracy - baseline[1].accuracy)
+        print(f"arm {arm:18s} accuracy {100 * report.accuracy:6.2f} %  vs baseline {delta:+.2f} points  "
+              f"PSNR vs baseline {psnr(images, baseline[0]):6.2f} dB  worst digit "
+              f"{worst_digit(report.per_digit_accuracy)}  s/image {report.seconds_per_image:.4f}", flush=True)
+    return reports
+
+
+def main(argv: list[str] | None = None) -> QualityReport | MirrorReport:
     """Run the benchmark and print the report; see :func:`parse_args`."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -382,7 +571,15 @@ def main(argv: list[str] | None = None) -> QualityReport:
     clf, judge_accuracy = build_judge()
     print(f"judge: SVC(C={JUDGE_C}, gamma='scale'), held-out real accuracy {100 * judge_accuracy:.2f} % "
           f"(built in {time.perf_counter() - start:.2f} s)")
+    if args.lora == "mirror":
+        return run_mirror(args, argv, clf)
     prompts, labels = make_prompts(templates, args.n_per_digit)
+    if args.quantization:
+        if args.backend != "diffserve" or args.update_card:
+            raise SystemExit("--quantization runs the diffserve backend and records nothing in the card")
+        print(f"images: {len(prompts)}  steps: {args.steps}  guidance: {args.guidance:g}  threads: {args.threads}")
+        reports = compare_quantization(args, clf, judge_accuracy, prompts, labels)
+        return next(iter(reports.values()))
     generate = generate_diffserve if args.backend == "diffserve" else generate_diffusers
     images, seconds = generate(args.model, prompts, args.seed, args.steps, args.guidance)
     report = evaluate(clf, judge_accuracy, images, labels, seconds)

@@ -7,10 +7,11 @@ digits training split, 99.4 % on held-out real digits) and counted right when th
 prompt's answer. Also reported: how often the language model's answer (``ar_text``) is right,
 and seconds per image.
 
-``--swap-kv``: every request's conditional K/V is replaced by another request's (request ``k``
-gets the K/V of request ``perm[k]``, a fixed derangement), the answer text staying its own. If
-the DiT really reads the K/V, accuracy falls to about chance (the images follow the other
-prompts' answers).
+``--swap-kv``: every request's transferred K/V is replaced by another request's (request ``k``
+gets the K/V of request ``perm[k]``, a fixed derangement: with the diffserve backend its AR
+stage runs on prompt ``perm[k]``, so the connector hands its DiT stage the LM's K/V of that
+prompt and answer). If the DiT really reads the K/V, accuracy falls to about chance (the images
+follow the other prompts' answers).
 
 Usage::
 
@@ -94,23 +95,29 @@ def generate_reference(model: Path, prompts: list[str], seed: int, steps: int, g
 
 
 def generate_diffserve(model: Path, prompts: list[str], seed: int, steps: int, guidance: float,
-                       swap: np.ndarray | None, connector: str = "inprocess") -> tuple[np.ndarray, list[str], float]:
-    """Images, answers and seconds through diffserve's engine (AR stage + DiT stage); with
-    `swap`, each request's DiT stage receives another request's ``cond`` payload handle."""
+                       swap: np.ndarray | None, connector: str = "inprocess",
+                       threads: int = 1) -> tuple[np.ndarray, list[str], float]:
+    """Images, answers and seconds through diffserve's engine (AR stage + DiT stage, the
+    K/V through the connector: ``shared_memory`` runs the AR stage in its own process); with
+    `swap`, request ``k``'s AR stage runs on prompt ``swap[k]`` (its DiT stage gets that
+    prompt's K/V, and ``ar_text`` is that prompt's answer)."""
     from diffserve import DiffusionEngine, EngineConfig, SamplingParams
 
-    engine = DiffusionEngine(EngineConfig(model=str(model), connector=connector, max_batch_size=64))
+    executor = "multiprocess" if connector == "shared_memory" else "inprocess"
+    engine = DiffusionEngine(EngineConfig(model=str(model), executor=executor, max_batch_size=64,
+                                          num_threads=threads))
     try:
         params = [SamplingParams(num_inference_steps=steps, guidance_scale=guidance, seed=seed + k, output_type="np")
                   for k in range(len(prompts))]
-        start = time.perf_counter()
-        if swap is None:
-            outputs = engine.generate(prompts, params)
-        else:
-            from diffserve.engine.context_swap import swapped_contexts
+        if swap is not None:  # the AR stage sees another request's prompt; the DiT stage its own
+            submit, order = engine.ar_stage.submit, iter(swap)  # `generate` adds requests in order
 
-            with swapped_contexts(engine, swap):
-                outputs = engine.generate(prompts, params)
+            def swapped_submit(request_id, prompt, request_params, on_delta=None):
+                return submit(request_id, prompts[next(order)], request_params, on_delta)
+
+            engine.ar_stage.submit = swapped_submit
+        start = time.perf_counter()
+        outputs = engine.generate(prompts, params)
         seconds = time.perf_counter() - start
         failed = [o.error for o in outputs if o.error]
         if failed:
@@ -152,7 +159,7 @@ def main(argv: list[str] | None = None) -> ReasoningReport:
     prompts, answers = heldout_prompts(args.images)
     swap = derangement(len(prompts), args.seed) if args.swap_kv else None
     generate = generate_diffserve if args.backend == "diffserve" else generate_reference
-    kwargs = {"connector": args.connector} if args.backend == "diffserve" else {}
+    kwargs = {"connector": args.connector, "threads": args.threads} if args.backend == "diffserve" else {}
     images, texts, seconds = generate(args.model, prompts, args.seed, args.steps, args.guidance, swap, **kwargs)
     report = evaluate(images, texts, answers, seconds)
     print(f"model: {args.model}  backend: {args.backend}  threads: {args.threads}  images: {len(images)}  "

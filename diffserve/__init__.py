@@ -29,6 +29,7 @@ _EXPORTS = {
     "EngineDeadError": "diffserve.core.errors",
     "EngineSleepingError": "diffserve.core.errors",
     "NonFiniteOutputError": "diffserve.core.errors",
+    "LoraInUseError": "diffserve.core.errors",
     "RequestInputs": "diffserve.core.inputs",
 }
 __all__ = list(_EXPORTS)
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
         EngineSleepingError,
         NonFiniteOutputError,
         InvalidRequestError,
+        LoraInUseError,
         RequestFailedError,
         UnsupportedModelError,
     )

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diffserve.core.errors import InvalidRequestError
+from diffserve.core.quantization import DEFAULT_ERROR_BUDGET, QuantizationSpec, check_device
 from diffserve.core.sampling_params import MAX_SEED, RequestLimits
 
 if TYPE_CHECKING:
@@ -107,6 +108,34 @@ class EngineConfig:
             Requests are admitted only while resident weights + the estimated memory of every
             running request stay within it; a request that alone exceeds it is refused (see
             `diffserve.engine.memory_budget`).
+        loras: LoRA adapters loaded at startup, ``{name: path}`` (any format diffusers reads:
+            see `diffserve.lora.reading`).
+        lora_dir: a folder whose ``NAME.safetensors`` files and ``NAME/`` folders load the first
+            time a request names ``NAME`` (beside the steps; the request waits in the queue);
+            the only place ``POST /v1/loras`` may load from. None = none.
+        max_loras: device slots for LoRA adapters: the most distinct adapters the running
+            requests may use at once (a request needing another waits), and per request.
+        max_lora_rank: the largest adapter rank accepted (slots are padded to it).
+        max_cpu_loras: adapters kept in host memory (least recently used ones no request holds
+            are dropped beyond it and reload from their path when named again); None = 4 x
+            ``max_loras``.
+        quantization: quantized weights through torchao, applied after load and before
+            compile and offload: None (off), one method for every denoiser and text encoder
+            (``"int8_weight_only"``, ``"int8_dynamic"``; on CUDA also ``"float8"``,
+            ``"int4_weight_only"``), or a per-component mapping such as ``{"transformer":
+            "int8_dynamic", "text_encoder": "int8_weight_only", "vae": None}`` (see
+            `diffserve.core.quantization`). Components of a pre-quantized folder (saved by
+            diffusers / transformers with a torchao ``quantization_config``) load quantized
+            without it.
+        quantization_skip: linear layers kept in full precision: ``"auto"`` (the fewest layers
+            that keep the denoiser's output error within ``quantization_error_budget``,
+            measured at load on calibration prompts; `diffserve.quantization.skip_search`),
+            layer-name patterns (a list or a comma-separated string, wildcards ``*``), or None.
+        quantization_error_budget: the automatic skip list's bound on the denoiser output's
+            relative L2 error (a fraction).
+        transformer_file: a GGUF single-file transformer (``*.gguf``) loaded instead of the
+            folder's denoiser weights through diffusers' GGUF support (dequantized on the fly);
+            the folder gives its config and every other component.
     """
 
     model: str | None = None
@@ -143,6 +172,15 @@ class EngineConfig:
     offload_blocks: int = 1
     enable_sleep_mode: bool = False
     max_memory: int | str | None = None
+    loras: dict[str, str] = field(default_factory=dict)
+    lora_dir: str | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None
+    quantization: str | dict | None = None
+    quantization_skip: str | list | None = None
+    quantization_error_budget: float = DEFAULT_ERROR_BUDGET
+    transformer_file: str | None = None
     #: the resolved model folder (`model_path`), carried to worker processes once resolved
     _model_path: Path | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -206,11 +244,78 @@ class EngineConfig:
         from diffserve.core.memory_size import parse_memory
 
         parse_memory(self.max_memory)  # validates `max_memory`
+        self._check_loras()
+        self._check_quantization()
+
+    def _check_loras(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidRequestError(name, value, "an integer >= 1")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (not isinstance(cpu, int) or isinstance(cpu, bool) or cpu < self.max_loras):
+            raise InvalidRequestError("max_cpu_loras", cpu, f"an integer >= max_loras ({self.max_loras}), or None")
+        if not isinstance(self.loras, dict):
+            raise InvalidRequestError("loras", self.loras, "a mapping of LoRA names to paths")
+        for name, path in self.loras.items():
+            if not isinstance(name, str) or not name or not isinstance(path, (str, os.PathLike)):
+                raise InvalidRequestError("loras", {name: path}, "a mapping of LoRA names to paths")
+        if self.lora_dir is not None and not Path(self.lora_dir).is_dir():
+            raise InvalidRequestError("lora_dir", self.lora_dir, "an existing folder")
+
+    @property
+    def cpu_lora_capacity(self) -> int:
+        """Adapters kept in host memory (`max_cpu_loras`, default 4 x `max_loras`)."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else 4 * self.max_loras
+
+    @property
+    def quantization_spec(self) -> QuantizationSpec:
+        """`quantization`, `quantization_skip`, `quantization_error_budget` and
+        `transformer_file`, parsed."""
+        return QuantizationSpec.parse(self.quantization, self.quantization_skip, self.quantization_error_budget,
+                                      self.transformer_file)
+
+    def _check_quantization(self) -> None:
+        """Parse the quantization settings and refuse, at start, what cannot run here.
+
+        Raises:
+            InvalidRequestError: see `QuantizationSpec.parse` and `check_device`; a GGUF file
+                with ``load_format="dummy"`` (nothing would read it); ``int4_weight_only`` with
+                offload (its tile-packed weights are made for the device they are packed on).
+        """
+        spec = self.quantization_spec
+        device = self.torch_device
+        capability = None
+        if device.type == "cuda":
+            import torch
+
+            capability = tuple(torch.cuda.get_device_capability(device))
+        check_device(spec, device.type, str(self.torch_dtype).removeprefix("torch."), capability)
+        if spec.transformer_file is not None and self.load_format == "dummy":
+            raise InvalidRequestError("transformer_file", spec.transformer_file,
+                                      "unset with load_format dummy (dummy weights read no file)")
+        if "int4_weight_only" in spec.enabled_methods() and (self.cpu_offload or self.layerwise_offload):
+            raise InvalidRequestError("quantization", "int4_weight_only", "another method with cpu_offload or "
+                                      "layerwise_offload (int4's tile-packed weights are made for the device they "
+                                      "are packed on)")
 
     @property
     def world_size(self) -> int:
         """Worker ranks: cfg_parallel_size x ulysses_degree."""
         return self.cfg_parallel_size * self.ulysses_degree
+
+    @property
+    def uses_worker_processes(self) -> bool:
+        """Whether the model runs in worker processes (`diffserve.executor.multiproc`): asked
+        for with ``executor="multiprocess"``, or ``"auto"`` with more than one rank."""
+        return self.executor == "multiprocess" or (self.executor == "auto" and self.world_size > 1)
+
+    @property
+    def connector_kind(self) -> str:
+        """The connector a multi-stage model's stages use (`diffserve.connector.CONNECTORS`):
+        ``"shared_memory"`` when they run in separate processes (worker processes: the AR stage
+        then has its own), else ``"inprocess"`` (no copy)."""
+        return "shared_memory" if self.uses_worker_processes else "inprocess"
 
     @property
     def model_path(self) -> Path:

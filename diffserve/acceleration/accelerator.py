@@ -54,14 +54,18 @@ class Accelerator:
             ``compile``, ``compile_vae`` and ``max_batch_size`` (warm-up sizes) are read.
         stage: ``stage(name)`` context that puts a work stage's components on the device
             (`OffloadManager.stage`) around each warm-up call; None = all are resident.
+        warmup_contexts: context factories the compile warm-up runs every forward in, one
+            pass each (the runner's LoRA rows on and off, so both graph variants exist);
+            default: one pass without any.
 
     Raises:
         InvalidRequestError: a bad cache backend / options, or a backend or compile the model
             family does not support (the one-line message names both).
     """
 
-    def __init__(self, adapter: "PipelineAdapter", config: "EngineConfig", stage=None):
+    def __init__(self, adapter: "PipelineAdapter", config: "EngineConfig", stage=None, warmup_contexts=None):
         self.adapter = adapter
+        self._warmup_contexts = list(warmup_contexts or [contextlib.nullcontext])
         self._stage = stage or (lambda name, **kw: contextlib.nullcontext(0))
         model_path = config.model_path
         self.prompt_cache: PromptEmbedCache | None = None
@@ -118,8 +122,9 @@ class Accelerator:
         self.backend.reset(state)
 
     def denoise(self, batch: "StepBatch") -> torch.Tensor:
-        """The denoiser forward of a step batch through the cache backend (or CUDA graphs)."""
-        if self.graphs is not None:
+        """The denoiser forward of a step batch through the cache backend (or CUDA graphs;
+        not for batches with LoRA rows: a replayed graph would skip their deltas)."""
+        if self.graphs is not None and "loras" not in batch.row_data:
             out = self.adapter.denoise(batch, call=self.graphs)
             self.backend.transformer_calls += len(batch.states)
             return out
@@ -170,7 +175,8 @@ class Accelerator:
                 rows = adapter.rows(state.params)
                 if rows <= target:
                     plans[target // rows * rows] = (i, target // rows)
-        calls = [lambda i=i, copies=copies: forward(states[i], copies) for _, (i, copies) in sorted(plans.items())]
+        calls = [lambda i=i, copies=copies, context=context: _within(context, forward, states[i], copies)
+                 for context in self._warmup_contexts for _, (i, copies) in sorted(plans.items())]
         if decode:
             calls.append(decode_once)
         return calls
@@ -187,3 +193,9 @@ class Accelerator:
             "context_folding": {"enabled": bool(getattr(self.adapter, "context_folding", False))},
             "cuda_graphs": self.graphs.stats() if self.graphs is not None else {"enabled": False},
         }
+
+
+def _within(context, fn, *args):
+    """``fn(*args)`` inside ``context()``."""
+    with context():
+        return fn(*args)

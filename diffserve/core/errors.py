@@ -65,6 +65,17 @@ class EngineDeadError(RuntimeError):
     """The engine loop (or a worker) died; requests fail fast (HTTP 503) instead of waiting."""
 
 
+class UnknownLoraError(InvalidRequestError):
+    """A request names a LoRA adapter the engine does not hold (field ``loras``). The HTTP
+    server answers it with 404 ``lora_not_found``, as vLLM answers an unknown model or LoRA
+    name: the request is well formed, the resource is missing."""
+
+
+class LoraInUseError(RuntimeError):
+    """A LoRA adapter that waiting or running requests use cannot be unloaded or replaced now
+    (HTTP 409); the message says which and why."""
+
+
 class InteractionRefusedError(InvalidRequestError):
     """An interaction (`DiffusionEngine.submit_interaction`) that cannot apply to its request.
 

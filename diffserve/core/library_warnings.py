@@ -10,6 +10,10 @@
   `to()` can lead to inconsistent results``: printed for every model cast to a dtype (the dummy
   load format builds models, then casts them) even when the list is empty; only the empty-list
   form is dropped (a model with float32 modules still warns).
+- diffusers' ``No LoRA keys associated to X found with the prefix=...``: printed for every
+  LoRA-loadable component a LoRA file does not touch (most files change only the denoiser);
+  diffserve's LoRA reader counts matched and unmatched modules itself and refuses a file that
+  does not match (`diffserve.lora.reading`).
 - transformers' ``Token indices sequence length is longer than the specified maximum sequence
   length for this model (...). Running this sequence through the model will result in indexing
   errors``: diffserve tokenizes a prompt once without truncation only to tell whether it is
@@ -23,6 +27,9 @@
   tensor classes that torchao 0.18 no longer has; pre-quantized folders load from safetensors)
   and ``You are trying to set torch_dtype to torch.float32 for integer quantization, but only
   bfloat16 is supported`` (int8 runs in float32 on CPU; diffserve's CPU default).
+- torch's ``<enum 'KernelPreference'> is an Enum subclass and is now natively supported by
+  torch.compile ...`` (torchao registers its enums the older way when it is imported: a
+  deprecation notice for torchao, nothing a user can act on).
 
 Only these messages are dropped (logger filters on the exact loggers that emit them), so every
 other library warning still shows. Installing the filters imports neither library; the loader
@@ -44,6 +51,9 @@ INAPPLICABLE_WARNINGS: tuple[tuple[str, str], ...] = (
     ("torchao.kernel.intmm", "Detected no triton"),
     ("diffusers.quantizers.torchao.torchao_quantizer", "Unable to import `torchao` Tensor objects"),
     ("diffusers.quantizers.torchao.torchao_quantizer", "for integer quantization, but only bfloat16 is supported"),
+    ("diffusers.loaders.lora_base", "No LoRA keys associated to"),
+    ("diffusers.loaders.peft", "No LoRA keys associated to"),
+    ("torch.utils._pytree", "is an Enum subclass and is now natively supported by torch.compile"),
 )
 
 

@@ -46,12 +46,15 @@ class NewRequest:
     Attributes:
         params: resolved sampling params.
         inputs: `diffserve.core.inputs.RequestInputs` (input images / mask) or None.
+        context: multi-stage models: the `diffserve.connector.PayloadHandle` of the payloads its
+            AR stage produced (the runner receives them before preparing); None otherwise.
     """
 
     request_id: str
     prompt: str
     params: SamplingParams
     inputs: Any = None
+    context: Any = None
 
 
 @dataclass
@@ -65,6 +68,9 @@ class Prepared:
         step_key: the adapter's step key for its first step (`PipelineAdapter.step_key`).
         offload_loads: components moved onto the device for the work item that prepared it
             (model CPU offload; one move serves every request of the item).
+        payload_wait_s / payload_fetch_s / payload_bytes: multi-stage models: how long the
+            prepare waited for the request's AR-stage payloads, how long fetching them took
+            (from admission), and their size in bytes.
     """
 
     request_id: str
@@ -75,6 +81,9 @@ class Prepared:
     error: WorkError | None = None
     step_key: Any = None
     offload_loads: int = 0
+    payload_wait_s: float = 0.0
+    payload_fetch_s: float = 0.0
+    payload_bytes: int = 0
 
 
 @dataclass
@@ -207,12 +216,19 @@ class ModelInfo:
         step_batching: whether requests run step by step (False: whole-request fallback).
         chunk_streaming: whether requests may stream video chunks (``num_chunks``) and take
             interactions.
+        quantization: the quantized components, plain data (``{"spec": ..., "components":
+            {name: report}}``, `diffserve.core.quantization.ComponentReport.as_dict`), None when
+            nothing is quantized.
+        ar_stage: whether the model has an autoregressive stage before its DiT stage (its
+            requests go through the AR stage first and reach the runner with their payloads).
     """
 
     spec: ModelSpec
     pipeline: str
     step_batching: bool = True
     chunk_streaming: bool = False
+    quantization: dict | None = None
+    ar_stage: bool = False
 
 
 @dataclass(frozen=True)

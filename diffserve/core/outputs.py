@@ -30,6 +30,15 @@ class RequestMetrics:
     chunk event (so ``chunk_s[0]`` is the time to first chunk and consecutive differences are
     the inter-chunk gaps); ``decode_s`` adds up the chunk boundaries (decode of a chunk and
     preparation of the next).
+
+    Multi-stage models (an AR stage before the DiT): ``ar_queue_s`` from arrival to the start
+    of the request's AR generation; ``ar_s`` its generation (wall time of the batched rounds or
+    continuous-batching steps it took part in); ``transfer_s`` making and putting its payloads
+    (the AR side's K/V export, one batched forward) plus fetching them on the DiT side (mapping
+    or referencing, and moving to the device); ``payload_wait_s`` how long the DiT stage's prepare
+    waited for that fetch (the fetch starts at admission, so ~0 when it finished in time);
+    ``payload_bytes`` the bytes of its payloads (all guidance branches). ``queue_s`` then counts
+    from the end of the AR stage to DiT admission. All 0 for single-stage models.
     """
 
     arrival_time: float = 0.0
@@ -44,6 +53,11 @@ class RequestMetrics:
     request_peak_memory_bytes: int | None = None
     offload_loads: int = 0
     chunk_s: list[float] = field(default_factory=list)
+    ar_queue_s: float = 0.0
+    ar_s: float = 0.0
+    transfer_s: float = 0.0
+    payload_wait_s: float = 0.0
+    payload_bytes: int = 0
 
     @property
     def first_chunk_s(self) -> float | None:
@@ -64,6 +78,9 @@ class RequestMetrics:
             "request_peak_memory_bytes": self.request_peak_memory_bytes,
             "offload_loads": self.offload_loads,
             **({"chunk_s": list(self.chunk_s)} if self.chunk_s else {}),
+            **({"ar_queue_s": self.ar_queue_s, "ar_s": self.ar_s, "transfer_s": self.transfer_s,
+                "payload_wait_s": self.payload_wait_s, "payload_bytes": self.payload_bytes}
+               if self.payload_bytes else {}),
         }
 
 
@@ -98,6 +115,8 @@ class GenerationOutput:
         status: finished, failed or aborted; `error` holds the message when failed and
             `error_type` the failure's class name (e.g. ``"NonFiniteOutputError"``).
         params: the resolved sampling params the request ran with (defaults filled in).
+        ar_text: multi-stage models whose AR stage writes text (the built-in
+            ``digits-reasoning``: the language model's answer): that text; None otherwise.
     """
 
     request_id: str
@@ -112,6 +131,7 @@ class GenerationOutput:
     error_type: str | None = None
     params: Any = None
     videos: Any = field(default_factory=list)
+    ar_text: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -119,12 +139,14 @@ class GenerationOutput:
 
 
 class EventType(str, Enum):
-    """Kinds of stream events a request yields, in order: queued, started, progress*,
-    partial*, then exactly one of finished / failed / aborted. A stream (``num_chunks``)
-    interleaves one ``chunk`` event per chunk (in chunk order) with the progress events of
-    the chunks; its last chunk event comes right before ``finished``."""
+    """Kinds of stream events a request yields, in order: queued, ar_delta* (multi-stage
+    models whose AR stage writes text: each new piece of it, as generated), started,
+    progress*, partial*, then exactly one of finished / failed / aborted. A stream
+    (``num_chunks``) interleaves one ``chunk`` event per chunk (in chunk order) with the progress
+    events of the chunks; its last chunk event comes right before ``finished``."""
 
     QUEUED = "queued"
+    AR_DELTA = "ar_delta"
     STARTED = "started"
     PROGRESS = "progress"
     PARTIAL = "partial"
@@ -154,6 +176,7 @@ class StreamEvent:
         chunk_index: the chunk (0-based) a chunk event carries, or a progress event steps.
         event_ids: chunk events: the ``event_id`` of every interaction
             (`DiffusionEngine.submit_interaction`) this chunk is the first to use.
+        text: ar_delta events: the new piece of the AR stage's text.
     """
 
     request_id: str
@@ -165,3 +188,4 @@ class StreamEvent:
     error: str | None = None
     chunk_index: int | None = None
     event_ids: list[str] = field(default_factory=list)
+    text: str | None = None

@@ -12,6 +12,7 @@ import dataclasses
 import math
 import numbers
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,9 @@ OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 MAX_SEED = 2**63 - 1
 #: Guidance beyond this overflows the CFG extrapolation into NaN images; real use is 1-20.
 MAX_GUIDANCE_SCALE = 100.0
+#: Largest |scale| of a LoRA adapter in a request (diffusers' ``set_adapters`` weight; real use
+#: is 0-1.5, negative scales subtract a style).
+MAX_LORA_SCALE = 4.0
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,11 @@ class SamplingParams:
             Image ``i`` of the request is drawn from seed ``(seed + i) mod 2**63``
             (`image_seeds`), so each image equals the one-image request with that seed, as
             the CLI's ``-n`` and the HTTP ``n`` make them.
+        loras: LoRA adapters to apply, ``{name: scale}`` (several compose, as diffusers'
+            ``set_adapters(names, weights)``): names of adapters the engine holds
+            (`DiffusionEngine.load_lora`, ``--lora``, ``--lora-dir``, a built-in model's own),
+            scales finite in [-4, 4]; None = none. Requests with different adapters share
+            denoiser forwards (each row adds its own low-rank deltas).
         output_type: ``"pil"`` (list of PIL images), ``"np"`` (float32 array
             (N, H, W, C) in [0, 1]), ``"pt"`` (float tensor (N, C, H, W) in [0, 1]) or
             ``"latent"`` (the final latents (N, C, H/f, W/f)).
@@ -171,6 +180,7 @@ class SamplingParams:
     strength: float | None = None
     num_chunks: int | None = None
     extra: dict[str, Any] | None = None
+    loras: dict[str, float] | None = None
 
     def image_seeds(self) -> list[int]:
         """The seed of each of the ``num_images_per_prompt`` images: `image_seed` (`seed`, i).
@@ -287,6 +297,7 @@ class SamplingParams:
         if p.extra is not None:
             _check_extra(spec, p.extra)
             p.extra = dict(p.extra) or None
+        p.loras = check_loras(p.loras)
         return p
 
 
@@ -306,6 +317,30 @@ def _check_extra(spec: ModelSpec, extra: object) -> None:
         allowed = ", ".join(spec.extra_parameters) or "none"
         raise InvalidRequestError("extra", unknown, f"names of {spec.pipeline}.__call__ arguments diffserve does not "
                                   f"set itself: {allowed}")
+
+
+def check_loras(loras: object) -> dict[str, float] | None:
+    """A request's ``loras`` as ``{name: float scale}`` (None / empty: none).
+
+    Raises:
+        InvalidRequestError: (field ``loras``) not a mapping of non-empty string names to
+            finite numbers in [-MAX_LORA_SCALE, MAX_LORA_SCALE].
+    """
+    if loras is None:
+        return None
+    allowed = (f"a mapping of LoRA names to finite scales in [{-MAX_LORA_SCALE:g}, {MAX_LORA_SCALE:g}] "
+               "(e.g. {\"mirror\": 1.0})")
+    if not isinstance(loras, Mapping):
+        raise InvalidRequestError("loras", loras, allowed)
+    out: dict[str, float] = {}
+    for name, scale in loras.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError("loras", dict(loras), allowed, detail=f"name {name!r}")
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) \
+                or not -MAX_LORA_SCALE <= scale <= MAX_LORA_SCALE:
+            raise InvalidRequestError("loras", dict(loras), allowed, detail=f"scale of {name!r} is {scale!r}")
+        out[name] = float(scale)
+    return out or None
 
 
 def _default_or_refuse(spec: ModelSpec, field: str, value, default, what: str):

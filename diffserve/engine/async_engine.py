@@ -256,6 +256,23 @@ class AsyncDiffusionEngine:
         """`DiffusionEngine.wake_up` (blocking)."""
         self.engine.wake_up()
 
+    # ------------------------------------------------------------------ LoRA adapters
+    def check_loras(self, loras: Mapping[str, float] | None) -> None:
+        """See `DiffusionEngine.check_loras`."""
+        self.engine.check_loras(loras)
+
+    def load_lora(self, name: str, path: Any, origin: str = "api", within_lora_dir: bool = False) -> dict[str, Any]:
+        """See `DiffusionEngine.load_lora` (blocks: call it off the event loop)."""
+        return self.engine.load_lora(name, path, origin, within_lora_dir)
+
+    def unload_lora(self, name: str) -> None:
+        """See `DiffusionEngine.unload_lora`."""
+        self.engine.unload_lora(name)
+
+    def list_loras(self) -> list[dict[str, Any]]:
+        """See `DiffusionEngine.list_loras`."""
+        return self.engine.list_loras()
+
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop admitting, let in-flight requests finish for up to `timeout_s` seconds, abort
         the rest, then stop the loop thread."""

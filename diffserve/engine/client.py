@@ -5,7 +5,7 @@
 `EngineClient` is what the CLI, the OpenAI server, its services and ops routes, and the Ray
 Serve replicas use: the model's facts, the request plan and limits (through the shared
 `InputProcessor`), counts of waiting and running requests, stats, sleep mode, and adding,
-aborting and following requests (and a stream's interactions). `DiffusionEngine` (offline,
+aborting and following requests (and a stream's interactions), and LoRA adapters. `DiffusionEngine` (offline,
 synchronous) and `AsyncDiffusionEngine` (its loop in a thread, asyncio streams) both implement
 it; they differ only in `generate`: the synchronous one blocks and returns the outputs of a
 list of prompts, the asynchronous one is an async iterator of one request's events. Nothing
@@ -111,6 +111,19 @@ class EngineClient(Protocol):
 
     def submit_interaction(self, request_id: str, interaction: Mapping[str, Any]) -> str:
         """Change a running stream's prompt from its next chunk on; returns the event id."""
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def check_loras(self, loras: Mapping[str, float] | None) -> None:
+        """Check a request's adapter names (an adapter not held starts loading)."""
+
+    def load_lora(self, name: str, path: Any, origin: str = "api", within_lora_dir: bool = False) -> dict[str, Any]:
+        """Load a LoRA adapter (blocks until every worker holds it); its listing entry."""
+
+    def unload_lora(self, name: str) -> None:
+        """Drop a LoRA adapter no request uses."""
+
+    def list_loras(self) -> list[dict[str, Any]]:
+        """Every registered LoRA adapter, with its state and use count."""
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """Generate: `DiffusionEngine.generate` blocks and returns the outputs of a list of

@@ -21,6 +21,12 @@ the request scheduler, with the same batch key, for its next chunk. Each chunk i
 video. `submit_interaction` changes the prompt of a running stream's following chunks; the
 interaction travels to the workers with the next chunk boundary.
 
+Multi-stage models (`ModelInfo.ar_stage`: an autoregressive stage before the DiT, e.g. the
+built-in ``digits-reasoning``, GLM-Image): the engine also owns the AR stage client
+(`diffserve.executor.ar_stage`: on threads of this process sharing the in-process runner's
+connector, or in its own process putting into shared memory when the DiT stage runs in worker
+processes); the request scheduler submits each request to it first (see its docstring).
+
 Memory: with ``EngineConfig.max_memory`` the request scheduler also admits by estimated memory
 (`diffserve.engine.memory_budget`); `sleep` / `wake_up` give the device's memory back between
 bursts (vLLM's levels 1 and 2).
@@ -34,8 +40,10 @@ requests without a listener are returned by `step()`.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
 from diffserve.config import EngineConfig
@@ -44,10 +52,12 @@ from diffserve.core.messages import ModelInfo
 from diffserve.core.outputs import GenerationOutput, StreamEvent
 from diffserve.core.sampling_params import ModelSpec, SamplingParams
 from diffserve.engine.input_processor import InputProcessor, ProcessedRequest
+from diffserve.engine.loras import EngineLoras, LoraRegistry
 from diffserve.engine.queues import RequestQueues
 from diffserve.engine.scheduler import RequestScheduler
 from diffserve.engine.sleep_mode import SleepMode
-from diffserve.executor import Executor, InProcessExecutor, build_executor
+from diffserve.executor import Executor, InProcessExecutor, build_ar_stage, build_executor
+from diffserve.models import builtin_loras
 
 logger = logging.getLogger(__name__)
 
@@ -93,13 +103,21 @@ class DiffusionEngine:
         self._step_lock = threading.Lock()
         self.input_processor = InputProcessor(self.model_info.spec, self.config.limits, self.config.default_seed,
                                               executor.plan, self.memory_budget)
+        #: LoRA adapters: names, paths, loads into the workers (`diffserve.engine.loras`)
+        self.loras = EngineLoras(LoraRegistry(self.config.lora_dir, builtin_loras(self.config.model),
+                                              self.config.max_loras, self.config.cpu_lora_capacity), executor)
         queues = RequestQueues(self.config.max_batch_size, self.config.max_waiting_requests,
                                self.config.execution_mode,
-                               memory_limit=self.memory_budget.available if self.memory_budget is not None else None)
+                               memory_limit=self.memory_budget.available if self.memory_budget is not None else None,
+                               max_loras=self.config.max_loras, lora_ready=self.loras.ready)
+        #: multi-stage models: the AR stage client (None for single-stage models)
+        self.ar_stage = build_ar_stage(self.config, executor) if self.model_info.ar_stage else None
         self.scheduler = RequestScheduler(queues, self.model_info, executor.peak_memory_bytes,
-                                          notify=self._mail.notify_all)
+                                          notify=self._mail.notify_all, ar_stage=self.ar_stage)
         self.sleep_mode = SleepMode(executor, self._lock, self._step_lock, self._drain)
         self._step_listeners: list[Callable[[int, int, float], None]] = []
+        for name, path in self.config.loras.items():  # --lora NAME=PATH: loaded before serving
+            self.load_lora(name, path, origin="startup")
 
     # ------------------------------------------------------------------ model facts
     @property
@@ -150,6 +168,7 @@ class DiffusionEngine:
         processed = self._processed(prompt, params, inputs)
         with self._lock:
             self.sleep_mode.check_awake()
+            self.loras.check(processed.params.loras)  # unknown names refused; adapters not held start loading
             return self.scheduler.add_request(processed, request_id, preview_steps, listener, progress)
 
     def _processed(self, prompt: str | ProcessedRequest, params: SamplingParams | None,
@@ -240,11 +259,17 @@ class DiffusionEngine:
 
     def stats(self) -> dict[str, Any]:
         """Executor counters (acceleration, non-finite outputs, workers alive, offload), plus
-        ``memory_budget`` (`MemoryBudget.stats`) with ``max_memory`` and ``sleep_level``."""
+        ``memory_budget`` (`MemoryBudget.stats`) with ``max_memory``, ``sleep_level``,
+        ``quantization`` (the quantized components, `ModelInfo.quantization`; None without), and for
+        multi-stage models ``ar_stage`` (the AR stage's counters and its connector's accounting)
+        and ``payloads`` (the DiT side's receiver)."""
         stats = dict(self.executor.stats())
+        stats["quantization"] = self.model_info.quantization
         if self.memory_budget is not None:
             stats["memory_budget"] = self.memory_budget.stats(self.scheduler.queues.running_memory)
         stats["sleep_level"] = self.sleep_mode.level
+        if self.ar_stage is not None:
+            stats["ar_stage"] = self.ar_stage.stats()
         return stats
 
     def add_step_listener(self, listener: Callable[[int, int, float], None]) -> None:
@@ -315,9 +340,15 @@ class DiffusionEngine:
 
     def _step_locked(self) -> None:
         scheduler, executor = self.scheduler, self.executor
+        ar_futures = None
         for _ in range(2):
             with self._lock:
+                self._poll_loras()
                 out = scheduler.schedule()
+            if not (out.step_ids or out.has_work):
+                loads = self.loras.in_flight()
+                if loads:  # only adapter loads to wait for: wait (briefly) instead of spinning
+                    wait(loads, timeout=_WAIT_S, return_when=FIRST_COMPLETED)
             result = executor.execute(out)
             if result.step is not None and self._step_listeners:
                 seconds = result.step_end - result.step_start
@@ -327,7 +358,10 @@ class DiffusionEngine:
                 scheduler.update_from_output(out, result)
                 # nothing stepped, but results made a batch ready (e.g. prepared requests): step now
                 if out.step_ids or not scheduler.has_batch():
-                    return
+                    ar_futures = scheduler.ar_futures() if not out.step_ids and not executor.busy else None
+                    break
+        if ar_futures:  # only the AR stage is at work: wait (briefly) for it instead of spinning
+            wait(ar_futures, timeout=_WAIT_S, return_when=FIRST_COMPLETED)
 
     def _step_or_wait(self, nothing_new: Callable[[], bool]) -> None:
         """Step if no other thread is stepping; else wait (briefly) for the stepping thread's
@@ -343,6 +377,89 @@ class DiffusionEngine:
             with self._lock:
                 if nothing_new():
                     self._mail.wait(timeout=_WAIT_S)
+
+    # -------------------------------------------------------------------- LoRA adapters
+    def _loras_in_use(self) -> set[str]:
+        """Names of the adapters waiting or running requests use (lock held)."""
+        return {name for r in self.scheduler.requests.values() for name in r.lora_names}
+
+    def _poll_loras(self) -> None:
+        """Apply finished adapter loads and the host budget (lock held); fail the waiting
+        requests of a failed load."""
+        if not self.loras.needs_poll():
+            return
+        failed = self.loras.poll(self._loras_in_use())
+        if not failed:
+            return
+        for request in [r for r in self.scheduler.queues.waiting if set(r.lora_names) & set(failed)]:
+            name = next(n for n in request.lora_names if n in failed)
+            self.scheduler.fail_waiting(request.request_id, InvalidRequestError(
+                "loras", dict(request.params.loras), "LoRA adapters that load",
+                detail=f"loading {name!r} failed: {failed[name]}"))
+
+    def check_loras(self, loras: Mapping[str, float] | None) -> None:
+        """Check a request's ``loras`` names (what `add_request` does first; for callers that
+        validate before queueing) and start loading the adapters the workers do not hold.
+
+        Raises:
+            InvalidRequestError: (field ``loras``) an unknown name, or more adapters than
+                ``max_loras``.
+        """
+        with self._lock:
+            self.loras.check(loras)
+
+    def load_lora(self, name: str, path: str | os.PathLike, origin: str = "api",
+                  within_lora_dir: bool = False) -> dict[str, Any]:
+        """Load the LoRA adapter at `path` (any format diffusers reads) as `name`, replacing an
+        adapter of that name that no request uses; blocks until every worker holds it. Steps
+        go on meanwhile (another thread may step).
+
+        Args:
+            within_lora_dir: `path` must lie inside ``lora_dir`` (relative paths are taken from
+                it): what the HTTP server allows its clients.
+
+        Returns:
+            Its listing entry (`list_loras`).
+
+        Raises:
+            InvalidRequestError: (field ``name``) a bad name; (field ``path``) the file is
+                missing, unreadable, of an unsupported kind, does not match the model, or its rank
+                exceeds ``max_lora_rank``.
+            LoraInUseError: requests use the adapter it would replace, or it is loading.
+        """
+        if within_lora_dir:
+            path = self.loras.registry.inside_lora_dir(path)
+        with self._lock:
+            future = self.loras.begin_load(name, os.fspath(path), origin, self._loras_in_use())
+        try:
+            future.result()
+        finally:
+            with self._lock:
+                self.loras.poll(self._loras_in_use())
+        with self._lock:
+            return self.loras.registry.entries[name].as_dict()
+
+    def unload_lora(self, name: str) -> None:
+        """Drop adapter `name` from the workers.
+
+        Raises:
+            InvalidRequestError: (field ``name``) no such adapter.
+            LoraInUseError: waiting or running requests use it (unload once they finish).
+        """
+        with self._lock:
+            self.loras.unload(name, self._loras_in_use())
+
+    def list_loras(self) -> list[dict[str, Any]]:
+        """Every registered adapter: ``name``, ``path``, ``origin`` (startup, api, lora_dir,
+        builtin), ``state`` (registered: known, not in the workers; loading; ready; failed,
+        with ``error``), ``in_use`` (waiting + running requests naming it) and, once read,
+        ``format``, ``rank``, ``modules`` (per component) and ``bytes``."""
+        with self._lock:
+            counts: dict[str, int] = {}
+            for r in self.scheduler.requests.values():
+                for n in r.lora_names:
+                    counts[n] = counts.get(n, 0) + 1
+            return [{**entry, "in_use": counts.get(entry["name"], 0)} for entry in self.loras.registry.listing()]
 
     # -------------------------------------------------------------------- offline API
     def generate(
@@ -439,5 +556,7 @@ class DiffusionEngine:
         return [self._processed(prompt, p, x) for prompt, p, x in zip(prompts, params_list, inputs_list)]
 
     def shutdown(self) -> None:
-        """Stop the executor's background work."""
+        """Stop the executor's background work (and a multi-stage model's AR stage)."""
+        if self.ar_stage is not None:
+            self.ar_stage.shutdown()
         self.executor.shutdown()

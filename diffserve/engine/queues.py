@@ -30,6 +30,7 @@ not fit waits at the head of the queue.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterable
 
 from diffserve.engine.request import Phase, Request
 from diffserve.core.errors import EngineOverloadedError
@@ -45,14 +46,21 @@ class RequestQueues:
         mode: ``"step"`` or ``"request"``.
         memory_limit: bytes the running requests' estimates may add up to (None = no memory
             budget).
+        max_loras: most distinct LoRA adapters the running requests may use (the workers'
+            device slots; None = no bound).
+        lora_ready: whether the workers hold every named adapter (None = always); a request
+            whose adapters are still loading is passed over at admission.
     """
 
     def __init__(self, max_batch_size: int, max_waiting: int, mode: str = "step",
-                 memory_limit: int | None = None):
+                 memory_limit: int | None = None, max_loras: int | None = None,
+                 lora_ready: Callable[[Iterable[str]], bool] | None = None):
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
         self.mode = mode
         self.memory_limit = memory_limit
+        self.max_loras = max_loras
+        self.lora_ready = lora_ready
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         #: the last `select_batch` result, reused until something it depends on changes
@@ -76,13 +84,17 @@ class RequestQueues:
     def _fits_memory(self, used: int, request: Request) -> bool:
         return self.memory_limit is None or used + request.memory_bytes <= self.memory_limit
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, bounded: bool = True) -> None:
         """Queue a request.
+
+        Args:
+            bounded: check the bound (False: a request counted against it already, when it
+                entered its model's AR stage).
 
         Raises:
             EngineOverloadedError: the waiting queue already holds `max_waiting` requests.
         """
-        if len(self.waiting) >= self.max_waiting:
+        if bounded and len(self.waiting) >= self.max_waiting:
             raise EngineOverloadedError(
                 f"waiting queue is full ({self.max_waiting} requests); retry later"
             )
@@ -97,29 +109,68 @@ class RequestQueues:
         return None
 
     def admit(self) -> list[Request]:
-        """Move waiting requests into `running` per the mode's rule; returns those moved."""
+        """Move waiting requests into `running` per the mode's rule; returns those moved.
+
+        LoRA adapters (`SamplingParams.loras`): a request whose adapters the workers are still
+        loading is passed over (it keeps its place; later requests may be admitted); one whose
+        adapters would make the running requests use more than `max_loras` distinct adapters
+        waits at the head, like rows and memory."""
         admitted: list[Request] = []
+        in_use: set[str] | None = None
+
+        def loras_fit(request: Request) -> bool | None:
+            """None: its adapters are loading (pass over it); else whether they fit the slots."""
+            nonlocal in_use
+            names = request.lora_names
+            if not names:
+                return True
+            if self.lora_ready is not None and not self.lora_ready(names):
+                return None
+            if self.max_loras is None:
+                return True
+            if in_use is None:
+                in_use = {n for r in self.running for n in r.lora_names}
+            return len(in_use | set(names)) <= self.max_loras
+
+        def take(index: int) -> Request:
+            request = self.waiting[index]
+            del self.waiting[index]
+            admitted.append(request)
+            if in_use is not None:
+                in_use.update(request.lora_names)
+            return request
+
         if self.mode == "request":
             if self.running or not self.waiting:
                 return admitted
-            head = self.waiting.popleft()
-            admitted.append(head)
+            start = next((i for i, r in enumerate(self.waiting) if loras_fit(r)), None)
+            if start is None:
+                return admitted
+            head = take(start)
             rows, memory = head.rows, head.memory_bytes
-            for request in list(self.waiting):
+            i = start
+            while i < len(self.waiting):
+                request = self.waiting[i]
                 if request.batch_key == head.batch_key and rows + request.rows <= self.max_batch_size \
-                        and self._fits_memory(memory, request):
-                    self.waiting.remove(request)
-                    admitted.append(request)
+                        and self._fits_memory(memory, request) and loras_fit(request):
+                    take(i)
                     rows += request.rows
                     memory += request.memory_bytes
+                else:
+                    i += 1
         elif self.waiting:
             rows, memory = self.running_rows, self.running_memory
-            while self.waiting:
-                head = self.waiting[0]
-                if (self.running or admitted) and (rows + head.rows > self.max_batch_size
+            i = 0
+            while i < len(self.waiting):
+                head = self.waiting[i]
+                fit = loras_fit(head)
+                if fit is None:
+                    i += 1
+                    continue
+                if (self.running or admitted) and (not fit or rows + head.rows > self.max_batch_size
                                                    or not self._fits_memory(memory, head)):
                     break
-                admitted.append(self.waiting.popleft())
+                take(i)
                 rows += head.rows
                 memory += head.memory_bytes
         if admitted:

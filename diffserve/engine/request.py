@@ -13,10 +13,12 @@ from diffserve.core.sampling_params import SamplingParams
 
 
 class Phase(str, Enum):
-    """Where a request is: waiting in the queue, being prepared (encode), denoising (stepped
-    by the request scheduler), between two chunks of a stream (its chunk is decoded and the
-    next one prepared; it keeps its rows), being decoded, or done."""
+    """Where a request is: in its model's AR stage (multi-stage models: generating what the
+    DiT stage reads, before it joins the waiting queue), waiting in the queue, being prepared
+    (encode), denoising (stepped by the request scheduler), between two chunks of a stream (its
+    chunk is decoded and the next one prepared; it keeps its rows), being decoded, or done."""
 
+    AR_STAGE = "ar_stage"
     WAITING = "waiting"
     PREPARING = "preparing"
     DENOISING = "denoising"
@@ -51,6 +53,11 @@ class Request:
         chunk_index: streams: the chunk being denoised (or whose boundary work is in flight).
         interactions: streams: interactions received and not yet sent to the workers (they go
             with the next chunk boundary's `ChunkWork`).
+        context: multi-stage models: the `diffserve.connector.PayloadHandle` of the payloads its
+            AR stage produced (set when the AR stage finishes; sent to the workers at admission).
+        ar_text: multi-stage models: the AR stage's text (`GenerationOutput.ar_text`).
+        ar_end_time: ``time.perf_counter()`` when its AR stage finished (its DiT queue time
+            counts from there).
     """
 
     request_id: str
@@ -77,6 +84,15 @@ class Request:
     step_key: Hashable = None
     chunk_index: int = 0
     interactions: list[Interaction] = field(default_factory=list)
+    context: Any = None
+    ar_text: str | None = None
+    ar_end_time: float | None = None
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """Names of the LoRA adapters the request uses (``params.loras``)."""
+        loras = self.params.loras if self.params is not None else None
+        return tuple(loras) if loras else ()
 
     @property
     def streaming(self) -> bool:

@@ -14,6 +14,15 @@ executor (ONE call), and applies the workers' `RunnerOutput` with `update_from_o
                           back applied: prepared, decoded (final or preview), chunk boundaries
                           done, failures
 
+Multi-stage models (an AR stage before the DiT stage, `ModelInfo.ar_stage`): a request starts
+in phase AR_STAGE: it is submitted to the AR stage client (`diffserve.executor.ar_stage`, which
+batches the generation of all requests in it beside the DiT steps) and enters the waiting queue
+only when its generation ends, with the `PayloadHandle` of its payloads (so the DiT stage's
+admission never holds rows for a payload that does not exist yet, and its fairness rule is
+unchanged); its text streams as ``ar_delta`` events meanwhile. At admission its `NewRequest`
+carries the handle (the worker starts the fetch there). Whenever it ends, in any phase, its
+payloads are freed in the AR stage (an abort in phase AR_STAGE aborts its generation).
+
 A request's phases (`Phase`): WAITING -> PREPARING -> DENOISING -> DECODING -> DONE, a stream
 going DENOISING -> BETWEEN_CHUNKS -> DENOISING for each chunk after the first; an abort or a
 failure ends it in any phase (a request being prepared, decoded or between chunks is closed
@@ -31,11 +40,13 @@ import itertools
 import logging
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from concurrent.futures import Future
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from diffserve.core.errors import InteractionRefusedError, InvalidRequestError
+from diffserve.core.errors import EngineOverloadedError
 from diffserve.core.messages import (
     ChunkDone,
     ChunkWork,
@@ -75,11 +86,20 @@ class RequestScheduler:
         peak_memory_bytes: the workers' memory peak, read when a request ends (bytes).
         notify: called after events were handed to listeners (once per batch of events; the
             engine wakes the threads waiting for them).
+        ar_stage: multi-stage models: the AR stage client (``submit(request_id, prompt,
+            params, on_delta) -> Future`` of its ``ARDone``, ``abort(request_id)``,
+            ``free(request_ids)``); None for single-stage models.
     """
 
     def __init__(self, queues: RequestQueues, model_info: ModelInfo,
-                 peak_memory_bytes: Callable[[], int] = lambda: 0, notify: Callable[[], None] | None = None):
+                 peak_memory_bytes: Callable[[], int] = lambda: 0, notify: Callable[[], None] | None = None,
+                 ar_stage=None):
         self.queues = queues
+        self.ar_stage = ar_stage
+        #: requests in the AR stage: id -> the future of its result
+        self._ar_work: dict[str, Future] = {}
+        #: (request id, text) pieces of AR text, appended by the AR stage's threads
+        self._ar_deltas: deque[tuple[str, str]] = deque()
         self.model_info = model_info
         self._is_video = model_info.spec.default_num_frames is not None
         self._peak_memory_bytes = peak_memory_bytes
@@ -126,9 +146,26 @@ class RequestScheduler:
                           listener=listener, progress=bool(progress), memory_bytes=processed.memory_bytes,
                           num_steps=plan.num_steps)
         request.metrics.arrival_time = time.time()
-        self.queues.add(request)
+        if self.ar_stage is None:
+            self.queues.add(request)
+        else:  # the AR stage first; it joins the waiting queue when its generation ends
+            if len(self.queues.waiting) + len(self._ar_work) >= self.queues.max_waiting:
+                raise EngineOverloadedError(f"waiting queue is full ({self.queues.max_waiting} requests, the AR "
+                                            "stage's included); retry later")
+            request.phase = Phase.AR_STAGE
         self.requests[request_id] = request
         self._emit([StreamEvent(request_id, EventType.QUEUED)])
+        if self.ar_stage is not None:
+            on_delta = None
+            if request.progress:
+                def on_delta(text: str, rid: str = request_id) -> None:  # (an AR stage thread)
+                    self._ar_deltas.append((rid, text))
+            try:
+                self._ar_work[request_id] = self.ar_stage.submit(request_id, request.prompt, request.params,
+                                                                 on_delta)
+            except BaseException:
+                self.requests.pop(request_id, None)
+                raise
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -138,11 +175,22 @@ class RequestScheduler:
         request = self.requests.get(request_id)
         if request is None or request.status.is_final:
             return False
-        if self.queues.remove_waiting(request_id) is not None:
-            self._close(request, RequestStatus.ABORTED)  # never started: its queue slot is free now
+        if request.phase is Phase.AR_STAGE or self.queues.remove_waiting(request_id) is not None:
+            # never started (or still in the AR stage, which `_close` aborts): its slot is free now
+            self._close(request, RequestStatus.ABORTED)
         else:
             request.abort_requested = True
             self._aborting.add(request_id)
+        return True
+
+    def fail_waiting(self, request_id: str, error: BaseException) -> bool:
+        """Fail a request that is still waiting (e.g. its LoRA adapter failed to load): it
+        leaves the queue and its final event (``failed``, with `error`) is emitted. Returns
+        False when it is not waiting."""
+        request = self.queues.remove_waiting(request_id)
+        if request is None:
+            return False
+        self._close(request, RequestStatus.FAILED, error=error)
         return True
 
     def submit_interaction(self, request_id: str, interaction: Interaction) -> str:
@@ -194,6 +242,8 @@ class RequestScheduler:
         objects as the previous tick's."""
         if self._aborting:
             self._apply_aborts()
+        if self._ar_work or self._ar_deltas:
+            self._collect_ar_stage()
         new_requests = ()
         admitted = self.queues.admit()
         if admitted:
@@ -201,9 +251,10 @@ class RequestScheduler:
             for request in admitted:
                 request.phase = Phase.PREPARING
                 request.status = RequestStatus.RUNNING
-                request.metrics.queue_s = now - request.arrival_time
+                request.metrics.queue_s = now - (request.ar_end_time or request.arrival_time)
             self._emit([StreamEvent(r.request_id, EventType.STARTED, step=0, total=r.num_steps) for r in admitted])
-            new_requests = [NewRequest(r.request_id, r.prompt, r.params, r.inputs) for r in admitted]
+            new_requests = [NewRequest(r.request_id, r.prompt, r.params, r.inputs, context=r.context)
+                            for r in admitted]
         step_ids = ()
         batch = self.queues.select_batch()
         if batch:
@@ -235,6 +286,40 @@ class RequestScheduler:
             self._on_chunks(result.chunks)
         for request_ids, error in result.failed:
             self._fail(request_ids, error)
+
+    def ar_futures(self) -> list[Future]:
+        """The futures of the requests in the AR stage (the engine waits on them when a tick
+        has nothing else to do)."""
+        return list(self._ar_work.values())
+
+    def _collect_ar_stage(self) -> None:
+        """Emit the AR text that arrived, and move requests whose AR stage ended into the
+        waiting queue (with their payloads' handle) or fail them (their AR stage failed)."""
+        while self._ar_deltas:
+            request_id, text = self._ar_deltas.popleft()
+            request = self.requests.get(request_id)
+            if request is not None and request.phase is Phase.AR_STAGE:
+                self._emit([StreamEvent(request_id, EventType.AR_DELTA, text=text)])
+        for request_id, future in [(i, f) for i, f in self._ar_work.items() if f.done()]:
+            del self._ar_work[request_id]
+            request = self.requests.get(request_id)
+            try:
+                done = future.result()
+            except Exception as exc:  # noqa: BLE001 - the request's own AR stage failed (or it was aborted)
+                if request is not None and request.phase is Phase.AR_STAGE:
+                    logger.info("the AR stage of %s failed: %r", request_id, exc)
+                    self._close(request, RequestStatus.FAILED, error=exc)
+                continue
+            if request is None or request.phase is not Phase.AR_STAGE:  # closed meanwhile
+                self.ar_stage.free([request_id])
+                continue
+            request.context, request.ar_text = done.handle, done.text
+            request.ar_end_time = time.perf_counter()
+            m = request.metrics
+            m.ar_queue_s, m.ar_s, m.transfer_s, m.payload_bytes = done.queue_s, done.generate_s, done.export_s, \
+                done.nbytes
+            request.phase = Phase.WAITING
+            self.queues.add(request, bounded=False)  # counted against the bound when it arrived
 
     # ------------------------------------------------------------------ queries
     def take_events(self) -> list[StreamEvent]:
@@ -401,6 +486,8 @@ class RequestScheduler:
                 continue
             request.metrics.encode_s = result.seconds
             request.metrics.offload_loads += result.offload_loads
+            request.metrics.payload_wait_s += result.payload_wait_s
+            request.metrics.transfer_s += result.payload_fetch_s
             request.prompt_truncated = result.prompt_truncated
             request.negative_prompt_truncated = result.negative_prompt_truncated
             if result.error is not None:  # an abort asked meanwhile wins, as for decode and chunks
@@ -474,6 +561,11 @@ class RequestScheduler:
         """Close a request: fill its metrics, emit its final event, forget it."""
         if request.phase is Phase.DENOISING:  # it may be stepping in the current run: book it first
             self._end_run()
+        if self.ar_stage is not None:  # its payloads go in the AR stage, wherever it ended
+            if request.phase is Phase.AR_STAGE:
+                self._ar_work.pop(request.request_id, None)
+                self.ar_stage.abort(request.request_id)
+            self.ar_stage.free([request.request_id])
         request.status = status
         request.phase = Phase.DONE
         m = request.metrics
@@ -500,6 +592,7 @@ class RequestScheduler:
             error_type=error.type if isinstance(error, WorkError) else (
                 type(error).__name__ if error is not None else None),
             params=request.params,
+            ar_text=request.ar_text,
         )
         self._emit([StreamEvent(request.request_id, _FINAL_EVENTS[status], output=output, error=message)])
         self.requests.pop(request.request_id, None)

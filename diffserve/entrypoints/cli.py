@@ -81,6 +81,34 @@ class _Job:
     out_dir: Path
     images: list[Any] | None = None  # PIL images (edit)
     mask: Any = None
+    lora_paths: dict[str, str] | None = None  # --lora files and folders, loaded at start by name
+
+
+def lora_uses(values: list[str] | None) -> tuple[dict[str, float] | None, dict[str, str]]:
+    """``generate --lora PATH[:SCALE]`` options: the requests' ``loras`` ({name: scale}) and the
+    files / folders to load at start ({name: path}; a file's name is its stem, a folder's its
+    name). A value that is no existing path is a name the engine resolves (the model's own
+    adapters, ``--lora-dir``).
+
+    Raises:
+        InvalidRequestError: (field ``loras``) a bad value, or one adapter given twice.
+    """
+    from diffserve.entrypoints.cli_args import parse_lora_use
+
+    loras: dict[str, float] = {}
+    paths: dict[str, str] = {}
+    for value in values or ():
+        source, scale = parse_lora_use(value)
+        path = Path(source).expanduser()
+        name = path.name.removesuffix(".safetensors") if path.exists() else source
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", name):
+            name = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip("._-")[:128] or "lora"
+        if name in loras:
+            raise InvalidRequestError("loras", value, "each LoRA adapter once")
+        loras[name] = scale
+        if path.exists():
+            paths[name] = str(path)
+    return loras or None, paths
 
 
 def check_generate_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> _Job:
@@ -113,13 +141,14 @@ def check_generate_arguments(args: argparse.Namespace, parser: argparse.Argument
         raise InvalidRequestError("num_images", n, f"an integer in [1, {limits.max_num_images_per_prompt}]")
     if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
         raise InvalidRequestError("seed", args.seed, f"an integer in [0, {MAX_SEED}]")
+    loras, lora_paths = lora_uses(args.lora_uses)
     # one request per output, seeds seed, seed+1, ... (the engine's input processor, as for the HTTP
     # server's `n`): every file reproduces alone from its seed; the engine batches them.
     params = SamplingParams(negative_prompt=args.negative_prompt, height=height, width=width,
                             num_inference_steps=args.steps, guidance_scale=args.guidance,
                             true_cfg_scale=args.true_cfg_scale, strength=getattr(args, "strength", None),
                             num_frames=getattr(args, "num_frames", None), fps=getattr(args, "fps", None),
-                            seed=args.seed, extra=_extra(args.extra))
+                            seed=args.seed, extra=_extra(args.extra), loras=loras)
     # The model-independent range checks (steps, guidance, seed, negative prompt, size > 0, strength,
     # frames, fps); the model's own rules (resolution multiple, maximum size, frame rule) are checked
     # once it is loaded.
@@ -128,7 +157,7 @@ def check_generate_arguments(args: argparse.Namespace, parser: argparse.Argument
                           default_fps=1, accepts_images=True, default_strength=1.0)
     # (extra parameters are the loaded pipeline's to check)
     dataclasses.replace(params, extra=None).resolve(any_model, limits, default_seed=0)
-    job = _Job(prompt, params, n, _check_output_dir(args.output_dir))
+    job = _Job(prompt, params, n, _check_output_dir(args.output_dir), lora_paths=lora_paths)
     if args.command == "edit":
         job.images = [_read_image_file(path, "image") for path in args.image]
         if args.mask is not None:
@@ -208,6 +237,8 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from diffserve.models.model_index import check_stated_limits
 
     check_stated_limits(config.model_path, params)  # the limits the model states, before its weights load
+    if job.lora_paths:
+        config = dataclasses.replace(config, loras={**config.loras, **job.lora_paths})
     from tqdm import tqdm
 
     from diffserve.core.outputs import EventType
@@ -230,6 +261,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # the model's and the family's rules (size, input images, mask, strength), the seeds and the steps each
     # request runs, before any compute; an edit without --size keeps the input's size (rounded to the model's multiple)
     requests = engine.input_processor.process(prompt, params, inputs, n=job.num_outputs, size_from_inputs=True)
+    engine.check_loras(requests[0].params.loras)  # adapter names the engine knows, before the progress bar
     if builtin_name(args.model) == "digits":
         _warn_out_of_vocabulary(prompt)
     totals = [r.num_steps for r in requests]
@@ -277,7 +309,11 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                     image_metadata(prompt, used, output.seed, name) if keep else None)
             print(path)
             m = output.metrics
-            print(f"seed={output.seed} encode={m.encode_s:.3f}s denoise={m.denoise_s:.3f}s "
+            if output.ar_text is not None:  # a multi-stage model's AR stage wrote text (e.g. its answer)
+                print(f"ar_text: {output.ar_text}", file=sys.stderr)
+            stages = (f"ar={m.ar_s:.3f}s transfer={m.transfer_s:.3f}s payload_wait={m.payload_wait_s:.3f}s "
+                      if m.payload_bytes else "")
+            print(f"seed={output.seed} {stages}encode={m.encode_s:.3f}s denoise={m.denoise_s:.3f}s "
                   f"decode={m.decode_s:.3f}s total={m.total_s:.3f}s "
                   f"peak_memory={m.peak_memory_bytes / 2**20:.0f}MiB", file=sys.stderr)
     except BaseException:

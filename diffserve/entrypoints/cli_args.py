@@ -28,6 +28,7 @@ _FIELD_TO_DEST = {
     "height": "size",
     "width": "size",
     "num_threads": "threads",
+    "loras": "lora_uses",
 }
 #: Output formats of video models (``--video-format``).
 VIDEO_FORMAT_CHOICES = ("mp4", "webp", "gif")
@@ -70,6 +71,34 @@ def parse_size(text: str) -> tuple[int, int]:
     return width, height
 
 
+def parse_lora_use(text: str) -> tuple[str, float]:
+    """``--lora PATH[:SCALE]`` as (PATH or name, scale): the text after the last ``:`` is the
+    scale when it reads as a number (so ``C:\\x.safetensors`` keeps its drive letter).
+
+    Raises:
+        InvalidRequestError: (field ``loras``) an empty path, or a scale that is not finite or
+            outside [-4, 4].
+    """
+    import math
+
+    from diffserve.core.sampling_params import MAX_LORA_SCALE
+
+    source, scale = text, 1.0
+    head, sep, tail = text.rpartition(":")
+    if sep and head:
+        try:
+            scale = float(tail)
+            source = head
+        except ValueError:
+            pass
+    if not source:
+        raise InvalidRequestError("loras", text, "PATH[:SCALE]: a LoRA file or folder, or a LoRA name")
+    if not math.isfinite(scale) or not -MAX_LORA_SCALE <= scale <= MAX_LORA_SCALE:
+        raise InvalidRequestError("loras", text, f"PATH[:SCALE] with SCALE finite in [{-MAX_LORA_SCALE:g}, "
+                                  f"{MAX_LORA_SCALE:g}]")
+    return source, scale
+
+
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     """The prompt, sampling and output options shared by ``generate`` and ``edit``."""
     parser.add_argument("prompt", nargs="?", default=None, metavar="PROMPT",
@@ -105,6 +134,10 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-output-metadata", dest="output_metadata", action="store_false",
                         help="write the files without their generation parameters (no PNG text chunks, MP4 "
                              "tags or WebP/GIF sidecar .json)")
+    parser.add_argument("--lora", dest="lora_uses", action="append", default=None, metavar="PATH[:SCALE]",
+                        help="apply a LoRA adapter: a .safetensors file or LoRA folder (any common format), or "
+                             "the name of one of the model's own (the built-in digits model: mirror) or of one in "
+                             "--lora-dir; SCALE in [-4, 4] (default 1); repeat to compose several")
 
 
 def build_parser() -> _ArgumentParser:
@@ -141,6 +174,8 @@ def build_parser() -> _ArgumentParser:
     srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server (images, edits, videos)",
                          description="Run the OpenAI-compatible HTTP server.")
     add_engine_arguments(srv)
+    srv.add_argument("--lora", dest="lora_loads", action="append", default=None, metavar="NAME=PATH",
+                     help="load a LoRA adapter at start under NAME (requests name it in loras); repeatable")
     from diffserve.entrypoints.server_args import add_server_arguments
 
     add_server_arguments(srv)

@@ -70,10 +70,27 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="worker processes splitting each forward's token sequence (Ulysses)")
     parser.add_argument("--executor", default="auto", choices=["auto", "inprocess", "multiprocess"],
                         help="auto = in-process for one rank, worker processes for cfg-parallel x ulysses > 1")
+    # ---- LoRA adapters (diffserve.lora; the request side: generate --lora, serve --lora, HTTP loras)
+    loras = parser.add_argument_group("LoRA adapters")
+    loras.add_argument("--lora-dir", default=None, metavar="DIR",
+                       help="folder whose NAME.safetensors files and NAME/ folders load the first time a request "
+                            "names NAME (beside the steps); the only place POST /v1/loras loads from "
+                            "(default: none)")
+    loras.add_argument("--max-loras", type=int, default=4, metavar="N",
+                       help="device slots for LoRA adapters: the most distinct adapters running requests use at "
+                            "once (another waits in the queue), and per request")
+    loras.add_argument("--max-lora-rank", type=int, default=64, metavar="R", help="largest adapter rank accepted")
+    loras.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
+                       help="adapters kept in host memory; least recently used unused ones are dropped beyond it "
+                            "and reload when named (default: 4 x --max-loras)")
     # ---- memory: offload, admission by memory, sleep pool (diffserve.entrypoints.memory_options)
     from diffserve.entrypoints.memory_options import add_memory_arguments
 
     add_memory_arguments(parser)
+    # ---- quantized weights, GGUF transformers (diffserve.entrypoints.quantization_options)
+    from diffserve.entrypoints.quantization_options import add_quantization_arguments
+
+    add_quantization_arguments(parser)
 
 
 def add_download_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,6 +111,7 @@ def engine_config_from_args(args: argparse.Namespace):
     """
     from diffserve.config import EngineConfig
     from diffserve.entrypoints.memory_options import memory_config
+    from diffserve.entrypoints.quantization_options import quantization_config
 
     return EngineConfig(
         model=args.model,
@@ -120,8 +138,32 @@ def engine_config_from_args(args: argparse.Namespace):
         cfg_parallel_size=args.cfg_parallel_size,
         ulysses_degree=args.ulysses_degree,
         executor=args.executor,
+        loras=lora_loads(getattr(args, "lora_loads", None)),
+        lora_dir=args.lora_dir,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
         **memory_config(args),
+        **quantization_config(args),
     )
+
+
+def lora_loads(values: list[str] | None) -> dict[str, str]:
+    """``serve --lora NAME=PATH`` options as ``{name: path}``.
+
+    Raises:
+        InvalidRequestError: (field ``lora_loads``) a value without ``=``, an empty name or
+            path, or a name given twice.
+    """
+    loads: dict[str, str] = {}
+    for value in values or ():
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise InvalidRequestError("lora_loads", value, "NAME=PATH (a name requests use, a LoRA file or folder)")
+        if name in loads:
+            raise InvalidRequestError("lora_loads", value, "each NAME once")
+        loads[name] = path
+    return loads
 
 
 def _cache_config(args: argparse.Namespace) -> dict:
@@ -151,9 +193,20 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
         raise InvalidRequestError("cache_config", args.cache_config, "a JSON object")
     if args.compile_vae and not args.compile:
         raise InvalidRequestError("compile_vae", True, "used together with --compile")
-    for name in ("cfg_parallel_size", "ulysses_degree", "prompt_embed_cache_bytes"):
+    for name in ("cfg_parallel_size", "ulysses_degree", "prompt_embed_cache_bytes", "max_loras", "max_lora_rank"):
         if getattr(args, name) < 1:
             raise InvalidRequestError(name, getattr(args, name), "an integer >= 1")
+    if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
+        raise InvalidRequestError("max_cpu_loras", args.max_cpu_loras, f"an integer >= --max-loras ({args.max_loras})")
+    if args.lora_dir is not None:
+        from pathlib import Path
+
+        if not Path(args.lora_dir).is_dir():
+            raise InvalidRequestError("lora_dir", args.lora_dir, "an existing folder")
+    lora_loads(getattr(args, "lora_loads", None))
     from diffserve.core.memory_size import parse_memory  # torch-free
 
     parse_memory(getattr(args, "max_memory", None))
+    from diffserve.entrypoints.quantization_options import check_quantization_arguments
+
+    check_quantization_arguments(args)

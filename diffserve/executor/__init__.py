@@ -5,7 +5,14 @@ process (encode/decode on a side thread, overlapping denoising steps)."""
 from diffserve.executor.base import Executor
 from diffserve.executor.inprocess import InProcessExecutor
 
-__all__ = ["Executor", "InProcessExecutor", "build_executor"]
+__all__ = ["Executor", "InProcessExecutor", "build_ar_stage", "build_executor"]
+
+
+def build_ar_stage(config, executor):
+    """A multi-stage model's AR stage client (`diffserve.executor.ar_stage.build_ar_stage`)."""
+    from diffserve.executor.ar_stage import build_ar_stage as build
+
+    return build(config, executor)
 
 
 def build_executor(config) -> Executor:

@@ -47,7 +47,7 @@ class InProcessARStage:
         from diffserve.runner.loader import load_ar_stage
 
         device, dtype = _config_device(config)
-        stage = load_ar_stage(config.model_path, device, dtype, config.load_format)
+        stage = load_ar_stage(config.model_path, device, dtype, config.load_format, config.variant)
         self.connector = connector
         self.runner = ARStageRunner(stage, connector, max_batch=max(config.max_batch_size, 1))
 
@@ -96,8 +96,8 @@ def _ar_main(config, conn) -> None:  # pragma: no cover - child process
     connector = SharedMemoryConnector()
     try:
         device, dtype = _config_device(config)
-        runner = ARStageRunner(load_ar_stage(config.model_path, device, dtype, config.load_format), connector,
-                               max_batch=max(config.max_batch_size, 1))
+        stage = load_ar_stage(config.model_path, device, dtype, config.load_format, config.variant)
+        runner = ARStageRunner(stage, connector, max_batch=max(config.max_batch_size, 1))
         send(("ready", None, True, None))
     except BaseException as exc:  # noqa: BLE001 - reported as the load error
         send(("ready", None, False, _portable(exc)))
@@ -283,4 +283,18 @@ class MultiprocARStage:
             self._proc.join(timeout=5)
 
 
-__all__ = ["InProcessARStage", "MultiprocARStage"]
+def build_ar_stage(config, executor) -> "InProcessARStage | MultiprocARStage":
+    """The AR stage client for a multi-stage model served by `executor`: on threads of this
+    process, sharing the in-process runner's connector (nothing copied), or, when the DiT stage
+    runs in worker processes, in its own process putting into shared memory.
+
+    Raises:
+        UnsupportedModelError / other load errors: the AR stage could not load.
+    """
+    runner = getattr(executor, "runner", None)
+    if runner is not None and getattr(runner, "connector", None) is not None:
+        return InProcessARStage(config, runner.connector)
+    return MultiprocARStage(config)
+
+
+__all__ = ["InProcessARStage", "MultiprocARStage", "build_ar_stage"]

@@ -45,6 +45,11 @@ class Executor(ABC):
         #: background work in flight, in submission order
         self._inflight: list[tuple[WorkItem, Future]] = []
 
+    @property
+    def busy(self) -> bool:
+        """Background work is in flight (`execute` then waits for it when a tick steps nothing)."""
+        return bool(self._inflight)
+
     # ------------------------------------------------------------------ one tick
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run one tick's scheduler output (see `SchedulerOutput` for the order). When it steps
@@ -108,6 +113,17 @@ class Executor(ABC):
     @abstractmethod
     def _step(self, request_ids: list[str]) -> StepOutput:
         """Run the denoising step of `request_ids` and wait for its outcome."""
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def submit_load_lora(self, name: str, path: str) -> "Future[dict[str, Any]]":
+        """Read the LoRA adapter at `path` into every worker as `name`, beside the steps;
+        resolves to its summary (format, rank, modules, bytes) or the worker's error
+        (`InvalidRequestError` naming ``path``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters")
+
+    def unload_lora(self, name: str) -> None:
+        """Drop adapter `name` from every worker (no request may hold it)."""
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters")
 
     # ------------------------------------------------------------------ queries
     @abstractmethod

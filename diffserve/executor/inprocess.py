@@ -40,6 +40,12 @@ class InProcessExecutor(Executor):
     def _step(self, request_ids: list[str]) -> StepOutput:
         return self.worker.runner.step(request_ids)
 
+    def submit_load_lora(self, name: str, path: str) -> "Future[dict[str, Any]]":
+        return self.worker.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.worker.unload_lora(name)
+
     def info(self) -> ModelInfo:
         return self.worker.runner.info()
 
@@ -50,13 +56,17 @@ class InProcessExecutor(Executor):
     def stats(self) -> dict[str, Any]:
         """``acceleration`` (`Runner.acceleration_stats`), ``nonfinite_outputs`` (requests
         failed for NaN/inf), ``workers_alive`` (1) and ``offload`` (`Runner.offload_stats`,
-        where the runner places components itself)."""
+        where the runner places components itself) and ``payloads`` (multi-stage models:
+        `Runner.payload_stats`)."""
         runner = self.worker.runner
         stats = {"acceleration": runner.acceleration_stats(), "nonfinite_outputs": runner.nonfinite_count,
                  "workers_alive": 1}
         offload = runner.offload_stats()
         if offload is not None:
             stats["offload"] = offload
+        payloads = runner.payload_stats()
+        if payloads is not None:
+            stats["payloads"] = payloads
         return stats
 
     def memory_profile(self):

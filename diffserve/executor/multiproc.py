@@ -52,6 +52,9 @@ def _free_port() -> int:
 # ---------------------------------------------------------------------------------- worker
 def _worker_main(config, rank: int, master_port: int, conn) -> None:  # pragma: no cover - child process
     """A worker process: join the grid, load the model, serve work items until told to stop."""
+    from diffserve.core.library_warnings import silence_inapplicable_library_warnings
+
+    silence_inapplicable_library_warnings()  # before torch, diffusers and torchao are imported
     import torch
 
     from diffserve.parallel.state import init_parallel, shutdown_parallel
@@ -113,11 +116,17 @@ def _worker_main(config, rank: int, master_port: int, conn) -> None:  # pragma: 
                 future.add_done_callback(replier(work_id))
             if step_id is not None:  # main thread: collectives in the same order on every rank
                 run(step_id, worker.step, out.step_ids)
+        elif method == "load_lora":  # the worker's loader thread: a slow read stalls neither steps nor decodes
+            worker.load_lora(*args).add_done_callback(replier(message_id))
+        elif method == "unload_lora":
+            run(message_id, worker.unload_lora, *args)
         elif method == "plan":
             run(message_id, runner.plan, *args)
         elif method == "stats":
             run(message_id, lambda: {"acceleration": runner.acceleration_stats(),
-                                     "nonfinite_outputs": runner.nonfinite_count})
+                                     "nonfinite_outputs": runner.nonfinite_count,
+                                     **({"payloads": runner.payload_stats()}
+                                        if runner.payload_stats() is not None else {})})
         else:
             reply(message_id, False, ValueError(f"unknown work item {method!r}"))
     worker.shutdown()
@@ -287,6 +296,12 @@ class MultiprocExecutor(Executor):
         if step_id is not None:
             self._step_future, futures = futures[0], futures[1:]
         return list(zip(items, futures))
+
+    def submit_load_lora(self, name: str, path: str) -> "Future[dict[str, Any]]":
+        return self._call("load_lora", name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self._call("unload_lora", name).result()
 
     def _step(self, request_ids: list[str]) -> StepOutput:
         future, self._step_future = self._step_future, None

@@ -46,7 +46,7 @@ def generation_fields(prompt: str, params: "SamplingParams", seed: int, model: s
         "height": params.height,
         "model": model,
     }
-    for name in ("true_cfg_scale", "guidance_scale_2", "strength", "num_frames", "fps"):
+    for name in ("true_cfg_scale", "guidance_scale_2", "strength", "num_frames", "fps", "loras"):
         value = getattr(params, name, None)
         if value is not None:
             fields[name] = value
@@ -70,8 +70,10 @@ def _jsonable(value: Any) -> Any:
 def parameters_text(fields: dict[str, Any]) -> str:
     """`generation_fields` in the AUTOMATIC1111 ``parameters`` layout: the prompt, an optional
     ``Negative prompt:`` line, then ``Steps, CFG scale, Seed, Size, Model`` (plus ``Denoising
-    strength`` for edits and ``Frames, FPS`` for videos)."""
-    lines = [fields["prompt"]]
+    strength`` for edits and ``Frames, FPS`` for videos). LoRA adapters follow the prompt as
+    A1111 writes them: ``<lora:NAME:SCALE>``."""
+    loras = fields.get("loras") or {}
+    lines = [" ".join([fields["prompt"], *(f"<lora:{name}:{scale:g}>" for name, scale in loras.items())])]
     if fields.get("negative_prompt"):
         lines.append(f"Negative prompt: {fields['negative_prompt']}")
     cfg = fields["guidance_scale"] if fields.get("guidance_scale") is not None else fields.get("true_cfg_scale")
@@ -94,8 +96,8 @@ def image_metadata(prompt: str, params: "SamplingParams", seed: int, model: str)
     Returns:
         ``{"parameters": A1111-style text, "diffserve": JSON}``; the JSON holds prompt,
         negative_prompt, num_inference_steps, guidance_scale, seed, width, height (pixels) and
-        model, plus true_cfg_scale for models that use it (Qwen-Image, Flux) and strength for
-        edits. A guidance the model does not use is null in the JSON and left out of
+        model, plus true_cfg_scale for models that use it (Qwen-Image, Flux), strength for
+        edits and loras ({name: scale}) when the request used LoRA adapters. A guidance the model does not use is null in the JSON and left out of
         ``parameters``.
     """
     fields = generation_fields(prompt, params, seed, model)

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from diffserve.core.tensor_storage import tensor_bytes
+
 _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
 #: Highest peak seen before a window reset the device's peak counter, per device string
@@ -131,7 +133,8 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def module_tensor_bytes(modules: Iterable[torch.nn.Module], device: torch.device | None = None) -> int:
     """Bytes of the parameters and buffers of `modules` (each tensor once), optionally only
-    those on `device` (compared by type and index)."""
+    those on `device` (compared by type and index). Quantized weights (tensor subclasses) count
+    their real storage (`diffserve.core.tensor_storage.tensor_bytes`), not their logical size."""
     seen: set[int] = set()
     total = 0
     for module in modules:
@@ -140,7 +143,7 @@ def module_tensor_bytes(modules: Iterable[torch.nn.Module], device: torch.device
                 continue
             seen.add(id(t))
             if device is None or _same_device(t.device, device):
-                total += t.numel() * t.element_size()
+                total += tensor_bytes(t)
     return total
 
 

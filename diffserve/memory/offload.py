@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from diffserve.core.tensor_storage import tensor_bytes
 from diffserve.memory.accounting import module_tensor_bytes
 
 if TYPE_CHECKING:
@@ -173,7 +174,7 @@ class LayerwiseOffload:
             for t in [*module.parameters(), *module.buffers()]:
                 if id(t) not in streamed and id(t) not in seen:
                     seen.add(id(t))
-                    total += t.numel() * t.element_size()
+                    total += tensor_bytes(t)
         return total
 
     def max_group_bytes(self) -> int:

@@ -19,7 +19,11 @@ Weights are swapped in place (``tensor.data``), keeping every parameter and buff
 hooks, compiled code and the adapter keep their references. A buffer that is a view of
 another tensor (e.g. SD3's positional embedding) is replaced in its module instead, since the
 view would keep its base's memory alive. Level 1 works per storage, so tensors that shared
-storage (tied weights, a packed pool) share it again after waking.
+storage (tied weights, a packed pool) share it again after waking. A quantized weight that is a
+tensor subclass (torchao's ``Int8Tensor``, ``Float8Tensor``, ...) is handled through the plain
+tensors it holds (int8 data, scales: `diffserve.core.tensor_storage.inner_tensors`), each
+swapped in its wrapper, so quantized weights sleep and wake as they are (level 2 reloads the
+folder and the runner quantizes it again the same way).
 
 **The sleep pool** (``EngineConfig.enable_sleep_mode``, vLLM's flag of the same name; vLLM
 allocates weights from a dedicated memory pool for the same reason): memory freed by a sleep
@@ -46,6 +50,7 @@ from typing import Any
 import torch
 
 from diffserve.core.sleep_levels import check_level
+from diffserve.core.tensor_storage import inner_tensors, is_wrapper, set_inner
 from diffserve.memory.accounting import release_host_memory
 
 logger = logging.getLogger(__name__)
@@ -56,7 +61,8 @@ _ALIGN = 64
 
 @dataclass
 class _Weight:
-    """One parameter or buffer and where its bytes live."""
+    """One parameter or buffer (or one inner tensor of a tensor-subclass weight) and where its
+    bytes live."""
 
     key: str
     component: str
@@ -70,6 +76,8 @@ class _Weight:
     stride: tuple[int, ...]
     offset: int
     storage: int = -1
+    #: (wrapper tensor, attribute path) of an inner tensor of a tensor subclass, replaced there
+    wrapper: tuple[torch.Tensor, str] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -77,7 +85,10 @@ class _Weight:
 
     def assign(self, value: torch.Tensor) -> None:
         """Make the weight hold `value`."""
-        if self.owner is not None:
+        if self.wrapper is not None:
+            set_inner(*self.wrapper, value)
+            self.tensor = value
+        elif self.owner is not None:
             module, local = self.owner
             module._buffers[local] = value
             self.tensor = value
@@ -108,6 +119,15 @@ def _weights(component: str, module: torch.nn.Module, seen: set[int]) -> list[_W
         if id(t) in seen:
             continue
         seen.add(id(t))
+        if is_wrapper(t):  # a tensor subclass: its plain inner tensors, swapped inside it
+            for path, inner in inner_tensors(t):
+                if id(inner) not in seen:
+                    seen.add(id(inner))
+                    key = f"{_canonical(name)}.{path}"
+                    out.append(_Weight(f"{component}/{key}", component, key, inner, None,
+                                       inner.device, inner.dtype, inner.shape, tuple(inner.stride()),
+                                       inner.storage_offset(), wrapper=(t, path)))
+            continue
         owner = None
         if id(t) in buffers and t._base is not None:
             prefix, _, local = name.rpartition(".")
@@ -333,7 +353,7 @@ class WeightSleeper:
             module = fresh.get(component)
             if not isinstance(module, torch.nn.Module) or component not in modules:
                 raise RuntimeError(f"cannot wake up: the reloaded model has no component {component!r}")
-            source = {_canonical(n): t for n, t in [*module.named_parameters(), *module.named_buffers()]}
+            source = {w.name: w.tensor for w in _weights(component, module, set())}
             for w in _weights(component, modules[component], seen):
                 src = source.get(w.name)
                 if src is None or src.dtype != w.dtype:

@@ -36,6 +36,12 @@ BUILTIN_MODELS: dict[str, Path] = {
     "digits-video": _HERE / "digits_video" / "weights",
     "digits-reasoning": _HERE / "digits_reasoning" / "weights",
 }
+#: Built-in model name -> its own LoRA adapters (name -> folder), usable by name with no
+#: ``--lora`` (``diffserve generate "a handwritten digit 3" --lora mirror``); each folder has a
+#: ``LORA_CARD.md``.
+BUILTIN_LORAS: dict[str, dict[str, Path]] = {
+    "digits": {"mirror": _HERE / "digits" / "loras" / "mirror"},
+}
 #: The model used when none is given.
 DEFAULT_MODEL = "digits"
 #: Prefix of the served names of built-in models (``diffserve-digits``).
@@ -84,6 +90,13 @@ def builtin_name(model: str | os.PathLike | None) -> str | None:
         return None
     folder = resolve_model(model).resolve()
     return next((name for name, path in BUILTIN_MODELS.items() if path == folder), None)
+
+
+def builtin_loras(model: str | os.PathLike | None) -> dict[str, Path]:
+    """The LoRA adapters shipped with the model `model` refers to (name -> folder); empty for a
+    model that is not built in."""
+    name = builtin_name(model)
+    return dict(BUILTIN_LORAS.get(name, {})) if name is not None else {}
 
 
 def served_name(model: str | os.PathLike | None) -> str:

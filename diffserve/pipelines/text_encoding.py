@@ -57,6 +57,17 @@ class PromptCache(Protocol):
         cached."""
 
 
+class TextLoras(Protocol):
+    """The text-encoder LoRA adapters of the request(s) whose texts are being encoded (the
+    runner installs one around a request's preparation, `TextEncoder.using_loras`)."""
+
+    #: identifies the adapters and their scales (part of every prompt-cache key).
+    key: Hashable
+
+    def active(self) -> Any:
+        """A context manager within which the text encoders add these adapters' deltas."""
+
+
 class TextOwner(Protocol):
     """What a `TextEncoder` reads of its owner (a step adapter): the prompt-embedding cache
     the runner installs (or None), and the dtype and device in every cache key."""
@@ -97,6 +108,25 @@ class TextEncoder:
         self.batched = batched
         self._truncated: OrderedDict[tuple[str, int | None], bool] = OrderedDict()
         self._together: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        #: the text-encoder LoRA adapters in force (`using_loras`), None = none
+        self.loras: TextLoras | None = None
+
+    @contextmanager
+    def using_loras(self, loras: TextLoras | None) -> Iterator[None]:
+        """Within the block, texts are encoded with `loras` (a request's text-encoder LoRA
+        adapters; None or an empty key: none) and cached under their key. One thread at a time."""
+        previous = self.loras
+        self.loras = loras if loras is not None and loras.key else None
+        try:
+            yield
+        finally:
+            self.loras = previous
+
+    def _run_encode(self, *args: Any, **kwargs: Any) -> tuple:
+        if self.loras is None:
+            return tuple(self._encode(*args, **kwargs))
+        with self.loras.active():
+            return tuple(self._encode(*args, **kwargs))
 
     def cut(self, text: str, max_sequence_length: int | None = None) -> str:
         """`text` cut to the longest token budget x `MAX_CHARS_PER_TOKEN` characters."""
@@ -154,16 +184,18 @@ class TextEncoder:
             together = self._together.get(key)  # encoded with others (`encoding_together`)
             if together is not None:  # a copy: the caller owns it, and a text may repeat
                 return tuple(None if t is None else t.clone() for t in together)
-            return tuple(self._encode(text, max_sequence_length, **encode_inputs))
+            return self._run_encode(text, max_sequence_length, **encode_inputs)
 
         if cache is None:
             return run()
         return cache.get_or_encode(key, run)
 
     def _key(self, text: str, max_sequence_length: int | None, extra_key: Hashable = ()) -> tuple:
-        """The prompt-cache key of an already `cut` text."""
+        """The prompt-cache key of an already `cut` text (with the text-encoder LoRA adapters in
+        force: they change the encoding)."""
+        loras = self.loras.key if self.loras is not None else ()
         return (type(self.adapter).__name__, text, max_sequence_length, self.key, extra_key,
-                str(self.adapter.dtype), str(self.adapter.device))
+                str(self.adapter.dtype), str(self.adapter.device), loras)
 
     @contextmanager
     def encoding_together(self, texts: Iterable[tuple[str, int | None]]) -> Iterator[None]:
@@ -194,7 +226,7 @@ class TextEncoder:
                 for start in range(0, len(group), MAX_TEXTS_PER_ENCODE):
                     chunk = group[start:start + MAX_TEXTS_PER_ENCODE]
                     try:
-                        out = tuple(self._encode(chunk, max_sequence_length))
+                        out = self._run_encode(chunk, max_sequence_length)
                     except Exception:  # noqa: BLE001 - fall back to one text at a time
                         logger.warning("batched encoding of %d texts failed; encoding them one by one",
                                        len(chunk), exc_info=True)

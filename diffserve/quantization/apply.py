@@ -13,10 +13,16 @@ from collections.abc import Iterable
 import torch
 
 from diffserve.quantization.methods import can_quantize, torchao_config
-from diffserve.quantization.spec import ComponentReport
-from diffserve.quantization.tensor_bytes import is_quantized_tensor, tensor_bytes
+from diffserve.core.quantization import ComponentReport
+from diffserve.core.tensor_storage import is_wrapper, tensor_bytes
 
 logger = logging.getLogger(__name__)
+
+
+def is_quantized_tensor(t: torch.Tensor) -> bool:
+    """Whether `t` is a quantized weight: a torchao tensor subclass (a wrapper whose data is
+    in inner tensors) or a GGUF parameter (diffusers' ``GGUFParameter``)."""
+    return is_wrapper(t) or type(t).__name__ == "GGUFParameter"
 
 
 def linear_layers(module: torch.nn.Module) -> dict[str, torch.nn.Linear]:
@@ -65,16 +71,16 @@ def quantizable_layers(module: torch.nn.Module, method: str) -> dict[str, torch.
 
 @torch.no_grad()
 def quantize_component(component: str, module: torch.nn.Module, method: str, kept: Iterable[str] = (),
-                       patterns: Iterable[str] = (), device: torch.device | None = None,
-                       dtype: torch.dtype | None = None) -> ComponentReport:
+                       patterns: Iterable[str] = (), dtype: torch.dtype | None = None) -> ComponentReport:
     """Quantize every linear layer of `module` with `method` (torchao ``quantize_``), except
     the layers in `kept` (names relative to `module`), those matching `patterns` (see
     `matches`) and those the method cannot take (see `methods.can_quantize`).
 
+    Quantization happens where the weights are (on a GPU engine without offload: on the GPU,
+    after the unquantized weights were loaded there).
+
     Args:
         component: the component's name in the folder (``transformer``, ``text_encoder``, ...).
-        device: where each layer is moved before it is quantized (torchao's ``device``: a
-            model loaded on the CPU is quantized layer by layer onto the GPU); None = in place.
         dtype: the model dtype, for the report's full-precision bytes (default: the first
             floating-point weight's).
 
@@ -91,9 +97,7 @@ def quantize_component(component: str, module: torch.nn.Module, method: str, kep
         dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
     full = full_precision_bytes(module, dtype)
     if targets:
-        quantize_(module, torchao_config(method), filter_fn=lambda m, fqn: fqn in targets, device=device)
-    elif device is not None:
-        module.to(device)
+        quantize_(module, torchao_config(method), filter_fn=lambda m, fqn: fqn in targets)
     report = ComponentReport(method=method, source="quantized at load", quantized_layers=len(targets),
                              kept_layers=[f"{component}.{n}" for n in layers if n not in targets],
                              bytes=weight_bytes(module), full_precision_bytes=full)

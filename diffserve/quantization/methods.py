@@ -1,4 +1,4 @@
-"""The torchao configuration of each method (`diffserve.quantization.spec.METHODS`).
+"""The torchao configuration of each method (`diffserve.core.quantization.METHODS`).
 
 torchao (https://github.com/pytorch/ao) replaces a ``torch.nn.Linear``'s weight with a tensor
 subclass holding the quantized data and its scales; ``F.linear`` on it runs the method's kernel
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from diffserve.core.errors import InvalidRequestError
-from diffserve.quantization.spec import METHODS
+from diffserve.core.quantization import METHODS
 
 
 def import_torchao() -> Any:
@@ -62,13 +62,6 @@ def torchao_config(method: str) -> Any:
         return Int4WeightOnlyConfig(group_size=128, int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D,
                                     set_inductor_config=False)
     raise InvalidRequestError("quantization", method, "one of " + ", ".join(METHODS))
-
-
-def cuda_capability(device: torch.device) -> tuple[int, int] | None:
-    """The compute capability of a CUDA `device`, None for other devices."""
-    if device.type != "cuda":
-        return None
-    return tuple(torch.cuda.get_device_capability(device))  # type: ignore[return-value]
 
 
 def can_quantize(module: torch.nn.Module, method: str) -> bool:

@@ -6,7 +6,7 @@ from the folder (sleep level 2) are quantized the same way without calibrating a
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +14,7 @@ import torch
 
 from diffserve.quantization.apply import describe_loaded, quantize_component
 from diffserve.quantization.skip_search import CalibrationInputs, SkipSearchResult, search_skip_list
-from diffserve.quantization.spec import AUTO, DENOISER_PREFIXES, ComponentReport, QuantizationSpec
+from diffserve.core.quantization import AUTO, DENOISER_PREFIXES, ComponentReport, QuantizationSpec
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,10 @@ class QuantizationResult:
         ``/v1/models``)."""
         return {"spec": self.spec.as_dict(), "components": {c: r.as_dict() for c, r in self.reports.items()}}
 
+    def summary(self) -> dict[str, Any] | None:
+        """`as_dict`, or None when no component holds quantized weights."""
+        return self.as_dict() if self.reports else None
+
 
 def model_modules(components: dict[str, Any]) -> dict[str, torch.nn.Module]:
     """The components that are torch modules with weights, by name."""
@@ -65,7 +69,7 @@ def model_modules(components: dict[str, Any]) -> dict[str, torch.nn.Module]:
 
 
 def quantize_model(components: dict[str, Any], spec: QuantizationSpec, dtype: torch.dtype,
-                   device: torch.device | None = None, calibrate: Calibrate | None = None) -> QuantizationResult:
+                   calibrate: Calibrate | None = None) -> QuantizationResult:
     """Quantize `components` in place as `spec` asks.
 
     Components that arrived quantized (a pre-quantized folder, a GGUF file) are reported and
@@ -75,8 +79,6 @@ def quantize_model(components: dict[str, Any], spec: QuantizationSpec, dtype: to
 
     Args:
         dtype: the model dtype (for the reports' full-precision bytes).
-        device: where to quantize layer by layer (a model loaded on the CPU for a GPU); None =
-            where the weights are.
         calibrate: required when ``spec.skip == "auto"`` and a denoiser is quantized.
 
     Raises:
@@ -107,7 +109,7 @@ def quantize_model(components: dict[str, Any], spec: QuantizationSpec, dtype: to
             kept[name] = search.kept
     for name, method in methods.items():
         report = quantize_component(name, modules[name], method, kept=kept.get(name, ()), patterns=patterns,
-                                    device=device, dtype=dtype)
+                                    dtype=dtype)
         if name in result.searches:
             report.error = result.searches[name].error
         result.reports[name] = report
@@ -116,16 +118,9 @@ def quantize_model(components: dict[str, Any], spec: QuantizationSpec, dtype: to
     return result
 
 
-def apply_plan(components: dict[str, Any], plan: QuantizationPlan, dtype: torch.dtype,
-               device: torch.device | None = None, only: Iterable[str] | None = None) -> None:
-    """Quantize freshly loaded `components` as `plan` says (same methods, same kept layers).
-
-    Args:
-        only: restrict to these component names (default: every planned one present).
-    """
-    names = set(plan.methods) if only is None else set(only) & set(plan.methods)
-    for name in sorted(names):
+def apply_plan(components: dict[str, Any], plan: QuantizationPlan, dtype: torch.dtype) -> None:
+    """Quantize freshly loaded `components` as `plan` says (same methods, same kept layers)."""
+    for name in sorted(plan.methods):
         module = components.get(name)
         if isinstance(module, torch.nn.Module):
-            quantize_component(name, module, plan.methods[name], kept=plan.kept.get(name, ()), device=device,
-                               dtype=dtype)
+            quantize_component(name, module, plan.methods[name], kept=plan.kept.get(name, ()), dtype=dtype)

@@ -31,7 +31,6 @@ import logging
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +38,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from diffserve.quantization.apply import linear_layers, matches
+from diffserve.quantization.apply import linear_layers
 from diffserve.quantization.methods import can_quantize, torchao_config
 
 logger = logging.getLogger(__name__)
@@ -60,20 +59,12 @@ class CalibrationInputs:
         return len(self.calls)
 
     @contextmanager
-    def record(self, module: torch.nn.Module, keep: Callable[[int], bool] | None = None):
-        """Record `module`'s forward inputs while the block runs.
-
-        Args:
-            keep: ``keep(call_index) -> bool`` selects which calls to record (default: all).
-        """
-        count = [0]
+    def record(self, module: torch.nn.Module):
+        """Record `module`'s forward inputs (cloned) while the block runs."""
 
         def hook(_module, args, kwargs):
-            index = count[0]
-            count[0] += 1
-            if keep is None or keep(index):
-                clone = lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x  # noqa: E731
-                self.calls.append((tree_map(clone, args), tree_map(clone, kwargs)))
+            clone = lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x  # noqa: E731
+            self.calls.append((tree_map(clone, args), tree_map(clone, kwargs)))
 
         handle = module.register_forward_pre_hook(hook, with_kwargs=True)
         try:
@@ -135,7 +126,7 @@ class SkipSearchResult:
 
 @torch.no_grad()
 def search_skip_list(component: str, module: torch.nn.Module, method: str, inputs: CalibrationInputs,
-                     budget: float, patterns: Iterable[str] = ()) -> SkipSearchResult:
+                     budget: float) -> SkipSearchResult:
     """Find the fewest linear layers of `module` to keep in full precision so that quantizing
     the rest with `method` keeps its output within `budget` (see the module docstring).
 
@@ -143,10 +134,9 @@ def search_skip_list(component: str, module: torch.nn.Module, method: str, input
     `apply.quantize_component(..., kept=result.kept)`.
 
     Args:
-        component: its name in the folder (for pattern matching).
+        component: its name in the folder (for the log).
         inputs: recorded calibration inputs (at least one call).
         budget: bound on the relative L2 output error, a fraction (e.g. 0.03).
-        patterns: layers already kept by name (never candidates).
 
     Raises:
         ValueError: no calibration inputs.
@@ -156,9 +146,7 @@ def search_skip_list(component: str, module: torch.nn.Module, method: str, input
     if not len(inputs):
         raise ValueError("the automatic skip list needs calibration inputs (none were recorded)")
     start = time.perf_counter()
-    patterns = tuple(patterns)
-    layers = {n: m for n, m in linear_layers(module).items()
-              if can_quantize(m, method) and not matches(component, n, patterns)}
+    layers = {n: m for n, m in linear_layers(module).items() if can_quantize(m, method)}
     reference = inputs.replay(module)
     replays = 1
     full = {n: m.weight for n, m in layers.items()}

@@ -84,7 +84,32 @@ class Runner(ABC):
     def free(self, request_ids: list[str]) -> None:
         """Drop requests' state (unknown ids are ignored)."""
 
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Read the LoRA adapter at `path` as `name`; its summary (format, rank, modules,
+        bytes).
+
+        Raises:
+            InvalidRequestError: (field ``path``) the file does not load or match the model.
+            NotImplementedError: this runner takes no LoRA adapters.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters")
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter `name` (no request may hold it)."""
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters")
+
     # ------------------------------------------------------------------ stats and memory
+    def prefetch(self, request_id: str, handle: Any, params: SamplingParams) -> None:
+        """Multi-stage models: start fetching an admitted request's AR-stage payloads (its
+        `diffserve.connector.PayloadHandle`) beside the steps; its `prepare` then waits only for
+        what is left. Single-stage runners receive none (default: nothing to do)."""
+
+    def payload_stats(self) -> dict[str, Any] | None:
+        """Multi-stage models: the DiT side's payload counters and its connector's accounting
+        (`diffserve.runner.payload_receiver.PayloadReceiver.stats`); None otherwise."""
+        return None
+
     @abstractmethod
     def acceleration_stats(self) -> dict[str, Any]:
         """Acceleration counters (prompt-embedding cache, cache backend, compile)."""

@@ -31,17 +31,27 @@ _LIBRARIES = ("diffusers", "transformers")
 _PIPELINE_PACKAGES = ("stable_diffusion", "glm_image")
 
 
-def _load_component(library: str, class_name: str, folder: Path, dtype: torch.dtype,
-                    load_format: str, device: torch.device, variant: str | None = None) -> Any:
+def _component_class(library: str, class_name: str, component: str) -> type:
+    """The class a ``model_index.json`` entry names.
+
+    Raises:
+        UnsupportedModelError: an unsupported library, or no such class in it.
+    """
     if library not in _LIBRARIES + _PIPELINE_PACKAGES:
         raise UnsupportedModelError(
-            f"component in {folder.name!r} comes from library {library!r}; supported: "
+            f"component in {component!r} comes from library {library!r}; supported: "
             f"{_LIBRARIES + _PIPELINE_PACKAGES}"
         )
     module = importlib.import_module(library if library in _LIBRARIES else f"diffusers.pipelines.{library}")
     cls = getattr(module, class_name, None)
     if cls is None:
-        raise UnsupportedModelError(f"{library} has no class {class_name!r} (component {folder.name!r})")
+        raise UnsupportedModelError(f"{library} has no class {class_name!r} (component {component!r})")
+    return cls
+
+
+def _load_component(library: str, class_name: str, folder: Path, dtype: torch.dtype,
+                    load_format: str, device: torch.device, variant: str | None = None) -> Any:
+    cls = _component_class(library, class_name, folder.name)
     if library == "diffusers":
         from diffusers import ModelMixin
 
@@ -72,7 +82,7 @@ def _variant(folder: Path, variant: str | None) -> str | None:
 def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "default",
                     seed: int = 0, device: torch.device | str = "cpu",
                     only: frozenset[str] | None = None, skip: frozenset[str] = frozenset(),
-                    variant: str | None = None) -> tuple[str, dict[str, Any]]:
+                    transformer_file: str | None = None, variant: str | None = None) -> tuple[str, dict[str, Any]]:
     """Load every component listed in ``model_index.json`` (or the ones `only` names, less `skip`).
 
     Args:
@@ -82,6 +92,9 @@ def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "def
             initialised directly on `device`).
         only / skip: component names to load / to leave out (a multi-stage model's stages load
             their own components, each in its own process).
+        transformer_file: a GGUF single-file denoiser loaded instead of the folder's
+            ``transformer`` (or ``unet``) weights, with the folder's config
+            (`diffserve.quantization.gguf`).
         variant: weights variant (``"fp16"``...) of the components that have it.
 
     Returns:
@@ -90,7 +103,8 @@ def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "def
     Raises:
         UnsupportedModelError: no such folder (or a Hub id), no/unreadable model_index.json, a
             component folder missing, or a component that cannot load (the message names the
-            missing file).
+            missing file); a `transformer_file` that is not GGUF, or holds another architecture
+            or size than the folder's denoiser, or a folder without a denoiser.
     """
     import diffusers.utils.logging as diffusers_logging
     import transformers.utils.logging as transformers_logging
@@ -108,6 +122,10 @@ def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "def
     if load_format == "dummy":
         torch.manual_seed(seed)
     components: dict[str, Any] = {}
+    gguf_target = _denoiser_name(index) if transformer_file is not None else None
+    if transformer_file is not None and gguf_target is None:
+        raise UnsupportedModelError(f"{model_dir} has no transformer or unet component to load "
+                                    f"{transformer_file} into")
     for name, entry in index.items():
         if name.startswith("_"):
             continue
@@ -124,7 +142,12 @@ def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "def
             raise UnsupportedModelError(f"{model_dir}: component folder {name!r} listed in model_index.json "
                                         "is missing")
         try:
-            if name in custom_loaders:
+            if name == gguf_target:
+                from diffserve.quantization.gguf import load_gguf_transformer
+
+                components[name] = load_gguf_transformer(transformer_file, _component_class(library, cls_name, name),
+                                                         folder, dtype, device)
+            elif name in custom_loaders:
                 components[name] = custom_loaders[name](folder)
             else:
                 components[name] = _load_component(library, cls_name, folder, dtype, load_format,
@@ -135,6 +158,15 @@ def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "def
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UnsupportedModelError(f"cannot load component {name!r} from {folder}: {first}") from exc
     return class_name, components
+
+
+def _denoiser_name(index: dict[str, Any]) -> str | None:
+    """The folder's denoiser component (``transformer``, else ``unet``), None without one."""
+    for name in ("transformer", "unet"):
+        entry = index.get(name)
+        if isinstance(entry, list) and len(entry) == 2 and entry[0] is not None:
+            return name
+    return None
 
 
 def _eval(components: dict[str, Any]) -> None:
@@ -165,7 +197,8 @@ def import_class(target: str) -> type:
 def load_adapter(model_dir: Path, device: torch.device, dtype: torch.dtype,
                  load_format: str = "default", context_folding: bool = True,
                  adapter_cls: type[PipelineAdapter] | None = None,
-                 load_device: torch.device | None = None, variant: str | None = None) -> PipelineAdapter:
+                 load_device: torch.device | None = None, transformer_file: str | None = None,
+                 variant: str | None = None) -> PipelineAdapter:
     """Load a model folder and wrap it in the adapter registered for its pipeline class (or
     `adapter_cls`, a custom adapter).
 
@@ -173,6 +206,7 @@ def load_adapter(model_dir: Path, device: torch.device, dtype: torch.dtype,
         load_device: where the weights are loaded and the adapter's modules stay (default
             `device`). With offload it is the CPU: the adapter computes on `device` (its
             ``device`` attribute) and `diffserve.memory.offload` moves the modules there.
+        transformer_file: a GGUF denoiser (see `load_components`).
 
     Raises:
         UnsupportedModelError: see `load_components`; no adapter for the class.
@@ -180,7 +214,8 @@ def load_adapter(model_dir: Path, device: torch.device, dtype: torch.dtype,
     load_device = device if load_device is None else load_device
     cls = adapter_cls or adapter_class(read_model_index(model_dir).get("_class_name", ""))  # fails before loading
     class_name, components = load_components(model_dir, dtype, load_format, device=load_device,
-                                             skip=frozenset(cls.ar_stage_components), variant=variant)
+                                             skip=frozenset(cls.ar_stage_components),
+                                             transformer_file=transformer_file, variant=variant)
     _eval(components)
     options = AdapterOptions(context_folding=context_folding, model_dir=Path(model_dir))
     adapter = (adapter_cls or adapter_class(class_name)).from_components(components, load_device, dtype, options)
@@ -190,9 +225,10 @@ def load_adapter(model_dir: Path, device: torch.device, dtype: torch.dtype,
     return adapter
 
 
-def load_ar_stage(model_dir: Path, device: torch.device, dtype: torch.dtype, load_format: str = "default") -> Any:
+def load_ar_stage(model_dir: Path, device: torch.device, dtype: torch.dtype, load_format: str = "default",
+                  variant: str | None = None) -> Any:
     """Load a multi-stage folder's AR stage: its `PipelineAdapter.ar_stage_components` only, built
-    into the family's `diffserve.pipelines.ar_stage.ARStageModel`.
+    into the family's `diffserve.pipelines.ar_stage.ARStageModel` (`variant`: see `load_components`).
 
     Raises:
         UnsupportedModelError: see `load_components`; the family has no AR stage.
@@ -202,7 +238,7 @@ def load_ar_stage(model_dir: Path, device: torch.device, dtype: torch.dtype, loa
     if not cls.ar_stage_components:
         raise UnsupportedModelError(f"{class_name} has no AR stage")
     _, components = load_components(model_dir, dtype, load_format, device=device,
-                                    only=frozenset(cls.ar_stage_components))
+                                    only=frozenset(cls.ar_stage_components), variant=variant)
     _eval(components)
     stage = cls.build_ar_stage(components, device, dtype)
     logger.info("loaded the AR stage of %s from %s on %s (%s)", class_name, model_dir, device, dtype)
@@ -210,15 +246,17 @@ def load_ar_stage(model_dir: Path, device: torch.device, dtype: torch.dtype, loa
 
 
 def load_pipeline(model_dir: Path, device: torch.device, dtype: torch.dtype, load_format: str = "default",
-                  pipeline_cls: type | None = None, variant: str | None = None) -> Any:
+                  pipeline_cls: type | None = None, transformer_file: str | None = None,
+                  variant: str | None = None) -> Any:
     """Load a model folder into a pipeline object of its own diffusers class (or
-    `pipeline_cls`) for whole-request serving.
+    `pipeline_cls`) for whole-request serving (`transformer_file`: see `load_components`).
 
     Raises:
         UnsupportedModelError: see `load_components`; diffusers has no such pipeline class, or
             the class cannot be built from the folder's components.
     """
-    class_name, components = load_components(model_dir, dtype, load_format, device=device, variant=variant)
+    class_name, components = load_components(model_dir, dtype, load_format, device=device,
+                                              transformer_file=transformer_file, variant=variant)
     _eval(components)
     if pipeline_cls is None:
         import diffusers

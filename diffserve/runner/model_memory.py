@@ -20,6 +20,7 @@ from diffserve.core.sleep_levels import check_level
 from diffserve.memory.sleep import WeightSleeper
 
 if TYPE_CHECKING:
+    from diffserve.quantization.plan import QuantizationPlan
     from diffserve.acceleration.prompt_embed_cache import PromptEmbedCache
     from diffserve.config import EngineConfig
     from diffserve.core.messages import MemoryProfile
@@ -35,14 +36,17 @@ class ModelMemory:
             ``enable_sleep_mode`` and, for level-2 wake, the model folder and load format.
         device: the compute device.
         denoising: says whether any request still has denoising steps to run.
+        quantization: what was quantized at load, quantized again the same way when a level-2
+            wake reloads the weights from the folder.
 
     Call `ready` once the rest of the runner is set up (after compile warm-up).
     """
 
     def __init__(self, adapter: "PipelineAdapter", config: "EngineConfig", device: torch.device,
-                 denoising: Callable[[], bool]):
+                 denoising: Callable[[], bool], quantization: "QuantizationPlan | None" = None):
         self.adapter = adapter
         self.config = config
+        self.quantization = quantization
         self.device = device
         self.offload = OffloadManager(adapter, device, config.cpu_offload, config.layerwise_offload,
                                       config.offload_blocks)
@@ -132,13 +136,19 @@ class ModelMemory:
         self.offload.attach()
 
     def _reload_components(self) -> dict[str, Any]:
-        """The folder's components loaded again as at startup (level-2 wake)."""
+        """The folder's components loaded (and quantized) again as at startup (level-2 wake)."""
         from diffserve.runner.loader import load_components
 
         config = self.config
         load_format = "default" if config.load_format == "custom_pipeline" else config.load_format
-        return load_components(config.model_path, config.torch_dtype, load_format, device=weights_device(config),
-                               variant=config.variant)[1]
+        components = load_components(config.model_path, config.torch_dtype, load_format,
+                                     device=weights_device(config), variant=config.variant,
+                                     transformer_file=config.transformer_file)[1]
+        if self.quantization is not None:
+            from diffserve.quantization.plan import apply_plan
+
+            apply_plan(components, self.quantization, config.torch_dtype)
+        return components
 
     def stats(self) -> dict[str, Any]:
         """`OffloadManager.stats` plus ``sleeping`` (the sleep level, or None)."""

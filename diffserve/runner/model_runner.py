@@ -8,6 +8,7 @@ its batch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -18,7 +19,7 @@ import torch
 from diffserve.acceleration.accelerator import Accelerator
 from diffserve.memory.offload import weights_device
 from diffserve.config import EngineConfig
-from diffserve.core.errors import InvalidRequestError, UnsupportedModelError, NonFiniteOutputError
+from diffserve.core.errors import InvalidRequestError, NonFiniteOutputError
 from diffserve.core.messages import (
     ChunkDone,
     ChunkWork,
@@ -31,11 +32,15 @@ from diffserve.core.messages import (
     StepOutput,
     WorkError,
 )
+from diffserve.connector.handles import PayloadMissingError
 from diffserve.pipelines.base import PipelineAdapter, RequestState, is_finite
 from diffserve.runner.base import Runner
 from diffserve.runner.loader import load_adapter
+from diffserve.lora.rows import ROW_KEY
+from diffserve.runner.loras import RunnerLoras
 from diffserve.memory.accounting import peak_memory_bytes
 from diffserve.runner.model_memory import ModelMemory
+from diffserve.runner.quantization import quantize_adapter
 from diffserve.runner.streaming import StreamState, assemble_video
 from diffserve.core.sampling_params import SamplingParams
 
@@ -62,18 +67,13 @@ class ModelRunner(Runner):
             torch.set_num_threads(config.num_threads)
         self.device = config.torch_device
         self.parallel = parallel
-        if adapter is None:
-            from diffserve.models.model_index import read_model_index
-            from diffserve.pipelines.registry import adapter_class, has_adapter
-
-            class_name = read_model_index(config.model_path).get("_class_name", "")
-            if has_adapter(class_name) and adapter_class(class_name).ar_stage_components:
-                raise UnsupportedModelError(f"{class_name} has an autoregressive stage before its DiT stage; the "
-                                            "engine does not run such stages yet (issue 25: being integrated)")
         self.adapter = adapter or load_adapter(config.model_path, self.device, config.torch_dtype,
                                                config.load_format,
                                                config.context_folding and config.ulysses_degree == 1,
-                                               load_device=weights_device(config), variant=config.variant)
+                                               load_device=weights_device(config), variant=config.variant,
+                                               transformer_file=config.transformer_file)
+        # quantized weights: after load, before Ulysses, offload placement, sleep pool and compile
+        self.quantization = quantize_adapter(self.adapter, config)
         if parallel is not None and parallel.world_size > 1 and config.cache_backend != "none":
             raise InvalidRequestError("cache_backend", config.cache_backend, "none with CFG / Ulysses "
                                       "parallelism (its per-request decisions would differ between ranks)")
@@ -91,15 +91,41 @@ class ModelRunner(Runner):
         self._last_states: tuple[list[RequestState], tuple[str, ...]] = ([], ())
         # offload placement, sleep mode, memory profile, per-step peaks
         self.memory = ModelMemory(self.adapter, config, self.device,
-                                  denoising=lambda: any(not s.done for s in list(self.states.values())))
-        self.accelerator = Accelerator(self.adapter, config, stage=self.memory.offload.stage)
+                                  denoising=lambda: any(not s.done for s in list(self.states.values())),
+                                  quantization=self.quantization.plan)
+        #: LoRA adapters: reading, slots, per-request pins, per-row batches
+        self.loras = RunnerLoras(self.adapter, config)
+        self.accelerator = Accelerator(self.adapter, config, stage=self.memory.offload.stage,
+                                       warmup_contexts=self.loras.warmup_contexts())
         self.memory.ready()
+        #: multi-stage models: the consumer side of the AR stage's connector (in process: the very
+        #: object the AR stage puts into, `connector`; in a worker process: shared memory) and the
+        #: receiver that fetches each request's payloads from its admission on
+        self.connector = None
+        self.receiver = None
+        if self.adapter.ar_stage_components:
+            from diffserve.connector import make_connector
+            from diffserve.runner.payload_receiver import PayloadReceiver
+
+            self.connector = make_connector(config.connector_kind)
+            self.receiver = PayloadReceiver(self.connector, self.device)
 
     # ------------------------------------------------------------------ model facts
     def info(self) -> ModelInfo:
-        """The model's spec and pipeline class."""
+        """The model's spec, pipeline class and quantized components."""
         return ModelInfo(spec=self.adapter.spec, pipeline=self.adapter.pipeline_class_name,
-                         chunk_streaming=self.adapter.chunk_streaming)
+                         chunk_streaming=self.adapter.chunk_streaming,
+                         ar_stage=bool(self.adapter.ar_stage_components),
+                         quantization=self.quantization.summary())
+
+    def prefetch(self, request_id: str, handle, params: SamplingParams) -> None:
+        """Start fetching an admitted request's AR-stage payloads (the branches its DiT stage
+        needs) on the receiver's side thread; `prepare` then waits only for what is left."""
+        if self.receiver is not None:
+            self.receiver.prefetch(handle, self.adapter.context_branches(params))
+
+    def payload_stats(self) -> dict[str, Any] | None:
+        return self.receiver.stats() if self.receiver is not None else None
 
     def plan(self, params: SamplingParams, inputs: Any = None) -> RequestPlan:
         """Rows and batch key of a request with resolved `params`, after the family's own
@@ -139,11 +165,26 @@ class ModelRunner(Runner):
         return results
 
     def _prepare(self, requests: list[NewRequest]) -> list[Prepared]:
+        groups: dict[tuple, list[NewRequest]] = {}  # by text-encoder LoRA adapters: they change the encoding
+        for new in requests:
+            groups.setdefault(self.loras.text_key(new.params.loras), []).append(new)
+        results: dict[str, Prepared] = {}
+        for group in groups.values():
+            for result in self._prepare_group(group):
+                results[result.request_id] = result
+        return [results[new.request_id] for new in requests]
+
+    def _prepare_group(self, requests: list[NewRequest]) -> list[Prepared]:
         text = self.adapter.text
         if text is None or len(requests) < 2:
             return self._prepare_each(requests)
         texts = [pair for new in requests for pair in self.adapter.texts_to_encode(new.prompt, new.params)]
-        with text.encoding_together(texts):  # one encoder forward for the group's new texts
+        with contextlib.ExitStack() as stack:
+            try:  # the group's text-encoder adapters (all equal)
+                stack.enter_context(self.loras.encoding(requests[0].params.loras))
+            except Exception:  # noqa: BLE001 - an adapter gone: each request reports its own failure
+                return self._prepare_each(requests)
+            stack.enter_context(text.encoding_together(texts))  # one encoder forward for the new texts
             return self._prepare_each(requests)
 
     def _prepare_each(self, requests: list[NewRequest]) -> list[Prepared]:
@@ -151,12 +192,24 @@ class ModelRunner(Runner):
         for new in requests:
             start = time.perf_counter()
             state = RequestState(new.request_id, new.prompt, new.params, inputs=new.inputs)
+            wait_s = fetch_s = 0.0
             try:
-                self.adapter.prepare(state)
+                if self.receiver is not None:
+                    if new.context is None:
+                        raise PayloadMissingError(f"request {new.request_id!r} reached the DiT stage without the "
+                                                  "payloads of its AR stage")
+                    state.context, wait_s, fetch_s = self.receiver.receive(
+                        new.context, self.adapter.context_branches(new.params))
+                self.loras.acquire(state)
+                with self.loras.encoding(new.params.loras):
+                    self.adapter.prepare(state)
                 self.accelerator.reset(state)
             except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
                 logger.exception("prepare failed for %s", new.request_id)
+                self.loras.release(state)
                 state.release()
+                if self.receiver is not None:
+                    self.receiver.release(new.request_id)
                 results.append(Prepared(new.request_id, error=WorkError.of(exc)))
                 continue
             self.states[new.request_id] = state
@@ -167,7 +220,9 @@ class ModelRunner(Runner):
                                     prompt_truncated=state.prompt_truncated,
                                     negative_prompt_truncated=state.negative_prompt_truncated,
                                     seconds=time.perf_counter() - start,
-                                    step_key=self.adapter.step_key(state)))
+                                    step_key=self.adapter.step_key(state), payload_wait_s=wait_s,
+                                    payload_fetch_s=fetch_s,
+                                    payload_bytes=sum(p.nbytes for p in (state.context or {}).values())))
         return results
 
     @torch.inference_mode()
@@ -189,6 +244,8 @@ class ModelRunner(Runner):
             states, composition = self._last_states
         else:
             states, composition = [self.states[i] for i in request_ids], tuple(request_ids)
+            if any(ROW_KEY in s.row_data for s in states):  # requests sharing adapters in adjacent rows: slices
+                states.sort(key=lambda s: s.row_data.get(ROW_KEY, ()))
             self._last_ids, self._last_states = request_ids, (states, composition)
         with self.memory.offload.stage("denoise") as loads, self.memory.window(composition) as window:
             if len(states) > 1 and not self.accelerator.shares_forward:
@@ -231,9 +288,14 @@ class ModelRunner(Runner):
         if p is not None and p.cfg_parallel_size > 1:
             from diffserve.parallel.cfg import cfg_parallel_denoise
 
-            return cfg_parallel_denoise(self.accelerator.denoise, batch, p.cfg_rank, p.cfg_parallel_size,
+            return cfg_parallel_denoise(self._denoise_rows, batch, p.cfg_rank, p.cfg_parallel_size,
                                         p.cfg_group)
-        return self.accelerator.denoise(batch)
+        return self._denoise_rows(batch)
+
+    def _denoise_rows(self, batch):
+        """The accelerator's forward of `batch`, each row with its LoRA adapters."""
+        with self.loras.denoising(batch):
+            return self.accelerator.denoise(batch)
 
     def _step_alone(self, states: list[RequestState]) -> StepOutput:
         """One forward per request; num_rows is the largest forward's, request_rows each one's."""
@@ -350,7 +412,8 @@ class ModelRunner(Runner):
                 self.free([request_id])
                 return ChunkDone(request_id, chunk_index=index, frames=new, video=video, event_ids=event_ids,
                                  seconds=time.perf_counter() - start)
-            interactions = [(i, self.adapter.text_branch(state, i.prompt)) for i in work.interactions]
+            with self.loras.encoding(state.params.loras):
+                interactions = [(i, self.adapter.text_branch(state, i.prompt)) for i in work.interactions]
             state.branches[-1] = stream.next_branch(state.branches[-1], interactions)
             self.adapter.start_chunk(state, frames)
             self.accelerator.reset(state)
@@ -370,7 +433,19 @@ class ModelRunner(Runner):
             self.streams.pop(request_id, None)
             state = self.states.pop(request_id, None)
             if state is not None:
+                self.loras.release(state)
                 state.release()
+            if self.receiver is not None:
+                self.receiver.release(request_id)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Read the adapter at `path` as `name` (see `RunnerLoras.load`); its summary."""
+        return self.loras.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter `name` (see `RunnerLoras.unload`)."""
+        self.loras.unload(name)
 
     # ------------------------------------------------------------------ stats
     def acceleration_stats(self) -> dict[str, Any]:

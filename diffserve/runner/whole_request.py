@@ -49,6 +49,8 @@ from diffserve.pipelines.diffusion_scheduler import new_scheduler
 from diffserve.memory.accounting import peak_memory_bytes
 from diffserve.core.sleep_levels import check_level
 from diffserve.memory.sleep import WeightSleeper
+from diffserve.quantization.plan import apply_plan
+from diffserve.runner.quantization import quantize_pipeline
 from diffserve.runner.base import Runner
 from diffserve.core.sampling_params import ModelSpec, SamplingParams
 
@@ -120,6 +122,7 @@ class _Job:
         self.pipe = pipe
         self.hook = hook
         self.kwargs = kwargs
+        self.loras: dict[str, float] = {}
         self.steps_done = 0
         self.num_steps = guess_steps
         self.output: Any = None
@@ -208,6 +211,7 @@ class WholeRequestRunner(Runner):
         if self.hook is None:
             logger.warning("%s.__call__ has no step callback: each request runs to its end in one engine step "
                            "(no per-step progress, previews or abort mid-run)", self.class_name)
+        self.quantization = quantize_pipeline(pipe, config)
         from diffserve.models.model_index import with_stated_limits
 
         self.spec = with_stated_limits(self._spec(), config.model_path)
@@ -215,6 +219,12 @@ class WholeRequestRunner(Runner):
         self.nonfinite_count = 0
         self._keys = itertools.count()
         self.sleeper = WeightSleeper(self._modules, self._reload_components, self.device)
+        #: LoRA adapters: diffusers' own ``load_lora_weights`` into the live pipeline and
+        #: ``set_adapters`` before each request's step (no two requests share a forward here);
+        #: the lock keeps a load's PEFT injection out of a running step
+        self._loras: dict[str, dict[str, Any]] = {}
+        self._active_loras: dict[str, float] | None = None
+        self._lora_lock = threading.Lock()
         logger.warning("%s has no step adapter: requests run whole through diffusers' own pipeline call, "
                        "one step at a time, without step batching", self.class_name)
 
@@ -259,8 +269,9 @@ class WholeRequestRunner(Runner):
     # ------------------------------------------------------------------ model facts
     def info(self) -> ModelInfo:
         """The pipeline's spec (from its ``__call__`` defaults); no step batching, no chunk
-        streaming."""
-        return ModelInfo(spec=self.spec, pipeline=self.class_name, step_batching=False)
+        streaming; what was quantized at load."""
+        return ModelInfo(spec=self.spec, pipeline=self.class_name, step_batching=False,
+                         quantization=self.quantization.summary())
 
     def plan(self, params: SamplingParams, inputs: Any = None) -> RequestPlan:
         """One row, and a batch key of its own (never batched).
@@ -318,6 +329,11 @@ class WholeRequestRunner(Runner):
                 if getattr(self.pipe, "scheduler", None) is not None:
                     vars(pipe)["scheduler"] = new_scheduler(self.pipe.scheduler)
                 job = _Job(new.request_id, pipe, self._kwargs(new), new.params.num_inference_steps, self.hook)
+                job.loras = dict(new.params.loras or {})
+                missing = [name for name in job.loras if name not in self._loras]
+                if missing:
+                    raise InvalidRequestError("loras", job.loras, "names of loaded LoRA adapters",
+                                              detail=f"{missing[0]!r} is not loaded")
             except Exception as exc:  # noqa: BLE001
                 results.append(Prepared(new.request_id, error=WorkError.of(exc)))
                 continue
@@ -335,7 +351,9 @@ class WholeRequestRunner(Runner):
         out = StepOutput(num_rows=0)
         for request_id in request_ids:
             job = self.states[request_id]
-            job.advance()
+            with self._lora_lock:
+                self._use_loras(job.loras)
+                job.advance()
             if job.error is not None:
                 out.errors[request_id] = WorkError.of(job.error)
                 self.free([request_id])
@@ -378,6 +396,60 @@ class WholeRequestRunner(Runner):
             if job is not None:
                 job.abort()
 
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Check the adapter at `path` against the model (`diffserve.lora.reading`), then load
+        it into the live pipeline with its class's ``load_lora_weights`` as `name`.
+
+        Raises:
+            InvalidRequestError: (field ``path``) see `diffserve.lora.reading.read_lora`.
+            LoraInUseError: a request holds an adapter of that name.
+        """
+        from diffserve.lora.reading import read_lora, text_encoder_loader
+
+        info = read_lora(path, self.pipe, name).info()
+        with self._lora_lock:
+            if name in self._loras:
+                self._unload(name)
+            # text encoders through PEFT directly: transformers 5.24's load_adapter wants peft >= 0.22
+            self.pipe.load_lora_into_text_encoder = text_encoder_loader(self.pipe)
+            self.pipe.load_lora_weights(path, adapter_name=name, low_cpu_mem_usage=False)
+            self._loras[name] = info
+            self._active_loras = None
+        return info
+
+    def unload_lora(self, name: str) -> None:
+        """Delete adapter `name` from the live pipeline.
+
+        Raises:
+            LoraInUseError: a request holds it.
+        """
+        with self._lora_lock:
+            if name in self._loras:
+                self._unload(name)
+
+    def _unload(self, name: str) -> None:
+        from diffserve.core.errors import LoraInUseError
+
+        users = [r for r, job in self.states.items() if name in job.loras]
+        if users:
+            raise LoraInUseError(f"LoRA {name!r} is used by {len(users)} request(s)")
+        self.pipe.delete_adapters(name)
+        del self._loras[name]
+        self._active_loras = None
+
+    def _use_loras(self, loras: dict[str, float]) -> None:
+        """Make `loras` the pipeline's active adapters (diffusers' ``set_adapters``; none:
+        ``disable_lora``), if they are not already (lock held)."""
+        if not self._loras or loras == self._active_loras:
+            return
+        if loras:
+            self.pipe.enable_lora()
+            self.pipe.set_adapters(list(loras), list(loras.values()))
+        else:
+            self.pipe.disable_lora()
+        self._active_loras = dict(loras)
+
     # ------------------------------------------------------------------ stats
     def acceleration_stats(self) -> dict[str, Any]:
         """No acceleration backends without a step adapter."""
@@ -395,9 +467,12 @@ class WholeRequestRunner(Runner):
     def _reload_components(self) -> dict[str, Any]:
         from diffserve.runner.loader import load_components
 
-        load_format = "default" if self.config.load_format == "custom_pipeline" else self.config.load_format
-        return load_components(self.config.model_path, self.config.torch_dtype, load_format, device=self.device,
-                               variant=self.config.variant)[1]
+        config = self.config
+        load_format = "default" if config.load_format == "custom_pipeline" else config.load_format
+        components = load_components(config.model_path, config.torch_dtype, load_format, device=self.device,
+                                     variant=config.variant, transformer_file=config.transformer_file)[1]
+        apply_plan(components, self.quantization.plan, config.torch_dtype)  # as quantized at load
+        return components
 
     def sleep(self, level: int) -> None:
         """Sleep mode (see `diffserve.memory.sleep`); no request may be held.

@@ -80,6 +80,10 @@ class Worker:
         self.runner = runner
         self.is_driver = is_driver
         self._side: ThreadPoolExecutor | None = None
+        #: LoRA files are read on a thread of their own (started on first use): a slow read
+        #: delays neither the steps nor other requests' encodes and decodes
+        self._loader: ThreadPoolExecutor | None = None
+        self._overlap = overlap
         if overlap:
             # the side thread must use the same torch thread count as the stepping thread
             self._side = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffserve-stage",
@@ -96,6 +100,9 @@ class Worker:
         submitted = []
         for item in work_items(out):
             if item.kind == PREPARE:
+                for new in item.payload:  # multi-stage: the payloads' fetch starts now, beside the steps
+                    if new.context is not None:
+                        runner.prefetch(new.request_id, new.context, new.params)
                 future = self._submit(runner.prepare, item.payload)
             elif item.kind == CHUNK:
                 future = self._submit(self._chunk, [item.payload])
@@ -109,6 +116,20 @@ class Worker:
     def step(self, request_ids: list[str]) -> StepOutput:
         """ONE denoising step (on the calling thread)."""
         return self.runner.step(request_ids)
+
+    def load_lora(self, name: str, path: str) -> Future:
+        """Read the LoRA adapter at `path` into the runner as `name`, beside the steps (inline
+        without overlap); resolves to its summary or the runner's error."""
+        if not self._overlap:
+            return self._submit(self.runner.load_lora, name, path)
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffserve-lora",
+                                              initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
+        return self._loader.submit(self.runner.load_lora, name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Drop adapter `name` from the runner."""
+        self.runner.unload_lora(name)
 
     def _decode(self, request_ids: list[str], preview: bool, snapshots: dict | None) -> list:
         if not self.is_driver:  # only rank 0 decodes; the others just free
@@ -138,3 +159,6 @@ class Worker:
         if self._side is not None:
             self._side.shutdown(wait=True, cancel_futures=False)
             self._side = None
+        if self._loader is not None:
+            self._loader.shutdown(wait=True, cancel_futures=True)
+            self._loader = None

@@ -106,12 +106,14 @@ def run_events(engine, prompt: str, params, image=None, **add_kwargs) -> list:
 _REFERENCE_PIPELINES: dict[tuple[str, str], Any] = {}
 
 
-def diffusers_reference(model: TestModel, folder, prompt: str, params, image=None, cls: str | None = None):
+def diffusers_reference(model: TestModel, folder, prompt: str, params, image=None, cls: str | None = None,
+                        pipe=None):
     """diffusers' own pipeline ``__call__`` on `folder` with the request's resolved `params`
     (every field the family uses, the same seed): images (N, H, W, C) or frames (N, F, H, W, 3),
-    float in [0, 1]."""
+    float in [0, 1]. `pipe`: an already loaded pipeline to call (e.g. with LoRA adapters set)."""
     cls = cls or model.reference
-    pipe = _REFERENCE_PIPELINES.get((str(folder), cls))
+    if pipe is None:
+        pipe = _REFERENCE_PIPELINES.get((str(folder), cls))
     if pipe is None:
         diffusers = importlib.import_module("diffusers")
         pipe = getattr(diffusers, cls).from_pretrained(folder, **model.reference_load(folder))
@@ -138,6 +140,14 @@ def diffusers_reference(model: TestModel, folder, prompt: str, params, image=Non
                          params.num_images_per_prompt)
     out = pipe(**kwargs)
     return out.frames if model.video else out.images
+
+
+def reference_pipeline(model: TestModel, folder, cls: str | None = None):
+    """diffusers' pipeline of `model` (its reference class, or `cls`) loaded from `folder`."""
+    diffusers = importlib.import_module("diffusers")
+    pipe = getattr(diffusers, cls or model.reference).from_pretrained(folder, **model.reference_load(folder))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
 
 
 def runner_request_ids(engine) -> set[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from diffserve import EngineOverloadedError
+from diffserve.core.sampling_params import SamplingParams
 from diffserve.engine.queues import RequestQueues
 from diffserve.engine.request import Phase, Request
 
@@ -123,3 +124,44 @@ def test_no_request_starves_under_adversarial_arrivals():
         if done_at is not None:
             break
     assert done_at is not None and done_at < 20
+
+
+def _lora_req(seq, loras, rows=2):
+    request = _req(seq, rows=rows)
+    request.params = SamplingParams(loras=loras)
+    return request
+
+
+@pytest.mark.parametrize("mode", ["step", "request"])
+def test_lora_admission_waits_for_loads_and_slots(mode):
+    """A request whose adapter is still loading is passed over (later requests go first); one
+    that would need more distinct adapters than max_loras waits at the head (step mode); the
+    running requests' adapters count until they finish."""
+    ready = {"a", "b"}
+    s = RequestQueues(max_batch_size=16, max_waiting=16, mode=mode, max_loras=1,
+                      lora_ready=lambda names: set(names) <= ready)
+    loading, plain, with_a, with_b, with_a2 = (_lora_req(0, {"c": 1.0}), _lora_req(1, None), _lora_req(2, {"a": 1.0}),
+                                               _lora_req(3, {"b": 1.0}), _lora_req(4, {"a": 0.5}))
+    for r in (loading, plain, with_a, with_b, with_a2):
+        s.add(r)
+    admitted = s.admit()
+    if mode == "step":
+        assert admitted == [plain, with_a]  # c is loading: passed over; b needs a second slot: waits at the head
+    else:
+        assert admitted == [plain, with_a, with_a2]  # one static batch: same key, one adapter at most
+    assert s.admit() == []
+    if mode == "step":
+        s.finish(with_a)  # `a` is free again: with_b's adapter fits; with_a2 (a) waits behind it
+        assert s.admit() == [with_b]
+        ready.add("c")
+        s.finish(with_b)
+        assert s.admit() == [loading]  # c loaded: admitted in its place at the front
+        s.finish(loading)
+        assert s.admit() == [with_a2]
+    else:
+        for r in (plain, with_a, with_a2):
+            s.finish(r)
+        assert s.admit() == [with_b]
+        ready.add("c")
+        s.finish(with_b)
+        assert s.admit() == [loading]

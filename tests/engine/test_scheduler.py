@@ -315,3 +315,18 @@ def test_memory_admission_and_counts():
     assert [n.request_id for n in out.new_requests] == ["a", "b"]  # 8 of 10 bytes; c would need 12
     assert (h.scheduler.num_waiting, h.scheduler.num_running, h.scheduler.num_running_rows) == (1, 2, 2)
     assert h.scheduler.queue_position("c") == 1 and h.scheduler.queue_position("a") is None
+
+
+def test_fail_waiting_closes_a_waiting_request_only():
+    """`fail_waiting` (a LoRA adapter that failed to load): the waiting request ends ``failed``
+    with the error; a running one is left alone."""
+    h = Harness(max_batch_size=2)
+    h.add("a")
+    h.add("b")
+    h.tick()  # a admitted (2 rows); b waits
+    h.events()
+    assert not h.scheduler.fail_waiting("a", RuntimeError("no"))
+    assert h.scheduler.fail_waiting("b", RuntimeError("adapter x failed"))
+    [event] = h.scheduler.take_events()
+    assert event.request_id == "b" and event.type is EventType.FAILED and "adapter x failed" in event.output.error
+    assert h.scheduler.num_waiting == 0 and h.scheduler.num_running == 1

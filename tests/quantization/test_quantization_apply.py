@@ -9,10 +9,16 @@ import shutil
 import pytest
 import torch
 
-from diffserve.quantization.apply import describe_loaded, linear_layers, quantize_component, weight_bytes
+from diffserve.quantization.apply import (
+    describe_loaded,
+    is_quantized_tensor,
+    linear_layers,
+    quantize_component,
+    weight_bytes,
+)
 from diffserve.quantization.plan import apply_plan, quantize_model
-from diffserve.quantization.spec import QuantizationSpec
-from diffserve.quantization.tensor_bytes import inner_tensors, is_quantized_tensor, tensor_bytes
+from diffserve.core.quantization import QuantizationSpec
+from diffserve.core.tensor_storage import inner_tensors, tensor_bytes
 from diffserve.runner.loader import load_components
 
 

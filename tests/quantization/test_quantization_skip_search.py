@@ -6,9 +6,8 @@ import pytest
 import torch
 from diffusers import SD3Transformer2DModel
 
-from diffserve.quantization.apply import linear_layers, quantize_component
+from diffserve.quantization.apply import is_quantized_tensor, linear_layers, quantize_component
 from diffserve.quantization.skip_search import CalibrationInputs, layer_type, relative_error, search_skip_list
-from diffserve.quantization.tensor_bytes import is_quantized_tensor
 
 BUDGET = 0.01
 SCALED_BLOCK = 1

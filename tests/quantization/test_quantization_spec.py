@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from diffserve.core.errors import InvalidRequestError
-from diffserve.quantization.spec import (
+from diffserve.core.quantization import (
     METHODS,
     QuantizationSpec,
     check_device,
@@ -30,21 +30,23 @@ def test_methods_parse_every_form():
     assert parse_methods("transformer=int8_weight_only, text_encoder=int8_dynamic,vae=none") == mapping
 
 
-@pytest.mark.parametrize("value, field", [
-    ("int3", "quantization"),
-    ({"transformer": "fp4"}, "quantization[transformer]"),
-    ("transformer=int8", "quantization[transformer]"),
-    ({"trans former": "int8_dynamic"}, "quantization"),
-    ("{not json", "quantization"),
-    (7, "quantization"),
+@pytest.mark.parametrize("value, component", [
+    ("int3", None),
+    ({"transformer": "fp4"}, "transformer"),
+    ("transformer=int8", "transformer"),
+    ({"trans former": "int8_dynamic"}, None),
+    ("{not json", None),
+    (7, None),
 ])
-def test_bad_method_is_one_line_naming_field_and_allowed(value, field):
+def test_bad_method_is_one_line_naming_field_and_allowed(value, component):
     with pytest.raises(InvalidRequestError) as info:
         parse_methods(value)
     message = str(info.value)
-    assert info.value.field == field and "\n" not in message
-    if field.startswith("quantization[") or value == "int3":
+    assert info.value.field == "quantization" and "\n" not in message
+    if component is not None or value == "int3":
         assert all(name in message for name in METHODS)
+    if component is not None:
+        assert f"for component {component!r}" in message
 
 
 def test_unknown_component_lists_the_folders_components():
@@ -86,7 +88,7 @@ def test_skip_budget_and_file():
 def test_gpu_methods_refused_on_cpu(method):
     spec = QuantizationSpec.parse({"transformer": method})
     with pytest.raises(InvalidRequestError) as info:
-        check_device(spec, "cpu", "fp32")
+        check_device(spec, "cpu", "float32")
     message = str(info.value)
     assert info.value.field == "quantization" and "cuda" in message and "int8_dynamic" in message
     assert "\n" not in message
@@ -94,14 +96,14 @@ def test_gpu_methods_refused_on_cpu(method):
 
 def test_cuda_capability_and_dtype_refusals():
     with pytest.raises(InvalidRequestError, match="compute capability >= 8.9"):
-        check_device(QuantizationSpec.parse("float8"), "cuda", "bf16", (8, 0))
-    check_device(QuantizationSpec.parse("float8"), "cuda", "bf16", (9, 0))
-    with pytest.raises(InvalidRequestError, match="bf16"):
-        check_device(QuantizationSpec.parse("int4_weight_only"), "cuda", "fp16", (9, 0))
-    check_device(QuantizationSpec.parse("int8_dynamic"), "cpu", "fp32")
+        check_device(QuantizationSpec.parse("float8"), "cuda", "bfloat16", (8, 0))
+    check_device(QuantizationSpec.parse("float8"), "cuda", "bfloat16", (9, 0))
+    with pytest.raises(InvalidRequestError, match="bfloat16"):
+        check_device(QuantizationSpec.parse("int4_weight_only"), "cuda", "float16", (9, 0))
+    check_device(QuantizationSpec.parse("int8_dynamic"), "cpu", "float32")
 
 
 def test_spec_module_imports_no_torch():
-    code = ("import sys; import diffserve.quantization.spec, diffserve.quantization; "
+    code = ("import sys; import diffserve.core.quantization, diffserve.quantization; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -102,8 +102,8 @@ def test_an_unconditional_pipeline_runs_and_refuses_a_prompt(ddim_dir):
         assert out.ok, out.error
         pipe = DDIMPipeline.from_pretrained(ddim_dir)
         pipe.set_progress_bar_config(disable=True)
-        reference = pipe(batch_size=2, num_inference_steps=4, eta=0.5, generator=torch.Generator().manual_seed(5),
-                         output_type="np").images
+        generators = [torch.Generator().manual_seed(seed) for seed in (5, 6)]  # image i: seed + i
+        reference = pipe(batch_size=2, num_inference_steps=4, eta=0.5, generator=generators, output_type="np").images
         np.testing.assert_allclose(out.images, reference, atol=1e-6)
         assert any(e.type is EventType.PROGRESS for e in events) and events[-1].type is EventType.FINISHED
         for prompt, params, field in (("a cat", SamplingParams(), "prompt"),

@@ -27,7 +27,7 @@ def test_training_is_the_top_level_folder_outside_the_package():
 
 
 @pytest.mark.parametrize("module", ["training.digits.train", "training.digits_video.train",
-                                    "training.digits_reasoning.train"])
+                                    "training.digits_mirror.train", "training.digits_reasoning.train"])
 def test_entry_point_runs_from_the_repository_root(module):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, env=env, capture_output=True,
@@ -55,6 +55,21 @@ def test_video_model_tiny_training_step_saves_a_wan_folder(tmp_path):
 
     pipe = WanPipeline.from_pretrained(out)
     assert pipe.transformer is not None and pipe.vae is not None
+
+
+def test_one_mirror_lora_step_saves_a_lora_diffserve_and_diffusers_load(tmp_path):
+    """The built-in `mirror` LoRA's training: one tiny step writes diffusers' LoRA format."""
+    from diffusers import StableDiffusion3Pipeline
+
+    from diffserve.lora.reading import read_lora
+    from diffserve.models.digits import DEFAULT_MODEL_PATH
+    from training.digits_mirror import train as mirror_train
+
+    out = mirror_train.main(["--out", str(tmp_path / "mirror"), "--max-steps", "1", "--batch-size", "8"])
+    pipe = StableDiffusion3Pipeline.from_pretrained(DEFAULT_MODEL_PATH, text_encoder_3=None, tokenizer_3=None)
+    adapter = read_lora(out, pipe, "m")
+    assert adapter.rank == 8 and adapter.num_modules == 45
+    pipe.load_lora_weights(str(out), adapter_name="m")
 
 
 def test_reasoning_model_tiny_training_step_saves_a_two_stage_folder(tmp_path):

@@ -60,6 +60,7 @@ from diffserve.entrypoints.openai.errors import (
 from diffserve.entrypoints.openai.middleware import ApiKeyAuth, CapabilityGate, HostAllowList, StatusCounter
 from diffserve.entrypoints.openai.ops.health import install_health_route
 from diffserve.entrypoints.openai.ops.metrics import ServerMetrics, install_metrics_route
+from diffserve.entrypoints.openai.ops.loras import install_lora_routes
 from diffserve.entrypoints.openai.ops.sleep import CONTROL_PATHS, install_sleep_routes
 from diffserve.entrypoints.openai.playground import install_playground
 from diffserve.entrypoints.openai.protocol import (
@@ -265,6 +266,7 @@ def create_app(
     output_metadata: bool = True,
     enable_sleep_mode: bool | None = None,
     allowed_hosts: list[str] | None = None,
+    lora_loading: bool | None = None,
 ) -> FastAPI:
     """Build the FastAPI app serving `engine` under the name `served_model_name`.
 
@@ -300,6 +302,8 @@ def create_app(
         output_metadata: embed the generation parameters in every image (PNG text chunks, JPEG /
             WebP EXIF + XMP) and video (MP4 tags) the server returns
             (`diffserve.media.metadata`); False (``--no-output-metadata``) leaves them out.
+        lora_loading: serve ``POST /v1/loras`` (loading LoRA adapters at run time, only from
+            ``--lora-dir``); None = whether the engine's config has a ``lora_dir``.
         enable_sleep_mode: serve ``POST /sleep``, ``POST /wake_up`` and ``GET /is_sleeping``
             (``--enable-sleep-mode``); None: as `engine`'s config says (False with
             `engine_loader`).
@@ -346,6 +350,9 @@ def create_app(
     install_sleep_routes(app, state, wake_on_request=wake_on_request, allowed_origins=allowed_origins,
                          public_url=public_url, routes=enable_sleep_mode)
     install_video_stream_routes(app, state)
+    if lora_loading is None:
+        lora_loading = engine is not None and engine.config.lora_dir is not None
+    install_lora_routes(app, state, loading=lora_loading)
     app.add_middleware(StatusCounter, metrics=metrics, paths=GENERATION_PATHS)
     app.add_middleware(CapabilityGate, capability_of=capability_of, served=lambda: state.capabilities,
                        message=state.not_served)

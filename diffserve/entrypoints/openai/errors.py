@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from diffserve.core.errors import EngineOverloadedError, InvalidRequestError
+from diffserve.core.errors import EngineOverloadedError, InvalidRequestError, UnknownLoraError
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +75,12 @@ class APIError(Exception):
 
 
 def invalid_request(exc: InvalidRequestError) -> APIError:
-    """400 for an engine/validation `InvalidRequestError`; ``param`` is the API field name
-    (``height``/``width`` -> ``size``, ``num_images_per_prompt`` -> ``n``)."""
+    """400 for an engine/validation `InvalidRequestError` (404 ``lora_not_found`` for an
+    `UnknownLoraError`); ``param`` is the API field name (``height``/``width`` -> ``size``,
+    ``num_images_per_prompt`` -> ``n``)."""
     param = _ENGINE_FIELD_TO_PARAM.get(exc.field, exc.field)
+    if isinstance(exc, UnknownLoraError):
+        return APIError(404, str(exc), param=param, code="lora_not_found")
     return APIError(400, str(exc), param=param, code="invalid_value")
 
 

@@ -20,21 +20,23 @@ diffserve extension fields (send them with the openai client's ``extra_body=``):
     `diffserve.entrypoints.openai.services.sse_progress`); edits add strength (`ImageEditRequest`),
     videos their own (`VideoCreateRequest`).
 
-``GET /v1/models`` cards carry two diffserve extensions (`ModelCard`): ``capabilities`` (what the
+``GET /v1/models`` cards carry diffserve extensions (`ModelCard`): ``capabilities`` (what the
 model does, hence which endpoints serve it) and ``parameters`` (the request parameters it takes,
-with defaults and ranges), so a client such as the web playground can build its form from them.
+with defaults and ranges), so a client such as the web playground can build its form from them;
+``quantization`` (the quantized components: method, kept layers, bytes).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_serializer
 
 from diffserve.core.errors import InvalidRequestError
-from diffserve.core.sampling_params import MAX_GUIDANCE_SCALE, MAX_SEED
+from diffserve.core.sampling_params import MAX_GUIDANCE_SCALE, MAX_LORA_SCALE, MAX_SEED
 
 if TYPE_CHECKING:
     from diffserve.core.sampling_params import ModelSpec, RequestLimits
@@ -67,6 +69,8 @@ MIN_STRENGTH = 1e-6
 MAX_VIDEO_SECONDS = 3600
 #: Largest number of size alternatives spelled out in the served schema's ``size`` pattern.
 MAX_SCHEMA_SIDES = 512
+#: Longest ``size`` pattern the served schema spells out pair by pair (characters).
+MAX_SIZE_PATTERN_CHARS = 65536
 
 
 def _schema_null_only(schema: dict[str, Any]) -> None:
@@ -87,6 +91,32 @@ def _schema_enum(*values: str):
 
 class _StrictRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+#: The ``loras`` extension field of generation requests (images, edits, videos, video streams).
+LORAS_DESCRIPTION = ("LoRA adapters to apply, {name: scale} (GET /v1/loras lists the names; several compose, as "
+                     "diffusers' set_adapters); scales finite in [-4, 4]; in a multipart form, a JSON object")
+
+#: The ``loras`` field's type: non-empty names to finite scales in [-4, 4] (the served schema
+#: states both, so a schema-valid request is refused only for a name the server does not hold: 404).
+LoraScales = dict[Annotated[str, StringConstraints(min_length=1, max_length=128)],
+                  Annotated[float, Field(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE, allow_inf_nan=False)]]
+
+
+def loras_from_text(value: Any) -> Any:
+    """A ``loras`` form field (text) as the JSON object it holds; other values unchanged.
+
+    Raises:
+        ValueError: text that is not a JSON object.
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValueError('must be a JSON object of LoRA names to scales, e.g. {"mirror": 1.0}') from None
+        if not isinstance(value, dict):
+            raise ValueError('must be a JSON object of LoRA names to scales, e.g. {"mirror": 1.0}')
+    return value
 
 
 class _ImageRequest(_StrictRequest):
@@ -149,18 +179,23 @@ class _ImageRequest(_StrictRequest):
                     "reproducible alone")
     stream_progress: bool | None = Field(
         None, description="with stream=true: also send diffserve.queued (place in the waiting queue) and "
-                          "diffserve.progress (denoising steps done) events")
+                          "diffserve.progress (denoising steps done) events, and diffserve.ar_delta "
+                          "(multi-stage models: each new piece of the AR stage's text) events")
+    loras: LoraScales | None = Field(None, description=LORAS_DESCRIPTION)
     extra_params: dict[str, Any] | None = Field(
         None, description="further __call__ arguments of a pipeline served whole-request (no step adapter), by "
                           "name, e.g. {\"pag_scale\": 3.0}; the model card's extra_parameters lists the names "
                           "(unknown names are a 400 naming them); in a form, a JSON object as text")
 
+    @field_validator("loras", mode="before")
+    @classmethod
+    def _loras_from_form_text(cls, value: Any) -> Any:
+        return loras_from_text(value)
+
     @field_validator("extra_params", mode="before")
     @classmethod
     def _json_text_is_an_object(cls, value: Any) -> Any:
         if isinstance(value, str):  # multipart forms carry text
-            import json
-
             try:
                 return json.loads(value)
             except ValueError as exc:
@@ -289,8 +324,9 @@ def request_json_schema(spec: "ModelSpec | None" = None, limits: "RequestLimits 
     400, like any unknown field); ``n`` in [1, max_n]; ``num_inference_steps`` in [1, limit];
     ``num_frames`` as the list of counts the model allows (``k*m + 1`` up to its maximum);
     ``num_chunks`` in [1, limit]; and ``size`` spelled out as the allowed ``WxH`` values
-    (multiples of the model's resolution factor up to its maximum) when there are at most
-    `MAX_SCHEMA_SIDES` per side."""
+    (multiples of the model's resolution factor up to its maximum, and within ``max_pixels``)
+    when there are at most `MAX_SCHEMA_SIDES` per side and the pattern stays within
+    `MAX_SIZE_PATTERN_CHARS`."""
     schema = (model or ImageGenerationRequest).model_json_schema()
     props = schema["properties"]
     if max_n is not None and "n" in props:
@@ -315,9 +351,19 @@ def request_json_schema(spec: "ModelSpec | None" = None, limits: "RequestLimits 
         top = min(side_max if side_max is not None else limits.max_pixels // f, limits.max_pixels // f)
         sides.append([str(v) for v in range(f, top + 1, f)])
     widths, heights = sides
-    fits = int(widths[-1]) * int(heights[-1]) <= limits.max_pixels if widths and heights else False
-    if fits and max(len(widths), len(heights)) <= MAX_SCHEMA_SIDES and "size" in props:
+    if not widths or not heights or max(len(widths), len(heights)) > MAX_SCHEMA_SIDES or "size" not in props:
+        return schema
+    if int(widths[-1]) * int(heights[-1]) <= limits.max_pixels:
         _constrain(props["size"], pattern=f"^(auto|({'|'.join(widths)})[xX]({'|'.join(heights)}))$")
+        return schema
+    # the pixel budget binds before the sides do: each width with the heights that fit beside it
+    rows = []
+    for width in widths:
+        fit = [h for h in heights if int(width) * int(h) <= limits.max_pixels]
+        if fit:
+            rows.append(f"{width}[xX]({'|'.join(fit)})")
+    if rows and sum(map(len, rows)) <= MAX_SIZE_PATTERN_CHARS:
+        _constrain(props["size"], pattern=f"^(auto|{'|'.join(rows)})$")
     return schema
 
 
@@ -389,7 +435,9 @@ class ImageObject(BaseModel):
 
     Attributes:
         b64_json / url: the image, per ``response_format``.
-        revised_prompt: always null (prompts are used as given).
+        revised_prompt: multi-stage models whose AR stage writes text (the built-in
+            ``digits-reasoning``: its language model's answer): that text; else null (prompts
+            are used as given).
         seed: diffserve extension: the seed that reproduces this image alone (with ``n=1``).
         prompt_truncated / negative_prompt_truncated: diffserve extensions: the prompt / the
             negative prompt exceeded the text encoder's token limit and was cut (the negative
@@ -465,8 +513,8 @@ class ImageUsage(BaseModel):
 class CompletedEvent(BaseModel):
     """SSE event ``image_generation.completed`` (``image_edit.completed`` for edits): one final
     image (one event per image when ``n > 1``). diffserve extensions: ``image_index``,
-    ``seed``, ``prompt_truncated``, ``negative_prompt_truncated``, ``timings`` (as in
-    `ImageObject`)."""
+    ``seed``, ``prompt_truncated``, ``negative_prompt_truncated``, ``timings``, ``revised_prompt``
+    (as in `ImageObject`)."""
 
     type: Literal["image_generation.completed", "image_edit.completed"] = "image_generation.completed"
     b64_json: str
@@ -481,6 +529,7 @@ class CompletedEvent(BaseModel):
     prompt_truncated: bool = False
     negative_prompt_truncated: bool = False
     timings: dict[str, Any]
+    revised_prompt: str | None = None
 
 
 # ------------------------------------------------------------------------------- videos
@@ -522,6 +571,12 @@ class VideoCreateRequest(_StrictRequest):
     true_cfg_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE_SCALE, allow_inf_nan=False,
                                          description="true-CFG weight (models with true CFG)")
     seed: int | None = Field(None, ge=0, lt=SEED_BOUND, description="seed (default: random, reported)")
+    loras: LoraScales | None = Field(None, description=LORAS_DESCRIPTION)
+
+    @field_validator("loras", mode="before")
+    @classmethod
+    def _loras_from_form_text(cls, value: Any) -> Any:
+        return loras_from_text(value)
 
     @field_validator("num_frames", "fps", "num_inference_steps", "seed", mode="before")
     @classmethod
@@ -624,7 +679,8 @@ class ParameterInfo(BaseModel):
     property.
 
     Attributes:
-        type: ``integer``, ``number``, ``string`` or ``boolean``.
+        type: ``integer``, ``number``, ``string``, ``boolean`` or ``object`` (``loras``: a
+            mapping whose values are in [minimum, maximum]).
         default: the value used when a request omits the parameter (None: none, or drawn at
             random, e.g. ``seed``).
         minimum / maximum: inclusive range of numeric parameters.
@@ -638,7 +694,7 @@ class ParameterInfo(BaseModel):
     Fields that are None are left out of the JSON.
     """
 
-    type: Literal["integer", "number", "string", "boolean"]
+    type: Literal["integer", "number", "string", "boolean", "object"]
     default: int | float | str | bool | None = None
     minimum: int | float | None = None
     maximum: int | float | None = None
@@ -654,6 +710,41 @@ class ParameterInfo(BaseModel):
         return {key: value for key, value in handler(self).items() if value is not None}
 
 
+class ComponentQuantization(BaseModel):
+    """How one component's weights are quantized (`diffserve.core.quantization.ComponentReport`)."""
+
+    method: str = Field(description="int8_weight_only, int8_dynamic, float8, int4_weight_only; torchao:<Config> "
+                                    "for a pre-quantized folder; gguf:<types> for a GGUF file")
+    source: str = Field(description="quantized at load, pre-quantized folder or gguf file")
+    quantized_layers: int = Field(description="linear layers holding quantized weights")
+    kept_layers: list[str] = Field(description="linear layers kept in full precision (component.layer)")
+    bytes: int = Field(description="bytes of the component's weights as stored")
+    full_precision_bytes: int = Field(description="bytes of the same weights unquantized, in the model dtype")
+    ratio: float | None = Field(None, description="bytes / full_precision_bytes")
+    error: float | None = Field(None, description="the denoiser output's relative L2 error measured at load by "
+                                                  "the automatic skip list")
+
+
+class QuantizationInfo(BaseModel):
+    """The served model's quantized weights (``/v1/models`` extension)."""
+
+    methods: str | dict[str, str | None] | None = Field(description="what was asked: one method or per component")
+    skip: str | list[str] | None = Field(description="auto, layer-name patterns, or null")
+    error_budget: float = Field(description="the automatic skip list's bound on the relative output error")
+    transformer_file: str | None = Field(description="the GGUF transformer file's name, or null")
+    components: dict[str, ComponentQuantization]
+
+    @classmethod
+    def of(cls, info: dict | None) -> "QuantizationInfo | None":
+        """From `ModelInfo.quantization` (None stays None); the GGUF file by name only."""
+        if not info:
+            return None
+        spec = dict(info["spec"])
+        if spec.get("transformer_file"):
+            spec["transformer_file"] = re.split(r"[\\/]", spec["transformer_file"])[-1]
+        return cls(**spec, components=info["components"])
+
+
 class ModelCard(BaseModel):
     """An entry of ``GET /v1/models``.
 
@@ -667,6 +758,10 @@ class ModelCard(BaseModel):
             whole requests without step batching (the whole-request fallback).
         extra_parameters: the names ``extra_params`` may set (the whole-request pipeline's own
             ``__call__`` arguments); absent for step-batched models, which take none.
+        loras: the LoRA adapters requests may name in ``loras`` (as ``GET /v1/loras`` lists
+            them: name, state, origin, rank, format, ...; ``--lora-dir`` files appear once named).
+        quantization: the quantized components (`QuantizationInfo`), null when the weights are
+            not quantized.
     """
 
     id: str
@@ -677,6 +772,8 @@ class ModelCard(BaseModel):
     parameters: dict[str, ParameterInfo] | None = None
     step_batching: bool | None = None
     extra_parameters: list[str] | None = None
+    loras: list[dict[str, Any]] | None = None
+    quantization: QuantizationInfo | None = None
 
     @classmethod
     def describe(cls, model_id: str, created: int, engine: "EngineClient | None") -> "ModelCard":
@@ -730,6 +827,9 @@ class ModelCard(BaseModel):
             "partial_images": ParameterInfo(type="integer", default=0, minimum=0, maximum=MAX_PARTIAL_IMAGES,
                                             capabilities=images,
                                             description="with stream=true: previews sent before each image"),
+            "loras": ParameterInfo(type="object", minimum=-MAX_LORA_SCALE, maximum=MAX_LORA_SCALE,
+                                   description=f"LoRA adapters, {{name: scale}}; at most {config.max_loras} per "
+                                               "request (GET /v1/loras)"),
         }
         unused = {"guidance_scale": spec.default_guidance_scale, "true_cfg_scale": spec.default_true_cfg_scale,
                   "strength": spec.default_strength if spec.accepts_images else None,
@@ -739,7 +839,8 @@ class ModelCard(BaseModel):
                 parameters.pop(name)
         extra = list(spec.extra_parameters) if spec.extra_parameters is not None else None
         return cls(id=model_id, created=created, capabilities=tasks, parameters=parameters,
-                   step_batching=engine.model_info.step_batching, extra_parameters=extra)
+                   step_batching=engine.model_info.step_batching, extra_parameters=extra,
+                   loras=engine.list_loras(), quantization=QuantizationInfo.of(engine.model_info.quantization))
 
 
 def model_tasks(spec) -> list[str]:

@@ -200,7 +200,7 @@ def _serve(args: argparse.Namespace, config: EngineConfig, name: str, sock: sock
                      video_store_dir=args.video_store_dir, video_ttl_s=args.video_ttl,
                      max_video_jobs=args.max_video_jobs, max_video_bytes=args.max_video_bytes,
                      output_metadata=args.output_metadata, enable_sleep_mode=config.enable_sleep_mode,
-                     allowed_hosts=allowed_hosts(args))
+                     allowed_hosts=allowed_hosts(args), lora_loading=config.lora_dir is not None)
     state: ServerState = app.state.diffserve
     uv_config = uvicorn_config(app, args.host, args.port, limits=limits, log_level=args.log_level,
                                shutdown_timeout_s=args.shutdown_timeout)

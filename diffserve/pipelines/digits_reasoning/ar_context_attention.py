@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0
 
+from diffserve.pipelines.joint_attention import joint_qkv
+
 
 class ARContextJointAttnProcessor(JointAttnProcessor2_0):
     """SD3 joint attention over [image tokens; context tokens; the LM's layer-`layer` K/V].
@@ -47,29 +49,8 @@ class ARContextJointAttnProcessor(JointAttnProcessor2_0):
             raise ValueError("ARContextJointAttnProcessor needs ar_kv (the LM's K/V) in joint_attention_kwargs")
         batch_size, n_image = hidden_states.shape[:2]
 
-        def heads(x: torch.Tensor) -> torch.Tensor:
-            return x.view(batch_size, -1, attn.heads, x.shape[-1] // attn.heads).transpose(1, 2)
-
-        query = heads(attn.to_q(hidden_states))
-        key = heads(attn.to_k(hidden_states))
-        value = heads(attn.to_v(hidden_states))
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
-        n_context = 0
-        if encoder_hidden_states is not None:
-            n_context = encoder_hidden_states.shape[1]
-            context_query = heads(attn.add_q_proj(encoder_hidden_states))
-            context_key = heads(attn.add_k_proj(encoder_hidden_states))
-            context_value = heads(attn.add_v_proj(encoder_hidden_states))
-            if attn.norm_added_q is not None:
-                context_query = attn.norm_added_q(context_query)
-            if attn.norm_added_k is not None:
-                context_key = attn.norm_added_k(context_key)
-            query = torch.cat([query, context_query], dim=2)
-            key = torch.cat([key, context_key], dim=2)
-            value = torch.cat([value, context_value], dim=2)
+        n_context = 0 if encoder_hidden_states is None else encoder_hidden_states.shape[1]
+        query, key, value = joint_qkv(attn, hidden_states, encoder_hidden_states)
         layer_kv = ar_kv[:, :, self.layer]  # (B, L, 2, H, D)
         if layer_kv.shape[-2] != attn.heads or layer_kv.shape[-1] != query.shape[-1]:
             raise ValueError(f"the LM's K/V have {layer_kv.shape[-2]} heads x {layer_kv.shape[-1]}, the DiT's "

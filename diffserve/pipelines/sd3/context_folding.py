@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention, AttnProcessor2_0, JointAttnProcessor2_0
 
+from diffserve.pipelines.joint_attention import joint_qkv
+
 
 class FoldedContextAttnProcessor(JointAttnProcessor2_0):
     """SD3 joint-attention processor whose LAST context token stands for `fold_count`
@@ -59,26 +61,7 @@ class FoldedContextAttnProcessor(JointAttnProcessor2_0):
         log_fold_count = math.log(fold_count or self.fold_count)
         batch_size, n_image = hidden_states.shape[:2]
 
-        def heads(x: torch.Tensor) -> torch.Tensor:
-            return x.view(batch_size, -1, attn.heads, x.shape[-1] // attn.heads).transpose(1, 2)
-
-        query = heads(attn.to_q(hidden_states))
-        key = heads(attn.to_k(hidden_states))
-        value = heads(attn.to_v(hidden_states))
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
-        context_query = heads(attn.add_q_proj(encoder_hidden_states))
-        context_key = heads(attn.add_k_proj(encoder_hidden_states))
-        context_value = heads(attn.add_v_proj(encoder_hidden_states))
-        if attn.norm_added_q is not None:
-            context_query = attn.norm_added_q(context_query)
-        if attn.norm_added_k is not None:
-            context_key = attn.norm_added_k(context_key)
-        query = torch.cat([query, context_query], dim=2)
-        key = torch.cat([key, context_key], dim=2)
-        value = torch.cat([value, context_value], dim=2)
+        query, key, value = joint_qkv(attn, hidden_states, encoder_hidden_states)
 
         # additive bias (1, 1, 1, N_img + N_ctx): +log(k) on the folded (last) key
         bias = F.pad(query.new_zeros(1, 1, 1, key.shape[2] - 1), (0, 1), value=log_fold_count)

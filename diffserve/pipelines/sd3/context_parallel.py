@@ -18,6 +18,8 @@ from diffusers.models._modeling_parallel import ContextParallelInput, ContextPar
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.attention_processor import Attention
 
+from diffserve.pipelines.joint_attention import joint_qkv
+
 
 class SD3DispatchJointAttnProcessor:
     """`JointAttnProcessor2_0` (diffusers 0.42) computing attention with
@@ -29,26 +31,8 @@ class SD3DispatchJointAttnProcessor:
 
     def __call__(self, attn: Attention, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
                  attention_mask: torch.Tensor | None = None, *args, **kwargs):
-        batch_size, n_image = hidden_states.shape[:2]
-        head_dim = attn.to_k.out_features // attn.heads
-
-        def heads(x: torch.Tensor) -> torch.Tensor:
-            return x.view(batch_size, -1, attn.heads, head_dim)
-
-        query, key, value = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states)), heads(attn.to_v(hidden_states))
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
-        if encoder_hidden_states is not None:
-            cq = heads(attn.add_q_proj(encoder_hidden_states))
-            ck = heads(attn.add_k_proj(encoder_hidden_states))
-            cv = heads(attn.add_v_proj(encoder_hidden_states))
-            if attn.norm_added_q is not None:
-                cq = attn.norm_added_q(cq)
-            if attn.norm_added_k is not None:
-                ck = attn.norm_added_k(ck)
-            query, key, value = torch.cat([query, cq], dim=1), torch.cat([key, ck], dim=1), torch.cat([value, cv], dim=1)
+        n_image = hidden_states.shape[1]
+        query, key, value = joint_qkv(attn, hidden_states, encoder_hidden_states, heads_first=False)
         out = dispatch_attention_fn(query, key, value, backend=self._attention_backend,
                                     parallel_config=self._parallel_config)
         out = out.flatten(2, 3).to(query.dtype)

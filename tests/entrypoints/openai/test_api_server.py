@@ -494,7 +494,7 @@ def test_sigterm_finishes_in_flight_request_and_exits_0(tiny_sd3_dir):
             except httpx.TransportError:
                 return False
 
-        wait_until(healthy, timeout=60, what="server start")
+        wait_until(healthy, timeout=180, what="server start")  # a loaded 2-core CI machine
         body = {"prompt": "finish me", "num_inference_steps": 100, "stream": True,
                 "model": os.path.basename(os.path.realpath(tiny_sd3_dir))}
         with httpx.stream("POST", f"{base}/v1/images/generations", json=body, timeout=30) as stream:

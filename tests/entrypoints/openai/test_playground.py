@@ -334,7 +334,9 @@ def test_model_card_lists_capabilities_and_parameters(server):
     assert card["step_batching"] is True
     p = card["parameters"]
     assert set(p) == {"negative_prompt", "n", "size", "num_inference_steps", "guidance_scale", "seed",
-                      "partial_images", "strength"}
+                      "partial_images", "strength", "loras"}
+    assert p["loras"]["type"] == "object"  # the playground shows it as a text field (JSON)
+    assert [(e["name"], e["origin"]) for e in card["loras"]] == [("mirror", "builtin")]  # the digits model's own
     assert p["strength"]["capabilities"] == ["image-edit"] and p["strength"]["default"] == 0.6
     assert "true_cfg_scale" not in p  # SD3 has CFG only
     assert {k: p["num_inference_steps"][k] for k in ("type", "default", "minimum", "maximum")} == {

@@ -530,6 +530,13 @@ def test_sleep_routes_are_served_only_with_sleep_mode(engine):
     check_server_arguments(args)
 
 
+def test_lora_loading_route_is_served_only_with_a_lora_dir(engine):
+    with serve(create_app(engine, "m")) as base:  # the engine's config has no lora_dir
+        resp = httpx.post(f"{base}/v1/loras", json={"name": "x", "path": "x"})
+        assert resp.status_code == 405 and resp.headers["allow"] == "GET"
+        assert set(httpx.get(f"{base}/openapi.json").json()["paths"]["/v1/loras"]) == {"get"}
+
+
 def test_host_allow_list_refuses_a_rebinding_host(engine):
     from diffserve.entrypoints.server_args import allowed_hosts
 

@@ -17,7 +17,18 @@ Metrics (all durations in seconds):
     diffserve_step_batch_rows                   transformer rows per step (CFG rows included)
     diffserve_step_batch_requests               requests per step
     diffserve_request_stage_seconds{stage}      per finished engine request: queue, encode,
-                                                denoise, decode, total
+                                                denoise, decode, total; multi-stage models also
+                                                ar_queue, ar (generation), transfer (payload
+                                                export + fetch), payload_wait (DiT-side wait)
+    diffserve_ar_stage_requests_total{outcome}, diffserve_ar_stage_tokens_total
+                                                multi-stage models: requests through the AR stage
+                                                (finished / failed / aborted), tokens generated
+    diffserve_payload_bytes_put_total, diffserve_payload_dedup_hits_total,
+    diffserve_payload_bytes_received_total, diffserve_payloads_resident{unit}
+                                                multi-stage models: bytes the AR stage put into the
+                                                connector, identical payloads stored once, bytes
+                                                the DiT side received, and what is resident now
+                                                (unit: requests / payloads / bytes)
     diffserve_prompt_embed_cache_{hits,misses,evictions}_total, diffserve_prompt_embed_cache_entries
                                                 the prompt-embedding LRU (when enabled)
     diffserve_cache_backend_{transformer_calls,skipped}_total{backend}
@@ -56,6 +67,8 @@ if TYPE_CHECKING:
     from diffserve.engine.client import EngineClient
 
 STAGES = ("queue", "encode", "denoise", "decode", "total")
+#: multi-stage models' extra stages (observed for requests that went through an AR stage)
+AR_STAGES = ("ar_queue", "ar", "transfer", "payload_wait")
 _STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -108,6 +121,7 @@ class ServerMetrics:
         self.running_rows.set_function(lambda: engine.num_running_rows)
         engine.add_step_listener(self._observe_step)
         self.registry.register(_EngineCollector(engine.stats))
+        self.registry.register(_MultiStageCollector(engine.stats))  # (empty for single-stage models)
 
     def _observe_step(self, num_rows: int, num_requests: int, seconds: float) -> None:
         self.step_seconds.observe(seconds)
@@ -126,6 +140,9 @@ class ServerMetrics:
             m = output.metrics
             for stage, seconds in zip(STAGES, (m.queue_s, m.encode_s, m.denoise_s, m.decode_s, m.total_s)):
                 self.stage_seconds.labels(stage=stage).observe(seconds)
+            if m.payload_bytes:  # a multi-stage model's request
+                for stage, seconds in zip(AR_STAGES, (m.ar_queue_s, m.ar_s, m.transfer_s, m.payload_wait_s)):
+                    self.stage_seconds.labels(stage=stage).observe(seconds)
 
     def observe_abandoned(self, count: int, outcome: str = "aborted") -> None:
         """Count `count` engine requests whose final event no client read (the client went
@@ -186,6 +203,41 @@ class _EngineCollector:
             yield GaugeMetricFamily("diffserve_compile_recompiles_after_warmup",
                                     "torch.compile graphs compiled after warm-up.",
                                     value=compiled["recompiles_after_warmup"])
+
+
+class _MultiStageCollector:
+    """Exports a multi-stage model's AR-stage counters and connector accounting (`engine.stats()`
+    ``ar_stage`` and ``payloads``, read at scrape time) as Prometheus metrics."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]):
+        self._stats = stats
+
+    def collect(self):
+        stats = self._stats()
+        ar = stats.get("ar_stage", {})
+        if "finished" in ar:
+            family = CounterMetricFamily("diffserve_ar_stage_requests", "Requests through the AR stage by outcome.",
+                                         labels=["outcome"])
+            for outcome in ("finished", "failed", "aborted"):
+                family.add_metric([outcome], ar[outcome])
+            yield family
+            yield CounterMetricFamily("diffserve_ar_stage_tokens", "Tokens the AR stage generated.", value=ar["tokens"])
+        put = ar.get("connector", {})
+        if "bytes_put" in put:
+            yield CounterMetricFamily("diffserve_payload_bytes_put", "Bytes the AR stage put into the connector "
+                                      "(identical payloads once).", value=put["bytes_put"])
+            yield CounterMetricFamily("diffserve_payload_dedup_hits", "Payloads stored once for several requests "
+                                      "(equal content hash).", value=put["dedup_hits"])
+            family = GaugeMetricFamily("diffserve_payloads_resident", "Payloads held by the AR stage's connector now.",
+                                       labels=["unit"])
+            for unit in ("requests", "payloads", "bytes"):
+                family.add_metric([unit], put[f"resident_{unit}"])
+            yield family
+        received = stats.get("payloads", {})
+        if "bytes" in received:
+            yield CounterMetricFamily("diffserve_payload_bytes_received", "Payload bytes the DiT side received.",
+                                      value=received["bytes"])
+
 
 
 class _ConnectionCollector:

@@ -259,10 +259,11 @@ class ImageGenerationService:
                                     width=width, num_inference_steps=body.num_inference_steps,
                                     guidance_scale=body.guidance_scale, true_cfg_scale=body.true_cfg_scale,
                                     strength=getattr(body, "strength", None), seed=body.seed, output_type="pil",
-                                    extra=body.extra_params)
+                                    extra=body.extra_params, loras=body.loras)
             # seeds, every check (the family's own rules on images, mask, strength too) and the plan, before
             # any allocation; an edit's "auto" size is the input's
             requests = engine.input_processor.process(body.prompt, params, inputs, n=n, size_from_inputs=True)
+            engine.check_loras(requests[0].params.loras)  # known adapter names (a load starts for one not held)
         except InvalidRequestError as exc:
             raise invalid_request(exc) from None
         first = requests[0]
@@ -407,7 +408,7 @@ class ImageGenerationService:
             encoded = self._encode_output(plan, output)
             item = ImageObject(seed=output.seed, prompt_truncated=output.prompt_truncated,
                                negative_prompt_truncated=output.negative_prompt_truncated,
-                               timings=output.metrics.as_dict())
+                               timings=output.metrics.as_dict(), revised_prompt=output.ar_text)
             if reservation is not None:
                 now = time.time()
                 name, ttl_s = self.store.put(encoded, MEDIA_TYPES[plan.output_format], plan.output_format,
@@ -488,7 +489,8 @@ class ImageGenerationService:
                                               image_index=index, seed=output.seed,
                                               prompt_truncated=output.prompt_truncated,
                                               negative_prompt_truncated=output.negative_prompt_truncated,
-                                              timings=output.metrics.as_dict(), **common)
+                                              timings=output.metrics.as_dict(), revised_prompt=output.ar_text,
+                                              **common)
                         self.metrics.observe_images(1)
                         yield _sse(done.type, done.model_dump())
                         last_sent = loop.time()

@@ -12,6 +12,10 @@ Events (the ``data:`` of each is one JSON object whose ``type`` repeats the even
     diffserve.progress  ``{"type", "image_index", "step", "num_inference_steps"}``: denoising
                         steps done; ``step`` 0 when the image leaves the queue (its prompt is
                         encoded next), then once per denoising step.
+    diffserve.ar_delta  ``{"type", "image_index", "delta"}``: multi-stage models whose AR stage
+                        writes text (the built-in ``digits-reasoning``): each new piece of it as
+                        it is generated, before the image's progress events (the pieces add up to
+                        the image's ``revised_prompt``).
 
 Without ``stream_progress`` the stream holds exactly OpenAI's events, so OpenAI clients see
 nothing new.
@@ -53,6 +57,8 @@ class StreamProgress:
         if event.type is EventType.QUEUED:
             self._waiting[index] = None
             return self._queued(index)
+        if event.type is EventType.AR_DELTA:  # (in the AR stage: it joins the waiting queue after)
+            return [{"type": "diffserve.ar_delta", "image_index": index, "delta": event.text}]
         self._waiting.pop(index, None)
         if event.type in (EventType.STARTED, EventType.PROGRESS):
             return [{"type": "diffserve.progress", "image_index": index, "step": event.step,

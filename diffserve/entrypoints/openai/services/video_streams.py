@@ -60,12 +60,14 @@ from starlette.requests import ClientDisconnect
 from diffserve.entrypoints.openai.errors import CLIENT_CLOSED_REQUEST, APIError, invalid_request, overloaded, unavailable
 from diffserve.media.image_encoding import to_base64
 from diffserve.entrypoints.openai.protocol import (
+    LORAS_DESCRIPTION,
     MAX_PROMPT_CHARS,
     PROMPT_PATTERN,
     SEED_BOUND,
     SIZE_PATTERN,
     TEXT_PATTERN,
     ErrorResponse,
+    LoraScales,
     parse_size,
     sse_event_schema,
 )
@@ -124,6 +126,7 @@ class VideoStreamRequest(BaseModel):
     output_format: Literal["mp4", "webp", "gif"] = Field("mp4", description="encoding of each chunk and of the "
                                                          "whole video")
     include_video: bool = Field(True, description="send the whole video again in the completed event")
+    loras: LoraScales | None = Field(None, description=LORAS_DESCRIPTION)
 
     @field_validator("num_chunks", "num_frames", "fps", "num_inference_steps", "seed", mode="before")
     @classmethod
@@ -240,8 +243,10 @@ class VideoStreamService:
             params = SamplingParams(negative_prompt=body.negative_prompt, height=height, width=width,
                                     num_frames=body.num_frames, fps=body.fps, num_chunks=body.num_chunks,
                                     num_inference_steps=body.num_inference_steps,
-                                    guidance_scale=body.guidance_scale, seed=body.seed, output_type="np")
+                                    guidance_scale=body.guidance_scale, seed=body.seed, output_type="np",
+                                    loras=body.loras)
             [request] = engine.input_processor.process(body.prompt, params)  # seed, checks, plan
+            engine.check_loras(request.params.loras)  # known adapter names (a load starts for one not held)
         except InvalidRequestError as exc:
             raise invalid_request(exc) from None
         resolved = request.params

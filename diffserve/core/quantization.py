@@ -33,7 +33,7 @@ class Method:
         name: the name users write (``--quantization``).
         devices: device types it runs on (``"cpu"``, ``"cuda"``).
         min_cuda_capability: the oldest CUDA compute capability it runs on (major, minor).
-        dtypes: model dtypes it runs with (None = any).
+        dtypes: model dtypes it runs with, torch names (``"bfloat16"``; None = any).
         summary: one line for help texts and errors.
     """
 
@@ -50,7 +50,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("int8_dynamic", ("cpu", "cuda"), summary="int8 weights and per-token dynamic int8 activations (W8A8)"),
     Method("float8", ("cuda",), (8, 9), summary="float8 weights and dynamic float8 activations (GPUs with FP8: "
            "compute capability >= 8.9)"),
-    Method("int4_weight_only", ("cuda",), dtypes=("bf16", "bfloat16"),
+    Method("int4_weight_only", ("cuda",), dtypes=("bfloat16",),
            summary="int4 weights in groups of 128 (CUDA, bf16)"),
 )}
 #: Words meaning "leave this component unquantized" in a per-component mapping.
@@ -71,11 +71,12 @@ _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PATTERN = re.compile(r"^[A-Za-z0-9_.*?\[\]-]+$")
 
 
-def _method_name(value: Any, field_name: str, allow_none: bool) -> str | None:
+def _method_name(value: Any, allow_none: bool, component: str | None = None) -> str | None:
     """A method name (or None for a ``none`` entry) checked against `METHODS`.
 
     Raises:
-        InvalidRequestError: naming `field_name`, listing the allowed values.
+        InvalidRequestError: field ``quantization``, listing the allowed values (and naming
+            the `component` of a mapping).
     """
     if value is None and allow_none:
         return None
@@ -86,7 +87,8 @@ def _method_name(value: Any, field_name: str, allow_none: bool) -> str | None:
         if name in METHODS:
             return name
     allowed = f"one of {_METHOD_LIST}" + (" or none" if allow_none else "")
-    raise InvalidRequestError(field_name, value, allowed)
+    raise InvalidRequestError("quantization", value, allowed,
+                              f"for component {component!r}" if component is not None else None)
 
 
 def parse_methods(value: Any) -> str | dict[str, str | None] | None:
@@ -124,7 +126,7 @@ def parse_methods(value: Any) -> str | dict[str, str | None] | None:
                 raise InvalidRequestError("quantization", value, "component=method pairs separated by commas")
             value = {k.strip(): v.strip() for k, _, v in pairs}
         else:
-            return _method_name(text, "quantization", allow_none=False)
+            return _method_name(text, allow_none=False)
     if not isinstance(value, Mapping):
         raise InvalidRequestError("quantization", value, f"a method name ({_METHOD_LIST}), a mapping "
                                   "{component: method or none}, or none")
@@ -133,7 +135,7 @@ def parse_methods(value: Any) -> str | dict[str, str | None] | None:
         if not isinstance(component, str) or not _NAME.match(component):
             raise InvalidRequestError("quantization", component, "component names of the model folder "
                                       "(model_index.json keys such as transformer, text_encoder, vae)")
-        out[component] = _method_name(method, f"quantization[{component}]", allow_none=True)
+        out[component] = _method_name(method, allow_none=True, component=component)
     return out
 
 
@@ -278,7 +280,7 @@ def check_device(spec: QuantizationSpec, device_type: str, dtype: str,
 
     Args:
         device_type: ``"cpu"`` or ``"cuda"``.
-        dtype: the model dtype's name (``fp32``, ``bf16``, ``fp16``, ...).
+        dtype: the model dtype's torch name (``float32``, ``bfloat16``, ``float16``).
         cuda_capability: the CUDA device's compute capability (major, minor).
 
     Raises:

@@ -1,0 +1,128 @@
+"""LoRA adapters over HTTP: the ``loras`` field of generations (JSON) and edits (multipart),
+``GET / POST / DELETE /v1/loras`` behind the API key (paths only inside ``--lora-dir``), the
+model card's list, and the 400s / 404 / 409 in OpenAI's error format."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from diffusers import StableDiffusion3Pipeline
+from PIL import Image
+from tiny_models.loras import random_lora, save_diffusers_lora
+
+from diffserve.entrypoints.openai.app import create_app
+from server_helpers import assert_openai_error, new_engine, serve
+
+torch.set_num_threads(1)
+MODEL = "tiny-sd3"
+KEY = {"Authorization": "Bearer secret"}
+FAST = {"num_inference_steps": 2, "size": "64x64", "seed": 3}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_sd3_dir, tmp_path_factory):
+    lora_dir = tmp_path_factory.mktemp("loras")
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir, text_encoder_3=None, tokenizer_3=None)
+    for i, name in enumerate(["style", "other"]):
+        save_diffusers_lora(StableDiffusion3Pipeline, lora_dir / name,
+                            {"transformer": (random_lora(pipe.transformer, ("to_q", "to_v"), 2, seed=i), 2, 2.0)})
+    outside = save_diffusers_lora(StableDiffusion3Pipeline, tmp_path_factory.mktemp("outside") / "x",
+                                  {"transformer": (random_lora(pipe.transformer, ("to_q",), 2, seed=9), 2, 2.0)})
+    engine = new_engine(tiny_sd3_dir, lora_dir=str(lora_dir), loras={"preloaded": str(lora_dir / "style")})
+    with serve(create_app(engine, MODEL, api_key="secret")) as base:
+        body = httpx.get(f"{base}/openapi.json").json()["paths"]["/v1/loras"]["post"]["requestBody"]
+        assert body["required"] and set(body["content"]) == {"application/json"}  # served with --lora-dir
+        yield base, lora_dir, outside
+
+
+def _image(resp: httpx.Response) -> np.ndarray:
+    assert resp.status_code == 200, resp.text
+    data = resp.json()["data"][0]["b64_json"]
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(data))), dtype=np.int16)
+
+
+def test_generations_take_loras(server):
+    base, lora_dir, outside = server
+    post = lambda body: httpx.post(f"{base}/v1/images/generations", json=body, headers=KEY, timeout=60)  # noqa: E731
+    plain = _image(post({"prompt": "a cat", **FAST}))
+    styled = _image(post({"prompt": "a cat", "loras": {"preloaded": 1.0}, **FAST}))
+    from_dir = _image(post({"prompt": "a cat", "loras": {"style": 1.0}, **FAST}))  # loads on first use
+    assert np.abs(styled - plain).max() > 0
+    assert np.abs(styled - from_dir).max() <= 1  # the same file under two names
+    resp = post({"prompt": "a cat", "loras": {"nope": 1.0}, **FAST})  # a missing resource, as vLLM's unknown LoRA
+    assert_openai_error(resp, 404, param="loras")
+    assert resp.json()["error"]["code"] == "lora_not_found" and "unknown LoRA 'nope'" in resp.json()["error"]["message"]
+    for loras, fragment in [({"style": 9.0}, "less than or equal to 4"), ({"style": "x"}, None), ("style", None)]:
+        resp = post({"prompt": "a cat", "loras": loras, **FAST})
+        assert_openai_error(resp, 400, param="loras")
+        if fragment:
+            assert fragment in resp.json()["error"]["message"]
+
+
+def test_edits_take_loras_as_a_form_field(server):
+    base, _, _ = server
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (120, 30, 200)).save(buf, format="PNG")
+    files = {"image": ("in.png", buf.getvalue(), "image/png")}
+    fields = {"prompt": "a cat", "num_inference_steps": "2", "seed": "1", "strength": "0.9"}
+    plain = _image(httpx.post(f"{base}/v1/images/edits", data=fields, files=files, headers=KEY, timeout=60))
+    styled = _image(httpx.post(f"{base}/v1/images/edits", data={**fields, "loras": json.dumps({"style": 1.5})},
+                               files=files, headers=KEY, timeout=60))
+    assert np.abs(styled - plain).max() > 0
+    resp = httpx.post(f"{base}/v1/images/edits", data={**fields, "loras": "{not json"}, files=files, headers=KEY,
+                      timeout=60)
+    assert_openai_error(resp, 400, param="loras")
+
+
+def test_lora_routes(server):
+    base, lora_dir, outside = server
+    assert httpx.get(f"{base}/v1/loras").status_code == 401  # behind the API key
+    names = {e["name"] for e in httpx.get(f"{base}/v1/loras", headers=KEY).json()["data"]}
+    assert "preloaded" in names
+    resp = httpx.post(f"{base}/v1/loras", json={"name": "again", "path": "other"}, headers=KEY, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["state"] == "ready" and resp.json()["rank"] == 2
+    for path in (str(outside), "../outside", "/etc/passwd"):
+        assert_openai_error(httpx.post(f"{base}/v1/loras", json={"name": "x", "path": path}, headers=KEY), 400,
+                            param="path")
+    assert_openai_error(httpx.post(f"{base}/v1/loras", json={"name": "x", "path": "missing"}, headers=KEY), 400,
+                        param="path")
+    assert_openai_error(httpx.post(f"{base}/v1/loras", json={"name": "bad/name", "path": "other"}, headers=KEY), 400,
+                        param="name")
+    card = httpx.get(f"{base}/v1/models", headers=KEY).json()["data"][0]
+    assert {"again", "preloaded"} <= {e["name"] for e in card["loras"]} and "loras" in card["parameters"]
+    assert httpx.delete(f"{base}/v1/loras/again", headers=KEY).json() == {"name": "again", "object": "lora",
+                                                                           "deleted": True}
+    assert_openai_error(httpx.delete(f"{base}/v1/loras/again", headers=KEY), 404, param="name")
+
+
+def test_unloading_an_adapter_in_use_is_409(server, tiny_sd3_dir):
+    base, _, _ = server
+    long = {"prompt": "a cat", "loras": {"preloaded": 1.0}, "num_inference_steps": 20_000, "size": "64x64"}
+
+    def post_and_give_up():
+        try:
+            client.post(f"{base}/v1/images/generations", json=long, headers=KEY, timeout=5)
+        except httpx.TimeoutException:
+            pass  # expected: the request runs 20,000 steps
+
+    with httpx.Client(timeout=60) as client:
+        thread = threading.Thread(target=post_and_give_up, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 20
+        while True:
+            entry = {e["name"]: e for e in httpx.get(f"{base}/v1/loras", headers=KEY).json()["data"]}["preloaded"]
+            if entry["in_use"]:
+                break
+            assert time.monotonic() < deadline
+        resp = httpx.delete(f"{base}/v1/loras/preloaded", headers=KEY)
+        assert_openai_error(resp, 409, param="name", code="lora_in_use")
+        thread.join(15)  # the client gives up after 5 s: the server aborts the request

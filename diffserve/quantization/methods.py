@@ -34,7 +34,7 @@ def import_torchao() -> Any:
         import torchao
         import torchao.quantization  # noqa: F401
     except ImportError as exc:
-        raise InvalidRequestError("quantization", None, "unset, or install torchao (pip install torchao)",
+        raise InvalidRequestError("quantization", None, "unset, or install torchao: pip install 'diffserve[quantization]'",
                                   str(exc)) from exc
     return torchao
 

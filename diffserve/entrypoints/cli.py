@@ -235,7 +235,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config = engine_config_from_args(args)  # imports torch from here on
     from diffserve.models.model_index import check_stated_limits
 
-    check_stated_limits(config.model_path, params)  # the limits the model states, before its weights load
+    check_stated_limits(config.model_path, job.params)  # the limits the model states, before its weights load
     if job.lora_paths:
         config = dataclasses.replace(config, loras={**config.loras, **job.lora_paths})
     from diffserve.engine.client import DiffusionEngine

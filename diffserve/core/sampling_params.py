@@ -163,9 +163,10 @@ class SamplingParams:
             ``"balanced"`` and ``"fast"`` skip steps (their output forecast from computed ones)
             under a run-time guard that computes a step whenever the request's estimated
             accumulated error would exceed the level's budget. Each level is a measured error
-            budget: see ``diffserve/acceleration/cache_quality.py`` for the PSNR each gives on
-            the built-in model. None = the engine's default (its ``cache_config``
-            ``cache_quality``). Requests with different levels share denoiser forwards.
+            budget (``diffserve/acceleration/cache_quality.py``); the PSNR each gives on the
+            built-in model is in the README (Acceleration: quality levels). None = the
+            engine's default (its ``cache_config`` ``cache_quality``). Requests with different
+            levels share denoiser forwards.
         output_type: ``"pil"`` (list of PIL images), ``"np"`` (float32 array
             (N, H, W, C) in [0, 1]), ``"pt"`` (float tensor (N, C, H, W) in [0, 1]) or
             ``"latent"`` (the final latents (N, C, H/f, W/f)).

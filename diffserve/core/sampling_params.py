@@ -27,6 +27,15 @@ MAX_GUIDANCE_SCALE = 100.0
 #: Largest |scale| of a LoRA adapter in a request (diffusers' ``set_adapters`` weight; real use
 #: is 0-1.5, negative scales subtract a style).
 MAX_LORA_SCALE = 4.0
+#: Per-request sampler names (``SamplingParams.scheduler``) -> AUTOMATIC1111's sampler and
+#: schedule type (what its infotext records), in the order of the table in
+#: `diffserve.pipelines.samplers`, which maps each to a diffusers scheduler.
+A1111_SAMPLERS: dict[str, tuple[str, str | None]] = {
+    "euler": ("Euler", None), "euler_a": ("Euler a", None), "dpmpp_2m": ("DPM++ 2M", None),
+    "dpmpp_2m_karras": ("DPM++ 2M", "Karras"), "dpmpp_sde": ("DPM++ SDE", None), "ddim": ("DDIM", None),
+    "unipc": ("UniPC", None), "lcm": ("LCM", None),
+}
+SAMPLER_NAMES = tuple(A1111_SAMPLERS)
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,12 @@ class ModelSpec:
         extra_parameters: names ``SamplingParams.extra`` may set: the pipeline's own
             ``__call__`` arguments beyond the fields above (whole-request pipelines, e.g. PAG's
             ``pag_scale``); None = ``extra`` is not accepted (step adapters).
+        samplers: the ``scheduler`` names a request may pick (`diffserve.pipelines.samplers`);
+            None = per-request samplers are not supported (the folder's scheduler only).
+        image_samplers: those of `samplers` a request with an input image may pick (SD3
+            image-to-image: the ones that can noise an image); None = all of `samplers`.
+        max_clip_skip: largest ``clip_skip`` (CLIP text encoders' layers - 1); None = the
+            model has no CLIP text encoder that takes it.
     """
 
     resolution_factor: int
@@ -96,6 +111,9 @@ class ModelSpec:
     accepts_mask: bool = False
     default_strength: float | None = None
     extra_parameters: tuple[str, ...] | None = None
+    samplers: tuple[str, ...] | None = None
+    image_samplers: tuple[str, ...] | None = None
+    max_clip_skip: int | None = None
 
 
 @dataclass(frozen=True)
@@ -170,6 +188,18 @@ class SamplingParams:
         output_type: ``"pil"`` (list of PIL images), ``"np"`` (float32 array
             (N, H, W, C) in [0, 1]), ``"pt"`` (float tensor (N, C, H, W) in [0, 1]) or
             ``"latent"`` (the final latents (N, C, H/f, W/f)).
+        scheduler: the sampler (diffusion scheduler) this request runs with, by name: ``euler``,
+            ``euler_a``, ``dpmpp_2m``, ``dpmpp_2m_karras``, ``dpmpp_sde``, ``ddim``, ``unipc``,
+            ``lcm`` (AUTOMATIC1111's samplers, each a diffusers scheduler class + config
+            overrides: `diffserve.pipelines.samplers`), those in ``ModelSpec.samplers``; None
+            = the model folder's own scheduler. Requests with different samplers share
+            denoiser forwards.
+        clip_skip: CLIP layers skipped from the end for the prompt embeddings, as diffusers'
+            ``clip_skip`` (1 = the pre-final layer: AUTOMATIC1111's "Clip skip: 2"), in [1,
+            ``ModelSpec.max_clip_skip``]; CLIP families (SD 1.x/2.x, SDXL, SD3); None = none.
+        eta: DDIM's eta in [0, 1] (0 = deterministic DDIM, 1 = DDPM-like noise), for
+            schedulers whose step takes it (``scheduler="ddim"``, or a DDIM folder) in families
+            that pass it (SD 1.x/2.x, SDXL); None = 0.
         extra: further ``__call__`` arguments of a pipeline served whole-request (the
             fallback for classes without a step adapter), by name, e.g. ``{"pag_scale": 3.0}``;
             only names in the model's ``ModelSpec.extra_parameters`` (checked when the request
@@ -194,6 +224,9 @@ class SamplingParams:
     extra: dict[str, Any] | None = None
     loras: dict[str, float] | None = None
     cache_quality: str | None = None
+    scheduler: str | None = None
+    clip_skip: int | None = None
+    eta: float | None = None
 
     def image_seeds(self) -> list[int]:
         """The seed of each of the ``num_images_per_prompt`` images: `image_seed` (`seed`, i).
@@ -218,9 +251,9 @@ class SamplingParams:
         """
         p = dataclasses.replace(self)
         for name in ("num_images_per_prompt", "height", "width", "num_inference_steps", "seed",
-                     "max_sequence_length", "num_frames", "fps", "num_chunks"):
+                     "max_sequence_length", "num_frames", "fps", "num_chunks", "clip_skip"):
             setattr(p, name, _as_int(getattr(p, name)))  # numpy / torch integer scalars welcome
-        for name in ("guidance_scale", "true_cfg_scale", "guidance_scale_2", "strength"):
+        for name in ("guidance_scale", "true_cfg_scale", "guidance_scale_2", "strength", "eta"):
             value = getattr(p, name)
             if isinstance(value, numbers.Real) and not isinstance(value, bool):
                 setattr(p, name, float(value))
@@ -314,7 +347,33 @@ class SamplingParams:
         if p.cache_quality is not None and p.cache_quality not in CACHE_QUALITY_LEVELS:
             raise InvalidRequestError("cache_quality", p.cache_quality,
                                       f"one of {', '.join(CACHE_QUALITY_LEVELS)} (or unset: the engine's default)")
+        _check_sampling(spec, p)
         return p
+
+
+def _check_sampling(spec: ModelSpec, p: "SamplingParams") -> None:
+    """``scheduler``, ``clip_skip`` and ``eta`` against the model (whether ``eta`` applies to
+    the request's scheduler is the family's check, `PipelineAdapter.check_params`).
+
+    Raises:
+        InvalidRequestError: naming the field and what it allows.
+    """
+    if p.scheduler is not None:
+        if spec.samplers is None:
+            raise InvalidRequestError("scheduler", p.scheduler, f"unset: {spec.pipeline} runs with its folder's "
+                                      "scheduler only (no per-request samplers)")
+        if p.scheduler not in spec.samplers:
+            raise InvalidRequestError("scheduler", p.scheduler, f"one of {', '.join(spec.samplers)} (the samplers "
+                                      f"{spec.pipeline} supports), or null for the folder's own")
+    if p.clip_skip is not None:
+        if spec.max_clip_skip is None:
+            raise InvalidRequestError("clip_skip", p.clip_skip, f"unset: {spec.pipeline} has no CLIP text encoder "
+                                      "that takes it")
+        _check_int("clip_skip", p.clip_skip, 1, spec.max_clip_skip)
+    if p.eta is not None:
+        if isinstance(p.eta, bool) or not isinstance(p.eta, float) or not math.isfinite(p.eta) \
+                or not 0 <= p.eta <= 1:
+            raise InvalidRequestError("eta", p.eta, "a number in [0, 1]")
 
 
 def _check_extra(spec: ModelSpec, extra: object) -> None:

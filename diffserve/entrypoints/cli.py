@@ -123,7 +123,7 @@ def check_generate_arguments(args: argparse.Namespace, parser: argparse.Argument
     Raises:
         InvalidRequestError: naming the field (mapped to its flag by `usage_error_message`).
     """
-    from diffserve.core.sampling_params import (MAX_SEED, ModelSpec, RequestLimits, SamplingParams,
+    from diffserve.core.sampling_params import (MAX_SEED, SAMPLER_NAMES, ModelSpec, RequestLimits, SamplingParams,
                                                 validate_prompt)
 
     prompt = _prompt(args, parser)
@@ -148,13 +148,15 @@ def check_generate_arguments(args: argparse.Namespace, parser: argparse.Argument
                             num_inference_steps=args.steps, guidance_scale=args.guidance,
                             true_cfg_scale=args.true_cfg_scale, strength=getattr(args, "strength", None),
                             num_frames=getattr(args, "num_frames", None), fps=getattr(args, "fps", None),
-                            seed=args.seed, extra=_extra(args.extra), loras=loras)
+                            seed=args.seed, extra=_extra(args.extra), loras=loras, scheduler=args.scheduler,
+                            clip_skip=args.clip_skip, eta=args.eta)
     # The model-independent range checks (steps, guidance, seed, negative prompt, size > 0, strength,
     # frames, fps); the model's own rules (resolution multiple, maximum size, frame rule) are checked
     # once it is loaded.
     any_model = ModelSpec(resolution_factor=1, default_height=1, default_width=1, default_num_inference_steps=1,
                           default_guidance_scale=0.0, default_true_cfg_scale=1.0, default_num_frames=1,
-                          default_fps=1, accepts_images=True, default_strength=1.0)
+                          default_fps=1, accepts_images=True, default_strength=1.0, samplers=SAMPLER_NAMES,
+                          max_clip_skip=2**31)
     # (extra parameters are the loaded pipeline's to check)
     dataclasses.replace(params, extra=None).resolve(any_model, limits, default_seed=0)
     job = _Job(prompt, params, n, _check_output_dir(args.output_dir), lora_paths=lora_paths)

@@ -12,6 +12,7 @@ import re
 
 from diffserve import __version__
 from diffserve.core.errors import InvalidRequestError
+from diffserve.core.sampling_params import SAMPLER_NAMES
 from diffserve.entrypoints.engine_args import add_download_arguments, add_engine_arguments
 
 EXIT_USAGE = 2
@@ -122,6 +123,15 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
                              "which supports at most 8x8)")
     parser.add_argument("--seed", type=int, default=None, metavar="S",
                         help="seed of the first output (default: random, printed)")
+    parser.add_argument("--scheduler", default=None, choices=SAMPLER_NAMES, metavar="NAME",
+                        help="sampler (A1111's names; each a diffusers scheduler, README 'Samplers'): "
+                             f"{', '.join(SAMPLER_NAMES)}; the model offers those its prediction type "
+                             "supports (default: the model folder's own scheduler)")
+    parser.add_argument("--clip-skip", type=int, default=None, metavar="N",
+                        help="CLIP layers skipped from the end for the prompt embeddings (diffusers' clip_skip: 1 = "
+                             "the pre-final layer, A1111's 'Clip skip 2'; SD, SDXL, SD3) (default: none)")
+    parser.add_argument("--eta", type=float, default=None, metavar="E",
+                        help="DDIM eta in [0, 1] (--scheduler ddim) (default: 0)")
     parser.add_argument("--display-size", type=int, default=None, metavar="PX",
                         help="also upscale outputs (nearest neighbour) to this many pixels on the long side for "
                              "viewing; the raw output is kept as *_raw.EXT (default: no upscaling)")

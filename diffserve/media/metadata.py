@@ -4,7 +4,8 @@ them.
 
 Fields (`generation_fields`): prompt, negative_prompt, num_inference_steps, guidance_scale,
 seed, width, height, model, and, where the request used them, true_cfg_scale, guidance_scale_2,
-strength (edits), num_frames and fps (videos). They travel as (`image_metadata` +
+strength (edits), num_frames and fps (videos), scheduler, clip_skip, eta and extra (the
+whole-request pipeline's own arguments). They travel as (`image_metadata` +
 `image_encoding.encode_image`, `video_metadata`):
 
 - PNG: text chunks ``parameters`` (the AUTOMATIC1111 layout, read by A1111's "PNG Info", ComfyUI
@@ -46,7 +47,8 @@ def generation_fields(prompt: str, params: "SamplingParams", seed: int, model: s
         "height": params.height,
         "model": model,
     }
-    for name in ("true_cfg_scale", "guidance_scale_2", "strength", "num_frames", "fps", "loras"):
+    for name in ("true_cfg_scale", "guidance_scale_2", "strength", "num_frames", "fps", "loras", "scheduler",
+                 "clip_skip", "eta"):
         value = getattr(params, name, None)
         if value is not None:
             fields[name] = value
@@ -69,18 +71,30 @@ def _jsonable(value: Any) -> Any:
 
 def parameters_text(fields: dict[str, Any]) -> str:
     """`generation_fields` in the AUTOMATIC1111 ``parameters`` layout: the prompt, an optional
-    ``Negative prompt:`` line, then ``Steps, CFG scale, Seed, Size, Model`` (plus ``Denoising
-    strength`` for edits and ``Frames, FPS`` for videos). LoRA adapters follow the prompt as
-    A1111 writes them: ``<lora:NAME:SCALE>``."""
+    ``Negative prompt:`` line, then ``Steps, [Sampler, Schedule type,] CFG scale, Seed, Size,
+    Model`` (plus ``Denoising strength`` for edits, ``Clip skip`` (A1111 counts the last layer
+    as 1: diffusers' clip_skip + 1), ``Eta DDIM``, ``Frames, FPS`` for videos, then the extra
+    arguments as ``name: JSON``). LoRA adapters follow the prompt as A1111 writes them:
+    ``<lora:NAME:SCALE>``."""
+    from diffserve.core.sampling_params import A1111_SAMPLERS
+
     loras = fields.get("loras") or {}
     lines = [" ".join([fields["prompt"], *(f"<lora:{name}:{scale:g}>" for name, scale in loras.items())])]
     if fields.get("negative_prompt"):
         lines.append(f"Negative prompt: {fields['negative_prompt']}")
     cfg = fields["guidance_scale"] if fields.get("guidance_scale") is not None else fields.get("true_cfg_scale")
-    settings = [f"Steps: {fields['num_inference_steps']}"] + ([f"CFG scale: {cfg:g}"] if cfg is not None else [])
+    settings = [f"Steps: {fields['num_inference_steps']}"]
+    if fields.get("scheduler") in A1111_SAMPLERS:
+        sampler, schedule = A1111_SAMPLERS[fields["scheduler"]]
+        settings += [f"Sampler: {sampler}"] + ([f"Schedule type: {schedule}"] if schedule else [])
+    settings += [f"CFG scale: {cfg:g}"] if cfg is not None else []
     settings += [f"Seed: {fields['seed']}", f"Size: {fields['width']}x{fields['height']}", f"Model: {fields['model']}"]
     if fields.get("strength") is not None:
         settings.append(f"Denoising strength: {fields['strength']:g}")
+    if fields.get("clip_skip") is not None:
+        settings.append(f"Clip skip: {fields['clip_skip'] + 1}")
+    if fields.get("eta") is not None:
+        settings.append(f"Eta DDIM: {fields['eta']:g}")
     if fields.get("num_frames") is not None:
         settings += [f"Frames: {fields['num_frames']}", f"FPS: {fields['fps']}"]
     for key, value in (fields.get("extra") or {}).items():

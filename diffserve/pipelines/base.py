@@ -23,7 +23,11 @@ A family implements four phases and declares the rest:
   `text_inputs`, `padded_inputs`, `appended_latents`, and the strategies `guidance` (CFG, true
   CFG with norm rescale, embedded guidance: `guidance.Guidance`), `stepping` (batched
   flow-matching Euler or each request's scheduler: `diffusion_scheduler.Stepping`) and
-  `expert_routing` (Wan 2.2's two experts: `experts.ExpertRouting`).
+  `expert_routing` (Wan 2.2's two experts: `experts.ExpertRouting`);
+- per-request samplers (`per_request_samplers`, `samplers.SamplerTemplates`): a family builds
+  each request's scheduler with `request_scheduler` and states the ``set_timesteps`` arguments
+  it passes (`timestep_arguments`); CLIP families state `max_clip_skip` and encode the prompt
+  with `clip_skip_inputs`.
 
 A whole request is prepare, then collate + denoise + combine + step until done, then decode:
 the request path and the step path share one implementation.
@@ -44,7 +48,7 @@ import torch
 from diffserve.core.errors import InvalidRequestError, NonFiniteOutputError
 from diffserve.core.inputs import RequestInputs
 from diffserve.core.sampling_params import ModelSpec, SamplingParams
-from diffserve.pipelines import diffusion_scheduler
+from diffserve.pipelines import diffusion_scheduler, samplers
 from diffserve.pipelines.capabilities import AdapterOptions, CacheDiTSupport, Capabilities, TeaCacheSupport
 from diffserve.pipelines.diffusion_scheduler import FLOW_MATCH_EULER, Stepping
 from diffserve.pipelines.generation_config import model_spec, read_generation_config
@@ -122,6 +126,11 @@ class PipelineAdapter(ABC):
     #: conditioning frames); they are not emitted again.
     chunk_overlap_frames: ClassVar[int] = 0
 
+    #: Whether requests may pick a sampler (``SamplingParams.scheduler``): the family builds
+    #: every request's scheduler with `request_scheduler` and states its `timestep_arguments`;
+    #: the samplers offered are those valid for the folder's scheduler (`samplers`).
+    per_request_samplers: ClassVar[bool] = False
+
     #: Strategies (class defaults; `setup` may choose per folder).
     guidance: Guidance = CFG
     stepping: Stepping = FLOW_MATCH_EULER
@@ -149,6 +158,8 @@ class PipelineAdapter(ABC):
         self.options = options
         self.generation_config = read_generation_config(options.model_dir)
         limits = dict(self.setup())
+        limits.setdefault("samplers", self.samplers.available() if self.samplers is not None else None)
+        limits.setdefault("max_clip_skip", self.max_clip_skip())
         limits.setdefault("accepts_images", self.image_input != "none")
         limits.setdefault("requires_images", self.image_input == "required")
         self.spec = model_spec(self.pipeline_class_name, self._sampling_defaults(), self.generation_config, limits)
@@ -254,6 +265,56 @@ class PipelineAdapter(ABC):
             return {"denoiser": self.denoiser}
         return {name: m for name, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
 
+    # ------------------------------------------------------------------ samplers
+    @property
+    def samplers(self) -> samplers.SamplerTemplates | None:
+        """The model's per-request samplers, templates built from the folder's scheduler (once);
+        None when the family does not offer them (`per_request_samplers`) or has no
+        scheduler."""
+        if "_samplers" not in self.__dict__:
+            base = getattr(getattr(self, "pipe", None), "scheduler", None)
+            self._samplers = (samplers.SamplerTemplates(base, self.timestep_arguments)
+                              if self.per_request_samplers and base is not None else None)
+        return self._samplers
+
+    def timestep_arguments(self, scheduler: Any, num_steps: int) -> dict[str, Any]:
+        """Example ``set_timesteps`` arguments the family passes to `scheduler` for
+        `num_steps` steps besides the step count and device (e.g. ``{"sigmas": ..., "mu":
+        ...}``, values as diffusers' ``__call__`` computes them up to the image size): a sampler
+        whose scheduler cannot set a schedule from them is not offered
+        (`samplers.SamplerTemplates.available`). Default: none."""
+        return {}
+
+    def max_clip_skip(self) -> int | None:
+        """Largest ``clip_skip`` the family's CLIP text encoders take (None: its encoding does
+        not take ``clip_skip``). Default: None."""
+        return None
+
+    @staticmethod
+    def clip_layers_skippable(*encoders: Any) -> int | None:
+        """Largest ``clip_skip`` over CLIP text `encoders` (their hidden layers - 1, the
+        smallest; diffusers reads ``hidden_states[-(clip_skip + 2)]`` in SDXL / SD3); None
+        without any."""
+        layers = [e.config.num_hidden_layers for e in encoders if e is not None]
+        return min(layers) - 1 if layers and min(layers) > 1 else None
+
+    @staticmethod
+    def clip_skip_inputs(params: SamplingParams) -> dict[str, Any]:
+        """`TextEncoder.encode` keyword arguments for the request's ``clip_skip`` ({} without
+        one): the family's encoding takes ``clip_skip``, the prompt cache keys it apart. For the
+        prompt only: diffusers' ``encode_prompt`` encodes the negative prompt without it."""
+        if params.clip_skip is None:
+            return {}
+        return {"extra_key": ("clip_skip", params.clip_skip), "clip_skip": params.clip_skip}
+
+    def request_scheduler(self, params: SamplingParams) -> Any:
+        """A fresh diffusion scheduler for one request (`diffusion_scheduler.new_scheduler`):
+        of its ``scheduler`` sampler, or the folder's own when it names none."""
+        template = self.pipe.scheduler
+        if params.scheduler is not None and self.samplers is not None:
+            template = self.samplers.template(params.scheduler)
+        return diffusion_scheduler.new_scheduler(template)
+
     # --------------------------------------------------------------- per request
     def check_params(self, params: SamplingParams, inputs: RequestInputs | None) -> None:
         """Checks on resolved params: the input images `image_input` allows, no mask, and no
@@ -276,10 +337,20 @@ class PipelineAdapter(ABC):
             raise InvalidRequestError("image", f"{len(images)} images", f"exactly one input image for "
                                       f"{self.pipeline_class_name}")
         scheduler = getattr(getattr(self, "pipe", None), "scheduler", None)
+        if params.scheduler is not None and self.samplers is not None:
+            scheduler = self.samplers.template(params.scheduler)
+            allowed = self.spec.image_samplers
+            if images and allowed is not None and params.scheduler not in allowed:
+                raise InvalidRequestError("scheduler", params.scheduler, f"one of {', '.join(allowed)} or null with an "
+                                          f"input image ({self.pipeline_class_name} takes only these then)")
         if params.num_inference_steps == 1 and scheduler is not None and scheduler.config.get("shift_terminal"):
             raise InvalidRequestError("num_inference_steps", 1,
                                       "at least 2 for this model (its scheduler's shift_terminal turns a "
                                       "1-step schedule into NaN in diffusers)")
+        if params.eta is not None and (scheduler is None or not self.stepping.takes_eta(scheduler)):
+            raise InvalidRequestError("eta", params.eta, "unset: eta applies to DDIM-type schedulers (scheduler "
+                                      f"\"ddim\") in families that pass it, and this request's is "
+                                      f"{type(scheduler).__name__} in {self.pipeline_class_name}")
 
     def branches(self, params: SamplingParams) -> int:
         """Guidance branches of a request (`guidance`): 2 with (true) CFG, else 1."""
@@ -374,17 +445,24 @@ class PipelineAdapter(ABC):
 
     def text_branches(self, state: RequestState, **encode: Any) -> list[dict[str, Any]]:
         """`text_branch` of each guidance branch's text, negative first (``negative_prompt or
-        ""``)."""
-        return [self.text_branch(state, text, **encode) for text in self._branch_texts(state)]
+        ""``); the prompt's with the request's `clip_skip_inputs`."""
+        texts = self._branch_texts(state)
+        clip = self.clip_skip_inputs(state.params)
+        branches = [self.text_branch(state, text, **encode) for text in texts[:-1]]
+        if clip:
+            key = (encode.get("extra_key", ()), clip["extra_key"])
+            encode = {**encode, **clip, "extra_key": key}
+        return branches + [self.text_branch(state, texts[-1], **encode)]
 
     def set_schedule(self, state: RequestState, scheduler: Any, timesteps: torch.Tensor, begin: int = 0) -> None:
-        """Give the request `scheduler` (its own, `diffusion_scheduler.new_scheduler`, after
-        ``set_timesteps``) and
-        the `timesteps` it runs (from index `begin` of the scheduler's schedule): its sigmas for
-        the batched step (`stepping`), step 0, and its expert switch (`expert_routing`)."""
+        """Give the request `scheduler` (its own, `request_scheduler`, after ``set_timesteps``)
+        and the `timesteps` it runs (from index `begin` of the scheduler's schedule): its sigmas
+        for the batched step and its step arguments (`stepping`), step 0, and its expert switch
+        (`expert_routing`)."""
         state.scheduler = scheduler
         state.timesteps = timesteps
         state.sigmas = self.stepping.sigmas(scheduler, len(timesteps), begin)
+        state.step_kwargs = self.stepping.step_kwargs(scheduler, state.generator, state.params.eta)
         state.step_index = 0
         if self.expert_routing is not None:
             self.expert_routing.start(state)

@@ -9,14 +9,21 @@ whole batch steps in ONE tensor expression over per-row sigma differences instea
 ``RequestState.sigmas``.
 
 A family declares how its requests step (`Stepping`): flow-matching families the batched Euler
-step (`FLOW_MATCH_EULER`; a folder whose scheduler is not a plain flow-matching Euler one falls
-back to its own step per request), discrete-time UNet families their scheduler's own step per
-request on scaled model inputs (`PER_REQUEST`).
+step (`FLOW_MATCH_EULER`; a request whose scheduler is not a plain flow-matching Euler one steps
+with its own scheduler), discrete-time UNet families their scheduler's own step per request on
+scaled model inputs, with ``eta`` and the request's generator where the step takes them
+(`PER_REQUEST`).
+
+How a request steps is per-request data, never part of the batch key: requests with different
+schedulers (per-request samplers, `diffserve.pipelines.samplers`) share one forward, and
+`step_batch` steps a mixed batch row by row (each flow-matching Euler request by its sigma
+difference, each other request by its scheduler's ``step``).
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -74,22 +81,46 @@ class Stepping:
             t)`` (Euler-type discrete schedulers divide by ``sqrt(sigma^2 + 1)``); False: the
             latents as they are (a repeated batch then feeds the previous step's concatenated
             latents straight in).
+        step_arguments: each request's ``scheduler.step`` gets ``eta`` (the request's, 0 by
+            default) and the request's generator where its signature takes them (diffusers'
+            ``prepare_extra_step_kwargs`` of the SD / SDXL pipelines: DDIM's eta, the noise of
+            ancestral and SDE samplers); False: neither (diffusers' flow-matching pipelines
+            pass none, so stochastic samplers are not offered there).
     """
 
     batched_euler: bool = True
     scaled_input: bool = False
+    step_arguments: bool = False
 
     def sigmas(self, scheduler: Any, num_steps: int, begin: int = 0) -> torch.Tensor | None:
         """``RequestState.sigmas`` of a request whose scheduler's ``set_timesteps`` ran:
         `batchable_sigmas`, or None (stepped per request)."""
         return batchable_sigmas(scheduler, num_steps, begin) if self.batched_euler else None
 
+    def takes_eta(self, scheduler: Any) -> bool:
+        """Whether a request with `scheduler` can use ``eta`` (the family passes it, and the
+        scheduler's ``step`` takes it: DDIM-type schedulers)."""
+        return self.step_arguments and "eta" in inspect.signature(scheduler.step).parameters
+
+    def step_kwargs(self, scheduler: Any, generator: Any, eta: float | None) -> dict[str, Any]:
+        """``RequestState.step_kwargs`` of a request with `scheduler` (see `step_arguments`):
+        ``eta`` (None: diffusers' default 0.0) and `generator` where its ``step`` takes them."""
+        if not self.step_arguments:
+            return {}
+        accepted = inspect.signature(scheduler.step).parameters
+        kwargs: dict[str, Any] = {}
+        if "eta" in accepted:
+            kwargs["eta"] = 0.0 if eta is None else eta
+        if "generator" in accepted:
+            kwargs["generator"] = generator
+        return kwargs
+
 
 #: Flow-matching families (SD3, Flux, Qwen-Image, Wan): the batched Euler step where it applies.
 FLOW_MATCH_EULER = Stepping()
 #: Discrete-time UNet families (SD 1.x/2.x, SDXL): each request's scheduler steps it, on
 #: scheduler-scaled model inputs.
-PER_REQUEST = Stepping(batched_euler=False, scaled_input=True)
+PER_REQUEST = Stepping(batched_euler=False, scaled_input=True, step_arguments=True)
 
 
 def step_batch(batch: "StepBatch", guided: torch.Tensor) -> dict[str, BaseException]:
@@ -97,6 +128,11 @@ def step_batch(batch: "StepBatch", guided: torch.Tensor) -> dict[str, BaseExcept
 
     Args:
         guided: (N, ...) guided predictions aligned with ``batch.latents``.
+
+    A batch where some requests record sigmas and others do not (different per-request
+    samplers) steps row by row: each request with sigmas by the same Euler update on its own
+    rows (its scheduler's internal step counter is never used), each other request by its
+    scheduler's ``step``.
 
     Returns:
         request_id -> exception for requests whose step failed (per-request path only); the
@@ -146,8 +182,12 @@ def step_batch(batch: "StepBatch", guided: torch.Tensor) -> dict[str, BaseExcept
         cache.latents, cache.views = None, []
     for state, rows in zip(states, batch.split(guided)):
         try:
-            state.latents = state.scheduler.step(rows, state.timestep, state.latents, **state.step_kwargs,
-                                                 return_dict=False)[0]
+            if state.sigmas is not None:  # flow-matching Euler beside requests with other schedulers
+                dt = (state.sigmas[state.step_index + 1] - state.sigmas[state.step_index]).to(rows.device)
+                state.latents = (state.latents.to(torch.float32) + dt * rows).to(rows.dtype)
+            else:
+                state.latents = state.scheduler.step(rows, state.timestep, state.latents, **state.step_kwargs,
+                                                     return_dict=False)[0]
             state.step_index += 1
         except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
             failures[state.request_id] = exc

@@ -18,7 +18,9 @@ metrics, events and abort, one denoising step at a time:
 
 Whatever else the class's ``__call__`` takes passes through by name (``SamplingParams.extra``,
 checked against the signature when the request is added: `ModelSpec.extra_parameters`), e.g.
-``pag_scale`` of the PAG pipelines or ``eta`` of ``DDIMPipeline``. Classes that take no prompt
+``pag_scale`` of the PAG pipelines. ``scheduler`` (a per-request sampler: the request's pipeline
+copy gets that scheduler; for classes declaring any of diffusers' interchangeable schedulers),
+``eta`` and ``clip_skip`` map to the pipeline the same way, where its call takes them. Classes that take no prompt
 (unconditional ``DDIMPipeline``, ``DDPMPipeline``) run with an empty prompt (a non-empty one is
 refused as unused); ``num_images_per_prompt`` becomes their ``batch_size``; a size is refused
 when the call takes none (the model's is fixed). Classes whose ``__call__`` has no
@@ -46,6 +48,7 @@ from diffserve.core.errors import InvalidRequestError, UnsupportedModelError
 from diffserve.core.inputs import MAX_INPUT_IMAGES
 from diffserve.core.messages import Decoded, ModelInfo, NewRequest, Prepared, RequestPlan, StepOutput, WorkError
 from diffserve.pipelines.diffusion_scheduler import new_scheduler
+from diffserve.pipelines.samplers import SamplerTemplates
 from diffserve.memory.accounting import peak_memory_bytes
 from diffserve.core.sleep_levels import check_level
 from diffserve.memory.sleep import WeightSleeper
@@ -68,6 +71,8 @@ _CALL_ARGUMENTS = {
     "max_sequence_length": "max_sequence_length",
     "num_frames": "num_frames",
     "strength": "strength",
+    "eta": "eta",
+    "clip_skip": "clip_skip",
 }
 #: ``__call__`` arguments diffserve sets itself (from the prompt, the inputs, the seed, the output
 #: type, the step callback), so never through ``SamplingParams.extra``.
@@ -90,6 +95,20 @@ def call_parameters(cls: type) -> dict[str, inspect.Parameter]:
         if not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(call).parameters.values()):
             break
     return params
+
+
+def _takes_any_scheduler(cls: type) -> bool:
+    """Whether a pipeline class declares that any of diffusers' interchangeable schedulers may
+    drive it (its ``__init__``'s ``scheduler`` is annotated ``KarrasDiffusionSchedulers``, as the
+    SD-derived pipelines are); classes annotated with one scheduler class (``DDIMPipeline``
+    passes ``eta`` to DDIM's step, the flow img2img pipelines expect flow-matching Euler) keep
+    their folder's scheduler."""
+    parameter = inspect.signature(cls.__init__).parameters.get("scheduler")
+    if parameter is None:
+        return False
+    annotation = parameter.annotation
+    name = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    return "KarrasDiffusionSchedulers" in name
 
 
 def _videos(frames: Any, output_type: str) -> Any:
@@ -203,6 +222,8 @@ class WholeRequestRunner(Runner):
         self.device = config.torch_device
         self.class_name = type(pipe).__name__
         self.signature = call_parameters(type(pipe))
+        #: per-request samplers from the folder's scheduler (None: the class takes only its own)
+        self.samplers = SamplerTemplates(pipe.scheduler) if _takes_any_scheduler(type(pipe)) else None
         if "generator" not in self.signature:
             raise UnsupportedModelError(f"{self.class_name}.__call__ takes no generator: diffserve seeds every request "
                                         "(to reproduce it from its seed) and cannot serve it")
@@ -264,7 +285,16 @@ class WholeRequestRunner(Runner):
             default_strength=float(self._default("strength")) if has("strength") and self._default("strength")
             else None,
             extra_parameters=tuple(sorted(n for n in self.signature if n not in _RESERVED)),
+            samplers=self.samplers.available() if self.samplers is not None else None,
+            max_clip_skip=(self._clip_layers() if has("clip_skip") else None),
         )
+
+    def _clip_layers(self) -> int | None:
+        """Largest ``clip_skip`` of the pipeline's CLIP text encoder(s) (layers - 1)."""
+        encoders = [getattr(self.pipe, name, None) for name in ("text_encoder", "text_encoder_2")]
+        layers = [e.config.num_hidden_layers for e in encoders
+                  if e is not None and hasattr(getattr(e, "config", None), "num_hidden_layers")]
+        return min(layers) - 1 if layers and min(layers) > 1 else None
 
     # ------------------------------------------------------------------ model facts
     def info(self) -> ModelInfo:
@@ -286,6 +316,8 @@ class WholeRequestRunner(Runner):
         if params.cache_quality not in (None, "max"):
             raise InvalidRequestError("cache_quality", params.cache_quality, f"unset or max: {self.class_name} is "
                                       "served whole-request (no step adapter), which has no step caching")
+        if params.eta is not None and "eta" not in self.signature:
+            raise InvalidRequestError("eta", params.eta, f"unset: {self.class_name}.__call__ takes no eta")
         for field, default in (("height", self.spec.default_height), ("width", self.spec.default_width)):
             value = getattr(params, field)
             if field not in self.signature and value != default:
@@ -329,7 +361,9 @@ class WholeRequestRunner(Runner):
             start = time.perf_counter()
             try:
                 pipe = copy.copy(self.pipe)
-                if getattr(self.pipe, "scheduler", None) is not None:
+                if self.samplers is not None:  # the request's sampler (or the folder's scheduler), its own copy
+                    vars(pipe)["scheduler"] = new_scheduler(self.samplers.template(new.params.scheduler))
+                elif getattr(self.pipe, "scheduler", None) is not None:
                     vars(pipe)["scheduler"] = new_scheduler(self.pipe.scheduler)
                 job = _Job(new.request_id, pipe, self._kwargs(new), new.params.num_inference_steps, self.hook)
                 job.loras = dict(new.params.loras or {})

@@ -106,11 +106,28 @@ def run_events(engine, prompt: str, params, image=None, **add_kwargs) -> list:
 _REFERENCE_PIPELINES: dict[tuple[str, str], Any] = {}
 
 
+def sampler_scheduler(pipe, name: str):
+    """The scheduler diffusers runs for sampler `name` on `pipe`: the documented table's class
+    and overrides (`diffserve.pipelines.samplers.SAMPLERS`) applied to the folder's config, as
+    a diffusers user swaps ``pipe.scheduler``."""
+    import diffusers
+
+    from diffserve.pipelines.samplers import FLOW_PREDICTION, SAMPLERS, prediction_type
+
+    sampler = SAMPLERS[name]
+    class_name, overrides = sampler.flow if prediction_type(pipe.scheduler) == FLOW_PREDICTION else sampler.noise
+    config = dict(pipe.scheduler.config)
+    overrides = overrides(config) if callable(overrides) else overrides
+    return getattr(diffusers, class_name).from_config(config, **overrides)
+
+
 def diffusers_reference(model: TestModel, folder, prompt: str, params, image=None, cls: str | None = None,
-                        pipe=None):
+                        pipe=None, **call: Any):
     """diffusers' own pipeline ``__call__`` on `folder` with the request's resolved `params`
-    (every field the family uses, the same seed): images (N, H, W, C) or frames (N, F, H, W, 3),
-    float in [0, 1]. `pipe`: an already loaded pipeline to call (e.g. with LoRA adapters set)."""
+    (every field the family uses, the same seed; ``params.scheduler`` swapped in with
+    `sampler_scheduler` for this call; `call`: further ``__call__`` arguments): images
+    (N, H, W, C) or frames (N, F, H, W, 3), float in [0, 1]. `pipe`: an already loaded pipeline
+    to call (e.g. with LoRA adapters set)."""
     cls = cls or model.reference
     if pipe is None:
         pipe = _REFERENCE_PIPELINES.get((str(folder), cls))
@@ -132,13 +149,20 @@ def diffusers_reference(model: TestModel, folder, prompt: str, params, image=Non
         if "strength" in model.fields:
             kwargs["strength"] = params.strength
     kwargs.update(model.reference_call(params))
-    if image is not None and "strength" in model.fields and params.num_images_per_prompt > 1:
-        # diffusers' img2img draws image i's input-latent sample from generator 0 (it encodes the
-        # input once and repeats it); diffserve draws all of image i from seed + i
-        kwargs["num_images_per_prompt"] = 1
-        return per_image(lambda generator: pipe(**{**kwargs, "generator": generator}).images, params.seed,
-                         params.num_images_per_prompt)
-    out = pipe(**kwargs)
+    kwargs.update(call)
+    folder_scheduler = pipe.scheduler
+    if getattr(params, "scheduler", None) is not None:
+        pipe.scheduler = sampler_scheduler(pipe, params.scheduler)
+    try:
+        if image is not None and "strength" in model.fields and params.num_images_per_prompt > 1:
+            # diffusers' img2img draws image i's input-latent sample from generator 0 (it encodes
+            # the input once and repeats it); diffserve draws all of image i from seed + i
+            kwargs["num_images_per_prompt"] = 1
+            return per_image(lambda generator: pipe(**{**kwargs, "generator": generator}).images, params.seed,
+                             params.num_images_per_prompt)
+        out = pipe(**kwargs)
+    finally:
+        pipe.scheduler = folder_scheduler  # the pipeline is shared: the next reference runs the folder's
     return out.frames if model.video else out.images
 
 

@@ -200,3 +200,49 @@ def test_serve_without_the_serve_extra_says_what_to_install():
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == ("diffserve: error: serve needs the HTTP server's packages (fastapi is missing): "
                                    "pip install 'diffserve[serve]'")
+
+
+def test_sampler_clip_skip_and_eta_flags(tiny_sd15_dir, tmp_path, capsys):
+    """``--scheduler``, ``--clip-skip``, ``--eta``: the image equals the offline API's for the
+    same fields, and its metadata records them (A1111's names: Sampler, Schedule type, Clip skip
+    counting the last layer as 1, Eta DDIM)."""
+    from diffserve import DiffusionEngine, EngineConfig, SamplingParams
+    from diffserve.media.metadata import read_image_metadata
+
+    common = ["generate", "--model", str(tiny_sd15_dir), "a red door", "--steps", "3", "--size", "64x64",
+              "--seed", "4", "--guidance", "5"]
+    assert main([*common, "--scheduler", "dpmpp_2m_karras", "--clip-skip", "1", "-o", str(tmp_path / "a")]) == 0
+    assert main([*common, "--scheduler", "ddim", "--eta", "0.4", "-o", str(tmp_path / "b")]) == 0
+    [karras] = (tmp_path / "a").glob("*.png")
+    [ddim] = (tmp_path / "b").glob("*.png")
+    meta = read_image_metadata(karras.read_bytes())
+    assert (meta["diffserve"]["scheduler"], meta["diffserve"]["clip_skip"]) == ("dpmpp_2m_karras", 1)
+    assert "Steps: 3, Sampler: DPM++ 2M, Schedule type: Karras, CFG scale: 5" in meta["parameters"]
+    assert "Clip skip: 2" in meta["parameters"]
+    assert "Sampler: DDIM" in read_image_metadata(ddim.read_bytes())["parameters"]
+    assert "Eta DDIM: 0.4" in read_image_metadata(ddim.read_bytes())["parameters"]
+    engine = DiffusionEngine(EngineConfig(model=str(tiny_sd15_dir)))
+    try:
+        [offline] = engine.generate("a red door", SamplingParams(seed=4, num_inference_steps=3, height=64, width=64,
+                                                                 guidance_scale=5.0, scheduler="dpmpp_2m_karras",
+                                                                 clip_skip=1))
+        assert np.array_equal(np.asarray(offline.images[0]), np.asarray(Image.open(karras)))
+    finally:
+        engine.shutdown()
+    capsys.readouterr()
+    for flags, fragment in ((["--scheduler", "heun"], "argument --scheduler: invalid choice: 'heun'"),
+                            (["--eta", "1.5"], "argument --eta: invalid value 1.5: must be a number in [0, 1]"),
+                            (["--clip-skip", "0"], "argument --clip-skip: invalid value 0"),
+                            (["--scheduler", "euler", "--eta", "0.5"], "argument --eta: invalid value 0.5: must be "
+                                                                        "unset: eta applies to DDIM-type")):
+        try:
+            code = main([*common, *flags, "-o", str(tmp_path / "c")])
+        except SystemExit as exc:  # argparse's own (choices)
+            code = exc.code
+        err = capsys.readouterr().err
+        assert code == 2 and fragment in err and err.count("\n") == 1, err
+    capsys.readouterr()
+    code = main(["generate", "a digit", "--scheduler", "euler_a", "-o", str(tmp_path / "d")])  # digits: flow
+    assert code == 2
+    assert "argument --scheduler: invalid value 'euler_a': must be one of euler, dpmpp_2m, unipc" in \
+        capsys.readouterr().err

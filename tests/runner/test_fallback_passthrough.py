@@ -64,8 +64,9 @@ def _pag_reference(folder, **kwargs):
 def test_pag_scale_passes_through_and_equals_diffusers(pag_engine, pag_dir):
     spec = pag_engine.spec
     assert pag_engine.model_info.step_batching is False
-    assert {"pag_scale", "pag_adaptive_scale", "eta", "guidance_rescale"} <= set(spec.extra_parameters)
-    assert "prompt" not in spec.extra_parameters and "num_inference_steps" not in spec.extra_parameters
+    assert {"pag_scale", "pag_adaptive_scale", "guidance_rescale"} <= set(spec.extra_parameters)
+    # diffserve's own fields (prompt, steps, eta, clip_skip, ...) are not extra parameters
+    assert not {"prompt", "num_inference_steps", "eta", "clip_skip", "generator"} & set(spec.extra_parameters)
     params = dict(seed=2, num_inference_steps=3, height=64, width=64, guidance_scale=5.0, output_type="np")
     [strong] = pag_engine.generate("a red door", SamplingParams(**params, extra={"pag_scale": 3.0}))
     [none] = pag_engine.generate("a red door", SamplingParams(**params, extra={"pag_scale": 0.0}))
@@ -74,6 +75,25 @@ def test_pag_scale_passes_through_and_equals_diffusers(pag_engine, pag_dir):
     np.testing.assert_allclose(none.images, _pag_reference(pag_dir, pag_scale=0.0), atol=1e-5)
     assert np.abs(strong.images - none.images).max() > 1e-3  # the argument reached the pipeline
     assert strong.params.extra == {"pag_scale": 3.0}
+
+
+def test_per_request_samplers_on_the_fallback(pag_engine, pag_dir):
+    """The request's pipeline copy gets its sampler's scheduler: equal to diffusers' PAG
+    pipeline with that scheduler set (the documented table)."""
+    from diffusers import EulerAncestralDiscreteScheduler
+
+    assert pag_engine.spec.samplers == ("euler", "euler_a", "dpmpp_2m", "dpmpp_2m_karras", "dpmpp_sde", "ddim",
+                                        "unipc", "lcm")
+    [out] = pag_engine.generate("a red door", SamplingParams(seed=2, num_inference_steps=3, height=64, width=64,
+                                                             guidance_scale=5.0, output_type="np", scheduler="euler_a",
+                                                             extra={"pag_scale": 3.0}))
+    pipe = StableDiffusionPAGPipeline.from_pretrained(pag_dir)
+    pipe.scheduler = EulerAncestralDiscreteScheduler.from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    reference = pipe("a red door", num_inference_steps=3, height=64, width=64, guidance_scale=5.0, pag_scale=3.0,
+                     generator=torch.Generator().manual_seed(2), output_type="np").images
+    np.testing.assert_allclose(out.images, reference, atol=1e-5)
+    assert pag_engine.model_info.spec.max_clip_skip is not None  # the PAG call takes clip_skip
 
 
 def test_unknown_extra_names_are_refused_by_name(pag_engine, tiny_sd3_dir):
@@ -98,7 +118,7 @@ def test_an_unconditional_pipeline_runs_and_refuses_a_prompt(ddim_dir):
         assert not spec.text_conditioned and (spec.default_height, spec.default_width) == (16, 16)
         events = []
         [out] = engine.generate("", SamplingParams(seed=5, num_inference_steps=4, num_images_per_prompt=2,
-                                                   output_type="np", extra={"eta": 0.5}), on_event=events.append)
+                                                   output_type="np", eta=0.5), on_event=events.append)
         assert out.ok, out.error
         pipe = DDIMPipeline.from_pretrained(ddim_dir)
         pipe.set_progress_bar_config(disable=True)
@@ -108,7 +128,8 @@ def test_an_unconditional_pipeline_runs_and_refuses_a_prompt(ddim_dir):
         assert any(e.type is EventType.PROGRESS for e in events) and events[-1].type is EventType.FINISHED
         for prompt, params, field in (("a cat", SamplingParams(), "prompt"),
                                       ("", SamplingParams(height=32), "height"),
-                                      ("", SamplingParams(extra={"prompt": "x"}), "extra")):
+                                      ("", SamplingParams(extra={"prompt": "x"}), "extra"),
+                                      ("", SamplingParams(extra={"eta": 0.5}), "extra")):  # a field: eta=
             with pytest.raises(InvalidRequestError) as info:
                 engine.add_request(prompt, params)
             assert info.value.field == field

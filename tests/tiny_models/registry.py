@@ -69,6 +69,10 @@ class TestModel:
             the whole text, as diffusers' edit pipeline does).
         patch: a context manager every test of the family runs in (e.g. a smaller input area).
         input_size: (width, height) of the input images the tests send.
+        samplers: the per-request ``scheduler`` names the family offers
+            (`diffserve.pipelines.samplers`: all of them for noise-prediction models, those with a
+            flow-matching mapping for flow models, fewer where the family's schedule arguments
+            exclude one).
     """
 
     id: str
@@ -93,6 +97,7 @@ class TestModel:
     cuts_text: bool = True
     patch: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     input_size: tuple[int, int] = (64, 48)
+    samplers: tuple[str, ...] = ("euler", "dpmpp_2m", "unipc")
 
     @property
     def images(self) -> str:
@@ -155,6 +160,12 @@ def _kontext_call(params) -> dict:
 _TWO_STEPS = {"num_inference_steps": 2}
 #: Two double-stream and two single-stream blocks: cache-dit caches each list behind its first block.
 _FLUX_BLOCKS = {"num_layers": 2, "num_single_layers": 2}
+#: Every sampler: noise-prediction (epsilon / v) models offer them all.
+_ALL_SAMPLERS = ("euler", "euler_a", "dpmpp_2m", "dpmpp_2m_karras", "dpmpp_sde", "ddim", "unipc", "lcm")
+#: Qwen-Image and Flux Kontext pass custom sigmas to set_timesteps, which DPMSolverMultistepScheduler
+#: does not take; Flux (schnell) passes mu, which DPM-Solver takes only with dynamic shifting (dev's
+#: config, not schnell's).
+_NO_DPM_SAMPLERS = ("euler", "unipc")
 #: CFG families: per-request CFG weights and negative prompts for the batching checks.
 _CFG_VARIATIONS = ({"guidance_scale": 3.0}, {"guidance_scale": 7.5, "negative_prompt": "blurry"},
                    {"guidance_scale": 5.0, "negative_prompt": "dark", "num_images_per_prompt": 2})
@@ -192,7 +203,7 @@ MODELS: tuple[TestModel, ...] = (
         fields={"true_cfg_scale": 2.0, "max_sequence_length": 16},
         guided={"true_cfg_scale": 3.0, "negative_prompt": "blurry"}, unguided={},
         variations=_TRUE_CFG_VARIATIONS, backends={"teacache": True, "cache_dit": True},
-        reference="FluxPipeline", parity_atol=1e-5,  # measured 0
+        reference="FluxPipeline", parity_atol=1e-5, samplers=_NO_DPM_SAMPLERS,  # measured 0
     ),
     TestModel(
         id="FluxPipeline-dev", pipeline="FluxPipeline",
@@ -214,7 +225,7 @@ MODELS: tuple[TestModel, ...] = (
         unguided={"guidance_scale": 3.5},
         variations=tuple({**v, "guidance_scale": g} for v, g in zip(_TRUE_CFG_VARIATIONS, (3.5, 1.5, 6.0))),
         backends={"teacache": True, "cache_dit": True}, reference="FluxKontextPipeline",
-        reference_call=_kontext_call, parity_atol=1e-5,  # measured 0
+        reference_call=_kontext_call, parity_atol=1e-5, samplers=_NO_DPM_SAMPLERS,  # measured 0
     ),
     TestModel(
         id="StableDiffusionPipeline", pipeline="StableDiffusionPipeline", build=build_tiny_sd15,
@@ -224,6 +235,7 @@ MODELS: tuple[TestModel, ...] = (
         variations=_CFG_VARIATIONS, reference="StableDiffusionPipeline",
         parity_atol=1e-5,  # measured 0 (no cache backend: refused)
         forwards=lambda steps: steps + 1 if steps > 1 else 1,  # PNDM (PLMS warm-up): N + 1 UNet passes
+        samplers=_ALL_SAMPLERS,
     ),
     TestModel(
         id="StableDiffusionXLPipeline", pipeline="StableDiffusionXLPipeline", build=build_tiny_sdxl,
@@ -232,6 +244,7 @@ MODELS: tuple[TestModel, ...] = (
         guided={"guidance_scale": 6.0, "negative_prompt": "blurry"}, unguided={"guidance_scale": 1.0},
         variations=_CFG_VARIATIONS, reference="StableDiffusionXLPipeline",
         parity_atol=1e-5,  # measured 1.4e-6 (no cache backend: refused)
+        samplers=_ALL_SAMPLERS,
     ),
     TestModel(
         id="QwenImagePipeline", pipeline="QwenImagePipeline", build=build_tiny_qwen_image,
@@ -240,6 +253,7 @@ MODELS: tuple[TestModel, ...] = (
         guided={"true_cfg_scale": 4.0, "negative_prompt": "blurry, low quality"}, unguided={},
         variations=_TRUE_CFG_VARIATIONS, backends={"teacache": True, "cache_dit": True},
         reference="QwenImagePipeline", parity_atol=5e-4, one_step=False,  # measured 4.3e-5
+        samplers=_NO_DPM_SAMPLERS,
     ),
     TestModel(
         id="QwenImageEditPipeline", pipeline="QwenImageEditPipeline", build=build_tiny_qwen_image_edit,
@@ -249,6 +263,7 @@ MODELS: tuple[TestModel, ...] = (
         variations=_TRUE_CFG_VARIATIONS, backends={"teacache": True, "cache_dit": True},
         reference="QwenImageEditPipeline", reference_load=_qwen_edit_processor, patch=qwen_edit_small_area,
         input_size=(56, 40), parity_atol=5e-4, one_step=False, cuts_text=False,  # measured 3.4e-5
+        samplers=_NO_DPM_SAMPLERS,
     ),
     TestModel(
         id="WanPipeline-2.1", pipeline="WanPipeline", build=build_tiny_wan,

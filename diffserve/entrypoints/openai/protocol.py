@@ -36,7 +36,13 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_serializer
 
 from diffserve.core.errors import InvalidRequestError
-from diffserve.core.sampling_params import CACHE_QUALITY_LEVELS, MAX_GUIDANCE_SCALE, MAX_LORA_SCALE, MAX_SEED
+from diffserve.core.sampling_params import (
+    CACHE_QUALITY_LEVELS,
+    MAX_GUIDANCE_SCALE,
+    MAX_LORA_SCALE,
+    MAX_SEED,
+    SAMPLER_NAMES,
+)
 
 if TYPE_CHECKING:
     from diffserve.core.sampling_params import ModelSpec, RequestLimits
@@ -200,6 +206,13 @@ class _ImageRequest(_StrictRequest):
                           "(multi-stage models: each new piece of the AR stage's text) events")
     loras: LoraScales | None = Field(None, description=LORAS_DESCRIPTION)
     cache_quality: CacheQuality | None = Field(None, description=CACHE_QUALITY_DESCRIPTION)
+    scheduler: Literal[SAMPLER_NAMES] | None = Field(  # type: ignore[valid-type]
+        None, description="sampler (A1111's names, each a diffusers scheduler: README 'Samplers'); the model card's "
+                          "scheduler parameter lists those the model offers; null = the model folder's own")
+    clip_skip: int | None = Field(None, ge=1, description="CLIP layers skipped from the end for the prompt "
+                                                          "embeddings (diffusers' clip_skip; SD, SDXL, SD3)")
+    eta: float | None = Field(None, ge=0, le=1, allow_inf_nan=False,
+                              description="DDIM eta (scheduler ddim; SD, SDXL)")
     extra_params: dict[str, Any] | None = Field(
         None, description="further __call__ arguments of a pipeline served whole-request (no step adapter), by "
                           "name, e.g. {\"pag_scale\": 3.0}; the model card's extra_parameters lists the names "
@@ -220,7 +233,8 @@ class _ImageRequest(_StrictRequest):
                 raise ValueError(f"not a JSON object: {exc}") from None
         return value
 
-    @field_validator("n", "output_compression", "partial_images", "num_inference_steps", "seed", mode="before")
+    @field_validator("n", "output_compression", "partial_images", "num_inference_steps", "seed", "clip_skip",
+                     mode="before")
     @classmethod
     def _integral_numbers_are_integers(cls, value: Any) -> Any:
         if isinstance(value, float) and value.is_integer():
@@ -365,6 +379,7 @@ def request_json_schema(spec: "ModelSpec | None" = None, limits: "RequestLimits 
     for name, default in MODEL_FIELDS.items():
         if name in props and getattr(spec, default) is None:
             del props[name]
+    _sampling_schema(props, spec, images=model is ImageEditRequest)
     if "num_frames" in props:
         top = min(spec.max_num_frames or limits.max_num_frames, limits.max_num_frames)
         allowed = list(range(1, top + 1, spec.frame_factor))
@@ -432,6 +447,30 @@ def _same_length_ranges(low: str, high: str) -> list[str]:
         parts.append((str(first) if first == last else f"[{first}-{last}]") + "[0-9]" * rest)
     parts.append(high[0] + f"({'|'.join(_same_length_ranges('0' * rest, high[1:]))})")
     return parts
+
+
+def _sampling_schema(props: dict[str, Any], spec: "ModelSpec", images: bool = False) -> None:
+    """The per-request sampler fields and ``extra_params`` as the model takes them: ``scheduler``
+    among the samplers it offers (`images`: with an input image, ``ModelSpec.image_samplers``),
+    ``clip_skip`` up to its CLIP layers, ``eta`` only with a DDIM sampler on offer,
+    ``extra_params`` with the pipeline's own ``__call__`` names; each left out where the model
+    takes none (a request that sends one gets 400, like any unknown field)."""
+    offered = {"scheduler": spec.samplers, "clip_skip": spec.max_clip_skip,
+               "eta": spec.samplers if spec.samplers and "ddim" in spec.samplers else None,
+               "extra_params": spec.extra_parameters or None}
+    for name, value in offered.items():
+        if name in props and value is None:
+            del props[name]
+    if "scheduler" in props:
+        allowed = spec.image_samplers if images and spec.image_samplers is not None else spec.samplers
+        if allowed:
+            _constrain(props["scheduler"], enum=list(allowed))
+        else:
+            del props["scheduler"]
+    if "clip_skip" in props:
+        _constrain(props["clip_skip"], minimum=1, maximum=spec.max_clip_skip)
+    if "extra_params" in props:
+        _constrain(props["extra_params"], propertyNames={"enum": list(spec.extra_parameters)})
 
 
 def _constrain(prop: dict[str, Any], **keywords: Any) -> None:
@@ -600,6 +639,8 @@ class VideoCreateRequest(_StrictRequest):
     seed: int | None = Field(None, ge=0, lt=SEED_BOUND, description="seed (default: random, reported)")
     loras: LoraScales | None = Field(None, description=LORAS_DESCRIPTION)
     cache_quality: CacheQuality | None = Field(None, description=CACHE_QUALITY_DESCRIPTION)
+    scheduler: Literal[SAMPLER_NAMES] | None = Field(  # type: ignore[valid-type]
+        None, description="sampler (README 'Samplers'); null = the model folder's own scheduler")
 
     @field_validator("loras", mode="before")
     @classmethod
@@ -712,6 +753,7 @@ class ParameterInfo(BaseModel):
         default: the value used when a request omits the parameter (None: none, or drawn at
             random, e.g. ``seed``).
         minimum / maximum: inclusive range of numeric parameters.
+        enum: the values a string parameter takes (``scheduler``: the samplers the model offers).
         multiple_of / max_width / max_height / max_pixels: ``size`` only: width and height in
             pixels are positive multiples of `multiple_of`, at most `max_width` x `max_height`
             (None: no model limit), with width x height <= `max_pixels`.
@@ -724,6 +766,7 @@ class ParameterInfo(BaseModel):
 
     type: Literal["integer", "number", "string", "boolean", "object"]
     default: int | float | str | bool | None = None
+    enum: list[str] | None = None
     minimum: int | float | None = None
     maximum: int | float | None = None
     multiple_of: int | None = None
@@ -859,6 +902,16 @@ class ModelCard(BaseModel):
                                    description=f"LoRA adapters, {{name: scale}}; at most {config.max_loras} per "
                                                "request (GET /v1/loras)"),
         }
+        if spec.samplers:
+            parameters["scheduler"] = ParameterInfo(type="string", enum=list(spec.samplers),
+                                                    description="sampler (default: the model folder's scheduler)")
+        if spec.max_clip_skip is not None:
+            parameters["clip_skip"] = ParameterInfo(type="integer", minimum=1, maximum=spec.max_clip_skip,
+                                                    capabilities=images,
+                                                    description="CLIP layers skipped from the end (1 = pre-final)")
+        if spec.samplers and "ddim" in spec.samplers and not spec.default_num_frames:
+            parameters["eta"] = ParameterInfo(type="number", minimum=0, maximum=1, capabilities=images,
+                                              description="DDIM eta (with scheduler ddim)")
         unused = {"guidance_scale": spec.default_guidance_scale, "true_cfg_scale": spec.default_true_cfg_scale,
                   "strength": spec.default_strength if spec.accepts_images else None,
                   "num_frames": spec.default_num_frames, "fps": spec.default_fps}

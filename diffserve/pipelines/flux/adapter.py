@@ -31,7 +31,6 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_tim
 
 from diffserve.pipelines.base import PipelineAdapter, RequestState, StepBatch, checked_pixels
 from diffserve.pipelines.capabilities import CacheDiTSupport, Capabilities
-from diffserve.pipelines.diffusion_scheduler import new_scheduler
 from diffserve.pipelines.flux.teacache import TEACACHE
 from diffserve.pipelines.guidance import Guidance
 from diffserve.pipelines.text_encoding import TextEncoder
@@ -59,6 +58,7 @@ class FluxAdapter(PipelineAdapter):
     #: the T5 length sets ``txt_ids``, shared by the batch
     batch_key_fields = ("max_sequence_length",)
     text_inputs = ("encoder_hidden_states", "pooled_projections")
+    per_request_samplers = True
 
     def setup(self) -> dict[str, Any]:
         """True CFG, plus embedded guidance on guidance-distilled transformers (FLUX.1-dev);
@@ -112,14 +112,31 @@ class FluxAdapter(PipelineAdapter):
         """VAE latent channels (the transformer's input channels / 2x2 packing)."""
         return self.pipe.transformer.config.in_channels // 4
 
+    #: diffusers' ``FluxPipeline.__call__`` lets a scheduler with ``use_flow_sigmas`` make its
+    #: own sigmas; ``FluxKontextPipeline``'s always passes the linear ones.
+    flow_sigmas_from_scheduler: bool = True
+
+    def _linear_sigmas(self, scheduler: Any, num_steps: int) -> np.ndarray | None:
+        """The linear sigmas ``linspace(1, 1/N, N)`` diffusers passes, or None where it lets the
+        scheduler make flow sigmas."""
+        if self.flow_sigmas_from_scheduler and scheduler.config.get("use_flow_sigmas"):
+            return None
+        return np.linspace(1.0, 1 / num_steps, num_steps)
+
+    def timestep_arguments(self, scheduler: Any, num_steps: int) -> dict[str, Any]:
+        """``mu`` (always) and the linear ``sigmas`` where diffusers passes them."""
+        sigmas = self._linear_sigmas(scheduler, num_steps)
+        return {"mu": 1.0, **({} if sigmas is None else {"sigmas": sigmas})}
+
     def set_timesteps(self, state: RequestState, image_seq_len: int) -> None:
-        """diffusers' Flux schedule: sigmas ``linspace(1, 1/N, N)`` shifted by ``mu`` =
-        `calculate_shift` of the packed token count (dynamic shifting), or by the config's
-        ``shift``; timesteps = sigmas x 1000."""
+        """diffusers' Flux schedule on the request's own scheduler (`request_scheduler`): sigmas
+        ``linspace(1, 1/N, N)`` (or the scheduler's flow sigmas, `_linear_sigmas`) shifted by
+        ``mu`` = `calculate_shift` of the packed token count (dynamic shifting), or by the
+        config's ``shift``; timesteps = sigmas x 1000."""
         n = state.params.num_inference_steps
-        scheduler = new_scheduler(self.pipe.scheduler)
+        scheduler = self.request_scheduler(state.params)
         config = scheduler.config
-        sigmas = None if config.get("use_flow_sigmas") else np.linspace(1.0, 1 / n, n)
+        sigmas = self._linear_sigmas(scheduler, n)
         mu = calculate_shift(image_seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
                              config.get("base_shift", 0.5), config.get("max_shift", 1.15))
         timesteps, _ = retrieve_timesteps(scheduler, n, self.device, sigmas=sigmas, mu=mu)

@@ -50,6 +50,7 @@ class FluxKontextAdapter(FluxAdapter):
     pipeline_class = FluxKontextPipeline
     image_input = "required"
     appended_latents = "image_latents"
+    flow_sigmas_from_scheduler = False  # diffusers' Kontext __call__ always passes the linear sigmas
 
     def image_size(self, image: Any) -> tuple[int, int]:
         """(height, width) in pixels the reference image is encoded at: its own size floored to

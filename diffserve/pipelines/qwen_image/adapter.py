@@ -38,7 +38,6 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, re
 from diffserve.core.errors import UnsupportedModelError
 from diffserve.pipelines.base import PipelineAdapter, RequestState, StepBatch, checked_pixels
 from diffserve.pipelines.capabilities import CacheDiTSupport, Capabilities
-from diffserve.pipelines.diffusion_scheduler import new_scheduler
 from diffserve.pipelines.guidance import TRUE_CFG_NORM_RESCALED
 from diffserve.pipelines.qwen_image.teacache import TEACACHE
 from diffserve.pipelines.text_encoding import TextEncoder
@@ -67,6 +66,7 @@ class QwenImageAdapter(PipelineAdapter):
     guidance = TRUE_CFG_NORM_RESCALED
     #: text embeddings are right-padded with zeros; the mask marks the real tokens
     padded_inputs = {"encoder_hidden_states": ("encoder_hidden_states_mask", 0.0)}
+    per_request_samplers = True
 
     def setup(self) -> dict[str, Any]:
         """Refuses guidance-distilled transformers; text encoding; TeaCache (plain time
@@ -128,11 +128,16 @@ class QwenImageAdapter(PipelineAdapter):
                                              state.generator)
         self.set_timesteps(state, image_seq_len=state.latents.shape[1])
 
+    def timestep_arguments(self, scheduler: Any, num_steps: int) -> dict[str, Any]:
+        """The linear ``sigmas`` and ``mu`` (as diffusers' Qwen-Image ``__call__``)."""
+        return {"sigmas": np.linspace(1.0, 1 / num_steps, num_steps), "mu": 1.0}
+
     def set_timesteps(self, state: RequestState, image_seq_len: int) -> None:
-        """The request's own scheduler with diffusers' schedule: ``sigmas = linspace(1, 1/N, N)``
-        shifted by ``mu = calculate_shift(image_seq_len, ...)`` from the scheduler config."""
+        """The request's own scheduler (`request_scheduler`) with diffusers' schedule: ``sigmas
+        = linspace(1, 1/N, N)`` shifted by ``mu = calculate_shift(image_seq_len, ...)`` from the
+        scheduler config."""
         steps = state.params.num_inference_steps
-        scheduler = new_scheduler(self.pipe.scheduler)
+        scheduler = self.request_scheduler(state.params)
         cfg = scheduler.config
         mu = calculate_shift(image_seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
                              cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))

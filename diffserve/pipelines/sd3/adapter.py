@@ -25,7 +25,6 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import c
 from diffserve.core.errors import InvalidRequestError
 from diffserve.core.sampling_params import SamplingParams
 from diffserve.pipelines.base import CacheDiTSupport, Capabilities, PipelineAdapter, RequestState, checked_pixels
-from diffserve.pipelines.diffusion_scheduler import new_scheduler
 from diffserve.pipelines.sd3 import context_folding
 from diffserve.pipelines.sd3.teacache import TEACACHE
 from diffserve.pipelines.text_encoding import TextEncoder
@@ -62,6 +61,7 @@ class StableDiffusion3Adapter(PipelineAdapter):
     batch_key_fields = ("max_sequence_length",)
     image_input = "optional"
     text_inputs = ("encoder_hidden_states", "pooled_projections")
+    per_request_samplers = True
 
     def setup(self) -> dict[str, Any]:
         """The image-to-image pipeline on the same modules, context folding of the zero T5 rows
@@ -94,9 +94,12 @@ class StableDiffusion3Adapter(PipelineAdapter):
         pos_max = pipe.transformer.config.get("pos_embed_max_size")
         # PatchEmbed crops a pos_embed_max_size^2 grid of positions: larger inputs fail
         max_side = None if pos_max is None else pos_max * pipe.patch_size * pipe.vae_scale_factor
+        # image-to-image noises the input with the scheduler's scale_noise (flow-matching Euler's)
+        image_samplers = tuple(n for n in self.samplers.available() if hasattr(self.samplers.template(n), "scale_noise"))
         # T5's positional budget in SD3: diffusers refuses more than 512
         return {"resolution_factor": pipe.vae_scale_factor * pipe.patch_size, "max_sequence_length_limit": 512,
-                "max_prompt_tokens": pipe.tokenizer_max_length, "max_height": max_side, "max_width": max_side}
+                "max_prompt_tokens": pipe.tokenizer_max_length, "max_height": max_side, "max_width": max_side,
+                "image_samplers": image_samplers}
 
     def check_params(self, params: SamplingParams, inputs) -> None:
         """At most one input image and no mask; strength needs an image and must leave at
@@ -122,13 +125,22 @@ class StableDiffusion3Adapter(PipelineAdapter):
         n = params.num_inference_steps
         return n - int(max(n - min(n * self._strength(params), n), 0))
 
-    def _encode_text(self, text: str | list[str], max_sequence_length: int | None):
+    def max_clip_skip(self) -> int | None:
+        return self.clip_layers_skippable(self.pipe.text_encoder, self.pipe.text_encoder_2)
+
+    def timestep_arguments(self, scheduler: Any, num_steps: int) -> dict[str, Any]:
+        """``mu`` for dynamically shifted schedules (as diffusers' SD3 ``__call__``)."""
+        return {"mu": 1.0} if scheduler.config.get("use_dynamic_shifting", None) else {}
+
+    def _encode_text(self, text: str | list[str], max_sequence_length: int | None, clip_skip: int | None = None):
         """diffusers' SD3 encoding of a text (or of n texts, a row each: every encoder pads to
-        a fixed length, so a row equals the text alone): prompt_embeds (n, L_clip + L_t5, D)
-        (L_t5 = 1 folded row with context folding) and pooled (n, P)."""
+        a fixed length, so a row equals the text alone), with `clip_skip` for the CLIP
+        encoders: prompt_embeds (n, L_clip + L_t5, D) (L_t5 = 1 folded row with context
+        folding) and pooled (n, P)."""
         pe, _, pooled, _ = self.pipe.encode_prompt(
             prompt=text, prompt_2=None, prompt_3=None, do_classifier_free_guidance=False,
             num_images_per_prompt=1, device=self.device, max_sequence_length=max_sequence_length,
+            clip_skip=clip_skip,
         )
         if self.context_folding:
             pe = context_folding.fold_placeholder_rows(pe, self.pipe.tokenizer_max_length)
@@ -142,7 +154,7 @@ class StableDiffusion3Adapter(PipelineAdapter):
         if self.context_folding:
             state.shared = {"joint_attention_kwargs": {"fold_count": p.max_sequence_length}}
         dtype = state.branches[-1]["encoder_hidden_states"].dtype
-        scheduler = new_scheduler(self.pipe.scheduler)
+        scheduler = self.request_scheduler(p)
         kwargs = {}
         if scheduler.config.get("use_dynamic_shifting", None):
             patch, f = pipe.transformer.config.patch_size, pipe.vae_scale_factor

@@ -17,9 +17,11 @@ ancestral schedulers), the safety checker and post-processing are diffusers' own
 `StableDiffusionPipeline` methods on the same components, so an image equals diffusers' for
 the same seed (tests/pipelines/test_stable_diffusion.py).
 
-Differences from diffusers' ``__call__`` arguments: ``eta`` is its default 0.0,
-``guidance_rescale`` 0.0 and ``clip_skip`` None (none are request fields). UNets with a
-guidance embedding (``time_cond_proj_dim``, LCM-distilled) are refused at load.
+Per request: ``scheduler`` (a sampler of `diffserve.pipelines.samplers`: the request's own
+instance of that scheduler class), ``eta`` (DDIM-type schedulers, diffusers' default 0.0) and
+``clip_skip`` (diffusers' ``encode_prompt`` argument, prompt only) are request fields;
+``guidance_rescale`` is diffusers' default 0.0. UNets with a guidance embedding
+(``time_cond_proj_dim``, LCM-distilled) are refused at load.
 
 Safety checker: if the folder has one (the real SD 1.5 folders do), it runs on every decoded
 image exactly as in diffusers (flagged images come back black) and a warning names the
@@ -29,6 +31,7 @@ request; folders without one (``safety_checker`` null) skip it.
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -39,15 +42,24 @@ from diffusers.utils.torch_utils import randn_tensor
 from diffserve.core.errors import UnsupportedModelError
 from diffserve.pipelines.base import PipelineAdapter, RequestState, StepBatch, checked_pixels
 from diffserve.pipelines.capabilities import AdapterOptions, Capabilities
-from diffserve.pipelines.diffusion_scheduler import PER_REQUEST, new_scheduler
+from diffserve.pipelines.diffusion_scheduler import PER_REQUEST
 from diffserve.pipelines.text_encoding import TextEncoder
 
 logger = logging.getLogger(__name__)
 # diffserve reports truncation itself (GenerationOutput.prompt_truncated).
 logging.getLogger("diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion").setLevel(logging.ERROR)
 
-#: ``eta`` of DDIM-type schedulers (diffusers' __call__ default; not a request field).
-ETA = 0.0
+
+
+def expose_text_model(text_encoder: Any) -> None:
+    """Let diffusers 0.42.1's SD ``encode_prompt(clip_skip=...)`` run on transformers 5: it
+    applies ``text_encoder.text_model.final_layer_norm``, and transformers 5's `CLIPTextModel`
+    holds ``final_layer_norm`` itself (no ``text_model``). Adds a plain attribute ``text_model``
+    exposing the encoder's own ``final_layer_norm`` (not a registered submodule: weights, state
+    dict and module tree unchanged). No-op where ``text_model`` exists."""
+    if text_encoder is not None and not hasattr(text_encoder, "text_model") \
+            and hasattr(text_encoder, "final_layer_norm"):
+        object.__setattr__(text_encoder, "text_model", SimpleNamespace(final_layer_norm=text_encoder.final_layer_norm))
 
 
 class StableDiffusionAdapter(PipelineAdapter):
@@ -65,6 +77,7 @@ class StableDiffusionAdapter(PipelineAdapter):
     # diffusers' StableDiffusionPipeline.__call__ defaults
     sampling_defaults = {"num_inference_steps": 50, "guidance_scale": 7.5}
     stepping = PER_REQUEST
+    per_request_samplers = True
     #: diffusers' SDXL ``__call__`` calls ``scheduler.set_begin_index(0)``; SD's does not.
     set_begin_index = False
 
@@ -103,10 +116,14 @@ class StableDiffusionAdapter(PipelineAdapter):
         return h * f, w * f
 
     # ---------------------------------------------------------------- per request
-    def _encode_text(self, text: str | list[str], max_sequence_length: int | None):
+    def max_clip_skip(self) -> int | None:
+        expose_text_model(self.pipe.text_encoder)
+        return self.clip_layers_skippable(self.pipe.text_encoder)
+
+    def _encode_text(self, text: str | list[str], max_sequence_length: int | None, clip_skip: int | None = None):
         """diffusers' SD encoding of a text (or of n texts, a row each: CLIP pads to 77
-        tokens, so a row equals the text alone): prompt_embeds (n, 77, D_text)."""
-        pe, _ = self.pipe.encode_prompt(text, self.device, 1, False)
+        tokens, so a row equals the text alone), with `clip_skip`: prompt_embeds (n, 77, D_text)."""
+        pe, _ = self.pipe.encode_prompt(text, self.device, 1, False, clip_skip=clip_skip)
         return (pe,)
 
     def prepare_request(self, state: RequestState) -> None:
@@ -114,10 +131,11 @@ class StableDiffusionAdapter(PipelineAdapter):
         timesteps (PNDM with ``skip_prk_steps``: N steps give N + 1 UNet passes, as in
         diffusers), draw latents (N, 4, H/8, W/8) from the request's generator times the
         scheduler's ``init_noise_sigma`` (diffusers' ``prepare_latents``), and the step keyword
-        arguments (diffusers' ``prepare_extra_step_kwargs``: eta, the request's generator)."""
+        arguments (`stepping`, as diffusers' ``prepare_extra_step_kwargs``: eta, the request's
+        generator)."""
         p, pipe = state.params, self.pipe
         state.branches = self.text_branches(state)
-        scheduler = new_scheduler(self.pipe.scheduler)
+        scheduler = self.request_scheduler(p)
         timesteps, _ = retrieve_timesteps(scheduler, p.num_inference_steps, self.device)
         if self.set_begin_index and hasattr(scheduler, "set_begin_index"):
             scheduler.set_begin_index(0)
@@ -127,8 +145,6 @@ class StableDiffusionAdapter(PipelineAdapter):
         latents = randn_tensor(shape, generator=state.generator, device=self.device, dtype=dtype)
         state.latents = latents * scheduler.init_noise_sigma
         self.set_schedule(state, scheduler, timesteps)
-        # reads only the scheduler class's `step` signature: the template's is the request's
-        state.step_kwargs = pipe.prepare_extra_step_kwargs(state.generator, ETA)
 
     # ------------------------------------------------------------------ per step
     def forward_inputs(self, batch: StepBatch) -> dict[str, Any]:

@@ -55,12 +55,15 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
             vae.to(torch.float32)
         return limits
 
-    def _encode_text(self, text: str | list[str], max_sequence_length: int | None):
+    def max_clip_skip(self) -> int | None:
+        return self.clip_layers_skippable(self.pipe.text_encoder, self.pipe.text_encoder_2)
+
+    def _encode_text(self, text: str | list[str], max_sequence_length: int | None, clip_skip: int | None = None):
         """diffusers' SDXL encoding of a text (prompt_2 = text; or of n texts, a row each:
-        both CLIPs pad to 77 tokens, so a row equals the text alone): prompt_embeds
-        (n, 77, D1 + D2) and pooled (n, P)."""
+        both CLIPs pad to 77 tokens, so a row equals the text alone), with `clip_skip`:
+        prompt_embeds (n, 77, D1 + D2) and pooled (n, P)."""
         pe, _, pooled, _ = self.pipe.encode_prompt(prompt=text, device=self.device, num_images_per_prompt=1,
-                                                   do_classifier_free_guidance=False)
+                                                   do_classifier_free_guidance=False, clip_skip=clip_skip)
         return pe, pooled
 
     def texts_to_encode(self, prompt: str, params: SamplingParams) -> list[tuple[str, int | None]]:
@@ -76,13 +79,13 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
         p = state.params
         pipe = self.pipe
         n = p.num_images_per_prompt
-        pe, pooled = self.text.encode(state.prompt)
+        pe, pooled = self.text.encode(state.prompt, **self.clip_skip_inputs(p))
         encoded = [(pe, pooled)]
         if self.branches(p) == 2:
             if p.negative_prompt is None and pipe.config.force_zeros_for_empty_prompt:
                 encoded.insert(0, (torch.zeros_like(pe), torch.zeros_like(pooled)))
             else:
-                encoded.insert(0, self.text.encode(p.negative_prompt or ""))
+                encoded.insert(0, self.text.encode(p.negative_prompt or ""))  # diffusers: without clip_skip
         projection_dim = (int(pooled.shape[-1]) if pipe.text_encoder_2 is None
                           else pipe.text_encoder_2.config.projection_dim)
         size = (p.height, p.width)

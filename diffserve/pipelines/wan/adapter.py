@@ -38,7 +38,6 @@ from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from diffserve.core.errors import UnsupportedModelError
 from diffserve.pipelines.base import PipelineAdapter, RequestState, StepBatch, checked_pixels
 from diffserve.pipelines.capabilities import CacheDiTSupport, Capabilities
-from diffserve.pipelines.diffusion_scheduler import new_scheduler
 from diffserve.pipelines.experts import ExpertRouting
 from diffserve.pipelines.text_encoding import TextEncoder
 from diffserve.pipelines.video_chunks import ChunkCondition, frames_to_video_tensor, per_token_timesteps
@@ -75,6 +74,7 @@ class WanAdapter(PipelineAdapter):
     batch_key_fields = ("max_sequence_length",)
     chunk_streaming = True
     chunk_overlap_frames = 1
+    per_request_samplers = True
 
     def setup(self) -> dict[str, Any]:
         """The experts (two on Wan 2.2 A14B folders: `expert_routing`), context folding of the
@@ -148,8 +148,8 @@ class WanAdapter(PipelineAdapter):
                                          p.width, p.num_frames, torch.float32, self.device, state.generator)
 
     def _new_schedule(self, state: RequestState) -> None:
-        """A fresh diffusion scheduler with the request's timesteps; step 0."""
-        scheduler = new_scheduler(self.pipe.scheduler)
+        """A fresh diffusion scheduler (`request_scheduler`) with the request's timesteps; step 0."""
+        scheduler = self.request_scheduler(state.params)
         scheduler.set_timesteps(state.params.num_inference_steps, device=self.device)
         scheduler.set_begin_index(0)
         self.set_schedule(state, scheduler, scheduler.timesteps)

@@ -12,6 +12,7 @@ import json
 from types import SimpleNamespace
 
 import httpx
+import numpy as np
 import openai
 import piexif
 import piexif.helper
@@ -111,3 +112,36 @@ def test_cli_no_output_metadata(tmp_path, capsys):
     assert json.loads(Image.open(with_meta).text["diffserve"])["seed"] == 1
     for path in (tmp_path / "without").glob("*.png"):
         assert read_image_metadata(path.read_bytes()) == {"parameters": None, "diffserve": None}
+
+
+def test_samplers_over_http(servers):
+    """``scheduler`` (and ``clip_skip``) over HTTP: the model card lists the samplers the model
+    offers; a sampler's image equals the offline engine's and records it; names the model does
+    not offer, or no sampler has, are a 400 naming ``scheduler``."""
+    from server_helpers import assert_openai_error
+
+    card = httpx.get(f"{servers.base}/v1/models").json()["data"][0]
+    assert card["parameters"]["scheduler"]["enum"] == ["euler", "dpmpp_2m", "unipc"]  # digits: a flow model
+    assert card["parameters"]["clip_skip"] == {"type": "integer", "minimum": 1, "maximum": 1,
+                                               "capabilities": ["text-to-image", "image-edit"],
+                                               "description": card["parameters"]["clip_skip"]["description"]}
+    assert "eta" not in card["parameters"]  # no DDIM for a flow model
+    resp = servers.client.images.generate(prompt=PROMPT, extra_body={**EXTRA, "scheduler": "unipc", "clip_skip": 1})
+    data = base64.b64decode(resp.data[0].b64_json)
+    fields = read_image_metadata(data)["diffserve"]
+    assert (fields["scheduler"], fields["clip_skip"]) == ("unipc", 1)
+    from diffserve import DiffusionEngine, EngineConfig, SamplingParams
+
+    engine = DiffusionEngine(EngineConfig(model=None, num_threads=1))
+    try:
+        [offline] = engine.generate(PROMPT, SamplingParams(seed=11, num_inference_steps=2, guidance_scale=3.5,
+                                                           negative_prompt="the number one", scheduler="unipc",
+                                                           clip_skip=1, output_type="np"))
+    finally:
+        engine.shutdown()
+    got = np.asarray(Image.open(io.BytesIO(data)).convert("L"), dtype=np.int16)
+    assert np.abs(got - np.round(offline.images[0][..., 0] * 255)).max() <= 1
+    for scheduler, fragment in (("euler_a", "must be one of euler, dpmpp_2m, unipc"), ("heun", "")):
+        resp = httpx.post(f"{servers.base}/v1/images/generations", json={"prompt": PROMPT, "scheduler": scheduler})
+        assert_openai_error(resp, 400, param="scheduler")
+        assert fragment in resp.json()["error"]["message"]

@@ -257,6 +257,41 @@ def test_generate_with_keyboard_shows_result_metadata_download_and_reuse(page, s
     page.screenshot(path=ARTIFACTS / "phone.png", full_page=True)
 
 
+def test_sampler_from_the_card_reaches_the_server_and_the_download_carries_it(page, server):
+    """The model card's ``scheduler`` enum becomes a select; the chosen sampler goes into the
+    request, the image equals the API's for it, and the downloaded PNG carries it (A1111 text)."""
+    from diffserve.media.metadata import read_image_metadata
+
+    select = page.locator("#param-scheduler")
+    expect(select).to_be_visible()
+    options = select.locator("option").evaluate_all("options => options.map(o => o.value)")
+    assert options == ["", "euler", "dpmpp_2m", "unipc"]  # "": the model's own; a flow model's samplers
+    page.fill("#prompt", PROMPT)
+    page.uncheck("#seed-random")
+    page.fill("#seed", "8")
+    select.select_option("dpmpp_2m")
+    page.click("#generate")
+    result = page.locator("#gallery .result")
+    expect(result).to_have_count(1, timeout=30_000)
+    shown = blob_bytes(page, result.locator("img").get_attribute("src"))
+    reference = httpx.post(f"{server.base}/v1/images/generations", headers=server.headers, timeout=60, json={
+        "prompt": PROMPT, "seed": 8, "num_inference_steps": 20, "guidance_scale": 4.0, "size": "8x8",
+        "scheduler": "dpmpp_2m"})
+    assert reference.status_code == 200, reference.text
+    assert np.abs(pixels(shown) - pixels(base64.b64decode(reference.json()["data"][0]["b64_json"]))).max() <= 1
+    with page.expect_download() as download_info:
+        result.locator("a.download").click()
+    path = ARTIFACTS / "sampler-download.png"
+    download_info.value.save_as(path)
+    meta = read_image_metadata(path.read_bytes())
+    assert meta["diffserve"]["scheduler"] == "dpmpp_2m" and meta["diffserve"]["seed"] == 8
+    assert "Sampler: DPM++ 2M" in meta["parameters"]
+    # reusing the result's settings selects its sampler again
+    select.select_option("")
+    result.locator("button.thumb").click()
+    assert page.input_value("#param-scheduler") == "dpmpp_2m"
+
+
 def test_concurrent_requests_show_queue_place_and_cancel_aborts_on_server(page, server):
     before = scrape(server)
     # A long request takes the engine's two rows (CFG); the next one waits behind it.
@@ -334,7 +369,8 @@ def test_model_card_lists_capabilities_and_parameters(server):
     assert card["step_batching"] is True
     p = card["parameters"]
     assert set(p) == {"negative_prompt", "n", "size", "num_inference_steps", "guidance_scale", "seed",
-                      "partial_images", "strength", "loras"}
+                      "partial_images", "strength", "loras", "scheduler", "clip_skip"}  # SD3: CLIP, flow samplers
+    assert p["scheduler"]["enum"] == ["euler", "dpmpp_2m", "unipc"] and "eta" not in p  # eta: DDIM only
     assert p["loras"]["type"] == "object"  # the playground shows it as a text field (JSON)
     assert [(e["name"], e["origin"]) for e in card["loras"]] == [("mirror", "builtin")]  # the digits model's own
     assert p["strength"]["capabilities"] == ["image-edit"] and p["strength"]["default"] == 0.6

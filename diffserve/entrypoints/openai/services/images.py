@@ -260,7 +260,8 @@ class ImageGenerationService:
                                     width=width, num_inference_steps=body.num_inference_steps,
                                     guidance_scale=body.guidance_scale, true_cfg_scale=body.true_cfg_scale,
                                     strength=getattr(body, "strength", None), seed=body.seed, output_type="pil",
-                                    extra=body.extra_params, loras=body.loras, cache_quality=body.cache_quality)
+                                    extra=body.extra_params, loras=body.loras, cache_quality=body.cache_quality,
+                                    scheduler=body.scheduler, clip_skip=body.clip_skip, eta=body.eta)
             # seeds, every check (the family's own rules on images, mask, strength too) and the plan, before
             # any allocation; an edit's "auto" size is the input's
             requests = engine.input_processor.process(body.prompt, params, inputs, n=n, size_from_inputs=True)

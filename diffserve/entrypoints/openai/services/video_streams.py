@@ -57,6 +57,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.requests import ClientDisconnect
 
+from diffserve.core.sampling_params import SAMPLER_NAMES
 from diffserve.entrypoints.openai.errors import CLIENT_CLOSED_REQUEST, APIError, invalid_request, overloaded, unavailable
 from diffserve.media.image_encoding import to_base64
 from diffserve.entrypoints.openai.protocol import (
@@ -130,6 +131,8 @@ class VideoStreamRequest(BaseModel):
     include_video: bool = Field(True, description="send the whole video again in the completed event")
     loras: LoraScales | None = Field(None, description=LORAS_DESCRIPTION)
     cache_quality: CacheQuality | None = Field(None, description=CACHE_QUALITY_DESCRIPTION)
+    scheduler: Literal[SAMPLER_NAMES] | None = Field(  # type: ignore[valid-type]
+        None, description="sampler (README 'Samplers'); null = the model folder's own scheduler")
 
     @field_validator("num_chunks", "num_frames", "fps", "num_inference_steps", "seed", mode="before")
     @classmethod
@@ -247,7 +250,7 @@ class VideoStreamService:
                                     num_frames=body.num_frames, fps=body.fps, num_chunks=body.num_chunks,
                                     num_inference_steps=body.num_inference_steps,
                                     guidance_scale=body.guidance_scale, seed=body.seed, output_type="np",
-                                    loras=body.loras, cache_quality=body.cache_quality)
+                                    loras=body.loras, cache_quality=body.cache_quality, scheduler=body.scheduler)
             [request] = engine.input_processor.process(body.prompt, params)  # seed, checks, plan
             engine.check_loras(request.params.loras)  # known adapter names (a load starts for one not held)
         except InvalidRequestError as exc:

@@ -16,7 +16,7 @@ const MODE_LABELS = { "text-to-image": "Image", "image-edit": "Edit", "text-to-v
 const OWN_CONTROLS = new Set(["negative_prompt", "num_inference_steps", "guidance_scale", "true_cfg_scale",
   "size", "n", "partial_images", "seed"]);
 const LABELS = { negative_prompt: "Negative prompt", num_inference_steps: "Steps", guidance_scale: "Guidance",
-  true_cfg_scale: "True CFG" };
+  true_cfg_scale: "True CFG", scheduler: "Sampler", clip_skip: "Clip skip", eta: "Eta (DDIM)" };
 const labelOf = (name) => LABELS[name] || name.replace(/_/g, " ").replace(/^./, (c) => c.toUpperCase());
 const PREVIEWS_WANTED = 2;      // partial_images asked for by default (capped by the model card)
 const METRICS_EVERY_MS = 2000;
@@ -223,6 +223,10 @@ function buildExtraControls(parameters) {
     if (info.type === "boolean") {
       input = el("input", { id, type: "checkbox", title: info.description });
       input.checked = Boolean(info.default);
+    } else if (info.enum) {  // e.g. scheduler: the samplers the model offers; "" = the model's default
+      input = el("select", { id, title: info.description },
+        el("option", { value: "", text: info.default ?? "model default" }),
+        ...info.enum.map((value) => el("option", { value, text: value })));
     } else if (info.type === "integer" || info.type === "number") {
       input = el("input", { id, type: "number", title: info.description, min: info.minimum, max: info.maximum,
         step: info.type === "integer" ? 1 : "any", inputmode: info.type === "integer" ? "numeric" : "decimal" });
@@ -264,7 +268,7 @@ function readSettings() {
   if (!$("seed-random").checked) put("seed", $("seed").valueAsNumber);
   for (const field of $("extra").children) {
     const name = field.dataset.param;
-    const input = field.querySelector("input");
+    const input = field.querySelector("input, select");
     if (!applies(name)) continue;
     if (input.type === "checkbox") params[name] = input.checked;
     else if (input.type === "number") put(name, input.valueAsNumber);
@@ -454,7 +458,7 @@ function reuseSettings(settings) {
     set("seed", p.seed);
   }
   for (const field of $("extra").children) {
-    const input = field.querySelector("input");
+    const input = field.querySelector("input, select");
     const value = p[field.dataset.param];
     if (value === undefined) continue;
     if (input.type === "checkbox") input.checked = Boolean(value); else input.value = value;

@@ -69,6 +69,9 @@ class TestModel:
             the whole text, as diffusers' edit pipeline does).
         patch: a context manager every test of the family runs in (e.g. a smaller input area).
         input_size: (width, height) of the input images the tests send.
+        mixed_sizes: (height, width) sizes whose requests share one forward (the family's
+            `PipelineAdapter.mixed_sizes`; the first is `request`'s); empty: the family batches
+            by size.
     """
 
     id: str
@@ -93,6 +96,7 @@ class TestModel:
     cuts_text: bool = True
     patch: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     input_size: tuple[int, int] = (64, 48)
+    mixed_sizes: tuple[tuple[int, int], ...] = ()
 
     @property
     def images(self) -> str:
@@ -174,6 +178,7 @@ MODELS: tuple[TestModel, ...] = (
         reference="StableDiffusion3Pipeline", reference_load=_sd3_without_t5,
         img2img_reference="StableDiffusion3Img2ImgPipeline", input_size=(64, 64),
         parity_atol=1e-4,  # measured 2.3e-6
+        mixed_sizes=((64, 64), (32, 64), (64, 48), (48, 32)),
     ),
     TestModel(
         id="StableDiffusion3Pipeline-digits", pipeline="StableDiffusion3Pipeline", builtin="digits",
@@ -184,6 +189,7 @@ MODELS: tuple[TestModel, ...] = (
         reference="StableDiffusion3Pipeline", reference_load=_sd3_without_t5,
         img2img_reference="StableDiffusion3Img2ImgPipeline", input_size=(8, 8),
         parity_atol=1e-4,  # measured 2.5e-6
+        mixed_sizes=((8, 8), (4, 8), (8, 6), (6, 4)),
     ),
     TestModel(
         id="FluxPipeline-schnell", pipeline="FluxPipeline",

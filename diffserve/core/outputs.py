@@ -39,6 +39,10 @@ class RequestMetrics:
     waited for that fetch (the fetch starts at admission, so ~0 when it finished in time);
     ``payload_bytes`` the bytes of its payloads (all guidance branches). ``queue_s`` then counts
     from the end of the AR stage to DiT admission. All 0 for single-stage models.
+
+    ``preemptions`` counts the step boundaries at which the ``priority`` / ``slo`` scheduling
+    policy left the request out of a step it had been running in; ``deadline_met`` is whether it
+    finished within its ``deadline_s`` (None without a deadline).
     """
 
     arrival_time: float = 0.0
@@ -58,6 +62,8 @@ class RequestMetrics:
     transfer_s: float = 0.0
     payload_wait_s: float = 0.0
     payload_bytes: int = 0
+    preemptions: int = 0
+    deadline_met: bool | None = None
 
     @property
     def first_chunk_s(self) -> float | None:
@@ -78,6 +84,8 @@ class RequestMetrics:
             "request_peak_memory_bytes": self.request_peak_memory_bytes,
             "offload_loads": self.offload_loads,
             **({"chunk_s": list(self.chunk_s)} if self.chunk_s else {}),
+            **({"preemptions": self.preemptions} if self.preemptions else {}),
+            **({"deadline_met": self.deadline_met} if self.deadline_met is not None else {}),
             **({"ar_queue_s": self.ar_queue_s, "ar_s": self.ar_s, "transfer_s": self.transfer_s,
                 "payload_wait_s": self.payload_wait_s, "payload_bytes": self.payload_bytes}
                if self.payload_bytes else {}),

@@ -68,6 +68,7 @@ from diffserve.media.image_encoding import MEDIA_TYPES, encode_image, to_base64
 from diffserve.entrypoints.openai.stores.image_store import ImageStore, Reservation, StoreFullError, encoded_size_bound
 from diffserve.entrypoints.openai.ops.metrics import ServerMetrics
 from diffserve.entrypoints.openai.protocol import (
+    scheduling_fields,
     CompletedEvent,
     ImageEditRequest,
     ImageGenerationRequest,
@@ -253,7 +254,7 @@ class ImageGenerationService:
                                     width=width, num_inference_steps=body.num_inference_steps,
                                     guidance_scale=body.guidance_scale, true_cfg_scale=body.true_cfg_scale,
                                     strength=getattr(body, "strength", None), seed=body.seed, output_type="pil",
-                                    loras=body.loras)
+                                    loras=body.loras, **scheduling_fields(body))
             # seeds, every check (the family's own rules on images, mask, strength too) and the plan, before
             # any allocation; an edit's "auto" size is the input's
             requests = engine.input_processor.process(body.prompt, params, inputs, n=n, size_from_inputs=True)

@@ -60,6 +60,7 @@ from starlette.requests import ClientDisconnect
 from diffserve.entrypoints.openai.errors import CLIENT_CLOSED_REQUEST, APIError, invalid_request, overloaded, unavailable
 from diffserve.media.image_encoding import to_base64
 from diffserve.entrypoints.openai.protocol import (
+    scheduling_fields,
     LORAS_DESCRIPTION,
     MAX_PROMPT_CHARS,
     PROMPT_PATTERN,
@@ -244,7 +245,7 @@ class VideoStreamService:
                                     num_frames=body.num_frames, fps=body.fps, num_chunks=body.num_chunks,
                                     num_inference_steps=body.num_inference_steps,
                                     guidance_scale=body.guidance_scale, seed=body.seed, output_type="np",
-                                    loras=body.loras)
+                                    loras=body.loras, **scheduling_fields(body))
             [request] = engine.input_processor.process(body.prompt, params)  # seed, checks, plan
             engine.check_loras(request.params.loras)  # known adapter names (a load starts for one not held)
         except InvalidRequestError as exc:

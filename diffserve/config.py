@@ -61,6 +61,9 @@ class EngineConfig:
             ``SamplingParams.priority`` first, preempting at step boundaries) or ``"slo"``
             (least slack to ``deadline_s`` first, from an online cost model of step time;
             preempting at step boundaries). See `diffserve.engine.queues` (step mode only).
+        mixed_sizes: let requests of different sizes share a denoiser forward in the families
+            that can (`PipelineAdapter.mixed_sizes`: SD3 and the built-in digits model); False
+            batches by size as before (the benchmark's baseline arm).
         aging_s: under ``priority`` / ``slo``, a request that arrived more than this many
             seconds ago is served in arrival order ahead of every younger one (the bound on
             waiting: nothing starves).
@@ -154,6 +157,7 @@ class EngineConfig:
     max_waiting_requests: int = 1024
     execution_mode: str = "step"
     scheduling_policy: str = "fcfs"
+    mixed_sizes: bool = True
     aging_s: float = 60.0
     admission: str = "all"
     default_seed: int | None = None
@@ -237,7 +241,8 @@ class EngineConfig:
         nbytes = self.prompt_embed_cache_bytes
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1:
             raise InvalidRequestError("prompt_embed_cache_bytes", nbytes, "an integer >= 1 (bytes)")
-        for name in ("compile", "compile_vae", "context_folding", "overlap_stages", "cuda_graphs", "cpu_offload",
+        for name in ("compile", "compile_vae", "context_folding", "mixed_sizes", "overlap_stages", "cuda_graphs",
+                     "cpu_offload",
                      "layerwise_offload", "enable_sleep_mode"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(name, getattr(self, name), "true or false")

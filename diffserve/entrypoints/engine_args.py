@@ -51,6 +51,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-context-folding", dest="context_folding", action="store_false",
                         help="run SD3's 256 zero T5 placeholder tokens and Wan's zero prompt padding rows in "
                              "full instead of as one folded token (slower; same outputs within float rounding)")
+    parser.add_argument("--no-mixed-sizes", dest="mixed_sizes", action="store_false",
+                        help="batch requests by size, as before issue 27 (default: SD3-family requests of "
+                             "different sizes share a forward, each row with its own positions and span)")
     parser.add_argument("--prompt-embed-cache-size", type=int, default=256, metavar="N",
                         help="entries of the prompt-embedding LRU cache (0 = off)")
     parser.add_argument("--cache-backend", default="none", choices=["none", "teacache", "cache_dit"],
@@ -126,6 +129,7 @@ def engine_config_from_args(args: argparse.Namespace):
         num_threads=args.threads,
         prompt_embed_cache_size=args.prompt_embed_cache_size,
         context_folding=args.context_folding,
+        mixed_sizes=args.mixed_sizes,
         cache_backend=args.cache_backend,
         cache_config=_cache_config(args),
         compile=args.compile,

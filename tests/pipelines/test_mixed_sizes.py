@@ -94,3 +94,14 @@ def test_cache_backends_run_mixed_sizes(backend, options, one_torch_thread):
             assert max(outs[0].metrics.batch_sizes) == 6, outs[0].metrics.batch_sizes
     finally:
         engine.shutdown()
+
+
+def test_no_mixed_sizes_batches_by_size(one_torch_thread):
+    """``EngineConfig(mixed_sizes=False)`` (``--no-mixed-sizes``): sizes split batches again."""
+    engine = DiffusionEngine(EngineConfig(model="digits", mixed_sizes=False))
+    try:
+        outs = engine.generate(["a 1", "a 2"], [SamplingParams(height=8, width=8, num_inference_steps=2, seed=1),
+                                                SamplingParams(height=4, width=8, num_inference_steps=2, seed=2)])
+        assert [max(o.metrics.batch_sizes) for o in outs] == [2, 2]
+    finally:
+        engine.shutdown()

@@ -28,8 +28,10 @@ Scheduling policies (step mode; `policy`):
   where it stopped (no recompute).
 - ``slo``: ranked by least slack: ``deadline - now - remaining steps x predicted step time``
   (`cost_model.StepCostModel`, fitted online on the steps run; before the first step: earliest
-  deadline first); requests without a deadline after those with one, ties by priority then
-  arrival. Admission and preemption as under ``priority``.
+  deadline first); requests without a deadline, and those whose slack is already negative
+  (they miss their deadline whatever runs: serving them first would make others miss theirs
+  too), after those that can still meet theirs, by priority then arrival. Admission and
+  preemption as under ``priority``.
 - Aging (both): a request that arrived more than `aging_s` seconds ago ranks before every
   younger one, in arrival order among themselves. So a request waits at most `aging_s` plus
   what FCFS would make it wait behind the requests older than it: nothing starves.
@@ -232,7 +234,10 @@ class RequestQueues:
         if deadline is None:
             return (2, 0.0, priority, request.seq)
         remaining = max(request.num_steps - request.steps_done, 0) * (step_s or 0.0)
-        return (1, request.arrival_time + deadline - now - remaining, priority, request.seq)
+        slack = request.arrival_time + deadline - now - remaining
+        if slack < 0:  # it will miss its deadline anyway: after those that can still make theirs
+            return (2, 0.0, priority, request.seq)
+        return (1, slack, priority, request.seq)
 
     def step_seconds(self) -> float | None:
         """The cost model's prediction of a step at the current load (the running requests'

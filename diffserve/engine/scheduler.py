@@ -45,8 +45,8 @@ from concurrent.futures import Future
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from diffserve.core.errors import DeadlineUnmeetableError, InteractionRefusedError, InvalidRequestError
-from diffserve.core.errors import EngineOverloadedError
+from diffserve.core.errors import InteractionRefusedError, InvalidRequestError
+from diffserve.core.errors import DeadlineUnmeetableError, EngineOverloadedError
 from diffserve.core.messages import (
     ChunkDone,
     ChunkWork,
@@ -179,9 +179,10 @@ class RequestScheduler:
     def _tokens_per_row(self, params) -> int:
         """Image tokens of one row of a request (`Request.tokens`)."""
         spec = self.model_info.spec
-        f = spec.resolution_factor
+        f = max(spec.resolution_factor, 1)
+        height, width = params.height or spec.default_height, params.width or spec.default_width
         frames = 1 if not params.num_frames else (params.num_frames - 1) // max(spec.frame_factor, 1) + 1
-        return max((params.height // f) * (params.width // f), 1) * frames
+        return max((height // f) * (width // f), 1) * frames
 
     def _admit_deadline(self, params, num_steps: int, rows: int, tokens: int) -> None:
         """``--admission slo``: refuse a request whose deadline the cost model says it misses.

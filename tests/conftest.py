@@ -4,7 +4,12 @@ folder."""
 
 from __future__ import annotations
 
+import concurrent.futures.thread
+import os
 import sys
+import threading
+import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -140,3 +145,32 @@ def engine(tiny_sd3_dir):
     eng = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), max_batch_size=16))
     yield eng
     assert not eng.has_unfinished_requests()
+
+
+
+def _fail_on_leftover_threads() -> None:
+    """Fail the run, instead of hanging it, when a test left a non-daemon thread running: the
+    interpreter would wait for it forever after the summary (a CI run once timed out so).
+    Prints each such thread's name and stack, then exits with status 1. Runs at interpreter
+    exit just before non-daemon threads are joined. Thread-pool workers are left out: the
+    exit handler of `concurrent.futures` (which runs after this one) stops them."""
+    pool_workers = concurrent.futures.thread._threads_queues
+    deadline = time.monotonic() + 20  # threads that are stopping get this long
+    while True:
+        left = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon
+                and t.is_alive() and t not in pool_workers]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    if left:
+        frames = sys._current_frames()
+        for thread in left:
+            print(f"\nconftest: a test left the non-daemon thread {thread.name!r} running:", file=sys.stderr)
+            traceback.print_stack(frames.get(thread.ident), file=sys.stderr)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)
+
+
+# the hook `concurrent.futures` uses: it runs before the interpreter joins non-daemon threads
+threading._register_atexit(_fail_on_leftover_threads)

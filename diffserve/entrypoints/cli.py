@@ -186,7 +186,6 @@ def _read_image_file(path: str, field: str):
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``diffserve generate`` and ``diffserve edit``."""
     job = check_generate_arguments(args, parser)
-    prompt, params = job.prompt, job.params
     writer = OutputWriter(job.out_dir, args.display_size)
     writer.check_writable()  # before loading the model
     from diffserve.core.library_warnings import silence_inapplicable_library_warnings
@@ -195,12 +194,23 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config = engine_config_from_args(args)  # imports torch from here on
     if job.lora_paths:
         config = dataclasses.replace(config, loras={**config.loras, **job.lora_paths})
-    from tqdm import tqdm
-
-    from diffserve.core.outputs import EventType
     from diffserve.engine.client import DiffusionEngine
 
     engine = DiffusionEngine(config)
+    try:
+        return _run_generate(engine, args, job, writer)
+    finally:
+        engine.shutdown()  # a multi-stage model's AR stage runs threads until then
+
+
+def _run_generate(engine, args: argparse.Namespace, job: _Job, writer: OutputWriter) -> int:
+    """Run `job` on the loaded `engine`, write its outputs with `writer` and print their paths;
+    the exit status (1 where a generation failed)."""
+    from tqdm import tqdm
+
+    from diffserve.core.outputs import EventType
+
+    prompt, params = job.prompt, job.params
     spec = engine.spec
     is_video = spec.default_num_frames is not None
     if args.command == "generate" and args.video_format is not None and not is_video:

@@ -30,6 +30,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -46,6 +47,22 @@ logger = logging.getLogger(__name__)
 
 #: Longest the scheduler / collector threads block before re-checking (seconds).
 _POLL_S = 0.02
+
+#: Runners not shut down yet. transformers' continuous-batching manager runs a NON-daemon thread,
+#: so a program that exits without `ARStageRunner.shutdown` (an engine never shut down) would wait
+#: for it forever; `_shut_down_live_runners` stops them first.
+_LIVE_RUNNERS: weakref.WeakSet[ARStageRunner] = weakref.WeakSet()
+
+
+def _shut_down_live_runners() -> None:
+    """Shut down every live runner (at interpreter exit, before non-daemon threads are joined)."""
+    for runner in list(_LIVE_RUNNERS):
+        runner.shutdown()
+
+
+# `threading._register_atexit` (what `concurrent.futures` uses) runs before the interpreter joins
+# non-daemon threads; a plain `atexit` handler would run only after that join, i.e. never.
+threading._register_atexit(_shut_down_live_runners)
 
 
 class ARAbortedError(RuntimeError):
@@ -117,6 +134,7 @@ class ARStageRunner:
         self.counters = {"requests": 0, "finished": 0, "failed": 0, "aborted": 0, "tokens": 0, "rounds": 0,
                          "generate_s": 0.0, "export_s": 0.0}
         self._manager = None
+        _LIVE_RUNNERS.add(self)
         if self.continuous_batching:
             self._start_manager(warmup)
         self._threads = [threading.Thread(target=self._export_loop, name="ar-export", daemon=True)]
@@ -207,8 +225,12 @@ class ARStageRunner:
         return out
 
     def shutdown(self) -> None:
-        """Stop the threads and the continuous-batching manager; pending requests fail."""
+        """Stop the threads and the continuous-batching manager; pending requests fail. Calling
+        it again does nothing."""
+        _LIVE_RUNNERS.discard(self)
         with self._lock:
+            if self._stop:
+                return
             self._stop = True
             pending = list(self._waiting) + list(self._running.values()) + list(self._finished)
             self._waiting.clear()
@@ -219,9 +241,11 @@ class ARStageRunner:
             self._fail(work, RuntimeError("the AR stage shut down"))
         if self._manager is not None:
             try:
-                self._manager.stop(block=True, timeout=5)
+                self._manager.stop(block=True, timeout=5, hard_stop=True)  # pending requests failed above
             except Exception:  # noqa: BLE001
                 logger.exception("stopping the continuous-batching manager failed")
+            if self._manager.is_running():
+                logger.warning("transformers' continuous-batching thread did not stop within 5 s")
         for thread in self._threads:
             thread.join(timeout=5)
 

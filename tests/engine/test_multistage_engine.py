@@ -3,11 +3,15 @@ connector): the built-in `digits-reasoning` answers and draws the answer, its te
 ``ar_delta`` events before the DiT stage starts, a request whose AR stage fails fails alone,
 requests aborted at random points (in the AR stage, waiting with their payloads, in the DiT
 stage) leave no payload behind, and the AR stage in its own process (payloads through shared
-memory) gives the same images as in-process and leaves no segment behind."""
+memory) gives the same images as in-process and leaves no segment behind, and a program that never
+shuts its engine down still exits."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -149,3 +153,18 @@ def test_own_process_and_shared_memory_give_the_same_images(engine):
     shm = Path("/dev/shm")
     if shm.is_dir():
         assert not list(shm.glob(f"diffserve-{ar_pid}-*")), "shared-memory segments left behind"
+
+
+def test_a_program_that_never_shuts_its_engine_down_still_exits():
+    """transformers' continuous-batching thread is not a daemon: the runner stops it when the
+    interpreter exits, so a script (or the CLI) that forgets `shutdown()` exits instead of
+    waiting forever."""
+    script = ("from diffserve import DiffusionEngine, EngineConfig, SamplingParams\n"
+              "engine = DiffusionEngine(EngineConfig(model='digits-reasoning', num_threads=1))\n"
+              "[out] = engine.generate(['twice 4'], [SamplingParams(seed=1, num_inference_steps=2)])\n"
+              "print(out.ar_text)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                                      os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "eight"

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from diffserve.pipelines.request_state import RequestState
 
 
+_MISSING = object()
+
+
 class RowData(Mapping):
     """Per-row values of one denoiser forward: ``data[key]`` is a tuple with one value per
     forward row, branch-major (see the module docstring).
@@ -99,8 +102,8 @@ class RowData(Mapping):
         plug-in derives from the rows' values), then reused by every block of every forward of
         the same batch composition."""
         memo = ("derived", key)
-        hit = self._memo.get(memo)
-        if hit is None:
+        hit = self._memo.get(memo, _MISSING)
+        if hit is _MISSING:  # (a None result is remembered too)
             hit = self._memo[memo] = build()
         return hit
 

@@ -134,8 +134,10 @@ def is_strip(spatial: tuple[int, int]) -> bool:
     """Whether a forward's latents of spatial size `spatial` are a `TokenLayout` strip: the
     forward running now carries token spans and some row's own size differs from it."""
     rows = current_rows()
-    sizes = rows.get(LATENT_SIZE) if rows is not NO_ROW_DATA else None
-    return bool(sizes) and any(s != spatial for s in sizes)
+    if rows is NO_ROW_DATA:
+        return False
+    sizes = rows.get(LATENT_SIZE)
+    return bool(sizes) and rows.derived(("strip", spatial), lambda: any(s != spatial for s in sizes))
 
 
 def key_padding_mask(num_image: int, device: torch.device) -> torch.Tensor | None:
@@ -145,11 +147,14 @@ def key_padding_mask(num_image: int, device: torch.device) -> torch.Tensor | Non
     rows = current_rows()
     if rows is NO_ROW_DATA:
         return None
-    tokens = rows.get(IMAGE_TOKENS)
-    if not tokens or all(t == num_image for t in tokens):
-        return None
-    return rows.derived(("key_mask", num_image, str(device)), lambda: (
-        torch.arange(num_image)[None, :] < torch.tensor(tokens)[:, None]).to(device))
+
+    def build() -> torch.Tensor | None:
+        tokens = rows.get(IMAGE_TOKENS)
+        if not tokens or all(t == num_image for t in tokens):
+            return None
+        return (torch.arange(num_image)[None, :] < torch.tensor(tokens)[:, None]).to(device)
+
+    return rows.derived(("key_mask", num_image, str(device)), build)  # once per forward layout
 
 
 def attention_bias(num_image: int, num_keys: int, dtype: torch.dtype, device: torch.device,

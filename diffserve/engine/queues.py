@@ -59,6 +59,9 @@ from diffserve.engine.cost_model import StepCostModel
 #: Under ``priority`` / ``slo``, admission may hold up to this many times `max_batch_size` rows
 #: (the extra rows are preempted requests waiting at a step boundary, their state kept).
 PREEMPT_HEADROOM = 2
+#: Under ``slo``, a request in the current step batch counts its slack this many (predicted)
+#: steps smaller when the batch is rebuilt: preemption needs a clear difference in urgency.
+PREEMPT_MARGIN_STEPS = 4
 
 
 class RequestQueues:
@@ -221,23 +224,31 @@ class RequestQueues:
         return admitted
 
     # ------------------------------------------------------------------ ranked policies
-    def rank(self, request: Request, now: float, step_s: float | None) -> tuple:
+    def rank(self, request: Request, now: float, step_s: float | None, stepping: bool = False) -> tuple:
         """Sort key of `request` under the ranked policies (smaller = served first): aged
         requests first in arrival order, then by priority (``priority``) or slack (``slo``;
-        `step_s`: the predicted seconds of a step, None = unknown: earliest deadline first)."""
+        `step_s`: the predicted seconds of a step, None = unknown: earliest deadline first).
+
+        `stepping` (a member of the previous step's batch) is the hysteresis that keeps a batch
+        from thrashing: among equal priorities it ranks first, and under ``slo`` its slack
+        counts `PREEMPT_MARGIN_STEPS` steps smaller, so a newcomer preempts it only when
+        clearly more urgent (not when the cost model's estimate jitters)."""
         if now - (request.ar_end_time or request.arrival_time) > self.aging_s:
-            return (0, 0.0, 0, request.seq)
+            return (0, 0.0, 0, 0, request.seq)
         priority = request.params.priority
+        member = 0 if stepping else 1
         if self.policy == "priority":
-            return (1, 0.0, priority, request.seq)
+            return (1, 0.0, priority, member, request.seq)
         deadline = request.params.deadline_s
         if deadline is None:
-            return (2, 0.0, priority, request.seq)
-        remaining = max(request.num_steps - request.steps_done, 0) * (step_s or 0.0)
-        slack = request.arrival_time + deadline - now - remaining
+            return (2, 0.0, priority, member, request.seq)
+        step = step_s or 0.0
+        slack = request.arrival_time + deadline - now - max(request.num_steps - request.steps_done, 0) * step
         if slack < 0:  # it will miss its deadline anyway: after those that can still make theirs
-            return (2, 0.0, priority, request.seq)
-        return (1, slack, priority, request.seq)
+            return (2, 0.0, priority, member, request.seq)
+        if stepping:
+            slack -= PREEMPT_MARGIN_STEPS * step
+        return (1, slack, priority, member, request.seq)
 
     def step_seconds(self) -> float | None:
         """The cost model's prediction of a step at the current load (the running requests'
@@ -280,7 +291,8 @@ class RequestQueues:
             return []
         now = time.perf_counter()
         step_s = self.step_seconds() if self.policy == "slo" else None
-        denoising.sort(key=lambda r: self.rank(r, now, step_s))
+        stepping = set(map(id, self._last or ()))
+        denoising.sort(key=lambda r: self.rank(r, now, step_s, id(r) in stepping))
         key = (denoising[0].batch_key, denoising[0].step_key)
         batch: list[Request] = []
         rows = 0

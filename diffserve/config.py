@@ -39,10 +39,17 @@ class EngineConfig:
     """Engine configuration.
 
     Attributes:
-        model: path to a local diffusers folder (with ``model_index.json``), or the name of a
+        model: path to a local diffusers folder (with ``model_index.json``), the name of a
             built-in model: ``"digits"`` (text-to-image, the default) or ``"digits-video"``
-            (text-to-video); None = ``"digits"``. An existing folder wins over a built-in name
-            (see `diffserve.models.resolve_model`).
+            (text-to-video), or a Hugging Face Hub id ``"ORG/NAME"`` / ``"ORG/NAME@REVISION"``
+            (fetched into the Hub cache when the engine starts: `diffserve.models.hub`); None =
+            ``"digits"``. An existing folder wins over a built-in name and a Hub id (see
+            `diffserve.models.resolve_model`).
+        download_dir: where a Hub id's files are cached (huggingface_hub's ``cache_dir``);
+            None = the library's cache (``HF_HUB_CACHE``, ``~/.cache/huggingface/hub``).
+        variant: weights variant to load (``"fp16"``, ``"bf16"``...: the components'
+            ``*.VARIANT.safetensors``, diffusers' ``variant``), and to fetch for a Hub id;
+            None = the variant-less weights.
         device: ``"auto"`` (cuda if available, else cpu), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
         dtype: ``"auto"`` (bf16 on cuda, fp32 on cpu), ``"fp32"``, ``"bf16"``, ``"fp16"``.
         load_format: ``"default"`` reads the weights; ``"dummy"`` builds every model from its
@@ -149,6 +156,8 @@ class EngineConfig:
     """
 
     model: str | None = None
+    download_dir: str | None = None
+    variant: str | None = None
     device: str = "auto"
     dtype: str = "auto"
     load_format: str = "default"
@@ -193,6 +202,8 @@ class EngineConfig:
     quantization_skip: str | list | None = None
     quantization_error_budget: float = DEFAULT_ERROR_BUDGET
     transformer_file: str | None = None
+    #: the resolved model folder (`model_path`), carried to worker processes once resolved
+    _model_path: Path | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.execution_mode not in EXECUTION_MODES:
@@ -224,7 +235,12 @@ class EngineConfig:
                                       "ulysses_degree > 1")
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise InvalidRequestError("model", self.model, "a path to a local diffusers folder, a built-in model "
-                                      "name (digits, digits-video, digits-reasoning), or None")
+                                      "name (digits, digits-video, digits-reasoning), a Hugging Face Hub id (ORG/NAME[@REVISION]), "
+                                      "or None")
+        for name in ("download_dir", "variant"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value)):
+                raise InvalidRequestError(name, value, "a non-empty string, or None")
         if self.num_threads is not None and (not isinstance(self.num_threads, int)
                                              or isinstance(self.num_threads, bool) or self.num_threads < 1):
             raise InvalidRequestError("num_threads", self.num_threads, "an integer >= 1, or None")
@@ -333,10 +349,17 @@ class EngineConfig:
     @property
     def model_path(self) -> Path:
         """The model folder to load: `model` resolved by `diffserve.models.resolve_model` (the
-        built-in default when None, a built-in model's folder for its name)."""
-        from diffserve.models import resolve_model
+        built-in default when None, a built-in model's folder for its name, a Hub id's snapshot
+        folder, fetched the first time it is asked for; later calls reuse that folder).
 
-        return resolve_model(self.model)
+        Raises:
+            UnsupportedModelError: a Hub id that cannot be fetched.
+        """
+        if self._model_path is None:
+            from diffserve.models import resolve_model
+
+            self._model_path = resolve_model(self.model, self.download_dir, self.variant)
+        return self._model_path
 
     @property
     def torch_device(self) -> "torch.device":

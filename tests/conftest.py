@@ -12,8 +12,13 @@ import time
 import traceback
 from pathlib import Path
 
-import pytest
-import torch
+# Nothing in the tests reaches the Hugging Face Hub (no weights are downloaded at test time): set
+# before huggingface_hub is first imported (it reads the variable then), and inherited by every
+# subprocess the tests start.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 #: benchmarks/ is not a package: tests import its scripts (``quality``, ``quality_video``, ...) as modules.

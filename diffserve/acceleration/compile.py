@@ -13,7 +13,10 @@ equality, and every other resolution recompiled.
 
 Compilation is lazy, so failures (no C compiler, an unsupported op) surface on the first
 call: `RegionalCompiler.warm_up` runs those calls at startup and, if one fails, restores eager
-execution with a warning instead of failing the engine.
+execution with a warning instead of failing the engine. Both steps log (INFO, logger
+``diffserve.acceleration.compile``): what is compiled (block classes and counts, the VAE
+decoder, backend, dynamic shapes) before the warm-up, then how long it took and how many graphs
+it built, so a start-up that spends tens of seconds compiling says so.
 """
 
 from __future__ import annotations
@@ -92,6 +95,10 @@ class RegionalCompiler:
                 module.compile(backend=COMPILE_BACKEND, dynamic=self.dynamic)
                 self._modules.append(module)
             self.active = True
+            logger.info("torch.compile (backend %s, %s shapes): %s of %s%s; compiling while warming up",
+                        getattr(COMPILE_BACKEND, "__name__", COMPILE_BACKEND),
+                        "dynamic" if self.dynamic else "static", self.describe_targets(targets),
+                        type(self.denoiser).__name__, " and its VAE decoder" if self.vae_decoder is not None else "")
         except Exception as exc:  # noqa: BLE001 - compile is an optimisation, never fatal
             self.fall_back(exc)
 
@@ -108,6 +115,17 @@ class RegionalCompiler:
             self.fall_back(exc)
         self.warmup_s = time.perf_counter() - start
         self._graphs_after_warmup = _graphs_compiled()
+        if self.active:
+            logger.info("torch.compile: warm-up of %d forward(s) took %.1f s (%d graph(s) compiled)", len(calls),
+                        self.warmup_s, self._graphs_after_warmup - self._graphs_at_start)
+
+    def describe_targets(self, targets: list[torch.nn.Module]) -> str:
+        """``"24 x JointTransformerBlock"`` style counts of the block classes among `targets`."""
+        counts: dict[str, int] = {}
+        for module in targets:
+            if module is not self.vae_decoder:
+                counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
+        return ", ".join(f"{n} x {name}" for name, n in counts.items()) or "no blocks"
 
     def fall_back(self, exc: BaseException) -> None:
         """Undo compilation: every module runs eagerly again."""

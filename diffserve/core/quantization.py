@@ -311,7 +311,7 @@ class ComponentReport:
         method: the method name, ``"torchao:<Config>"`` for a pre-quantized folder, or
             ``"gguf:<types>"`` for a GGUF file.
         source: ``"quantized at load"``, ``"pre-quantized folder"`` or ``"gguf file"``.
-        quantized_layers: linear layers holding quantized weights.
+        quantized_layers: linear layers and embedding tables holding quantized weights.
         kept_layers: linear layers kept in full precision (qualified ``component.layer``).
         bytes: the component's weight bytes now (real storage of the tensor subclasses).
         full_precision_bytes: the same weights in the model dtype.

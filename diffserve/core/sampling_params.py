@@ -14,6 +14,7 @@ import numbers
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from diffserve.core.errors import InvalidRequestError
 
@@ -50,7 +51,9 @@ class ModelSpec:
             both experts, as diffusers' ``WanPipeline`` does.
         default_max_sequence_length / max_sequence_length_limit: text-encoder token budget
             (T5 / Qwen / UMT5) and its largest allowed value; None = not used.
-        text_conditioned: whether an empty prompt is meaningless (rejected).
+        text_conditioned: whether the model takes a prompt: an empty one is meaningless
+            (rejected); a model that takes none (an unconditional pipeline) refuses a non-empty
+            one as unused.
         max_prompt_tokens: the text encoder's token limit; longer prompts are truncated.
         max_height / max_width: largest size in pixels the denoiser supports (e.g. SD3's
             positional-embedding grid); None = no model limit.
@@ -64,6 +67,9 @@ class ModelSpec:
         max_input_images: most input images a request may give (with `accepts_images`).
         accepts_mask: the model takes a mask with its input image (inpainting).
         default_strength: img2img strength default (None = not used).
+        extra_parameters: names ``SamplingParams.extra`` may set: the pipeline's own
+            ``__call__`` arguments beyond the fields above (whole-request pipelines, e.g. PAG's
+            ``pag_scale``); None = ``extra`` is not accepted (step adapters).
     """
 
     resolution_factor: int
@@ -89,6 +95,7 @@ class ModelSpec:
     max_input_images: int = 1
     accepts_mask: bool = False
     default_strength: float | None = None
+    extra_parameters: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -153,6 +160,10 @@ class SamplingParams:
         output_type: ``"pil"`` (list of PIL images), ``"np"`` (float32 array
             (N, H, W, C) in [0, 1]), ``"pt"`` (float tensor (N, C, H, W) in [0, 1]) or
             ``"latent"`` (the final latents (N, C, H/f, W/f)).
+        extra: further ``__call__`` arguments of a pipeline served whole-request (the
+            fallback for classes without a step adapter), by name, e.g. ``{"pag_scale": 3.0}``;
+            only names in the model's ``ModelSpec.extra_parameters`` (checked when the request
+            is added; the HTTP field ``extra_params``, the CLI's ``--extra KEY=JSON``).
         priority: an integer in [-2**31, 2**31 - 1]; LOWER values are served first (vLLM's
             convention) under the ``priority`` scheduling policy and break ties under ``slo``;
             unused (accepted) under ``fcfs``. Default 0.
@@ -177,6 +188,7 @@ class SamplingParams:
     fps: int | None = None
     strength: float | None = None
     num_chunks: int | None = None
+    extra: dict[str, Any] | None = None
     loras: dict[str, float] | None = None
     priority: int = 0
     deadline_s: float | None = None
@@ -298,8 +310,29 @@ class SamplingParams:
             raise InvalidRequestError("output_type", p.output_type, f"one of {', '.join(OUTPUT_TYPES)}")
         if p.negative_prompt is not None:
             _check_text("negative_prompt", p.negative_prompt, "a string or null")
+        if p.extra is not None:
+            _check_extra(spec, p.extra)
+            p.extra = dict(p.extra) or None
         p.loras = check_loras(p.loras)
         return p
+
+
+def _check_extra(spec: ModelSpec, extra: object) -> None:
+    """Raise `InvalidRequestError` (field ``extra``) unless `extra` is a dict whose keys are all
+    in ``spec.extra_parameters`` (the unknown names are listed)."""
+    if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+        raise InvalidRequestError("extra", extra, "an object of pipeline __call__ arguments by name")
+    if not extra:
+        return
+    if spec.extra_parameters is None:
+        raise InvalidRequestError("extra", sorted(extra), f"unset: {spec.pipeline} runs with step batching and takes "
+                                  "only diffserve's fields (extra parameters apply to pipelines served "
+                                  "whole-request)")
+    unknown = sorted(k for k in extra if k not in spec.extra_parameters)
+    if unknown:
+        allowed = ", ".join(spec.extra_parameters) or "none"
+        raise InvalidRequestError("extra", unknown, f"names of {spec.pipeline}.__call__ arguments diffserve does not "
+                                  f"set itself: {allowed}")
 
 
 def check_loras(loras: object) -> dict[str, float] | None:
@@ -346,12 +379,15 @@ def validate_prompt(prompt: object, spec: ModelSpec | None = None) -> str:
 
     Raises:
         InvalidRequestError: not a string, not valid Unicode, containing NUL or another control
-            character (tab, newline and carriage return are allowed), or empty/whitespace for a
-            text-conditioned model.
+            character (tab, newline and carriage return are allowed), empty/whitespace for a
+            text-conditioned model, or not empty for a model that takes no prompt.
     """
     _check_text("prompt", prompt, "a string")
     if (spec is None or spec.text_conditioned) and not prompt.strip():
         raise InvalidRequestError("prompt", prompt, "a non-empty, non-whitespace string")
+    if spec is not None and not spec.text_conditioned and prompt.strip():
+        raise InvalidRequestError("prompt", prompt, f"empty: {spec.pipeline} takes no prompt (an unconditional "
+                                  "model), so the text would be unused")
     return prompt
 
 

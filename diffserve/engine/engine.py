@@ -88,6 +88,7 @@ class DiffusionEngine:
     def __init__(self, config: EngineConfig | None = None, runner=None, executor: Executor | None = None):
         self.config = config or EngineConfig()
         if executor is None:
+            self.config.model_path  # a Hub id is fetched here, once, before any worker starts
             executor = InProcessExecutor(self.config, runner) if runner is not None else build_executor(self.config)
         self.executor = executor
         self.model_info: ModelInfo = executor.info()

@@ -13,8 +13,9 @@ number already there (so names sort in generation order across runs), each carry
 generation parameters (see `diffserve.entrypoints.output_files`). The folder is created only
 when there is something to write.
 
-``--model`` takes a local diffusers folder or a built-in model name (``digits``, the default;
-``digits-video``), see `diffserve.models`.
+``--model`` takes a local diffusers folder, a built-in model name (``digits``, the default;
+``digits-video``) or a Hugging Face Hub id (``ORG/NAME[@REVISION]``), see `diffserve.models`;
+``diffserve download ORG/NAME`` fetches a Hub model without serving it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from diffserve.entrypoints.cli_args import EXIT_USAGE, MAX_DISPLAY_SIZE, build_p
 from diffserve.entrypoints.engine_args import check_engine_arguments, engine_config_from_args
 from diffserve.entrypoints.model_name import model_name
 from diffserve.entrypoints.output_files import OutputWriter
-from diffserve.media.metadata import png_metadata, video_metadata
+from diffserve.media.metadata import image_metadata, video_metadata
 from diffserve.models import builtin_name
 
 if TYPE_CHECKING:
@@ -125,7 +126,9 @@ def check_generate_arguments(args: argparse.Namespace, parser: argparse.Argument
     from diffserve.core.sampling_params import (MAX_SEED, ModelSpec, RequestLimits, SamplingParams,
                                                 validate_prompt)
 
-    prompt = validate_prompt(_prompt(args, parser))
+    prompt = _prompt(args, parser)
+    if prompt.strip() or _takes_a_prompt(args.model):  # an unconditional model takes "" (checked once loaded)
+        validate_prompt(prompt)
     check_engine_arguments(args)
     if args.display_size is not None and not 1 <= args.display_size <= MAX_DISPLAY_SIZE:
         raise InvalidRequestError("display_size", args.display_size, f"an integer in [1, {MAX_DISPLAY_SIZE}]")
@@ -145,14 +148,15 @@ def check_generate_arguments(args: argparse.Namespace, parser: argparse.Argument
                             num_inference_steps=args.steps, guidance_scale=args.guidance,
                             true_cfg_scale=args.true_cfg_scale, strength=getattr(args, "strength", None),
                             num_frames=getattr(args, "num_frames", None), fps=getattr(args, "fps", None),
-                            seed=args.seed, loras=loras)
+                            seed=args.seed, extra=_extra(args.extra), loras=loras)
     # The model-independent range checks (steps, guidance, seed, negative prompt, size > 0, strength,
     # frames, fps); the model's own rules (resolution multiple, maximum size, frame rule) are checked
     # once it is loaded.
     any_model = ModelSpec(resolution_factor=1, default_height=1, default_width=1, default_num_inference_steps=1,
                           default_guidance_scale=0.0, default_true_cfg_scale=1.0, default_num_frames=1,
                           default_fps=1, accepts_images=True, default_strength=1.0)
-    params.resolve(any_model, limits, default_seed=0)
+    # (extra parameters are the loaded pipeline's to check)
+    dataclasses.replace(params, extra=None).resolve(any_model, limits, default_seed=0)
     job = _Job(prompt, params, n, _check_output_dir(args.output_dir), lora_paths=lora_paths)
     if args.command == "edit":
         job.images = [_read_image_file(path, "image") for path in args.image]
@@ -162,6 +166,43 @@ def check_generate_arguments(args: argparse.Namespace, parser: argparse.Argument
             job.mask = mask_from_image(_read_image_file(args.mask, "mask"))
             check_mask_size(job.images[0].size, job.mask.size)
     return job
+
+
+def _takes_a_prompt(model: str | None) -> bool:
+    """Whether `model` (a local folder or built-in name) reads a prompt, judged from its
+    model_index.json before anything loads (`diffserve.models.model_index.takes_a_prompt`);
+    True when unknown (a Hub id, a folder that cannot be read)."""
+    from diffserve.models import resolve_model
+    from diffserve.models.hub import parse_hub_id
+    from diffserve.models.model_index import takes_a_prompt
+
+    if parse_hub_id(model) is not None:
+        return True
+    return takes_a_prompt(resolve_model(model)) is not False
+
+
+def _extra(items: list[str] | None) -> dict[str, Any] | None:
+    """``--extra KEY=JSON`` options as a dict (the value is JSON: ``pag_scale=3``,
+    ``eta=0.5``, ``use_resolution_binning=false``, ``'clean_caption="off"'``...).
+
+    Raises:
+        InvalidRequestError: field ``extra``: not ``KEY=JSON``, or the value is not JSON.
+    """
+    if not items:
+        return None
+    import json
+
+    extra: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise InvalidRequestError("extra", item, "KEY=JSON, e.g. pag_scale=3.0")
+        try:
+            extra[key] = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError("extra", item, "KEY=JSON, with a JSON value (strings in double quotes)",
+                                      detail=str(exc)) from None
+    return extra
 
 
 def _read_image_file(path: str, field: str):
@@ -192,6 +233,9 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     silence_inapplicable_library_warnings()
     config = engine_config_from_args(args)  # imports torch from here on
+    from diffserve.models.model_index import check_stated_limits
+
+    check_stated_limits(config.model_path, job.params)  # the limits the model states, before its weights load
     if job.lora_paths:
         config = dataclasses.replace(config, loras={**config.loras, **job.lora_paths})
     from diffserve.engine.client import DiffusionEngine
@@ -266,11 +310,13 @@ def _run_generate(engine, args: argparse.Namespace, job: _Job, writer: OutputWri
             used = request.params
             if inputs is not None and used.strength is None:
                 used = dataclasses.replace(used, strength=spec.default_strength)  # the strength the edit ran with
+            keep = args.output_metadata
             if is_video:
                 path = writer.write_video(output.videos[0], output.seed, used.fps, video_format,
-                                          video_metadata(prompt, used, output.seed, name))
+                                          video_metadata(prompt, used, output.seed, name) if keep else None)
             else:
-                path = writer.write(output.images[0], output.seed, png_metadata(prompt, used, output.seed, name))
+                path = writer.write(output.images[0], output.seed,
+                                    image_metadata(prompt, used, output.seed, name) if keep else None)
             print(path)
             m = output.metrics
             if output.ar_text is not None:  # a multi-stage model's AR stage wrote text (e.g. its answer)
@@ -299,6 +345,10 @@ def _warn_out_of_vocabulary(prompt: str) -> None:
               f"and mostly ignored: {', '.join(unknown)}", file=sys.stderr)
 
 
+#: Top-level modules of the ``serve`` extra (a missing one: ``pip install 'diffserve[serve]'``).
+_SERVE_MODULES = ("fastapi", "starlette", "uvicorn", "pydantic", "prometheus_client", "multipart", "python_multipart")
+
+
 def _serve_replicas(args: argparse.Namespace) -> int:
     """``diffserve serve --replicas N``: the replicas on Ray Serve (`diffserve.entrypoints.ray_serve`)."""
     try:
@@ -324,16 +374,31 @@ def _attach_dash_values(argv: list[str]) -> list[str]:
     return out
 
 
+def _download(args: argparse.Namespace) -> int:
+    """``diffserve download ORG/NAME[@REV]``: fetch what the model's pipeline needs, print the folder."""
+    from diffserve.models.hub import download_model, parse_hub_id
+
+    hub_id = parse_hub_id(args.model)
+    if hub_id is None:
+        raise InvalidRequestError("model", args.model, "a Hugging Face Hub id ORG/NAME[@REVISION] (not a local path)")
+    print(download_model(hub_id, args.download_dir, args.variant))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``diffserve`` command; returns the process exit status."""
     argv = _attach_dash_values(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if getattr(args, "compile", False):  # what is compiled and how long it takes (tens of seconds at start)
+        logging.getLogger("diffserve.acceleration.compile").setLevel(logging.INFO)
     command = parser.commands[args.command]
     try:
         if args.command in ("generate", "edit"):
             return _generate(args, command)
+        if args.command == "download":
+            return _download(args)
         if args.command == "serve":
             from diffserve.core.library_warnings import silence_inapplicable_library_warnings
             from diffserve.entrypoints.server_args import check_server_arguments
@@ -343,8 +408,15 @@ def main(argv: list[str] | None = None) -> int:
             silence_inapplicable_library_warnings()
             if args.replicas is not None:
                 return _serve_replicas(args)
-            from diffserve.entrypoints.openai.server import run_server
-
+            try:
+                from diffserve.entrypoints.openai.server import run_server
+            except ImportError as exc:
+                missing = (exc.name or "").split(".")[0]
+                if missing not in _SERVE_MODULES:
+                    raise
+                print(f"diffserve: error: serve needs the HTTP server's packages ({missing} is missing): "
+                      "pip install 'diffserve[serve]'", file=sys.stderr)
+                return EXIT_USAGE
             return run_server(args)
     except InvalidRequestError as exc:
         print(f"diffserve: error: {usage_error_message(exc, command, argv)}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""The ``diffserve`` command-line parser: the ``generate``, ``edit`` and ``serve`` sub-commands
+"""The ``diffserve`` command-line parser: the ``generate``, ``edit``, ``serve`` and ``download`` sub-commands
 with their generation, engine (`diffserve.entrypoints.engine_args`), memory
 (`diffserve.entrypoints.memory_options`) and server (`diffserve.entrypoints.server_args`)
 options, one-line usage errors naming the flag as typed (`usage_error_message`), exit status 2.
@@ -12,7 +12,7 @@ import re
 
 from diffserve import __version__
 from diffserve.core.errors import InvalidRequestError
-from diffserve.entrypoints.engine_args import add_engine_arguments
+from diffserve.entrypoints.engine_args import add_download_arguments, add_engine_arguments
 
 EXIT_USAGE = 2
 #: Largest ``--display-size``, pixels.
@@ -127,6 +127,13 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
                              "viewing; the raw output is kept as *_raw.EXT (default: no upscaling)")
     parser.add_argument("-o", "--output-dir", default=DEFAULT_OUTPUT_DIR, metavar="DIR",
                         help="folder for the output files, created when the first one is written")
+    parser.add_argument("--extra", action="append", default=None, metavar="KEY=JSON",
+                        help="a further __call__ argument of a pipeline served whole-request (no step adapter), "
+                             "e.g. --extra pag_scale=3.0; repeatable; checked against the pipeline's signature "
+                             "(default: none)")
+    parser.add_argument("--no-output-metadata", dest="output_metadata", action="store_false",
+                        help="write the files without their generation parameters (no PNG text chunks, MP4 "
+                             "tags or WebP/GIF sidecar .json)")
     parser.add_argument("--lora", dest="lora_uses", action="append", default=None, metavar="PATH[:SCALE]",
                         help="apply a LoRA adapter: a .safetensors file or LoRA folder (any common format), or "
                              "the name of one of the model's own (the built-in digits model: mirror) or of one in "
@@ -176,7 +183,12 @@ def build_parser() -> _ArgumentParser:
     from diffserve.entrypoints.memory_options import add_sleep_server_arguments
 
     add_sleep_server_arguments(srv)
-    parser.commands = {"generate": gen, "edit": edit, "serve": srv}
+    download = sub.add_parser("download", help="fetch a model from the Hugging Face Hub without serving it",
+                              description="Fetch the files a Hub model's pipeline needs into the Hugging Face "
+                                          "cache (or --download-dir) and print the local folder.")
+    download.add_argument("model", metavar="ORG/NAME[@REV]", help="a Hugging Face Hub id, with an optional revision")
+    add_download_arguments(download)
+    parser.commands = {"generate": gen, "edit": edit, "serve": srv, "download": download}
     return parser
 
 

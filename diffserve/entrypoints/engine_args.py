@@ -15,9 +15,12 @@ from diffserve.core.errors import InvalidRequestError
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine options shared by ``generate`` and ``serve``."""
-    parser.add_argument("--model", default=None, metavar="DIR|NAME",
-                        help="a local diffusers folder (model_index.json), or a built-in model: digits "
-                             "(text-to-image and image-to-image; the default) or digits-video (text-to-video)")
+    parser.add_argument("--model", default=None, metavar="DIR|NAME|ORG/NAME[@REV]",
+                        help="a local diffusers folder (model_index.json), a built-in model: digits "
+                             "(text-to-image and image-to-image; the default) or digits-video (text-to-video), "
+                             "or a Hugging Face Hub id fetched into the Hub cache (only the files its pipeline "
+                             "needs; token: HF_TOKEN; HF_HUB_OFFLINE=1 uses the cache only)")
+    add_download_arguments(parser)
     parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                         help="weights and activations dtype; auto = bf16 on cuda, fp32 on cpu")
@@ -103,6 +106,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_quantization_arguments(parser)
 
 
+def add_download_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where and which weights of a Hub id are fetched (engine commands and ``download``)."""
+    parser.add_argument("--download-dir", default=None, metavar="DIR",
+                        help="cache folder for Hub ids (default: the Hugging Face cache, HF_HUB_CACHE or "
+                             "~/.cache/huggingface/hub)")
+    parser.add_argument("--variant", default=None, metavar="NAME",
+                        help="weights variant to fetch and load, e.g. fp16 (*.fp16.safetensors) (default: the "
+                             "variant-less weights)")
+
+
 def engine_config_from_args(args: argparse.Namespace):
     """Build an `EngineConfig` from parsed engine arguments (imports torch).
 
@@ -115,6 +128,8 @@ def engine_config_from_args(args: argparse.Namespace):
 
     return EngineConfig(
         model=args.model,
+        download_dir=args.download_dir,
+        variant=args.variant,
         device=args.device,
         dtype=args.dtype,
         load_format=args.load_format,

@@ -56,25 +56,25 @@ class OutputWriter:
             size = [s + s % 2 for s in size]
         return size[0], size[1]
 
-    def write(self, image: "Image.Image", seed: int, text: dict[str, str]) -> Path:
-        """Write one PNG with `text` as its text chunks; returns its path."""
-        from PIL import Image, PngImagePlugin
+    def write(self, image: "Image.Image", seed: int, text: dict[str, str] | None) -> Path:
+        """Write one PNG with `text` as its text chunks (None: none); returns its path."""
+        from PIL import Image
+
+        from diffserve.media.image_encoding import encode_image
 
         stem = self._stem(seed)
-        info = PngImagePlugin.PngInfo()
-        for key, value in text.items():
-            info.add_text(key, value)  # iTXt (UTF-8) when the text is not Latin-1
         if self.display_size:
-            image.save(self.out_dir / f"{stem}_raw.png", pnginfo=info)
+            (self.out_dir / f"{stem}_raw.png").write_bytes(encode_image(image, "png", metadata=text))
             image = image.resize(self._display_size(*image.size), Image.Resampling.NEAREST)
         path = self.out_dir / f"{stem}.png"
-        image.save(path, pnginfo=info)
+        path.write_bytes(encode_image(image, "png", metadata=text))
         return path
 
-    def write_video(self, frames: Any, seed: int, fps: int, video_format: str, metadata: dict[str, str]) -> Path:
+    def write_video(self, frames: Any, seed: int, fps: int, video_format: str,
+                    metadata: dict[str, str] | None) -> Path:
         """Write one video (uint8 frames (F, H, W, 3)) as ``mp4`` (metadata as container tags),
-        ``webp`` or ``gif`` (metadata in a sidecar ``.json``: the ``diffserve`` JSON); returns
-        its path.
+        ``webp`` or ``gif`` (metadata in a sidecar ``.json``: the ``diffserve`` JSON; none
+        when `metadata` is None); returns its path.
 
         Raises:
             ValueError: from the encoder (e.g. odd sides for mp4).
@@ -99,7 +99,7 @@ class OutputWriter:
             frames = np.stack([np.asarray(Image.fromarray(f).resize(size, Image.Resampling.NEAREST)) for f in frames])
         path = self.out_dir / f"{stem}{extension}"
         path.write_bytes(encode(frames))
-        if video_format != "mp4":
+        if video_format != "mp4" and metadata is not None:
             (self.out_dir / f"{stem}.json").write_text(metadata["diffserve"] + "\n", encoding="utf-8")
         return path
 

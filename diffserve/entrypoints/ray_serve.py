@@ -40,10 +40,17 @@ flight on it are answered by the proxy at once with HTTP 500 (plain text ``Inter
 Error``; OpenAI's clients retry 5xx answers), requests not yet handed to it go to the other
 replicas, and Ray Serve starts a replacement.
 
+Metrics: ``/metrics`` answers for every replica, whichever serves the scrape: each replica
+publishes its metrics to ``<image store dir>/metrics/`` and merges all of them, each series with a
+``replica`` label plus the sum as ``replica="all"`` (`diffserve.entrypoints.openai.ops.replica_metrics`).
+
+A local Ray instance starts without Ray's dashboard (its processes took ~1 GiB of the 3.13 GiB
+two replicas used; `benchmarks/ray_memory.py`) unless ``--ray-dashboard``.
+
 What differs from the single-process server: the connection options (``--max-connections``,
 ``--header-timeout``, ``--body-timeout``) belong to diffserve's own HTTP server and do not apply
-to Ray's proxy (``--keep-alive-timeout`` is passed to it); ``/metrics``, ``/health`` and the
-sleep routes answer for the replica that serves the request (named by the header).
+to Ray's proxy (``--keep-alive-timeout`` is passed to it); ``/health`` and the sleep routes
+answer for the replica that serves the request (named by the header).
 """
 
 from __future__ import annotations
@@ -125,9 +132,15 @@ class DiffusionReplica:
                          api_key=args.api_key, api_key_protect_all=args.api_key_protect_all,
                          allowed_origins=allowed_origins(args.allowed_origins), public_url=args.public_url,
                          sse_heartbeat_s=args.sse_heartbeat, wake_on_request=args.wake_on_request,
-                         allowed_hosts=allowed_hosts(args))
+                         output_metadata=args.output_metadata, allowed_hosts=allowed_hosts(args))
         app.add_middleware(_ReplicaHeader, replica_id=self.replica_id)
         self._state = app.state.diffserve
+        from diffserve.entrypoints.openai.ops.replica_metrics import ReplicaMetrics
+
+        metrics = self._state.metrics
+        self._metrics = ReplicaMetrics(os.path.join(args.image_store_dir, "metrics"), self.replica_id, metrics.render)
+        metrics.set_view(self._metrics.render)
+        self._metrics.start()
         return app
 
     def check_health(self) -> None:
@@ -352,7 +365,9 @@ def run_replicas(args: argparse.Namespace) -> int:
     previous: dict = {}
     submitted = False
     try:
-        ray.init(address=args.ray_address or "local")  # "local": a new instance, never one found running
+        # "local": a new instance, never one found running; without the dashboard unless asked for
+        ray.init(address=args.ray_address or "local",
+                 **({} if args.ray_address else {"include_dashboard": bool(args.ray_dashboard)}))
         # after ray.init, whose native handler would abort the process on SIGTERM
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
         serve.start(http_options=http_options(args))

@@ -57,6 +57,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM/SIGINT, seconds in-flight requests may finish before being aborted")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="server log level")
+    parser.add_argument("--no-output-metadata", dest="output_metadata", action="store_false",
+                        help="leave the generation parameters out of the images (PNG text chunks, JPEG/WebP "
+                             "EXIF + XMP) and videos (MP4 tags) the server returns")
     auth = parser.add_argument_group("security")
     auth.add_argument("--api-key", default=None, metavar="KEY",
                       help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} when set, "
@@ -117,6 +120,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                      help="run N engine replicas behind Ray Serve's HTTP proxy, each with its own engine and the "
                           "same API; url images go to --image-store-dir, shared by all replicas (default: one "
                           "server process, no Ray)")
+    ray.add_argument("--ray-dashboard", action="store_true",
+                     help="start Ray's dashboard with the local Ray instance (off: it takes ~1 GiB)")
     ray.add_argument("--ray-address", default=None, metavar="ADDR",
                      help="Ray cluster to run the replicas on (the address 'ray start --head' prints, or auto); "
                           "--image-store-dir is then required and must be on storage every node mounts (default: "

@@ -47,7 +47,7 @@ class InProcessARStage:
         from diffserve.runner.loader import load_ar_stage
 
         device, dtype = _config_device(config)
-        stage = load_ar_stage(config.model_path, device, dtype, config.load_format)
+        stage = load_ar_stage(config.model_path, device, dtype, config.load_format, config.variant)
         self.connector = connector
         self.runner = ARStageRunner(stage, connector, max_batch=max(config.max_batch_size, 1))
 
@@ -96,8 +96,8 @@ def _ar_main(config, conn) -> None:  # pragma: no cover - child process
     connector = SharedMemoryConnector()
     try:
         device, dtype = _config_device(config)
-        runner = ARStageRunner(load_ar_stage(config.model_path, device, dtype, config.load_format), connector,
-                               max_batch=max(config.max_batch_size, 1))
+        stage = load_ar_stage(config.model_path, device, dtype, config.load_format, config.variant)
+        runner = ARStageRunner(stage, connector, max_batch=max(config.max_batch_size, 1))
         send(("ready", None, True, None))
     except BaseException as exc:  # noqa: BLE001 - reported as the load error
         send(("ready", None, False, _portable(exc)))

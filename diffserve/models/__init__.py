@@ -14,9 +14,11 @@ name                folder (in this package)           what
 
 A model argument (``EngineConfig.model``, ``--model``) is resolved by `resolve_model`: None is
 the default (``digits``); an existing folder is used as given (so a local folder that happens
-to be called ``digits`` wins); otherwise a built-in name maps to its folder; anything else is
-returned as a path for the loader to report (``model folder ... does not exist``, listing the
-built-in names). Served under ``diffserve-<name>`` (`served_name`).
+to be called ``digits`` wins); otherwise a built-in name maps to its folder; a Hugging Face Hub
+id ``ORG/NAME[@REVISION]`` is fetched into the Hub cache (`diffserve.models.hub`); anything
+else is returned as a path for the loader to report (``model folder ... does not exist``,
+listing the built-in names). Served under ``diffserve-<name>`` (a built-in model), ``ORG/NAME``
+(a Hub id) or the folder's name (`served_name`).
 
 This module imports nothing heavy (no torch): the CLI resolves names before loading anything.
 """
@@ -46,27 +48,46 @@ DEFAULT_MODEL = "digits"
 SERVED_NAME_PREFIX = "diffserve-"
 
 
-def resolve_model(model: str | os.PathLike | None) -> Path:
+def resolve_model(model: str | os.PathLike | None, download_dir: str | os.PathLike | None = None,
+                  variant: str | None = None) -> Path:
     """The folder `model` refers to.
 
     Args:
-        model: None (the default model), a path, or a built-in name (`BUILTIN_MODELS`).
+        model: None (the default model), a path, a built-in name (`BUILTIN_MODELS`) or a Hub id
+            ``ORG/NAME[@REVISION]``.
+        download_dir / variant: where a Hub id's files go (None = the Hub cache) and which
+            weights variant they are (see `diffserve.models.hub.download_model`).
 
     Returns:
         An existing folder given as a path as is (``~`` expanded); else the built-in folder of
-        that name; else the path as given (it does not exist: the loader says so).
+        that name; else a Hub id's snapshot folder (fetched when needed); else the path as given
+        (it does not exist: the loader says so).
+
+    Raises:
+        UnsupportedModelError: a Hub id that cannot be fetched (see `download_model`).
     """
     if model is None:
         return BUILTIN_MODELS[DEFAULT_MODEL]
     path = Path(model).expanduser()
     if path.exists():
         return path
-    return BUILTIN_MODELS.get(str(model), path)
+    if str(model) in BUILTIN_MODELS:
+        return BUILTIN_MODELS[str(model)]
+    from diffserve.models.hub import download_model, parse_hub_id
+
+    hub_id = parse_hub_id(model)
+    if hub_id is not None:
+        return download_model(hub_id, download_dir, variant)
+    return path
 
 
 def builtin_name(model: str | os.PathLike | None) -> str | None:
     """The built-in model `model` refers to (None, a built-in name, or the path of a built-in
     folder), else None."""
+    from diffserve.models.hub import parse_hub_id
+
+    if parse_hub_id(model) is not None:
+        return None
     folder = resolve_model(model).resolve()
     return next((name for name, path in BUILTIN_MODELS.items() if path == folder), None)
 
@@ -80,7 +101,13 @@ def builtin_loras(model: str | os.PathLike | None) -> dict[str, Path]:
 
 def served_name(model: str | os.PathLike | None) -> str:
     """The name a model goes by in ``/v1/models`` and in file metadata: ``diffserve-<name>``
-    for a built-in model, else the model folder's name."""
+    for a built-in model, ``ORG/NAME`` for a Hub id (as vLLM names it), else the model folder's
+    name. Fetches nothing."""
+    from diffserve.models.hub import parse_hub_id
+
+    hub_id = parse_hub_id(model)
+    if hub_id is not None and str(model) not in BUILTIN_MODELS:
+        return hub_id.repo_id
     name = builtin_name(model)
     if name is not None:
         return SERVED_NAME_PREFIX + name

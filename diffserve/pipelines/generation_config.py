@@ -2,43 +2,23 @@
 
 A model folder may carry the defaults its authors recommend (keys: ``num_inference_steps``,
 ``guidance_scale``, ``true_cfg_scale``, ``height``, ``width``, ``num_frames``, ``fps``,
-``max_sequence_length``) and acceleration presets (``teacache``: ``coefficients``,
-``rel_l1_thresh``, ``source``). They override the family's diffusers ``__call__`` defaults:
-`model_spec` builds a loaded model's `ModelSpec` from both (the step adapter declares the
-defaults, `PipelineAdapter.sampling_defaults`).
+``max_sequence_length``), acceleration presets (``teacache``: ``coefficients``,
+``rel_l1_thresh``, ``source``) and the limits it was trained for (``limits``: ``max_height``,
+``max_width``, ``max_num_frames``; see `diffserve.models.model_index.stated_limits`). The
+defaults override the family's diffusers ``__call__`` defaults; the limits narrow what the
+architecture allows. The file is read by `diffserve.models.model_index.read_generation_config`
+(torch-free, so the CLI checks the limits before the weights load).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from diffserve.core.errors import UnsupportedModelError
 from diffserve.core.sampling_params import ModelSpec
+from diffserve.models.model_index import GENERATION_CONFIG, read_generation_config, with_stated_limits
 
-GENERATION_CONFIG = "generation_config.json"
-
-
-def read_generation_config(model_dir: Path | None) -> dict[str, Any]:
-    """The folder's ``generation_config.json`` as a dict ({} when absent).
-
-    Raises:
-        UnsupportedModelError: the file exists but is not a JSON object.
-    """
-    if model_dir is None:
-        return {}
-    path = Path(model_dir) / GENERATION_CONFIG
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UnsupportedModelError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(config, dict):
-        raise UnsupportedModelError(f"{path} must hold a JSON object")
-    return config
+__all__ = ["GENERATION_CONFIG", "SPEC_DEFAULTS", "model_spec", "read_generation_config", "with_stated_limits"]
 
 
 #: Sampling field -> (its `ModelSpec` default field, type).

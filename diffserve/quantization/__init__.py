@@ -7,6 +7,7 @@ config and the CLI check them before torch loads). This package does the work, o
 module:
 
 - `methods`: each method's torchao config;
+- `embedding`: int8 token-embedding tables looked up row by row;
 - `apply`: quantizing a component's linear layers (torchao ``quantize_``), describing a
   component that arrived quantized (a pre-quantized folder, a GGUF file);
 - `skip_search`: the automatic skip list (calibration inputs, per-layer sensitivity, the

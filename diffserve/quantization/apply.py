@@ -1,5 +1,5 @@
-"""Quantize a loaded component's linear layers with torchao, keep named layers in full
-precision, and describe what a component holds (quantized here, pre-quantized in its folder, or
+"""Quantize a loaded component's linear layers with torchao (and, for the int8 methods, its
+token-embedding tables: `embedding`), keep named layers in full precision, and describe what a component holds (quantized here, pre-quantized in its folder, or
 loaded from a GGUF file).
 """
 
@@ -12,7 +12,8 @@ from collections.abc import Iterable
 
 import torch
 
-from diffserve.quantization.methods import can_quantize, torchao_config
+from diffserve.quantization.embedding import quantize_embeddings
+from diffserve.quantization.methods import EMBEDDING_METHODS, can_quantize, torchao_config
 from diffserve.core.quantization import ComponentReport
 from diffserve.core.tensor_storage import is_wrapper, tensor_bytes
 
@@ -74,7 +75,9 @@ def quantize_component(component: str, module: torch.nn.Module, method: str, kep
                        patterns: Iterable[str] = (), dtype: torch.dtype | None = None) -> ComponentReport:
     """Quantize every linear layer of `module` with `method` (torchao ``quantize_``), except
     the layers in `kept` (names relative to `module`), those matching `patterns` (see
-    `matches`) and those the method cannot take (see `methods.can_quantize`).
+    `matches`) and those the method cannot take (see `methods.can_quantize`). The int8 methods
+    (`methods.EMBEDDING_METHODS`) also make its token-embedding tables int8
+    (`embedding.quantize_embeddings`), except those matching `patterns`.
 
     Quantization happens where the weights are (on a GPU engine without offload: on the GPU,
     after the unquantized weights were loaded there).
@@ -98,11 +101,17 @@ def quantize_component(component: str, module: torch.nn.Module, method: str, kep
     full = full_precision_bytes(module, dtype)
     if targets:
         quantize_(module, torchao_config(method), filter_fn=lambda m, fqn: fqn in targets)
-    report = ComponentReport(method=method, source="quantized at load", quantized_layers=len(targets),
+    tables: list[str] = []
+    if method in EMBEDDING_METHODS:
+        skip = {name for name, m in module.named_modules(remove_duplicate=False)
+                if isinstance(m, torch.nn.Embedding) and (name in kept or matches(component, name, patterns))}
+        tables = quantize_embeddings(module, skip)
+    report = ComponentReport(method=method, source="quantized at load", quantized_layers=len(targets) + len(tables),
                              kept_layers=[f"{component}.{n}" for n in layers if n not in targets],
                              bytes=weight_bytes(module), full_precision_bytes=full)
-    logger.info("quantized %s with %s: %d linear layers, %d kept in full precision, %.1f -> %.1f MiB",
-                component, method, len(targets), len(report.kept_layers), full / 2**20, report.bytes / 2**20)
+    logger.info("quantized %s with %s: %d linear layers, %d embedding tables, %d kept in full precision, "
+                "%.1f -> %.1f MiB", component, method, len(targets), len(tables), len(report.kept_layers),
+                full / 2**20, report.bytes / 2**20)
     return report
 
 

@@ -34,7 +34,7 @@ def gguf_metadata(path: Path) -> tuple[str | None, dict[str, tuple[int, ...]]]:
     try:
         from gguf import GGUFReader
     except ImportError as exc:
-        raise InvalidRequestError("transformer_file", str(path), "unset, or install gguf (pip install gguf)",
+        raise InvalidRequestError("transformer_file", str(path), "unset, or install gguf: pip install 'diffserve[quantization]'",
                                   str(exc)) from exc
     try:
         reader = GGUFReader(str(path))

@@ -19,6 +19,10 @@ import torch
 from diffserve.core.errors import InvalidRequestError
 from diffserve.core.quantization import METHODS
 
+#: Methods that also store token-embedding tables as int8 (`diffserve.quantization.embedding`):
+#: the int8 ones. float8 / int4 quantize linear layers only.
+EMBEDDING_METHODS = ("int8_weight_only", "int8_dynamic")
+
 
 def import_torchao() -> Any:
     """Import torchao.
@@ -30,7 +34,7 @@ def import_torchao() -> Any:
         import torchao
         import torchao.quantization  # noqa: F401
     except ImportError as exc:
-        raise InvalidRequestError("quantization", None, "unset, or install torchao (pip install torchao)",
+        raise InvalidRequestError("quantization", None, "unset, or install torchao: pip install 'diffserve[quantization]'",
                                   str(exc)) from exc
     return torchao
 

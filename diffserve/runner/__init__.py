@@ -33,7 +33,8 @@ def build_runner(config, parallel=None):
     if custom is not None and issubclass(custom, PipelineAdapter):
         adapter = load_adapter(config.model_path, config.torch_device, config.torch_dtype, load_format,
                                config.context_folding and config.ulysses_degree == 1, adapter_cls=custom,
-                               load_device=weights_device(config), transformer_file=config.transformer_file)
+                               load_device=weights_device(config), variant=config.variant,
+                               transformer_file=config.transformer_file)
         return ModelRunner(config, adapter, parallel=parallel)
     if custom is None and has_adapter(read_model_index(config.model_path).get("_class_name", "")):
         return ModelRunner(config, parallel=parallel)
@@ -44,5 +45,5 @@ def build_runner(config, parallel=None):
         raise InvalidRequestError(name, getattr(config, name), "1: the folder's pipeline class has no step "
                                   "adapter (whole-request serving does not split forwards)")
     pipe = load_pipeline(config.model_path, config.torch_device, config.torch_dtype, load_format, custom,
-                         transformer_file=config.transformer_file)
+                         variant=config.variant, transformer_file=config.transformer_file)
     return WholeRequestRunner(pipe, config)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from diffserve.core.errors import UnsupportedModelError
-from diffserve.models.model_index import pipeline_config, read_model_index
+from diffserve.models.model_index import pipeline_config, read_model_index, with_stated_limits
 from diffserve.core.library_warnings import silence_inapplicable_library_warnings
 from diffserve.pipelines.base import AdapterOptions, PipelineAdapter
 from diffserve.pipelines.registry import adapter_class
@@ -50,7 +50,7 @@ def _component_class(library: str, class_name: str, component: str) -> type:
 
 
 def _load_component(library: str, class_name: str, folder: Path, dtype: torch.dtype,
-                    load_format: str, device: torch.device) -> Any:
+                    load_format: str, device: torch.device, variant: str | None = None) -> Any:
     cls = _component_class(library, class_name, folder.name)
     if library == "diffusers":
         from diffusers import ModelMixin
@@ -59,7 +59,7 @@ def _load_component(library: str, class_name: str, folder: Path, dtype: torch.dt
             if load_format == "dummy":
                 with torch.device(device):  # initialise where it will run (fast on GPU)
                     return cls.from_config(cls.load_config(folder)).to(dtype)
-            return cls.from_pretrained(folder, torch_dtype=dtype)
+            return cls.from_pretrained(folder, torch_dtype=dtype, variant=_variant(folder, variant))
         return cls.from_pretrained(folder)  # schedulers and other config-only objects
     from transformers import AutoConfig, PreTrainedModel
 
@@ -67,14 +67,22 @@ def _load_component(library: str, class_name: str, folder: Path, dtype: torch.dt
         if load_format == "dummy":
             with torch.device(device):
                 return cls(AutoConfig.from_pretrained(folder)).to(dtype)
-        return cls.from_pretrained(folder, dtype=dtype)
+        return cls.from_pretrained(folder, dtype=dtype, variant=_variant(folder, variant))
     return cls.from_pretrained(folder)  # tokenizers
+
+
+def _variant(folder: Path, variant: str | None) -> str | None:
+    """`variant` when the component folder has weights of that variant, else None (its
+    variant-less weights; diffusers' ``from_pretrained`` does the same per component)."""
+    if variant is None or not any(folder.glob(f"*.{variant}.*")) and not any(folder.glob(f"*.{variant}-*")):
+        return None
+    return variant
 
 
 def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "default",
                     seed: int = 0, device: torch.device | str = "cpu",
                     only: frozenset[str] | None = None, skip: frozenset[str] = frozenset(),
-                    transformer_file: str | None = None) -> tuple[str, dict[str, Any]]:
+                    transformer_file: str | None = None, variant: str | None = None) -> tuple[str, dict[str, Any]]:
     """Load every component listed in ``model_index.json`` (or the ones `only` names, less `skip`).
 
     Args:
@@ -87,6 +95,7 @@ def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "def
         transformer_file: a GGUF single-file denoiser loaded instead of the folder's
             ``transformer`` (or ``unet``) weights, with the folder's config
             (`diffserve.quantization.gguf`).
+        variant: weights variant (``"fp16"``...) of the components that have it.
 
     Returns:
         (pipeline class name, {component name: object or None}).
@@ -142,7 +151,7 @@ def load_components(model_dir: Path, dtype: torch.dtype, load_format: str = "def
                 components[name] = custom_loaders[name](folder)
             else:
                 components[name] = _load_component(library, cls_name, folder, dtype, load_format,
-                                                   torch.device(device))
+                                                   torch.device(device), variant)
         except UnsupportedModelError:
             raise
         except (OSError, ValueError, KeyError) as exc:  # missing / corrupt weight or config files
@@ -188,7 +197,8 @@ def import_class(target: str) -> type:
 def load_adapter(model_dir: Path, device: torch.device, dtype: torch.dtype,
                  load_format: str = "default", context_folding: bool = True,
                  adapter_cls: type[PipelineAdapter] | None = None,
-                 load_device: torch.device | None = None, transformer_file: str | None = None) -> PipelineAdapter:
+                 load_device: torch.device | None = None, transformer_file: str | None = None,
+                 variant: str | None = None) -> PipelineAdapter:
     """Load a model folder and wrap it in the adapter registered for its pipeline class (or
     `adapter_cls`, a custom adapter).
 
@@ -205,18 +215,20 @@ def load_adapter(model_dir: Path, device: torch.device, dtype: torch.dtype,
     cls = adapter_cls or adapter_class(read_model_index(model_dir).get("_class_name", ""))  # fails before loading
     class_name, components = load_components(model_dir, dtype, load_format, device=load_device,
                                              skip=frozenset(cls.ar_stage_components),
-                                             transformer_file=transformer_file)
+                                             transformer_file=transformer_file, variant=variant)
     _eval(components)
     options = AdapterOptions(context_folding=context_folding, model_dir=Path(model_dir))
     adapter = (adapter_cls or adapter_class(class_name)).from_components(components, load_device, dtype, options)
     adapter.device = device
+    adapter.spec = with_stated_limits(adapter.spec, model_dir)  # the sizes / frames it was trained for
     logger.info("loaded %s from %s on %s (%s)", class_name, model_dir, device, dtype)
     return adapter
 
 
-def load_ar_stage(model_dir: Path, device: torch.device, dtype: torch.dtype, load_format: str = "default") -> Any:
+def load_ar_stage(model_dir: Path, device: torch.device, dtype: torch.dtype, load_format: str = "default",
+                  variant: str | None = None) -> Any:
     """Load a multi-stage folder's AR stage: its `PipelineAdapter.ar_stage_components` only, built
-    into the family's `diffserve.pipelines.ar_stage.ARStageModel`.
+    into the family's `diffserve.pipelines.ar_stage.ARStageModel` (`variant`: see `load_components`).
 
     Raises:
         UnsupportedModelError: see `load_components`; the family has no AR stage.
@@ -226,7 +238,7 @@ def load_ar_stage(model_dir: Path, device: torch.device, dtype: torch.dtype, loa
     if not cls.ar_stage_components:
         raise UnsupportedModelError(f"{class_name} has no AR stage")
     _, components = load_components(model_dir, dtype, load_format, device=device,
-                                    only=frozenset(cls.ar_stage_components))
+                                    only=frozenset(cls.ar_stage_components), variant=variant)
     _eval(components)
     stage = cls.build_ar_stage(components, device, dtype)
     logger.info("loaded the AR stage of %s from %s on %s (%s)", class_name, model_dir, device, dtype)
@@ -234,7 +246,8 @@ def load_ar_stage(model_dir: Path, device: torch.device, dtype: torch.dtype, loa
 
 
 def load_pipeline(model_dir: Path, device: torch.device, dtype: torch.dtype, load_format: str = "default",
-                  pipeline_cls: type | None = None, transformer_file: str | None = None) -> Any:
+                  pipeline_cls: type | None = None, transformer_file: str | None = None,
+                  variant: str | None = None) -> Any:
     """Load a model folder into a pipeline object of its own diffusers class (or
     `pipeline_cls`) for whole-request serving (`transformer_file`: see `load_components`).
 
@@ -243,7 +256,7 @@ def load_pipeline(model_dir: Path, device: torch.device, dtype: torch.dtype, loa
             the class cannot be built from the folder's components.
     """
     class_name, components = load_components(model_dir, dtype, load_format, device=device,
-                                              transformer_file=transformer_file)
+                                              transformer_file=transformer_file, variant=variant)
     _eval(components)
     if pipeline_cls is None:
         import diffusers

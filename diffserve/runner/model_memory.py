@@ -142,7 +142,8 @@ class ModelMemory:
         config = self.config
         load_format = "default" if config.load_format == "custom_pipeline" else config.load_format
         components = load_components(config.model_path, config.torch_dtype, load_format,
-                                     device=weights_device(config), transformer_file=config.transformer_file)[1]
+                                     device=weights_device(config), variant=config.variant,
+                                     transformer_file=config.transformer_file)[1]
         if self.quantization is not None:
             from diffserve.quantization.plan import apply_plan
 

@@ -70,7 +70,7 @@ class ModelRunner(Runner):
         self.adapter = adapter or load_adapter(config.model_path, self.device, config.torch_dtype,
                                                config.load_format,
                                                config.context_folding and config.ulysses_degree == 1,
-                                               load_device=weights_device(config),
+                                               load_device=weights_device(config), variant=config.variant,
                                                transformer_file=config.transformer_file)
         if not config.mixed_sizes:  # batch by size (the adapter's span plug-ins stay inert)
             self.adapter.mixed_sizes = False

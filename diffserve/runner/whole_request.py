@@ -16,6 +16,17 @@ metrics, events and abort, one denoising step at a time:
 - requests never share a forward (each has its own batch key): there is no step batching, and
   the server says so in ``/v1/models`` and the log.
 
+Whatever else the class's ``__call__`` takes passes through by name (``SamplingParams.extra``,
+checked against the signature when the request is added: `ModelSpec.extra_parameters`), e.g.
+``pag_scale`` of the PAG pipelines or ``eta`` of ``DDIMPipeline``. Classes that take no prompt
+(unconditional ``DDIMPipeline``, ``DDPMPipeline``) run with an empty prompt (a non-empty one is
+refused as unused); ``num_images_per_prompt`` becomes their ``batch_size``; a size is refused
+when the call takes none (the model's is fixed). Classes whose ``__call__`` has no
+``callback_on_step_end`` pause in the legacy ``callback`` (every step) where they have one;
+without either, a request runs whole in its first engine step (no per-step progress or abort,
+said at load). A class whose ``__call__`` takes no ``generator`` is refused at load: diffserve
+seeds every request.
+
 Outputs are the pipeline's own, so parity with diffusers holds by construction.
 """
 
@@ -31,7 +42,7 @@ from typing import Any
 
 import torch
 
-from diffserve.core.errors import InvalidRequestError
+from diffserve.core.errors import InvalidRequestError, UnsupportedModelError
 from diffserve.core.inputs import MAX_INPUT_IMAGES
 from diffserve.core.messages import Decoded, ModelInfo, NewRequest, Prepared, RequestPlan, StepOutput, WorkError
 from diffserve.pipelines.diffusion_scheduler import new_scheduler
@@ -58,6 +69,11 @@ _CALL_ARGUMENTS = {
     "num_frames": "num_frames",
     "strength": "strength",
 }
+#: ``__call__`` arguments diffserve sets itself (from the prompt, the inputs, the seed, the output
+#: type, the step callback), so never through ``SamplingParams.extra``.
+_RESERVED = frozenset({"prompt", "generator", "output_type", "return_dict", "callback_on_step_end",
+                       "callback_on_step_end_tensor_inputs", "callback", "callback_steps", "image", "mask_image",
+                       "batch_size"}) | frozenset(_CALL_ARGUMENTS.values())
 
 
 def call_parameters(cls: type) -> dict[str, inspect.Parameter]:
@@ -101,8 +117,10 @@ class _Job:
         guess_steps: steps reported until the pipeline says how many it runs.
     """
 
-    def __init__(self, request_id: str, pipe: Any, kwargs: dict[str, Any], guess_steps: int):
+    def __init__(self, request_id: str, pipe: Any, kwargs: dict[str, Any], guess_steps: int,
+                 hook: str | None = "callback_on_step_end"):
         self.pipe = pipe
+        self.hook = hook
         self.kwargs = kwargs
         self.loras: dict[str, float] = {}
         self.steps_done = 0
@@ -120,8 +138,14 @@ class _Job:
         self._go.acquire()
         try:
             if not self.aborted:
+                hooks = {}
+                if self.hook == "callback_on_step_end":
+                    hooks = {"callback_on_step_end": self._callback}
+                elif self.hook == "callback":  # the legacy per-step callback (i, t, latents)
+                    hooks = {"callback": lambda i, t, latents: self._callback(self.pipe, i, t, {}),
+                             "callback_steps": 1}
                 with torch.inference_mode():
-                    self.output = self.pipe(**self.kwargs, callback_on_step_end=self._callback)
+                    self.output = self.pipe(**self.kwargs, **hooks)
         except _Aborted:
             pass
         except BaseException as exc:  # noqa: BLE001 - reported as the request's failure
@@ -179,8 +203,18 @@ class WholeRequestRunner(Runner):
         self.device = config.torch_device
         self.class_name = type(pipe).__name__
         self.signature = call_parameters(type(pipe))
+        if "generator" not in self.signature:
+            raise UnsupportedModelError(f"{self.class_name}.__call__ takes no generator: diffserve seeds every request "
+                                        "(to reproduce it from its seed) and cannot serve it")
+        #: how the call pauses at step boundaries: "callback_on_step_end", "callback" (legacy) or None
+        self.hook = next((h for h in ("callback_on_step_end", "callback") if h in self.signature), None)
+        if self.hook is None:
+            logger.warning("%s.__call__ has no step callback: each request runs to its end in one engine step "
+                           "(no per-step progress, previews or abort mid-run)", self.class_name)
         self.quantization = quantize_pipeline(pipe, config)
-        self.spec = self._spec()
+        from diffserve.models.model_index import with_stated_limits
+
+        self.spec = with_stated_limits(self._spec(), config.model_path)
         self.states: dict[str, _Job] = {}
         self.nonfinite_count = 0
         self._keys = itertools.count()
@@ -200,7 +234,8 @@ class WholeRequestRunner(Runner):
 
     def _spec(self) -> ModelSpec:
         pipe = self.pipe
-        vae_factor = int(getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", 8))
+        vae_factor = int(getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", None)
+                         or (8 if getattr(pipe, "vae", None) is not None else 1))  # pixel-space models: 1
         denoiser = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
         patch = getattr(getattr(denoiser, "config", None), "patch_size", None) or 1
         patch = patch[-1] if isinstance(patch, (tuple, list)) else patch
@@ -228,6 +263,7 @@ class WholeRequestRunner(Runner):
             accepts_mask=has("mask_image"),
             default_strength=float(self._default("strength")) if has("strength") and self._default("strength")
             else None,
+            extra_parameters=tuple(sorted(n for n in self.signature if n not in _RESERVED)),
         )
 
     # ------------------------------------------------------------------ model facts
@@ -247,6 +283,11 @@ class WholeRequestRunner(Runner):
         if params.num_chunks is not None:
             raise InvalidRequestError("num_chunks", params.num_chunks, f"unset: {self.class_name} is served "
                                       "whole-request (no step adapter), which cannot stream video chunks")
+        for field, default in (("height", self.spec.default_height), ("width", self.spec.default_width)):
+            value = getattr(params, field)
+            if field not in self.signature and value != default:
+                raise InvalidRequestError(field, value, f"{default}: {self.class_name} makes images of one size (its "
+                                          f"__call__ takes no {field})")
         if inputs is not None:
             if inputs.images and "image" not in self.signature:
                 raise InvalidRequestError("image", "<image>", f"absent: {self.class_name} takes no input image")
@@ -258,11 +299,14 @@ class WholeRequestRunner(Runner):
     # ------------------------------------------------------------------ work items
     def _kwargs(self, new: NewRequest) -> dict[str, Any]:
         p = new.params
-        kwargs: dict[str, Any] = {"prompt": new.prompt}
+        kwargs: dict[str, Any] = {"prompt": new.prompt} if "prompt" in self.signature else {}
         for field, argument in _CALL_ARGUMENTS.items():
             value = getattr(p, field)
             if value is not None and argument in self.signature:
                 kwargs[argument] = value
+        if "num_images_per_prompt" not in self.signature and "batch_size" in self.signature:
+            kwargs["batch_size"] = p.num_images_per_prompt  # unconditional pipelines: images per call
+        kwargs.update(p.extra or {})
         generators = [torch.Generator(device="cpu").manual_seed(seed) for seed in p.image_seeds()]
         kwargs["generator"] = generators[0] if len(generators) == 1 else generators  # image i: seed + i
         if "output_type" in self.signature:
@@ -284,7 +328,7 @@ class WholeRequestRunner(Runner):
                 pipe = copy.copy(self.pipe)
                 if getattr(self.pipe, "scheduler", None) is not None:
                     vars(pipe)["scheduler"] = new_scheduler(self.pipe.scheduler)
-                job = _Job(new.request_id, pipe, self._kwargs(new), new.params.num_inference_steps)
+                job = _Job(new.request_id, pipe, self._kwargs(new), new.params.num_inference_steps, self.hook)
                 job.loras = dict(new.params.loras or {})
                 missing = [name for name in job.loras if name not in self._loras]
                 if missing:
@@ -426,7 +470,7 @@ class WholeRequestRunner(Runner):
         config = self.config
         load_format = "default" if config.load_format == "custom_pipeline" else config.load_format
         components = load_components(config.model_path, config.torch_dtype, load_format, device=self.device,
-                                     transformer_file=config.transformer_file)[1]
+                                     variant=config.variant, transformer_file=config.transformer_file)[1]
         apply_plan(components, self.quantization.plan, config.torch_dtype)  # as quantized at load
         return components
 

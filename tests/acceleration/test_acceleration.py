@@ -6,6 +6,9 @@ before it (A, B, A) or beside it (mixed step batch vs solo run).
 
 from __future__ import annotations
 
+import logging
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -202,11 +205,17 @@ def test_compile_failure_falls_back_to_eager(tiny_sd3_dir, monkeypatch, caplog):
     np.testing.assert_array_equal(_run(engine, *job), _run(_engine(tiny_sd3_dir), *job))
 
 
-def test_regional_compile_matches_eager_without_recompiles(tmp_path_factory):
+def test_regional_compile_matches_eager_without_recompiles(tmp_path_factory, caplog):
     from tiny_models import build_tiny_sd3
 
     one_block = build_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3_1"), num_layers=1)
-    engine = _engine(one_block, compile=True, max_batch_size=6)
+    with caplog.at_level(logging.INFO, logger="diffserve.acceleration.compile"):
+        engine = _engine(one_block, compile=True, max_batch_size=6)
+    # what is compiled, then how long the warm-up took (a silent 10-45 s start otherwise)
+    assert "torch.compile (backend inductor, dynamic shapes): 1 x JointTransformerBlock of SD3Transformer2DModel" \
+        in caplog.text
+    assert re.search(r"torch.compile: warm-up of \d+ forward\(s\) took \d+\.\d s \(\d+ graph\(s\) compiled\)",
+                     caplog.text)
     eager = _engine(one_block)
     jobs = [("a", _p(1, steps=3)), ("b", _p(2, steps=4, guidance_scale=1.0)), ("c", _p(3, steps=5))]
     outs = engine.generate([j[0] for j in jobs], [j[1] for j in jobs])  # 5, 3 and 2 rows
@@ -233,6 +242,18 @@ def test_cli_flags_reach_the_engine_config():
             config.prompt_embed_cache_size) == ("teacache", {"rel_l1_thresh": 0.2}, True, True, 0)
     assert _cli_config("--cache-backend", "cache_dit").cache_backend == "cache_dit"
     assert _cli_config("--enforce-eager").compile is False
+
+
+def test_cli_compile_shows_the_compile_log(tmp_path, monkeypatch, capsys):
+    """``--compile`` turns the compile logger's INFO lines on in the CLI (its default level is
+    WARNING), so the start-up says what it compiles and how long it took (the lines themselves:
+    the regional compile test). Checked on a run that stops at a bad flag: no compile needed."""
+    logger = logging.getLogger("diffserve.acceleration.compile")
+    monkeypatch.setattr(logger, "level", logging.NOTSET)
+    assert main(["generate", "x", "-o", str(tmp_path), "--steps", "0"]) == 2
+    assert logger.getEffectiveLevel() == logging.WARNING
+    assert main(["generate", "x", "-o", str(tmp_path), "--steps", "0", "--compile"]) == 2
+    assert logger.getEffectiveLevel() == logging.INFO
 
 
 @pytest.mark.parametrize("name", ["none", "teacache", "cache_dit"])

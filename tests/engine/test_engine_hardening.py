@@ -285,7 +285,7 @@ def test_missing_weight_file_is_one_line_naming_it(tiny_sd3_dir, tmp_path):
 
 @pytest.mark.parametrize("model,fragment", [
     ("/no/such/folder", "does not exist"),
-    ("stabilityai/stable-diffusion-3-medium-diffusers", "Hugging Face Hub id"),
+    ("nobody-org/no-such-model", "not in the Hugging Face cache and HF_HUB_OFFLINE is set"),
 ])
 def test_missing_folder_and_hub_id_messages(model, fragment):
     with pytest.raises(UnsupportedModelError, match=fragment):

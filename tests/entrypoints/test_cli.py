@@ -190,3 +190,13 @@ def test_missing_model_folder_exits_2_and_leaves_no_folder(tmp_path):
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("diffserve: error:")
     assert not (tmp_path / "out").exists()
+
+
+def test_serve_without_the_serve_extra_says_what_to_install():
+    """The main job's install has no HTTP server packages: ``serve`` says which extra adds them."""
+    code = ("import sys\nsys.modules['fastapi'] = None\nfrom diffserve.entrypoints.cli import main\n"
+            "sys.exit(main(['serve', '--port', '0']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == ("diffserve: error: serve needs the HTTP server's packages (fastapi is missing): "
+                                   "pip install 'diffserve[serve]'")

@@ -164,7 +164,8 @@ def test_digits_video_name_loads_its_folder(tiny_wan_dir, monkeypatch):
 def test_unknown_names_and_missing_builtins_get_clear_messages(tmp_path, capsys, monkeypatch):
     rc, _, err = run(["generate", "a cat", "--model", "no-such-model", "-o", str(tmp_path)], capsys)
     assert rc == 2 and err == ["diffserve: error: model folder no-such-model does not exist, and 'no-such-model' "
-                               "is not a built-in model name (digits, digits-video, digits-reasoning)"]
+                               "is not a built-in model name (digits, digits-video, digits-reasoning), nor a Hugging Face Hub id "
+                               "(ORG/NAME)"]
     monkeypatch.setitem(BUILTIN_MODELS, "digits-video", tmp_path / "not-installed")
     with pytest.raises(UnsupportedModelError, match="the built-in model 'digits-video' is not part of this "
                                                     "installation"):

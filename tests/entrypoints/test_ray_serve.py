@@ -131,6 +131,46 @@ def test_40_concurrent_requests_use_both_replicas_and_same_seed_gives_same_image
           f"seed ({cross_replica} compared across replicas), the rest within one 8-bit level")
 
 
+def _scrape(client: httpx.Client, replicas: Replicas) -> tuple[str, dict[tuple[str, tuple], float]]:
+    """One scrape of the public ``/metrics``: (the replica that answered, {(sample, labels): value})."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = client.get(f"{replicas.base}/metrics")
+    assert response.status_code == 200
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(response.text) for s in family.samples}
+    return response.headers[REPLICA_HEADER], samples
+
+
+def _total(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted({**labels, "replica": "all"}.items()))), 0.0)
+
+
+def test_metrics_report_every_replica_summed(replicas):
+    """``/metrics`` through the public port answers for every replica, whichever serves the
+    scrape: each replica's series with its ``replica`` label and their sum as ``replica="all"``;
+    the sums never go backwards from one scrape to the next (they read 28, 25, 28 when the
+    answering replica reported only its own)."""
+    name = "diffserve_engine_requests_total"
+    seen_answering, previous = set(), 0.0
+    with httpx.Client(timeout=120) as client:
+        for round_ in range(12):
+            if round_ % 3 == 0:
+                assert _generate(replicas, client, round_).status_code == 200
+            answered_by, samples = _scrape(client, replicas)
+            seen_answering.add(answered_by)
+            ids = {dict(labels)["replica"] for (sample, labels) in samples if sample == name}
+            assert len(ids - {"all"}) >= 2 and "all" in ids, ids
+            per_replica = sum(v for (sample, labels), v in samples.items()
+                              if sample == name and dict(labels).get("outcome") == "finished"
+                              and dict(labels)["replica"] != "all")
+            total = _total(samples, name, outcome="finished")
+            assert total == per_replica and total >= previous, (round_, total, per_replica, previous)
+            previous = total
+    assert previous >= 40  # the 40 concurrent requests above, counted on both replicas
+    print(f"\n/metrics: answered by {sorted(seen_answering)}; finished engine requests (all) {previous:g}")
+
+
 def test_same_seed_alone_gives_identical_bytes_on_every_replica(replicas):
     """One request at a time: every run is a batch of one, whichever replica serves it, so the
     float computation is the same and so are the PNG bytes."""
@@ -267,6 +307,14 @@ def test_killing_a_replica_mid_load(replicas):
         download = client.get(links[victim])  # the dead replica's link, from the shared folder
         assert download.status_code == 200 and download.headers[REPLICA_HEADER] != victim
         assert Image.open(io.BytesIO(download.content)).size == (8, 8)
+        # the dead replica's counters stay in the sums (its last published values): no summed
+        # counter goes backwards when a replica goes away
+        _, samples = _scrape(client, replicas)
+        victims = {labels: v for (sample, labels), v in samples.items()
+                   if sample == "diffserve_requests_total" and dict(labels)["replica"] == victim}
+        assert victims and sum(victims.values()) > 0
+        assert _total(samples, "diffserve_requests_total", status="200") >= \
+            sum(v for labels, v in victims.items() if dict(labels)["status"] == "200")
 
 
 # ------------------------------------------------------------------ without a running cluster

@@ -176,9 +176,9 @@ def test_events_and_metadata_name_the_adapters(tiny_sd3_dir, lora_files):
                                           overlap_stages=False))
     [out] = engine.generate("a cat", SamplingParams(seed=1, loras={"a": 0.5}, **P))
     assert out.params.loras == {"a": 0.5}
-    from diffserve.media.metadata import png_metadata
+    from diffserve.media.metadata import image_metadata
 
-    meta = png_metadata("a cat", out.params, out.seed, "tiny")
+    meta = image_metadata("a cat", out.params, out.seed, "tiny")
     assert "<lora:a:0.5>" in meta["parameters"] and json.loads(meta["diffserve"])["loras"] == {"a": 0.5}
     engine.shutdown()
 

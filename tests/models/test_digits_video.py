@@ -12,6 +12,7 @@ import pytest
 import torch
 from diffusers import WanPipeline
 
+from diffserve import DiffusionEngine, EngineConfig, SamplingParams
 from diffserve.models.digits_video import DEFAULT_MODEL_PATH, VOCABULARY_WORDS, out_of_vocabulary_words
 from training.digits import data as digit_data
 from training.digits_video import data, train
@@ -43,17 +44,60 @@ def test_shipped_folder_is_a_wan_pipeline_within_size_budget(defaults):
     assert index["transformer"] == ["diffusers", "WanTransformer3DModel"]
     assert index["vae"] == ["diffusers", "AutoencoderKLWan"]
     assert index["scheduler"][1] == "UniPCMultistepScheduler"
-    assert set(defaults) == {"num_inference_steps", "guidance_scale", "height", "width", "num_frames", "fps"}
+    assert set(defaults) == {"num_inference_steps", "guidance_scale", "height", "width", "num_frames", "fps", "limits"}
+    assert defaults["limits"] == {"max_height": 16, "max_width": 16, "max_num_frames": 9}  # what it was trained on
     assert (defaults["num_frames"] - 1) % 4 == 0 and defaults["height"] % 16 == 0
     image_model = DEFAULT_MODEL_PATH.parents[1] / "digits" / "weights"
     total = sum(f.stat().st_size for d in (DEFAULT_MODEL_PATH, image_model) for f in d.rglob("*") if f.is_file())
     assert total <= 20e6
 
 
+@pytest.mark.parametrize("overrides,field,message", [
+    ({"height": 32, "width": 32}, "height", "invalid height=32: must be a positive multiple of 16 pixels (the "
+                                            "model's VAE scale x patch size), at most 16 pixels for this model"),
+    ({"num_frames": 97}, "num_frames", "invalid num_frames=97: must be an integer of the form 4*m + 1 in [1, 9]"),
+])
+def test_the_trained_size_and_length_are_the_limits(overrides, field, message):
+    """Trained on 16x16 clips of 9 frames (its generation_config.json says so): larger sizes and
+    longer clips are refused by name (they used to run and return noise), and the size rule is
+    WanPipeline's multiples of 16, as the model card says (the 4x VAE alone would allow 8)."""
+    from diffserve.core.errors import InvalidRequestError
+
+    engine = DiffusionEngine(EngineConfig(model="digits-video", num_threads=1))
+    try:
+        assert engine.spec.resolution_factor == 16
+        assert (engine.spec.max_height, engine.spec.max_width, engine.spec.max_num_frames) == (16, 16, 9)
+        with pytest.raises(InvalidRequestError) as info:
+            engine.add_request("a handwritten digit 3 moving left", SamplingParams(**overrides))
+        assert info.value.field == field and str(info.value) == message
+        assert "16x16 clips of\n9 frames" in (DEFAULT_MODEL_PATH.parent / "MODEL_CARD.md").read_text()
+    finally:
+        engine.shutdown()
+
+
+def test_cli_refuses_beyond_the_stated_limits_before_loading(tmp_path, capsys, monkeypatch):
+    """The CLI checks the limits the folder states in its config files before loading the weights
+    (the engine is never built)."""
+    from diffserve.engine import engine as engine_module
+    from diffserve.entrypoints.cli import main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(engine_module, "DiffusionEngine", no_load)
+    for flags, expected in ((["--size", "32x32"], "argument --size: invalid height=32: must be at most 16 pixels "
+                                                  "for this model (the size it was trained for, "
+                                                  "generation_config.json limits)"),
+                            (["--num-frames", "97"], "argument --num-frames: invalid value 97: must be at most 9 "
+                                                     "frames for this model (the length it was trained for")):
+        assert main(["generate", "--model", "digits-video", "a digit 3", "-o", str(tmp_path), *flags]) == 2
+        assert expected in capsys.readouterr().err
+
+
 def test_shipped_pipeline_generates_a_clip_of_the_right_shape(shipped_pipe, defaults):
     assert shipped_pipe.vae_scale_factor_temporal == 4
     assert shipped_pipe.vae_scale_factor_spatial == 4
-    kwargs = {k: v for k, v in defaults.items() if k != "fps"}
+    kwargs = {k: v for k, v in defaults.items() if k not in ("fps", "limits")}
     kwargs["num_inference_steps"] = 4
     frames = shipped_pipe("a handwritten digit 5 moving up", generator=torch.Generator().manual_seed(0),
                           output_type="np", **kwargs).frames

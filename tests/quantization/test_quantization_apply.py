@@ -3,6 +3,7 @@ pre-quantized folders and re-applying a plan to freshly loaded weights."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 
@@ -121,3 +122,59 @@ def test_describe_loaded_is_none_for_full_precision(components):
     assert describe_loaded("vae", components["vae"], torch.float32) is None
     plain = torch.ones(3, 4)
     assert tensor_bytes(plain) == 48 and not is_quantized_tensor(plain)
+
+
+@pytest.mark.parametrize("method", ["int8_weight_only", "int8_dynamic"])
+def test_token_tables_become_int8_and_look_up_rows_only(method):
+    """A text encoder's token table (>= MIN_ROWS rows) is stored as int8 rows + one scale per row
+    and looked up without converting the whole table; position tables stay as they are."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from diffserve.quantization.embedding import MIN_ROWS, Int8Embedding, quantize_embeddings
+
+    torch.manual_seed(0)
+    config = CLIPTextConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, max_position_embeddings=77, bos_token_id=0,
+                            eos_token_id=2, pad_token_id=1)
+    encoder = CLIPTextModel(config).eval()
+    table = encoder.embeddings.token_embedding.weight.detach().clone()
+    ids = torch.randint(0, 4096, (2, 77))
+    with torch.inference_mode():
+        reference = encoder(ids).last_hidden_state
+    full = weight_bytes(encoder)
+    table_only = copy.deepcopy(encoder)
+    assert quantize_embeddings(table_only) == ["embeddings.token_embedding"]
+    report = quantize_component("text_encoder", encoder, method)
+    tokens = encoder.embeddings.token_embedding
+    assert isinstance(tokens, Int8Embedding) and tokens.qdata.dtype == torch.int8
+    assert type(encoder.embeddings.position_embedding) is torch.nn.Embedding  # 77 < MIN_ROWS
+    assert 77 < MIN_ROWS <= 4096
+    assert report.quantized_layers == len(linear_layers(CLIPTextModel(config))) + 1
+    assert report.bytes == weight_bytes(encoder) and tensor_bytes(tokens.qdata) == 4096 * 32
+    # each element within half a quantization step of its row's scale
+    err = (tokens(torch.arange(4096)) - table).abs()
+    assert bool((err <= tokens.scale / 2 + 1e-7).all())
+    assert torch.equal(tokens.weight, tokens(torch.arange(4096)))
+    with torch.inference_mode():
+        out, out_table_only = encoder(ids).last_hidden_state, table_only(ids).last_hidden_state
+    assert float((out - reference).norm() / reference.norm()) < 0.05
+    assert float((out_table_only - reference).norm() / reference.norm()) < 0.01  # the table's own share
+    assert report.bytes < 0.30 * full
+
+
+def test_shared_token_table_is_quantized_once_and_patterns_keep_tables():
+    """T5's `shared` table is also `encoder.embed_tokens`: one int8 copy under both names; a skip
+    pattern naming the table keeps it in full precision."""
+    from transformers import T5Config, T5EncoderModel
+
+    from diffserve.quantization.embedding import Int8Embedding
+
+    config = T5Config(vocab_size=2048, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
+    encoder = T5EncoderModel(config)
+    quantize_component("text_encoder_3", encoder, "int8_dynamic")
+    assert isinstance(encoder.shared, Int8Embedding) and encoder.encoder.embed_tokens is encoder.shared
+    assert type(encoder.encoder.block[0].layer[0].SelfAttention.relative_attention_bias) is torch.nn.Embedding
+    kept = T5EncoderModel(config)
+    quantize_component("text_encoder_3", kept, "int8_dynamic", patterns=("text_encoder_3.shared",))
+    assert type(kept.shared) is type(kept.encoder.embed_tokens) is torch.nn.Embedding  # both names kept
+    assert kept.encoder.embed_tokens.weight is kept.shared.weight

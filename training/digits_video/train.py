@@ -81,6 +81,8 @@ GENERATION_DEFAULTS = {
     "width": data.CANVAS_SIZE,
     "num_frames": data.NUM_FRAMES,
     "fps": data.FPS,
+    # what the model was trained for: diffserve refuses larger sizes and longer clips
+    "limits": {"max_height": data.CANVAS_SIZE, "max_width": data.CANVAS_SIZE, "max_num_frames": data.NUM_FRAMES},
 }
 
 
@@ -486,14 +488,17 @@ from diffserve.models.digits_video import DEFAULT_MODEL_PATH
 pipe = WanPipeline.from_pretrained(DEFAULT_MODEL_PATH)
 defaults = json.loads((DEFAULT_MODEL_PATH / "generation_config.json").read_text())
 fps = defaults.pop("fps")  # playback rate, not a pipeline argument
+defaults.pop("limits")  # the largest size and length it was trained for (diffserve refuses more)
 video = pipe("a handwritten digit 3 moving left", **defaults).frames[0]  # (9, 16, 16, 3) floats in [0, 1]
 ```
 
 `WanPipeline.__call__` has fixed defaults of its own (480x832, 81 frames, 50 steps) that do not
 read the folder, so pass the shipped `generation_config.json` ({json.dumps(g)}) as above;
-diffserve reads it as the model's sampling defaults. Other sizes and lengths are outside the
-training distribution; `height`/`width` must be multiples of 16 (a `WanPipeline` rule) and
-`num_frames` of the form 4k+1. Pixels: black background, white strokes, three equal channels.
+diffserve reads it as the model's sampling defaults. The model was trained on {g['limits']['max_height']}x{g['limits']['max_width']} clips of
+{g['limits']['max_num_frames']} frames and states so in the file's `limits`; diffserve refuses larger sizes and longer clips
+(`height`/`width`: multiples of 16, a `WanPipeline` rule, at most {g['limits']['max_height']}: so exactly {g['limits']['max_height']}; `num_frames`: of the
+form 4k+1, at most {g['limits']['max_num_frames']}: 1, 5 or 9), before the weights load where it can. Pixels: black background, white strokes,
+three equal channels.
 
 ## Architecture
 

@@ -128,12 +128,13 @@ class ServerState:
 
     def __init__(self, model_name: str, store: ImageStore, metrics: ServerMetrics, shutdown_timeout_s: float,
                  public_url: str | None = None, heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-                 video_store: VideoStore | None = None):
+                 video_store: VideoStore | None = None, output_metadata: bool = True):
         self.model_name = model_name
         self.store = store
+        self.output_metadata = output_metadata
         self.video_store = video_store if video_store is not None else LocalVideoStore()
         #: video jobs (reads work from the store while the model loads; creating needs the engine)
-        self.videos = VideoService(self.video_store, model_name, metrics)
+        self.videos = VideoService(self.video_store, model_name, metrics, output_metadata=output_metadata)
         self.metrics = metrics
         self.shutdown_timeout_s = shutdown_timeout_s
         self.public_url = public_url
@@ -180,7 +181,7 @@ class ServerState:
         self.engine = engine
         self.images = ImageGenerationService(engine, self.model_name, self.store, self.metrics,
                                              lambda: self.draining, public_url=self.public_url,
-                                             heartbeat_s=self.heartbeat_s)
+                                             heartbeat_s=self.heartbeat_s, output_metadata=self.output_metadata)
         self.videos.attach(self.images)
         if self.draining:  # a shutdown began while the model was loading
             self.stop_engine()
@@ -262,6 +263,7 @@ def create_app(
     video_ttl_s: float = DEFAULT_VIDEO_TTL_S,
     max_video_jobs: int = DEFAULT_MAX_VIDEO_JOBS,
     max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES,
+    output_metadata: bool = True,
     enable_sleep_mode: bool | None = None,
     allowed_hosts: list[str] | None = None,
     lora_loading: bool | None = None,
@@ -297,6 +299,9 @@ def create_app(
         video_store: where video jobs live (e.g. a store shared between replicas); None = a
             `LocalVideoStore` in `video_store_dir` (None: a private temporary folder) with
             `video_ttl_s`, `max_video_jobs` and `max_video_bytes`. The app closes it at exit.
+        output_metadata: embed the generation parameters in every image (PNG text chunks, JPEG /
+            WebP EXIF + XMP) and video (MP4 tags) the server returns
+            (`diffserve.media.metadata`); False (``--no-output-metadata``) leaves them out.
         lora_loading: serve ``POST /v1/loras`` (loading LoRA adapters at run time, only from
             ``--lora-dir``); None = whether the engine's config has a ``lora_dir``.
         enable_sleep_mode: serve ``POST /sleep``, ``POST /wake_up`` and ``GET /is_sleeping``
@@ -321,7 +326,7 @@ def create_app(
     if video_store is None:
         video_store = LocalVideoStore(video_store_dir, video_ttl_s, max_video_jobs, max_video_bytes)
     state = ServerState(served_model_name, store, metrics, shutdown_timeout_s, public_url=public_url,
-                        heartbeat_s=sse_heartbeat_s, video_store=video_store)
+                        heartbeat_s=sse_heartbeat_s, video_store=video_store, output_metadata=output_metadata)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -38,6 +38,7 @@ _ENGINE_FIELD_TO_PARAM = {
     "height": "size",
     "width": "size",
     "num_images_per_prompt": "n",
+    "extra": "extra_params",
 }
 
 

@@ -28,6 +28,7 @@ with defaults and ranges), so a client such as the web playground can build its 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -117,8 +118,6 @@ def loras_from_text(value: Any) -> Any:
         ValueError: text that is not a JSON object.
     """
     if isinstance(value, str):
-        import json
-
         try:
             value = json.loads(value)
         except ValueError:
@@ -191,6 +190,10 @@ class _ImageRequest(_StrictRequest):
                           "diffserve.progress (denoising steps done) events, and diffserve.ar_delta "
                           "(multi-stage models: each new piece of the AR stage's text) events")
     loras: LoraScales | None = Field(None, description=LORAS_DESCRIPTION)
+    extra_params: dict[str, Any] | None = Field(
+        None, description="further __call__ arguments of a pipeline served whole-request (no step adapter), by "
+                          "name, e.g. {\"pag_scale\": 3.0}; the model card's extra_parameters lists the names "
+                          "(unknown names are a 400 naming them); in a form, a JSON object as text")
     priority: int | None = Field(None, ge=-PRIORITY_BOUND, lt=PRIORITY_BOUND, description=PRIORITY_DESCRIPTION)
     deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False, description=DEADLINE_DESCRIPTION)
 
@@ -198,6 +201,16 @@ class _ImageRequest(_StrictRequest):
     @classmethod
     def _loras_from_form_text(cls, value: Any) -> Any:
         return loras_from_text(value)
+
+    @field_validator("extra_params", mode="before")
+    @classmethod
+    def _json_text_is_an_object(cls, value: Any) -> Any:
+        if isinstance(value, str):  # multipart forms carry text
+            try:
+                return json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"not a JSON object: {exc}") from None
+        return value
 
     @field_validator("deadline_s", mode="before")
     @classmethod
@@ -766,6 +779,8 @@ class ModelCard(BaseModel):
             ``true_cfg_scale`` without true CFG, is absent).
         step_batching: False when the model's pipeline class has no step adapter and runs
             whole requests without step batching (the whole-request fallback).
+        extra_parameters: the names ``extra_params`` may set (the whole-request pipeline's own
+            ``__call__`` arguments); absent for step-batched models, which take none.
         loras: the LoRA adapters requests may name in ``loras`` (as ``GET /v1/loras`` lists
             them: name, state, origin, rank, format, ...; ``--lora-dir`` files appear once named).
         quantization: the quantized components (`QuantizationInfo`), null when the weights are
@@ -779,6 +794,7 @@ class ModelCard(BaseModel):
     capabilities: list[str] | None = None
     parameters: dict[str, ParameterInfo] | None = None
     step_batching: bool | None = None
+    extra_parameters: list[str] | None = None
     loras: list[dict[str, Any]] | None = None
     quantization: QuantizationInfo | None = None
 
@@ -844,9 +860,10 @@ class ModelCard(BaseModel):
         for name, default in unused.items():  # a parameter the model does not take is not listed
             if default is None:
                 parameters.pop(name)
+        extra = list(spec.extra_parameters) if spec.extra_parameters is not None else None
         return cls(id=model_id, created=created, capabilities=tasks, parameters=parameters,
-                   step_batching=engine.model_info.step_batching, loras=engine.list_loras(),
-                   quantization=QuantizationInfo.of(engine.model_info.quantization))
+                   step_batching=engine.model_info.step_batching, extra_parameters=extra,
+                   loras=engine.list_loras(), quantization=QuantizationInfo.of(engine.model_info.quantization))
 
 
 def model_tasks(spec) -> list[str]:

@@ -199,8 +199,8 @@ def _serve(args: argparse.Namespace, config: EngineConfig, name: str, sock: sock
                      sse_heartbeat_s=args.sse_heartbeat, wake_on_request=args.wake_on_request,
                      video_store_dir=args.video_store_dir, video_ttl_s=args.video_ttl,
                      max_video_jobs=args.max_video_jobs, max_video_bytes=args.max_video_bytes,
-                     enable_sleep_mode=config.enable_sleep_mode, allowed_hosts=allowed_hosts(args),
-                     lora_loading=config.lora_dir is not None)
+                     output_metadata=args.output_metadata, enable_sleep_mode=config.enable_sleep_mode,
+                     allowed_hosts=allowed_hosts(args), lora_loading=config.lora_dir is not None)
     state: ServerState = app.state.diffserve
     uv_config = uvicorn_config(app, args.host, args.port, limits=limits, log_level=args.log_level,
                                shutdown_timeout_s=args.shutdown_timeout)

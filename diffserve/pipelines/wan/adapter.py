@@ -27,6 +27,7 @@ branch's UMT5 states.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import numpy as np
@@ -113,7 +114,8 @@ class WanAdapter(PipelineAdapter):
         spatial, temporal = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
         rope = transformer.config.rope_max_seq_len  # RoPE positions per axis, in patches
         # Wan's UMT5 context length is 512 (``text_len`` in the Wan repository)
-        return {"resolution_factor": spatial * p_h, "max_sequence_length_limit": 512,
+        # diffusers' WanPipeline.check_inputs: multiples of 16 (also with a 4x VAE, as digits-video's)
+        return {"resolution_factor": math.lcm(16, spatial * p_h), "max_sequence_length_limit": 512,
                 "max_height": rope * p_h * spatial, "max_width": rope * p_h * spatial, "frame_factor": temporal,
                 "max_num_frames": (rope * p_t - 1) * temporal + 1}
 

@@ -81,6 +81,8 @@ class ServerMetrics:
     """
 
     def __init__(self) -> None:
+        #: what ``GET /metrics`` answers (`render`, or every replica's merged: `set_view`)
+        self._view: Callable[[], tuple[bytes, str]] | None = None
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("diffserve_requests", "Generation HTTP requests (images, edits, video jobs) by "
@@ -157,8 +159,17 @@ class ServerMetrics:
         self.videos.inc(count)
 
     def render(self) -> tuple[bytes, str]:
-        """The exposition text and its content type."""
+        """The exposition text of this server's own metrics and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def set_view(self, view: Callable[[], tuple[bytes, str]]) -> None:
+        """Answer ``GET /metrics`` with `view` instead of `render` (replicas: every replica's
+        metrics merged, `diffserve.entrypoints.openai.ops.replica_metrics`)."""
+        self._view = view
+
+    def exposition(self) -> tuple[bytes, str]:
+        """What ``GET /metrics`` answers: the view when one is set, else `render`."""
+        return (self._view or self.render)()
 
 
 class _EngineCollector:
@@ -295,5 +306,5 @@ def install_metrics_route(app: FastAPI, metrics: ServerMetrics) -> None:
               "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus_metrics() -> Response:
         """Prometheus exposition of the server's metrics."""
-        body, content_type = metrics.render()
+        body, content_type = metrics.exposition()
         return Response(body, media_type=content_type)

@@ -44,6 +44,7 @@ model's resolution multiple (`diffserve.core.inputs.auto_size`), reported in the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -65,6 +66,7 @@ from diffserve.entrypoints.openai.errors import (
     unavailable,
 )
 from diffserve.media.image_encoding import MEDIA_TYPES, encode_image, to_base64
+from diffserve.media.metadata import image_metadata
 from diffserve.entrypoints.openai.stores.image_store import ImageStore, Reservation, StoreFullError, encoded_size_bound
 from diffserve.entrypoints.openai.ops.metrics import ServerMetrics
 from diffserve.entrypoints.openai.protocol import (
@@ -137,11 +139,14 @@ class ImageGenerationService:
         public_url: base of ``url`` links (e.g. ``https://images.example.com``); None = the
             address the connection was accepted on.
         heartbeat_s: seconds between SSE keep-alive comments on a quiet stream.
+        output_metadata: embed every image's generation parameters (as the CLI's files:
+            `diffserve.media.metadata`) in its PNG text chunks or JPEG / WebP EXIF + XMP (the
+            JSON, ``url`` and streamed ``completed`` images; previews carry none).
     """
 
     def __init__(self, engine: EngineClient, model_name: str, store: ImageStore,
                  metrics: ServerMetrics, is_draining: Callable[[], bool], public_url: str | None = None,
-                 heartbeat_s: float = DEFAULT_HEARTBEAT_S):
+                 heartbeat_s: float = DEFAULT_HEARTBEAT_S, output_metadata: bool = True):
         self.engine = engine
         self.model_name = model_name
         self.store = store
@@ -149,6 +154,7 @@ class ImageGenerationService:
         self._is_draining = is_draining
         self.public_url = public_url.rstrip("/") if public_url else None
         self.heartbeat_s = heartbeat_s
+        self.output_metadata = output_metadata
         #: Engine requests of HTTP requests that passed the queue-room check but are not queued yet.
         self._reserved = 0
         #: Requests refused for a full queue, in order, and the room held for them.
@@ -254,7 +260,7 @@ class ImageGenerationService:
                                     width=width, num_inference_steps=body.num_inference_steps,
                                     guidance_scale=body.guidance_scale, true_cfg_scale=body.true_cfg_scale,
                                     strength=getattr(body, "strength", None), seed=body.seed, output_type="pil",
-                                    loras=body.loras, **scheduling_fields(body))
+                                    extra=body.extra_params, loras=body.loras, **scheduling_fields(body))
             # seeds, every check (the family's own rules on images, mask, strength too) and the plan, before
             # any allocation; an edit's "auto" size is the input's
             requests = engine.input_processor.process(body.prompt, params, inputs, n=n, size_from_inputs=True)
@@ -400,7 +406,7 @@ class ImageGenerationService:
                     reservation: Reservation | None) -> list[ImageObject]:
         data = []
         for output in outputs:
-            encoded = encode_image(output.images[0], plan.output_format, plan.compression)
+            encoded = self._encode_output(plan, output)
             item = ImageObject(seed=output.seed, prompt_truncated=output.prompt_truncated,
                                negative_prompt_truncated=output.negative_prompt_truncated,
                                timings=output.metrics.as_dict(), revised_prompt=output.ar_text)
@@ -414,6 +420,17 @@ class ImageGenerationService:
                 item.b64_json = to_base64(encoded)
             data.append(item)
         return data
+
+    def _encode_output(self, plan: _Plan, output: GenerationOutput) -> bytes:
+        """The finished image of `output` in the request's format, with its generation metadata
+        (unless the server was started with ``--no-output-metadata``)."""
+        metadata = None
+        if self.output_metadata:
+            used = output.params
+            if plan.inputs is not None and used.strength is None:  # the strength the edit ran with
+                used = dataclasses.replace(used, strength=self.engine.spec.default_strength)
+            metadata = image_metadata(plan.requests[0].prompt, used, output.seed, self.model_name)
+        return encode_image(output.images[0], plan.output_format, plan.compression, metadata)
 
     def _log_disconnect(self, plan: _Plan, raw_request: Request) -> None:
         raw_request.scope[CLIENT_DISCONNECTED_KEY] = True
@@ -467,8 +484,7 @@ class ImageGenerationService:
                 elif event.type.is_final:
                     output = event.output
                     if output is not None and output.status is RequestStatus.FINISHED:
-                        encoded = await asyncio.to_thread(encode_image, output.images[0], plan.output_format,
-                                                          plan.compression)
+                        encoded = await asyncio.to_thread(self._encode_output, plan, output)
                         done = CompletedEvent(type=f"{plan.events}.completed", b64_json=to_base64(encoded),
                                               created_at=int(time.time()),
                                               image_index=index, seed=output.seed,

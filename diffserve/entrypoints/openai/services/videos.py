@@ -130,12 +130,14 @@ class VideoService:
         store: where jobs and videos live.
         model_name: the served model's name (the only accepted ``model``).
         metrics: the server's metrics.
+        output_metadata: tag the MP4s with their generation parameters (container tags).
     """
 
-    def __init__(self, store: VideoStore, model_name: str, metrics: ServerMetrics):
+    def __init__(self, store: VideoStore, model_name: str, metrics: ServerMetrics, output_metadata: bool = True):
         self.store = store
         self.model_name = model_name
         self.metrics = metrics
+        self.output_metadata = output_metadata
         #: the loaded engine's `ImageGenerationService` (None until `attach`)
         self.images = None
         #: engine requests of this replica's unfinished jobs, by job id
@@ -273,7 +275,8 @@ class VideoService:
     async def _finish(self, job: VideoJob, event: StreamEvent, prompt: str) -> None:
         output = event.output
         if output is not None and output.status is RequestStatus.FINISHED:
-            metadata = video_metadata(prompt, output.params, output.seed, self.model_name)
+            metadata = video_metadata(prompt, output.params, output.seed, self.model_name) \
+                if self.output_metadata else None
             try:
                 data = await asyncio.to_thread(encode_mp4, output.videos[0], job.fps, metadata=metadata)
                 job.status, job.steps_done, job.timings = "completed", job.num_inference_steps, output.metrics.as_dict()

@@ -342,7 +342,8 @@ def request_json_schema(spec: "ModelSpec | None" = None, limits: "RequestLimits 
     ``num_chunks`` in [1, limit]; and ``size`` spelled out as the allowed ``WxH`` values
     (multiples of the model's resolution factor up to its maximum, and within ``max_pixels``)
     when there are at most `MAX_SCHEMA_SIDES` per side and the pattern stays within
-    `MAX_SIZE_PATTERN_CHARS`."""
+    `MAX_SIZE_PATTERN_CHARS`; ``extra_params`` only for a model that takes extra parameters
+    (`ModelSpec.extra_parameters`), with those names."""
     schema = (model or ImageGenerationRequest).model_json_schema()
     props = schema["properties"]
     if max_n is not None and "n" in props:
@@ -356,6 +357,14 @@ def request_json_schema(spec: "ModelSpec | None" = None, limits: "RequestLimits 
     for name, default in MODEL_FIELDS.items():
         if name in props and getattr(spec, default) is None:
             del props[name]
+    if "extra_params" in props:  # only a whole-request pipeline's own __call__ names
+        names = tuple(getattr(spec, "extra_parameters", None) or ())
+        if not names:
+            del props["extra_params"]
+        else:
+            for branch in props["extra_params"].get("anyOf", [props["extra_params"]]):
+                if branch.get("type") == "object":
+                    branch["propertyNames"] = {"enum": list(names)}
     if "num_frames" in props:
         top = min(spec.max_num_frames or limits.max_num_frames, limits.max_num_frames)
         allowed = list(range(1, top + 1, spec.frame_factor))

@@ -370,6 +370,214 @@ def engine_overhead(runner: ModelRunner, engine: DiffusionEngine, steps: int, gu
     return pairs
 
 
+# ---------------------------------------------------------------------- trace mode (issue 27)
+@dataclass
+class TraceJob:
+    """One request of a trace: arrival offset (s; None = drawn at the replayed load), prompt,
+    size, steps, priority and deadline (s from arrival; None = none)."""
+
+    arrival_s: float | None
+    prompt: str
+    height: int
+    width: int
+    steps: int
+    priority: int = 0
+    deadline_s: float | None = None
+
+
+def builtin_trace(args, spec, step_s: float) -> list[TraceJob]:
+    """The built-in mix: sizes drawn from a weighted mix of the model's size and smaller ones
+    (40% full, 25% half height, 20% half width, 15% quarter area), step counts (60% `--steps`,
+    40% half), two SLO classes (30% interactive: priority 0, deadline `--slo-tight` x its steps
+    x `step_s`; 70% batch: priority 1, deadline `--slo-loose` x the same). `step_s`: the seconds
+    of a full-batch step (measured by the capacity probe)."""
+    rng = random.Random(args.seed)
+    f = spec.resolution_factor
+    h, w = args.size or (spec.default_height, spec.default_width)
+    half_h, half_w = max(f, (h // 2) // f * f), max(f, (w // 2) // f * f)
+    sizes = [((h, w), 0.40), ((half_h, w), 0.25), ((h, half_w), 0.20), ((half_h, half_w), 0.15)]
+    jobs = []
+    for i in range(args.num_requests):
+        (height, width), = rng.choices([s for s, _ in sizes], weights=[p for _, p in sizes])
+        steps = args.steps if rng.random() < 0.6 else max(1, args.steps // 2)
+        interactive = rng.random() < 0.3
+        factor = args.slo_tight if interactive else args.slo_loose
+        d = rng.randrange(10)
+        jobs.append(TraceJob(None, rng.choice(PROMPTS).format(d=d, w=WORDS[d]), height, width, steps,
+                             priority=0 if interactive else 1, deadline_s=factor * steps * step_s))
+    return jobs
+
+
+def load_trace(path: str) -> list[TraceJob]:
+    """A trace file: one JSON object per line with ``prompt``, ``height``, ``width``, ``steps``
+    and optionally ``arrival_s`` (else Poisson at the replayed load), ``priority``,
+    ``deadline_s``."""
+    jobs = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            jobs.append(TraceJob(row.get("arrival_s"), row["prompt"], int(row["height"]), int(row["width"]),
+                                 int(row["steps"]), int(row.get("priority", 0)), row.get("deadline_s")))
+    return jobs
+
+
+def _at_rate(jobs: list[TraceJob], rate: float | None, seed: int) -> list[TraceJob]:
+    """The jobs with Poisson arrivals at `rate` requests/s where a job has none (None: all at 0,
+    for closed-loop replays)."""
+    rng, t, out = random.Random(seed + 1), 0.0, []
+    for job in jobs:
+        if rate:
+            t += rng.expovariate(rate)
+        out.append(dataclasses.replace(job, arrival_s=job.arrival_s if job.arrival_s is not None else t))
+    return out
+
+
+def replay(engine: DiffusionEngine, jobs: list[TraceJob], concurrency: int | None, guidance: float | None,
+           seed: int) -> dict:
+    """Replay `jobs` on `engine` (open loop at their arrivals, or closed loop at `concurrency`),
+    stepping it in this thread. Returns pixels/s, requests/s, mean rows and tokens per forward
+    (the engine's counters over the replay), SLO attainment (finished within deadline_s /
+    requests with one), the longest queue wait and latency percentiles."""
+    before = engine.stats()["scheduler"]
+    start = time.perf_counter()
+    arrival, finish, queue, by_id = {}, {}, {}, {}
+    next_job = done = 0
+    while done < len(jobs):
+        now = time.perf_counter() - start
+        while next_job < len(jobs):
+            job = jobs[next_job]
+            if concurrency:
+                if next_job - done >= concurrency:
+                    break
+            elif job.arrival_s > now:
+                break
+            params = SamplingParams(num_inference_steps=job.steps, guidance_scale=guidance, seed=seed + next_job,
+                                    height=job.height, width=job.width, output_type="latent",
+                                    priority=job.priority, deadline_s=job.deadline_s)
+            rid = engine.add_request(job.prompt, params)
+            arrival[rid], by_id[rid] = (now if concurrency else job.arrival_s), job
+            next_job += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, jobs[next_job].arrival_s - (time.perf_counter() - start)))
+            continue
+        for event in engine.step():
+            if event.type.is_final:
+                assert event.output.ok, event.output.error
+                finish[event.request_id] = time.perf_counter() - start
+                queue[event.request_id] = event.output.metrics.queue_s
+                done += 1
+    after = engine.stats()["scheduler"]
+    forwards = after["forwards"] - before["forwards"]
+
+    def per_forward(key: str) -> float:
+        total = after[key] * after["forwards"] - before[key] * before["forwards"]
+        return total / forwards if forwards else 0.0
+
+    makespan = max(finish.values()) - min(arrival.values())
+    latency = {r: finish[r] - arrival[r] for r in finish}
+    judged = [r for r in finish if by_id[r].deadline_s is not None]
+    met = [r for r in judged if latency[r] <= by_id[r].deadline_s]
+    return {"pixels_per_s": sum(by_id[r].height * by_id[r].width for r in finish) / makespan,
+            "requests_per_s": len(finish) / makespan,
+            "rows_per_forward": per_forward("mean_rows_per_forward"),
+            "tokens_per_forward": per_forward("mean_tokens_per_forward"),
+            "slo_attainment": len(met) / len(judged) if judged else None,
+            "max_queue_s": max(queue.values()), "p50_latency_s": _pct(list(latency.values()), 50),
+            "p99_latency_s": _pct(list(latency.values()), 99), "preemptions": after["preemptions"] - before["preemptions"]}
+
+
+#: Trace-mode arms: (batching of sizes, scheduling policy).
+TRACE_ARMS = {"per_size": (False, "fcfs"), "mixed": (True, "fcfs"), "mixed_slo": (True, "slo")}
+
+
+def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
+    """Trace mode (see the module docstring): a closed-loop part (pixels/s of the mixed-size
+    workload vs the same workload at one size, rows per forward per-size vs mixed) and an
+    open-loop part (Poisson arrivals at each of `--trace-loads` x the per-size FCFS capacity;
+    arms per_size / mixed / mixed_slo), every part `--repeats` times with its arms interleaved."""
+    spec = runner.adapter.spec
+    concurrency = args.concurrency or 16
+
+    def engine_for(arm: str) -> DiffusionEngine:
+        mixed, policy = TRACE_ARMS[arm]
+        runner.adapter.mixed_sizes = mixed and runner._mixed_capable  # read by batch_key and prepare
+        return DiffusionEngine(dataclasses.replace(config, scheduling_policy=policy, aging_s=args.aging_s),
+                               runner=runner)
+
+    runner._mixed_capable = bool(runner.adapter.mixed_sizes)
+    # capacity probe: per-size FCFS, closed loop, on the mix with placeholder deadlines
+    probe_jobs = _at_rate(builtin_trace(args, spec, 1.0) if not args.trace or args.trace == "builtin"
+                          else load_trace(args.trace), None, args.seed)
+    probe_engine = engine_for("per_size")
+    probe = replay(probe_engine, probe_jobs, concurrency, args.guidance, args.seed)
+    capacity = probe["requests_per_s"]
+    full_rows = max(probe["rows_per_forward"], 1.0)
+    step_s = 1.0 / (capacity * sum(j.steps for j in probe_jobs) / len(probe_jobs) / max(concurrency, 1)) \
+        if capacity else 0.0
+    jobs = builtin_trace(args, spec, step_s) if not args.trace or args.trace == "builtin" else load_trace(args.trace)
+    one = one_size_of(jobs, spec)
+    one_size = [dataclasses.replace(j, height=one[0], width=one[1]) for j in jobs]
+    print(f"trace: {len(jobs)} requests; per-size FCFS capacity {capacity:.2f} req/s at concurrency {concurrency} "
+          f"({full_rows:.1f} rows/forward); step {step_s * 1000:.1f} ms; aging bound {args.aging_s:g} s; "
+          f"one-size workload at {one[0]}x{one[1]} (height x width)")
+    results: dict[str, list[dict]] = {}
+    loads = [float(x) for x in args.trace_loads.split(",")]
+    for repeat in range(args.repeats):
+        closed = [("closed/per_size", "per_size", jobs), ("closed/mixed", "mixed", jobs),
+                  ("closed/one_size", "mixed", one_size)]
+        opened = [(f"load{load:g}/{arm}", arm, _at_rate(jobs, load * capacity, args.seed + repeat))
+                  for load in loads for arm in args.trace_arms.split(",")]
+        runs = closed + opened
+        if repeat % 2:
+            runs = runs[::-1]
+        for name, arm, arm_jobs in runs:
+            result = replay(engine_for(arm), _at_rate(arm_jobs, None, 0) if name.startswith("closed") else arm_jobs,
+                            concurrency if name.startswith("closed") else None, args.guidance, args.seed)
+            results.setdefault(name, []).append(result)
+            print(f"  repeat {repeat} {name:22s} " + " ".join(
+                f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
+    runner.adapter.mixed_sizes = runner._mixed_capable
+    summary = {name: {k: _median_range([r[k] for r in runs]) for k in runs[0]} for name, runs in results.items()}
+
+    def ratio(a: str, b: str, key: str) -> list:
+        return _median_range([x[key] / y[key] for x, y in zip(results[a], results[b]) if y[key]])
+
+    summary["targets"] = {
+        "mixed_vs_one_size_pixels_per_s": ratio("closed/mixed", "closed/one_size", "pixels_per_s"),
+        "mixed_vs_per_size_rows_per_forward": ratio("closed/mixed", "closed/per_size", "rows_per_forward"),
+    }
+    for load in loads:
+        base, slo = f"load{load:g}/per_size", f"load{load:g}/mixed_slo"
+        if base in results and slo in results:
+            summary["targets"][f"load{load:g}_slo_points_over_per_size"] = _median_range(
+                [100 * ((s["slo_attainment"] or 0) - (b["slo_attainment"] or 0))
+                 for s, b in zip(results[slo], results[base])])
+    print("medians [min, max]:")
+    for name, values in summary.items():
+        print(f"  {name}: " + ", ".join(f"{k}={v[0]:.3g} [{v[1]:.3g}, {v[2]:.3g}]" for k, v in values.items()
+                                        if v[0] is not None))
+    return {"capacity_req_per_s": capacity, "step_s": step_s, "aging_s": args.aging_s, **summary}
+
+
+def one_size_of(jobs: list[TraceJob], spec) -> tuple[int, int]:
+    """The one size of "the same workload with one size": the valid (height, width) (multiples of
+    the resolution factor, within the jobs' largest) whose area is closest to the jobs' mean
+    area, the squarest on ties, so both workloads hold about the same pixels."""
+    f = spec.resolution_factor
+    mean = sum(j.height * j.width for j in jobs) / len(jobs)
+    top_h, top_w = max(j.height for j in jobs), max(j.width for j in jobs)
+    sizes = [(h, w) for h in range(f, top_h + 1, f) for w in range(f, top_w + 1, f)]
+    return min(sizes, key=lambda s: (abs(s[0] * s[1] - mean), abs(s[0] - s[1])))
+
+
+def _median_range(values: list) -> list:
+    """[median, min, max] of the non-None values ([None, None, None] when there are none)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return [None, None, None]
+    return [statistics.median(values), min(values), max(values)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -416,6 +624,18 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the device's peak dense TFLOP/s in the model dtype, for model FLOPs utilisation "
                          "(default: known for H100 / H200 / A100 in bf16 / fp16; else only achieved TFLOP/s)")
+    ap.add_argument("--trace", default=None, metavar="FILE|builtin",
+                    help="trace mode: replay a trace (JSON lines, see load_trace) or the built-in mix of sizes, "
+                         "step counts and two SLO classes; arms --trace-arms at --trace-loads x capacity")
+    ap.add_argument("--trace-loads", default="0.8,1.0", help="trace mode: loads as fractions of capacity")
+    ap.add_argument("--trace-arms", default="per_size,mixed,mixed_slo",
+                    help="trace mode: per_size (batching by size, FCFS: before issue 27), mixed (mixed sizes, "
+                         "FCFS), mixed_slo (mixed sizes, --scheduling-policy slo)")
+    ap.add_argument("--slo-tight", type=float, default=3.0,
+                    help="trace mode: interactive deadline = this x its steps x a full-batch step")
+    ap.add_argument("--slo-loose", type=float, default=12.0,
+                    help="trace mode: batch-class deadline = this x its steps x a full-batch step")
+    ap.add_argument("--aging-s", type=float, default=60.0, help="trace mode: the slo arm's aging bound")
     args = ap.parse_args()
     if args.concurrency is None and args.request_rate is None:
         args.concurrency = 16
@@ -434,6 +654,12 @@ def main() -> None:
     options = AdapterOptions(context_folding=config.context_folding, model_dir=Path(config.model_path))
     adapter = adapter_class(class_name).from_components(components, config.torch_device, config.torch_dtype, options)
     runner = ModelRunner(config, adapter=adapter)
+    if args.trace:
+        DiffusionEngine(config, runner=runner).generate(["digit 1"] * 4, SamplingParams(num_inference_steps=2))
+        result = run_trace(args, config, runner)
+        if args.json:
+            print(json.dumps(result))
+        return
     pipe_class = getattr(diffusers, class_name)  # the folder's own diffusers pipeline class
     settings = {k: v for k, v in pipeline_config(config.model_path).items()  # e.g. Wan 2.2's boundary_ratio
                 if k in inspect.signature(pipe_class).parameters}

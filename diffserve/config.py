@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 EXECUTION_MODES = ("step", "request")
 EXECUTORS = ("auto", "inprocess", "multiprocess")
+#: `EngineConfig.scheduling_policy` values (vLLM's ``--scheduling-policy`` plus ``slo``).
+SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
+#: `EngineConfig.admission` values.
+ADMISSION_MODES = ("all", "slo")
 LOAD_FORMATS = ("default", "dummy", "custom_pipeline")
 #: ``dtype`` values -> the torch dtype's attribute name.
 _DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16",
@@ -60,6 +64,19 @@ class EngineConfig:
             `EngineOverloadedError`.
         execution_mode: ``"step"`` (continuous batching, one denoising step at a time) or
             ``"request"`` (static batches run to completion).
+        scheduling_policy: ``"fcfs"`` (arrival order; the default), ``"priority"`` (lowest
+            ``SamplingParams.priority`` first, preempting at step boundaries) or ``"slo"``
+            (least slack to ``deadline_s`` first, from an online cost model of step time;
+            preempting at step boundaries). See `diffserve.engine.queues` (step mode only).
+        mixed_sizes: let requests of different sizes share a denoiser forward in the families
+            that can (`PipelineAdapter.mixed_sizes`: SD3 and the built-in digits model); False
+            batches by size as before (the benchmark's baseline arm).
+        aging_s: under ``priority`` / ``slo``, a request that arrived more than this many
+            seconds ago is served in arrival order ahead of every younger one (the bound on
+            waiting: nothing starves).
+        admission: ``"all"`` (queue every valid request) or ``"slo"`` (refuse at arrival, with
+            `DeadlineUnmeetableError`, a request whose ``deadline_s`` the cost model predicts it
+            cannot meet).
         default_seed: seed for requests that give none; None draws a random one per request
             (always reported back in the output).
         max_num_inference_steps / max_pixels / max_num_images_per_prompt / max_num_frames /
@@ -148,6 +165,10 @@ class EngineConfig:
     max_batch_size: int = 16
     max_waiting_requests: int = 1024
     execution_mode: str = "step"
+    scheduling_policy: str = "fcfs"
+    mixed_sizes: bool = True
+    aging_s: float = 60.0
+    admission: str = "all"
     default_seed: int | None = None
     max_num_inference_steps: int = 200
     max_pixels: int = 2048 * 2048
@@ -200,6 +221,13 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidRequestError(name, value, "an integer >= 1")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise InvalidRequestError("scheduling_policy", self.scheduling_policy, f"one of {SCHEDULING_POLICIES}")
+        if self.admission not in ADMISSION_MODES:
+            raise InvalidRequestError("admission", self.admission, f"one of {ADMISSION_MODES}")
+        if isinstance(self.aging_s, bool) or not isinstance(self.aging_s, (int, float)) \
+                or not math.isfinite(self.aging_s) or self.aging_s <= 0:
+            raise InvalidRequestError("aging_s", self.aging_s, "a positive finite number of seconds")
         if self.executor not in EXECUTORS:
             raise InvalidRequestError("executor", self.executor, f"one of {EXECUTORS}")
         if self.executor == "inprocess" and self.world_size > 1:
@@ -229,7 +257,8 @@ class EngineConfig:
         nbytes = self.prompt_embed_cache_bytes
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1:
             raise InvalidRequestError("prompt_embed_cache_bytes", nbytes, "an integer >= 1 (bytes)")
-        for name in ("compile", "compile_vae", "context_folding", "overlap_stages", "cuda_graphs", "cpu_offload",
+        for name in ("compile", "compile_vae", "context_folding", "mixed_sizes", "overlap_stages", "cuda_graphs",
+                     "cpu_offload",
                      "layerwise_offload", "enable_sleep_mode"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(name, getattr(self, name), "true or false")

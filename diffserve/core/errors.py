@@ -42,6 +42,16 @@ class EngineOverloadedError(RuntimeError):
     """The engine's waiting queue is full; retry later (HTTP 429)."""
 
 
+class DeadlineUnmeetableError(EngineOverloadedError):
+    """``--admission slo``: the request's ``deadline_s`` cannot be met at the current load
+    (the step cost model's prediction exceeds it); refused at arrival (HTTP 429, code
+    ``deadline_unmeetable``). `reason` says by how much."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
 class UnsupportedModelError(ValueError):
     """The model folder holds a pipeline class diffserve has no adapter for, or is not a
     diffusers folder at all."""

@@ -47,6 +47,9 @@ class RequestMetrics:
     ``cache_error_estimate`` the run-time guard's final estimate of the relative error
     skipping put into the result (`diffserve.acceleration.cache_guard`), ``cache_check_steps``
     the computed steps that measured the forecast's error. None / 0 otherwise.
+    ``preemptions`` counts the step boundaries at which the ``priority`` / ``slo`` scheduling
+    policy left the request out of a step it had been running in; ``deadline_met`` is whether it
+    finished within its ``deadline_s`` (None without a deadline).
     """
 
     arrival_time: float = 0.0
@@ -70,6 +73,8 @@ class RequestMetrics:
     cache_skipped_steps: int = 0
     cache_error_estimate: float | None = None
     cache_check_steps: int = 0
+    preemptions: int = 0
+    deadline_met: bool | None = None
 
     @property
     def first_chunk_s(self) -> float | None:
@@ -90,6 +95,8 @@ class RequestMetrics:
             "request_peak_memory_bytes": self.request_peak_memory_bytes,
             "offload_loads": self.offload_loads,
             **({"chunk_s": list(self.chunk_s)} if self.chunk_s else {}),
+            **({"preemptions": self.preemptions} if self.preemptions else {}),
+            **({"deadline_met": self.deadline_met} if self.deadline_met is not None else {}),
             **({"ar_queue_s": self.ar_queue_s, "ar_s": self.ar_s, "transfer_s": self.transfer_s,
                 "payload_wait_s": self.payload_wait_s, "payload_bytes": self.payload_bytes}
                if self.payload_bytes else {}),

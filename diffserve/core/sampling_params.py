@@ -36,6 +36,8 @@ A1111_SAMPLERS: dict[str, tuple[str, str | None]] = {
     "unipc": ("UniPC", None), "lcm": ("LCM", None),
 }
 SAMPLER_NAMES = tuple(A1111_SAMPLERS)
+#: `SamplingParams.priority` range: [-MAX_PRIORITY - 1, MAX_PRIORITY] (a signed 32-bit integer).
+MAX_PRIORITY = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -204,6 +206,13 @@ class SamplingParams:
             fallback for classes without a step adapter), by name, e.g. ``{"pag_scale": 3.0}``;
             only names in the model's ``ModelSpec.extra_parameters`` (checked when the request
             is added; the HTTP field ``extra_params``, the CLI's ``--extra KEY=JSON``).
+        priority: an integer in [-2**31, 2**31 - 1]; LOWER values are served first (vLLM's
+            convention) under the ``priority`` scheduling policy and break ties under ``slo``;
+            unused (accepted) under ``fcfs``. Default 0.
+        deadline_s: seconds from arrival by which the request should finish (its SLO), a
+            positive finite number; the ``slo`` policy orders steps by least slack and
+            ``--admission slo`` refuses a request that cannot meet it. Under other policies it
+            is only counted (SLO attainment). None: no deadline.
     """
 
     negative_prompt: str | None = None
@@ -227,6 +236,8 @@ class SamplingParams:
     scheduler: str | None = None
     clip_skip: int | None = None
     eta: float | None = None
+    priority: int = 0
+    deadline_s: float | None = None
 
     def image_seeds(self) -> list[int]:
         """The seed of each of the ``num_images_per_prompt`` images: `image_seed` (`seed`, i).
@@ -251,9 +262,9 @@ class SamplingParams:
         """
         p = dataclasses.replace(self)
         for name in ("num_images_per_prompt", "height", "width", "num_inference_steps", "seed",
-                     "max_sequence_length", "num_frames", "fps", "num_chunks", "clip_skip"):
+                     "max_sequence_length", "num_frames", "fps", "num_chunks", "clip_skip", "priority"):
             setattr(p, name, _as_int(getattr(p, name)))  # numpy / torch integer scalars welcome
-        for name in ("guidance_scale", "true_cfg_scale", "guidance_scale_2", "strength", "eta"):
+        for name in ("guidance_scale", "true_cfg_scale", "guidance_scale_2", "strength", "eta", "deadline_s"):
             value = getattr(p, name)
             if isinstance(value, numbers.Real) and not isinstance(value, bool):
                 setattr(p, name, float(value))
@@ -286,6 +297,11 @@ class SamplingParams:
         if p.strength is not None:  # left None when absent: only image inputs use a default
             _default_or_refuse(spec, "strength", p.strength, spec.default_strength, "no image inputs (no strength)")
 
+        _check_int("priority", p.priority, -MAX_PRIORITY - 1, MAX_PRIORITY)
+        if p.deadline_s is not None and not (isinstance(p.deadline_s, float) and math.isfinite(p.deadline_s)
+                                             and p.deadline_s > 0):
+            raise InvalidRequestError("deadline_s", p.deadline_s, "a positive finite number of seconds from arrival "
+                                      "(or null: no deadline)")
         _check_int("num_inference_steps", p.num_inference_steps, 1, limits.max_num_inference_steps)
         _check_int("num_images_per_prompt", p.num_images_per_prompt, 1, limits.max_num_images_per_prompt)
         f = spec.resolution_factor

@@ -109,11 +109,13 @@ class DiffusionEngine:
         queues = RequestQueues(self.config.max_batch_size, self.config.max_waiting_requests,
                                self.config.execution_mode,
                                memory_limit=self.memory_budget.available if self.memory_budget is not None else None,
-                               max_loras=self.config.max_loras, lora_ready=self.loras.ready)
+                               max_loras=self.config.max_loras, lora_ready=self.loras.ready,
+                               policy=self.config.scheduling_policy, aging_s=self.config.aging_s)
         #: multi-stage models: the AR stage client (None for single-stage models)
         self.ar_stage = build_ar_stage(self.config, executor) if self.model_info.ar_stage else None
         self.scheduler = RequestScheduler(queues, self.model_info, executor.peak_memory_bytes,
-                                          notify=self._mail.notify_all, ar_stage=self.ar_stage)
+                                          notify=self._mail.notify_all, ar_stage=self.ar_stage,
+                                          admission=self.config.admission)
         self.sleep_mode = SleepMode(executor, self._lock, self._step_lock, self._drain)
         self._step_listeners: list[Callable[[int, int, float], None]] = []
         for name, path in self.config.loras.items():  # --lora NAME=PATH: loaded before serving
@@ -264,6 +266,7 @@ class DiffusionEngine:
         multi-stage models ``ar_stage`` (the AR stage's counters and its connector's accounting)
         and ``payloads`` (the DiT side's receiver)."""
         stats = dict(self.executor.stats())
+        stats["scheduler"] = self.scheduler.stats()
         stats["quantization"] = self.model_info.quantization
         if self.memory_budget is not None:
             stats["memory_budget"] = self.memory_budget.stats(self.scheduler.queues.running_memory)

@@ -17,6 +17,25 @@ Fairness rule (step mode):
   runs: no starvation, and an incompatible request never stalls compatible ones for longer
   than its own remaining steps.
 
+Scheduling policies (step mode; `policy`):
+- ``fcfs`` (default): the rule above.
+- ``priority``: requests are ranked by ``SamplingParams.priority`` (lower first, then arrival).
+  Admission takes waiting requests in rank order; each step runs the best-ranked denoising
+  request's key with the next best of that key up to `max_batch_size` rows. A waiting request
+  that outranks a running one is admitted even when the rows are taken (up to
+  `PREEMPT_HEADROOM` x `max_batch_size` rows held): the running one is then *preempted* at the
+  step boundary: left out of the step, its state kept in the worker, resumed later exactly
+  where it stopped (no recompute).
+- ``slo``: ranked by least slack: ``deadline - now - remaining steps x predicted step time``
+  (`cost_model.StepCostModel`, fitted online on the steps run; before the first step: earliest
+  deadline first); requests without a deadline, and those whose slack is already negative
+  (they miss their deadline whatever runs: serving them first would make others miss theirs
+  too), after those that can still meet theirs, by priority then arrival. Admission and
+  preemption as under ``priority``.
+- Aging (both): a request that arrived more than `aging_s` seconds ago ranks before every
+  younger one, in arrival order among themselves. So a request waits at most `aging_s` plus
+  what FCFS would make it wait behind the requests older than it: nothing starves.
+
 Request mode (static batching, the baseline): when nothing runs, the head of the queue and
 every waiting request sharing its batch key (up to `max_batch_size` rows) are admitted
 together and run to completion before anything else is admitted.
@@ -29,11 +48,20 @@ not fit waits at the head of the queue.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
 from diffserve.engine.request import Phase, Request
 from diffserve.core.errors import EngineOverloadedError
+from diffserve.engine.cost_model import StepCostModel
+
+#: Under ``priority`` / ``slo``, admission may hold up to this many times `max_batch_size` rows
+#: (the extra rows are preempted requests waiting at a step boundary, their state kept).
+PREEMPT_HEADROOM = 2
+#: Under ``slo``, a request in the current step batch counts its slack this many (predicted)
+#: steps smaller when the batch is rebuilt: preemption needs a clear difference in urgency.
+PREEMPT_MARGIN_STEPS = 4
 
 
 class RequestQueues:
@@ -50,11 +78,15 @@ class RequestQueues:
             device slots; None = no bound).
         lora_ready: whether the workers hold every named adapter (None = always); a request
             whose adapters are still loading is passed over at admission.
+        policy: ``"fcfs"``, ``"priority"`` or ``"slo"`` (the module docstring; step mode).
+        aging_s: the aging bound of ``priority`` / ``slo`` in seconds.
+        cost_model: the step-time model ``slo`` ranks with (a fresh one when None).
     """
 
     def __init__(self, max_batch_size: int, max_waiting: int, mode: str = "step",
                  memory_limit: int | None = None, max_loras: int | None = None,
-                 lora_ready: Callable[[Iterable[str]], bool] | None = None):
+                 lora_ready: Callable[[Iterable[str]], bool] | None = None, policy: str = "fcfs",
+                 aging_s: float = 60.0, cost_model: StepCostModel | None = None):
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
         self.mode = mode
@@ -65,6 +97,17 @@ class RequestQueues:
         self.running: list[Request] = []
         #: the last `select_batch` result, reused until something it depends on changes
         self._batch: list[Request] | None = None
+        self.policy = policy if mode == "step" else "fcfs"
+        self.aging_s = aging_s
+        self.cost_model = cost_model or StepCostModel()
+        #: image tokens of the last selected batch (`Request.tokens` summed)
+        self.batch_tokens = 0
+        #: requests left out of a step they were running in (priority / slo)
+        self.preemptions = 0
+        #: ranked policies: some denoising request was left out of the batch (re-rank each tick)
+        self._contended = False
+        #: ranked policies: the previous selected batch (preemptions are counted against it)
+        self._last: list[Request] | None = None
 
     def changed(self) -> None:
         """Forget the last selected batch: a running request's phase or step key changed
@@ -158,6 +201,8 @@ class RequestQueues:
                     memory += request.memory_bytes
                 else:
                     i += 1
+        elif self.waiting and self.policy != "fcfs":
+            self._admit_ranked(take, loras_fit)
         elif self.waiting:
             rows, memory = self.running_rows, self.running_memory
             i = 0
@@ -178,6 +223,98 @@ class RequestQueues:
             self._batch = None
         return admitted
 
+    # ------------------------------------------------------------------ ranked policies
+    def rank(self, request: Request, now: float, step_s: float | None, stepping: bool = False) -> tuple:
+        """Sort key of `request` under the ranked policies (smaller = served first): aged
+        requests first in arrival order, then by priority (``priority``) or slack (``slo``;
+        `step_s`: the predicted seconds of a step, None = unknown: earliest deadline first).
+
+        `stepping` (a member of the previous step's batch) is the hysteresis that keeps a batch
+        from thrashing: among equal priorities it ranks first, and under ``slo`` its slack
+        counts `PREEMPT_MARGIN_STEPS` steps smaller, so a newcomer preempts it only when
+        clearly more urgent (not when the cost model's estimate jitters)."""
+        if now - (request.ar_end_time or request.arrival_time) > self.aging_s:
+            return (0, 0.0, 0, 0, request.seq)
+        priority = request.params.priority
+        member = 0 if stepping else 1
+        if self.policy == "priority":
+            return (1, 0.0, priority, member, request.seq)
+        deadline = request.params.deadline_s
+        if deadline is None:
+            return (2, 0.0, priority, member, request.seq)
+        step = step_s or 0.0
+        slack = request.arrival_time + deadline - now - max(request.num_steps - request.steps_done, 0) * step
+        if slack < 0:  # it will miss its deadline anyway: after those that can still make theirs
+            return (2, 0.0, priority, member, request.seq)
+        if stepping:
+            slack -= PREEMPT_MARGIN_STEPS * step
+        return (1, slack, priority, member, request.seq)
+
+    def step_seconds(self) -> float | None:
+        """The cost model's prediction of a step at the current load (the running requests'
+        tokens, at most a batch's worth), or None before the first step."""
+        tokens = sum(r.tokens for r in self.running if r.phase is Phase.DENOISING)
+        return self.cost_model.predict(tokens)
+
+    def _admit_ranked(self, take: Callable[[int], Request], loras_fit: Callable[[Request], bool | None]) -> None:
+        """Admission under ``priority`` / ``slo``: waiting requests in rank order while their rows
+        fit; past `max_batch_size`, one that outranks the worst-ranked running request is still
+        admitted (up to `PREEMPT_HEADROOM` x rows): the step batch then preempts that one."""
+        now = time.perf_counter()
+        step_s = self.step_seconds() if self.policy == "slo" else None
+        ranked = sorted(self.waiting, key=lambda r: self.rank(r, now, step_s))
+        rows, memory = self.running_rows, self.running_memory
+        worst = max((self.rank(r, now, step_s) for r in self.running if r.phase is not Phase.DECODING),
+                    default=None)
+        for head in ranked:
+            fit = loras_fit(head)
+            if fit is None:
+                continue
+            if self.running or rows:
+                if not fit or not self._fits_memory(memory, head):
+                    break
+                if rows + head.rows > self.max_batch_size:
+                    outranks = worst is not None and self.rank(head, now, step_s) < worst
+                    if not outranks or rows + head.rows > PREEMPT_HEADROOM * self.max_batch_size:
+                        break
+            take(next(i for i, r in enumerate(self.waiting) if r is head))
+            rows += head.rows
+            memory += head.memory_bytes
+
+    def _select_ranked(self) -> list[Request]:
+        """`select_batch` under ``priority`` / ``slo``: the best-ranked denoising request's key,
+        then the next best of that key up to `max_batch_size` rows; the previous list object when
+        the members are unchanged (so its `StepRun` continues)."""
+        denoising = [r for r in self.running if r.phase is Phase.DENOISING]
+        if not denoising:
+            self._contended = False
+            return []
+        now = time.perf_counter()
+        step_s = self.step_seconds() if self.policy == "slo" else None
+        stepping = set(map(id, self._last or ()))
+        denoising.sort(key=lambda r: self.rank(r, now, step_s, id(r) in stepping))
+        key = (denoising[0].batch_key, denoising[0].step_key)
+        batch: list[Request] = []
+        rows = 0
+        for request in denoising:
+            if (request.batch_key, request.step_key) != key:
+                continue
+            if batch and rows + request.rows > self.max_batch_size:
+                continue
+            batch.append(request)
+            rows += request.rows
+        self._contended = len(batch) < len(denoising)
+        previous = self._last
+        if previous is not None and len(previous) == len(batch) and all(a is b for a, b in zip(previous, batch)):
+            return previous
+        if previous:
+            members = set(map(id, batch))
+            for request in previous:
+                if id(request) not in members and request.phase is Phase.DENOISING:
+                    self.preemptions += 1
+                    request.metrics.preemptions += 1
+        return batch
+
     def select_batch(self) -> list[Request]:
         """Requests for the next denoising step: the oldest denoising request's (batch key,
         step key), oldest first, up to `max_batch_size` rows (the oldest always included).
@@ -185,7 +322,12 @@ class RequestQueues:
         While nothing it depends on changed (no admission, `finish` or `changed` since), the
         previous call's list is returned again, as is (the same object: callers must not
         modify it), so a step of an unchanged batch costs no per-request work here."""
-        if self._batch is not None:
+        if self._batch is not None and not self._contended:
+            return self._batch
+        if self.policy != "fcfs":
+            self._batch = self._select_ranked()
+            self._last = self._batch
+            self.batch_tokens = sum(r.tokens for r in self._batch)
             return self._batch
         ordered = sorted((r for r in self.running if r.phase is Phase.DENOISING), key=lambda r: r.seq)
         if not ordered:
@@ -201,6 +343,7 @@ class RequestQueues:
             batch.append(request)
             rows += request.rows
         self._batch = batch
+        self.batch_tokens = sum(r.tokens for r in batch)
         return batch
 
     def finish(self, request: Request) -> None:

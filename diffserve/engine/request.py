@@ -58,6 +58,9 @@ class Request:
         ar_text: multi-stage models: the AR stage's text (`GenerationOutput.ar_text`).
         ar_end_time: ``time.perf_counter()`` when its AR stage finished (its DiT queue time
             counts from there).
+        tokens: image tokens its rows put in a forward (rows x the tokens of its size: height /
+            f x width / f, f the model's resolution factor, x latent frames); what the step
+            cost model and the tokens-per-forward metric count.
     """
 
     request_id: str
@@ -87,6 +90,7 @@ class Request:
     context: Any = None
     ar_text: str | None = None
     ar_end_time: float | None = None
+    tokens: int = 0
 
     @property
     def lora_names(self) -> tuple[str, ...]:

@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from diffserve.core.errors import InteractionRefusedError, InvalidRequestError
-from diffserve.core.errors import EngineOverloadedError
+from diffserve.core.errors import DeadlineUnmeetableError, EngineOverloadedError
 from diffserve.core.messages import (
     ChunkDone,
     ChunkWork,
@@ -63,6 +63,7 @@ from diffserve.core.messages import (
 from diffserve.core.outputs import EventType, GenerationOutput, RequestStatus, StreamEvent
 from diffserve.engine.queues import RequestQueues
 from diffserve.engine.request import Phase, Request
+from diffserve.engine.scheduler_stats import SchedulerCounters
 from diffserve.engine.step_run import StepRun
 
 if TYPE_CHECKING:
@@ -89,12 +90,16 @@ class RequestScheduler:
         ar_stage: multi-stage models: the AR stage client (``submit(request_id, prompt,
             params, on_delta) -> Future`` of its ``ARDone``, ``abort(request_id)``,
             ``free(request_ids)``); None for single-stage models.
+        admission: ``"all"`` or ``"slo"`` (refuse at arrival a request whose ``deadline_s``
+            the queues' step cost model predicts it cannot meet).
     """
 
     def __init__(self, queues: RequestQueues, model_info: ModelInfo,
                  peak_memory_bytes: Callable[[], int] = lambda: 0, notify: Callable[[], None] | None = None,
-                 ar_stage=None):
+                 ar_stage=None, admission: str = "all"):
         self.queues = queues
+        self.admission = admission
+        self.counters = SchedulerCounters()
         self.ar_stage = ar_stage
         #: requests in the AR stage: id -> the future of its result
         self._ar_work: dict[str, Future] = {}
@@ -140,11 +145,14 @@ class RequestScheduler:
         if request_id in self.requests:
             raise InvalidRequestError("request_id", request_id, "unique among live requests")
         plan = processed.plan
+        tokens = plan.rows * self._tokens_per_row(processed.params)
+        if self.admission == "slo" and processed.params.deadline_s is not None:
+            self._admit_deadline(processed.params, plan.num_steps, plan.rows, tokens)
         request = Request(request_id=request_id, prompt=processed.prompt, params=processed.params,
                           inputs=processed.inputs, batch_key=plan.batch_key, rows=plan.rows, seq=next(self._seq),
                           arrival_time=time.perf_counter(), preview_steps=frozenset(int(s) for s in preview_steps),
                           listener=listener, progress=bool(progress), memory_bytes=processed.memory_bytes,
-                          num_steps=plan.num_steps)
+                          num_steps=plan.num_steps, tokens=tokens)
         request.metrics.arrival_time = time.time()
         if self.ar_stage is None:
             self.queues.add(request)
@@ -167,6 +175,41 @@ class RequestScheduler:
                 self.requests.pop(request_id, None)
                 raise
         return request_id
+
+    def _tokens_per_row(self, params) -> int:
+        """Image tokens of one row of a request (`Request.tokens`)."""
+        spec = self.model_info.spec
+        f = max(spec.resolution_factor, 1)
+        height, width = params.height or spec.default_height, params.width or spec.default_width
+        frames = 1 if not params.num_frames else (params.num_frames - 1) // max(spec.frame_factor, 1) + 1
+        return max((height // f) * (width // f), 1) * frames
+
+    def _admit_deadline(self, params, num_steps: int, rows: int, tokens: int) -> None:
+        """``--admission slo``: refuse a request whose deadline the cost model says it misses.
+        Predicted: its own steps at the load it would join (the running requests' tokens plus
+        its own); when its rows do not fit beside the running ones, plus the steps of the work
+        ahead of it (running and waiting rows x remaining steps, `max_batch_size` rows a step).
+        Nothing is refused before the first step is measured.
+
+        Raises:
+            DeadlineUnmeetableError: with the predicted and the asked seconds.
+        """
+        q = self.queues
+        active = [r for r in q.running if r.phase is not Phase.DECODING]
+        step = q.cost_model.predict(sum(r.tokens for r in active) + tokens)
+        if step is None:
+            return
+        ahead = 0.0
+        if q.running_rows + rows > q.max_batch_size:
+            work = sum(r.rows * max(r.num_steps - r.steps_done, 0) for r in (*active, *q.waiting))
+            ahead = work / q.max_batch_size
+        predicted = step * (num_steps + ahead)
+        if predicted > params.deadline_s:
+            self.counters.refused += 1
+            raise DeadlineUnmeetableError(
+                f"deadline_s {params.deadline_s:g} s cannot be met at the current load: predicted {predicted:.3g} s "
+                f"({num_steps} steps + {ahead:.3g} steps of work ahead, {step * 1000:.3g} ms a step); retry later "
+                "or ask for a longer deadline")
 
     def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request. A waiting one is closed at once; a running one
@@ -252,6 +295,7 @@ class RequestScheduler:
                 request.phase = Phase.PREPARING
                 request.status = RequestStatus.RUNNING
                 request.metrics.queue_s = now - (request.ar_end_time or request.arrival_time)
+                self.counters.queued(request.params.priority, request.metrics.queue_s)
             self._emit([StreamEvent(r.request_id, EventType.STARTED, step=0, total=r.num_steps) for r in admitted])
             new_requests = [NewRequest(r.request_id, r.prompt, r.params, r.inputs, context=r.context)
                             for r in admitted]
@@ -277,6 +321,9 @@ class RequestScheduler:
     def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> None:
         """Apply the workers' `result` for `out` (see the module docstring)."""
         if result.step is not None:
+            tokens = self.queues.batch_tokens
+            self.counters.forward(result.step.num_rows, tokens)
+            self.queues.cost_model.observe(tokens, result.step_end - result.step_start)
             self._book_step(out.step_ids, result.step, result.step_end)
         if result.prepared:
             self._on_prepared(result.prepared)
@@ -345,6 +392,13 @@ class RequestScheduler:
             if request.request_id == request_id:
                 return position
         return None
+
+    def stats(self) -> dict:
+        """The request scheduler's counters (`SchedulerCounters.as_dict`) with its policy, the
+        preemptions and the step cost model's fit."""
+        return {"scheduling_policy": self.queues.policy, "admission": self.admission,
+                **self.counters.as_dict(), "preemptions": self.queues.preemptions,
+                "cost_model": self.queues.cost_model.stats()}
 
     @property
     def num_waiting(self) -> int:
@@ -577,6 +631,9 @@ class RequestScheduler:
         m = request.metrics
         m.total_s = time.perf_counter() - request.arrival_time
         m.peak_memory_bytes = self._peak_memory_bytes()
+        if request.params.deadline_s is not None and status is RequestStatus.FINISHED:
+            m.deadline_met = m.total_s <= request.params.deadline_s
+            self.counters.finished_with_deadline(m.deadline_met, request.params.num_images_per_prompt)
         if error is None:
             message = None
         elif isinstance(error, WorkError):

@@ -33,6 +33,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--execution-mode", default="step", choices=["step", "request"],
                         help="step = continuous batching (requests join and leave between steps); request = "
                              "static batches run to completion")
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "slo"],
+                        help="fcfs = arrival order; priority = lowest request priority first; slo = least slack to "
+                             "the request's deadline_s first (both preempt at step boundaries; README: Scheduling "
+                             "policies)")
+    parser.add_argument("--aging-s", type=float, default=60.0, metavar="SECONDS",
+                        help="priority/slo: requests older than this are served in arrival order ahead of younger "
+                             "ones (the bound on waiting)")
+    parser.add_argument("--admission", default="all", choices=["all", "slo"],
+                        help="slo = refuse at arrival (HTTP 429) a request whose deadline_s the cost model "
+                             "predicts it cannot meet")
     parser.add_argument("--threads", type=int, default=None, metavar="N",
                         help="torch intra-op threads (default: torch's, one per core)")
     parser.add_argument("--max-num-inference-steps", type=int, default=200, metavar="N",
@@ -44,6 +54,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-context-folding", dest="context_folding", action="store_false",
                         help="run SD3's 256 zero T5 placeholder tokens and Wan's zero prompt padding rows in "
                              "full instead of as one folded token (slower; same outputs within float rounding)")
+    parser.add_argument("--no-mixed-sizes", dest="mixed_sizes", action="store_false",
+                        help="batch requests by size, as before issue 27 (default: SD3-family requests of "
+                             "different sizes share a forward, each row with its own positions and span)")
     parser.add_argument("--prompt-embed-cache-size", type=int, default=256, metavar="N",
                         help="entries of the prompt-embedding LRU cache (0 = off)")
     parser.add_argument("--cache-backend", default="none", choices=["none", "teacache", "cache_dit"],
@@ -123,12 +136,16 @@ def engine_config_from_args(args: argparse.Namespace):
         load_format=args.load_format,
         max_batch_size=args.max_batch_size,
         execution_mode=args.execution_mode,
+        scheduling_policy=args.scheduling_policy,
+        aging_s=args.aging_s,
+        admission=args.admission,
         max_num_inference_steps=args.max_num_inference_steps,
         max_num_frames=args.max_num_frames,
         max_num_chunks=args.max_num_chunks,
         num_threads=args.threads,
         prompt_embed_cache_size=args.prompt_embed_cache_size,
         context_folding=args.context_folding,
+        mixed_sizes=args.mixed_sizes,
         cache_backend=args.cache_backend,
         cache_config=_cache_config(args),
         compile=args.compile,

@@ -6,6 +6,7 @@ context parallelism, the AR-context attention of the multi-stage models)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention
 
 
@@ -51,3 +52,19 @@ def joint_qkv(attn: Attention, hidden_states: torch.Tensor, encoder_hidden_state
         context_key = attn.norm_added_k(context_key)
     return (torch.cat([query, context_query], dim=token_dim), torch.cat([key, context_key], dim=token_dim),
             torch.cat([value, context_value], dim=token_dim))
+
+
+def joint_output(attn: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, num_image: int,
+                 attn_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over `joint_qkv`'s (B, H, N, D) tensors with an additive or boolean
+    `attn_mask` (broadcastable to (B, H, N, N); None: none), split back into the image stream
+    (B, num_image, C) after ``to_out`` and the context stream after ``to_add_out`` (as it is
+    for a ``context_pre_only`` block), as diffusers' ``JointAttnProcessor2_0`` returns them."""
+    batch_size = query.shape[0]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask)
+    out = out.transpose(1, 2).reshape(batch_size, -1, attn.heads * query.shape[-1]).to(query.dtype)
+    hidden_states, encoder_hidden_states = out[:, :num_image], out[:, num_image:]
+    hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
+    if not attn.context_pre_only:
+        encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+    return hidden_states, encoder_hidden_states

@@ -23,7 +23,7 @@ cache key (CUDA graphs capture one graph per row-data layout).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
@@ -32,6 +32,9 @@ import torch
 
 if TYPE_CHECKING:
     from diffserve.pipelines.request_state import RequestState
+
+
+_MISSING = object()
 
 
 class RowData(Mapping):
@@ -92,6 +95,16 @@ class RowData(Mapping):
         if hit is None:
             values = [default if v is None else v for v in self._values[key]]
             hit = self._memo[memo] = torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        return hit
+
+    def derived(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """``build()`` computed once per `RowData` under `key` (e.g. a mask or index tensors a
+        plug-in derives from the rows' values), then reused by every block of every forward of
+        the same batch composition."""
+        memo = ("derived", key)
+        hit = self._memo.get(memo, _MISSING)
+        if hit is _MISSING:  # (a None result is remembered too)
+            hit = self._memo[memo] = build()
         return hit
 
     def select(self, index: Sequence[int] | torch.Tensor) -> "RowData":

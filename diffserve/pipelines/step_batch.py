@@ -48,6 +48,10 @@ class StepBatch:
         timesteps: (N,) each latent row's current timestep.
         row_data: the requests' per-row data (`RowData`, branch-major, B * N rows);
             `row_data.NO_ROW_DATA` when no request has any.
+        latent_sizes: None when every request's latents have one shape; else each request's
+            spatial size (its latents' dims after the channel dim): the batch's latents are
+            then zero-padded to the largest of each dim (mixed sizes, `token_spans`) and
+            `split` crops each request's region back out.
     """
 
     states: list["RequestState"]
@@ -58,6 +62,7 @@ class StepBatch:
     timesteps: torch.Tensor
     cache: "BatchCache | None" = field(default=None, repr=False)
     row_data: RowData = NO_ROW_DATA
+    latent_sizes: list[tuple[int, ...]] | None = None
     _offsets: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -95,10 +100,15 @@ class StepBatch:
         return values.to(self.latents.device, non_blocking=True)
 
     def split(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Split an (N, ...) tensor into each request's rows (views)."""
+        """Split an (N, ...) tensor into each request's rows (views; with `latent_sizes`, each
+        cropped to its request's own spatial size)."""
         if len(self.row_counts) == 1:
             return [tensor]
-        return list(torch.split(tensor, self.row_counts, dim=0))
+        parts = torch.split(tensor, self.row_counts, dim=0)
+        if self.latent_sizes is None:
+            return list(parts)
+        return [part[(slice(None), slice(None), *(slice(0, d) for d in size))]
+                for part, size in zip(parts, self.latent_sizes)]
 
     def request_rows(self, i: int) -> torch.Tensor:
         """(branches * n_i,) long indices of request `i`'s rows in the forward, branch order."""
@@ -145,6 +155,7 @@ class BatchCache:
         self._t_by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self.row_values: dict[Any, torch.Tensor] = {}
         self.row_data: RowData = NO_ROW_DATA
+        self.latent_sizes: list[tuple[int, ...]] | None = None
 
     def matches(self, states: list["RequestState"]) -> bool:
         """The same request states, in the same order, each exactly one step further."""
@@ -271,12 +282,35 @@ def padding_mask(values: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.arange(longest)[None, :] < per_row[:, None]
 
 
+def latent_sizes(states: Sequence["RequestState"]) -> list[tuple[int, ...]] | None:
+    """Each request's latent spatial size (dims after the channel dim), or None when they are
+    all equal (the usual batch: no padding)."""
+    sizes = [tuple(s.latents.shape[2:]) for s in states]
+    return None if all(size == sizes[0] for size in sizes) else sizes
+
+
+def pad_latents(tensors: list[torch.Tensor], sizes: list[tuple[int, ...]] | None) -> torch.Tensor:
+    """Concatenate (n_i, C, *size_i) tensors along dim 0, zero-padding each spatial dim at its
+    end to the largest size (`sizes` None: all equal, a plain concatenation)."""
+    if len(tensors) == 1:
+        return tensors[0]
+    if sizes is None:
+        return torch.cat(tensors)
+    grid = [max(d) for d in zip(*sizes)]
+    padded = []
+    for t, size in zip(tensors, sizes):
+        pad = [x for g, d in zip(reversed(grid), reversed(size)) for x in (0, g - d)]
+        padded.append(F.pad(t, pad) if any(pad) else t)
+    return torch.cat(padded)
+
+
 def collate_branches(states: list["RequestState"], model_input: Callable[["RequestState"], torch.Tensor] | None,
                      padded_inputs: dict[str, tuple[str | None, float]], cache: BatchCache | None = None) -> StepBatch:
     """The default collation (see `PipelineAdapter.collate`).
 
     Args:
-        states: requests sharing a batch key (same branch count and latent shape).
+        states: requests sharing a batch key (same branch count; latents of different spatial
+            sizes are zero-padded to the largest, `StepBatch.latent_sizes`).
         model_input: a request's latent rows as the denoiser sees them; None = its latents.
         padded_inputs: per-branch keys of variable length (dim 1) -> (mask key or None, pad value);
             a mask key receives the (B*N, L) bool `padding_mask` (None when nothing is padded).
@@ -293,7 +327,9 @@ def collate_branches(states: list["RequestState"], model_input: Callable[["Reque
     hit = cache is not None and cache.matches(states)
     if hit:
         inputs = dict(cache.inputs)
+        sizes = cache.latent_sizes
     else:
+        sizes = latent_sizes(states)
         inputs = {}
         if branches:
             for key in states[0].branches[0]:
@@ -306,18 +342,15 @@ def collate_branches(states: list["RequestState"], model_input: Callable[["Reque
         inputs.update(states[0].shared)
         if cache is not None:
             cache.reset(states, dict(inputs))
+            cache.latent_sizes = sizes
     if hit and cache.latents is not None and all(v is s.latents for v, s in zip(cache.views, states)):
         latents = cache.latents  # the previous step's output, already concatenated
-    elif len(states) == 1:
-        latents = states[0].latents
     else:
-        latents = torch.cat([s.latents for s in states])
+        latents = pad_latents([s.latents for s in states], sizes)
     if model_input is None:
         x = latents
-    elif len(states) == 1:
-        x = model_input(states[0])
     else:
-        x = torch.cat([model_input(s) for s in states])
+        x = pad_latents([model_input(s) for s in states], sizes)
     if cache is not None:
         t, inputs["timestep"] = cache.timesteps(states[0].timesteps.dtype)
     else:
@@ -329,4 +362,4 @@ def collate_branches(states: list["RequestState"], model_input: Callable[["Reque
     inputs["hidden_states"] = x if branches <= 1 else torch.cat([x] * branches)
     row_data = cache.row_data if cache is not None else collate_row_data(states, branches)
     return StepBatch(states=states, branches=max(branches, 1), row_counts=row_counts, inputs=inputs,
-                     latents=latents, timesteps=t, cache=cache, row_data=row_data)
+                     latents=latents, timesteps=t, cache=cache, row_data=row_data, latent_sizes=sizes)

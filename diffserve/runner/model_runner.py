@@ -72,6 +72,8 @@ class ModelRunner(Runner):
                                                config.context_folding and config.ulysses_degree == 1,
                                                load_device=weights_device(config), variant=config.variant,
                                                transformer_file=config.transformer_file)
+        if not config.mixed_sizes:  # batch by size (the adapter's span plug-ins stay inert)
+            self.adapter.mixed_sizes = False
         # quantized weights: after load, before Ulysses, offload placement, sleep pool and compile
         self.quantization = quantize_adapter(self.adapter, config)
         if parallel is not None and parallel.world_size > 1 and config.cache_backend != "none":

@@ -111,10 +111,13 @@ def test_arrival_order_does_not_change_outputs(engine):
         assert np.abs(a.images - b.images).max() <= TOL
 
 
-def test_mixed_cfg_and_sizes_are_not_batched_together(engine):
+def test_mixed_cfg_is_not_batched_together_but_mixed_sizes_are(engine):
+    """CFG on and off never share a forward (different branch counts); SD3 requests of
+    different sizes do (`PipelineAdapter.mixed_sizes`, each row its own span)."""
     outs = engine.generate(["a", "b", "c"], [_p(1), _p(2, guidance=1.0), _p(3, height=32, width=48)])
-    assert [max(o.metrics.batch_sizes) for o in outs] == [2, 1, 2]
+    assert [max(o.metrics.batch_sizes) for o in outs] == [4, 1, 4]
     assert outs[2].images.shape == (1, 32, 48, 3)
+    assert np.abs(outs[2].images - _solo(engine, "c", _p(3, height=32, width=48))).max() <= TOL
 
 
 def test_late_request_joins_a_running_batch_with_overlapped_encode(engine):

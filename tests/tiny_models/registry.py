@@ -73,6 +73,9 @@ class TestModel:
             (`diffserve.pipelines.samplers`: all of them for noise-prediction models, those with a
             flow-matching mapping for flow models, fewer where the family's schedule arguments
             exclude one).
+        mixed_sizes: (height, width) sizes whose requests share one forward (the family's
+            `PipelineAdapter.mixed_sizes`; the first is `request`'s); empty: the family batches
+            by size.
     """
 
     id: str
@@ -98,6 +101,7 @@ class TestModel:
     patch: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     input_size: tuple[int, int] = (64, 48)
     samplers: tuple[str, ...] = ("euler", "dpmpp_2m", "unipc")
+    mixed_sizes: tuple[tuple[int, int], ...] = ()
 
     @property
     def images(self) -> str:
@@ -185,6 +189,7 @@ MODELS: tuple[TestModel, ...] = (
         reference="StableDiffusion3Pipeline", reference_load=_sd3_without_t5,
         img2img_reference="StableDiffusion3Img2ImgPipeline", input_size=(64, 64),
         parity_atol=1e-4,  # measured 2.3e-6
+        mixed_sizes=((64, 64), (32, 64), (64, 48), (48, 32)),
     ),
     TestModel(
         id="StableDiffusion3Pipeline-digits", pipeline="StableDiffusion3Pipeline", builtin="digits",
@@ -195,6 +200,7 @@ MODELS: tuple[TestModel, ...] = (
         reference="StableDiffusion3Pipeline", reference_load=_sd3_without_t5,
         img2img_reference="StableDiffusion3Img2ImgPipeline", input_size=(8, 8),
         parity_atol=1e-4,  # measured 2.5e-6
+        mixed_sizes=((8, 8), (4, 8), (8, 6), (6, 4)),
     ),
     TestModel(
         id="FluxPipeline-schnell", pipeline="FluxPipeline",

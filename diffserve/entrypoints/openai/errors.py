@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from diffserve.core.errors import EngineOverloadedError, InvalidRequestError, UnknownLoraError
+from diffserve.core.errors import DeadlineUnmeetableError, EngineOverloadedError, InvalidRequestError, UnknownLoraError
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +85,10 @@ def invalid_request(exc: InvalidRequestError) -> APIError:
 
 
 def overloaded(exc: EngineOverloadedError | str) -> APIError:
-    """429 with ``Retry-After`` for a full waiting queue."""
-    return APIError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded",
+    """429 with ``Retry-After`` for a full waiting queue (code ``rate_limit_exceeded``), or a
+    deadline the engine predicts it cannot meet (``--admission slo``: ``deadline_unmeetable``)."""
+    code = "deadline_unmeetable" if isinstance(exc, DeadlineUnmeetableError) else "rate_limit_exceeded"
+    return APIError(429, str(exc), type="rate_limit_error", code=code,
                     headers={"Retry-After": str(RETRY_AFTER_S)})
 
 

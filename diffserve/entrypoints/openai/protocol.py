@@ -103,6 +103,14 @@ class _StrictRequest(BaseModel):
 LORAS_DESCRIPTION = ("LoRA adapters to apply, {name: scale} (GET /v1/loras lists the names; several compose, as "
                      "diffusers' set_adapters); scales finite in [-4, 4]; in a multipart form, a JSON object")
 
+#: The ``priority`` / ``deadline_s`` extension fields of generation requests.
+PRIORITY_DESCRIPTION = ("scheduling priority, a 32-bit integer: LOWER values are served first under the server's "
+                        "--scheduling-policy priority (ties under slo); accepted and unused under fcfs. Default 0")
+DEADLINE_DESCRIPTION = ("seconds from arrival by which the request should finish (its SLO), > 0: --scheduling-policy "
+                        "slo serves least slack first and --admission slo refuses (429 deadline_unmeetable) what "
+                        "it predicts cannot make it; under other policies only counted (SLO attainment)")
+PRIORITY_BOUND = 2**31
+
 #: The ``loras`` field's type: non-empty names to finite scales in [-4, 4] (the served schema
 #: states both, so a schema-valid request is refused only for a name the server does not hold: 404).
 LoraScales = dict[Annotated[str, StringConstraints(min_length=1, max_length=128)],
@@ -217,6 +225,8 @@ class _ImageRequest(_StrictRequest):
         None, description="further __call__ arguments of a pipeline served whole-request (no step adapter), by "
                           "name, e.g. {\"pag_scale\": 3.0}; the model card's extra_parameters lists the names "
                           "(unknown names are a 400 naming them); in a form, a JSON object as text")
+    priority: int | None = Field(None, ge=-PRIORITY_BOUND, lt=PRIORITY_BOUND, description=PRIORITY_DESCRIPTION)
+    deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False, description=DEADLINE_DESCRIPTION)
 
     @field_validator("loras", mode="before")
     @classmethod
@@ -233,8 +243,13 @@ class _ImageRequest(_StrictRequest):
                 raise ValueError(f"not a JSON object: {exc}") from None
         return value
 
+    @field_validator("deadline_s", mode="before")
+    @classmethod
+    def _integer_deadline_is_a_number(cls, value: Any) -> Any:
+        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
     @field_validator("n", "output_compression", "partial_images", "num_inference_steps", "seed", "clip_skip",
-                     mode="before")
+                     "priority", mode="before")
     @classmethod
     def _integral_numbers_are_integers(cls, value: Any) -> Any:
         if isinstance(value, float) and value.is_integer():
@@ -641,13 +656,20 @@ class VideoCreateRequest(_StrictRequest):
     cache_quality: CacheQuality | None = Field(None, description=CACHE_QUALITY_DESCRIPTION)
     scheduler: Literal[SAMPLER_NAMES] | None = Field(  # type: ignore[valid-type]
         None, description="sampler (README 'Samplers'); null = the model folder's own scheduler")
+    priority: int | None = Field(None, ge=-PRIORITY_BOUND, lt=PRIORITY_BOUND, description=PRIORITY_DESCRIPTION)
+    deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False, description=DEADLINE_DESCRIPTION)
 
     @field_validator("loras", mode="before")
     @classmethod
     def _loras_from_form_text(cls, value: Any) -> Any:
         return loras_from_text(value)
 
-    @field_validator("num_frames", "fps", "num_inference_steps", "seed", mode="before")
+    @field_validator("deadline_s", mode="before")
+    @classmethod
+    def _integer_deadline_is_a_number(cls, value: Any) -> Any:
+        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("num_frames", "fps", "num_inference_steps", "seed", "priority", mode="before")
     @classmethod
     def _integral_numbers_are_integers(cls, value: Any) -> Any:
         if isinstance(value, float) and value.is_integer():
@@ -984,3 +1006,14 @@ class ProgressEvent(BaseModel):
 #: The payloads of the image streams' events, added to the served schema's components.
 SSE_PAYLOAD_MODELS: tuple[type[BaseModel], ...] = (PartialImageEvent, CompletedEvent, QueuedEvent, ProgressEvent,
                                                    ErrorEvent)
+
+
+def scheduling_fields(body: Any) -> dict[str, Any]:
+    """A generation body's ``priority`` (0 when unset) and ``deadline_s`` as `SamplingParams`
+    keyword arguments (bodies without them: none)."""
+    out: dict[str, Any] = {}
+    if getattr(body, "priority", None) is not None:
+        out["priority"] = body.priority
+    if getattr(body, "deadline_s", None) is not None:
+        out["deadline_s"] = body.deadline_s
+    return out

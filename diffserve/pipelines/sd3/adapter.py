@@ -10,6 +10,11 @@ A request with an input image runs `StableDiffusion3Img2ImgPipeline` semantics o
 folder (the image is VAE-encoded, noised to the strength's first timestep, and only the last
 ``strength`` fraction of the schedule runs); such requests share forwards with text-to-image
 ones of the same size.
+
+Requests of different sizes share a forward (`mixed_sizes`, `diffserve.pipelines.token_spans`,
+`sd3/mixed_sizes.py`): each row keeps its own position embedding and attention span. Off for
+SD3.5's dual-attention folders (their image-only attention is not span-aware yet) and under
+Ulysses sequence parallelism (its processors shard the padded strip).
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ from diffserve.core.errors import InvalidRequestError
 from diffserve.core.sampling_params import SamplingParams
 from diffserve.pipelines.base import CacheDiTSupport, Capabilities, PipelineAdapter, RequestState, checked_pixels
 from diffserve.pipelines.sd3 import context_folding
+from diffserve.pipelines.sd3.mixed_sizes import install_token_spans
 from diffserve.pipelines.sd3.teacache import TEACACHE
+from diffserve.pipelines.step_batch import StepBatch
 from diffserve.pipelines.text_encoding import TextEncoder
+from diffserve.pipelines.token_spans import IMAGE_TOKENS, LATENT_SIZE, strip_layout
 
 # diffserve reports truncation itself (GenerationOutput.prompt_truncated); diffusers' own warning
 # echoes the whole cut text on every encode.
@@ -37,10 +45,6 @@ logging.getLogger("diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffus
 DEFAULT_MAX_SEQUENCE_LENGTH = 256
 
 
-def _sd3_context_parallel(transformer: torch.nn.Module) -> dict:
-    from diffserve.pipelines.sd3.context_parallel import prepare_sd3_context_parallel
-
-    return prepare_sd3_context_parallel(transformer)
 
 
 class StableDiffusion3Adapter(PipelineAdapter):
@@ -89,8 +93,11 @@ class StableDiffusion3Adapter(PipelineAdapter):
                                       has_encoder_residual=False),
             # diffusers 0.42's SD3Transformer2DModel does not declare _repeated_blocks
             repeated_blocks=("JointTransformerBlock",),
-            context_parallel=_sd3_context_parallel,
+            context_parallel=self._context_parallel,
         )
+        self.mixed_sizes = not pipe.transformer.config.get("dual_attention_layers")
+        if self.mixed_sizes:
+            install_token_spans(pipe.transformer, folded=self.context_folding)
         pos_max = pipe.transformer.config.get("pos_embed_max_size")
         # PatchEmbed crops a pos_embed_max_size^2 grid of positions: larger inputs fail
         max_side = None if pos_max is None else pos_max * pipe.patch_size * pipe.vae_scale_factor
@@ -100,6 +107,14 @@ class StableDiffusion3Adapter(PipelineAdapter):
         return {"resolution_factor": pipe.vae_scale_factor * pipe.patch_size, "max_sequence_length_limit": 512,
                 "max_prompt_tokens": pipe.tokenizer_max_length, "max_height": max_side, "max_width": max_side,
                 "image_samplers": image_samplers}
+
+    def _context_parallel(self, transformer: torch.nn.Module) -> dict:
+        """The Ulysses plan (`sd3.context_parallel`); requests then batch by size again (its
+        processors shard the sequence without token spans)."""
+        from diffserve.pipelines.sd3.context_parallel import prepare_sd3_context_parallel
+
+        self.mixed_sizes = False
+        return prepare_sd3_context_parallel(transformer)
 
     def check_params(self, params: SamplingParams, inputs) -> None:
         """At most one input image and no mask; strength needs an image and must leave at
@@ -167,11 +182,36 @@ class StableDiffusion3Adapter(PipelineAdapter):
             )
         if state.inputs is not None and state.inputs.images:
             self._prepare_img2img(state, scheduler, kwargs, dtype)
-            return
-        state.latents = pipe.prepare_latents(p.num_images_per_prompt, pipe.transformer.config.in_channels, p.height,
-                                             p.width, dtype, self.device, state.generator)
-        timesteps, _ = retrieve_timesteps(scheduler, p.num_inference_steps, self.device, **kwargs)
-        self.set_schedule(state, scheduler, timesteps)
+        else:
+            state.latents = pipe.prepare_latents(p.num_images_per_prompt, pipe.transformer.config.in_channels,
+                                                 p.height, p.width, dtype, self.device, state.generator)
+            timesteps, _ = retrieve_timesteps(scheduler, p.num_inference_steps, self.device, **kwargs)
+            self.set_schedule(state, scheduler, timesteps)
+        if self.mixed_sizes:
+            h, w = state.latents.shape[-2:]
+            patch = pipe.transformer.config.patch_size
+            state.row_data[LATENT_SIZE] = (h, w)
+            state.row_data[IMAGE_TOKENS] = (h // patch) * (w // patch)
+
+    def forward_inputs(self, batch: StepBatch) -> dict[str, Any]:
+        """The collated inputs; rows of different sizes as a `token_spans.TokenLayout` strip."""
+        layout = self._layout(batch)
+        if layout is None:
+            return batch.inputs
+        return {**batch.inputs, "hidden_states": layout.to_strip(batch.inputs["hidden_states"])}
+
+    def denoise(self, batch: StepBatch, call=None) -> torch.Tensor:
+        """The forward (`PipelineAdapter.denoise`); a strip's prediction back in the batch's
+        padded latent layout."""
+        out = super().denoise(batch, call)
+        layout = self._layout(batch)
+        return out if layout is None else layout.from_strip(out)
+
+    def _layout(self, batch: StepBatch):
+        if batch.latent_sizes is None:
+            return None
+        grid = tuple(batch.inputs["hidden_states"].shape[-2:])
+        return strip_layout(batch.row_data, grid, self.pipe.transformer.config.patch_size)
 
     @contextmanager
     def _img2img_with(self, scheduler):

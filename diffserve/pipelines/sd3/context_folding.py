@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention, AttnProcessor2_0, JointAttnProcessor2_0
 
-from diffserve.pipelines.joint_attention import joint_qkv
+from diffserve.pipelines.joint_attention import joint_output, joint_qkv
+from diffserve.pipelines.token_spans import attention_bias
 
 
 class FoldedContextAttnProcessor(JointAttnProcessor2_0):
@@ -58,20 +59,17 @@ class FoldedContextAttnProcessor(JointAttnProcessor2_0):
         *args,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        log_fold_count = math.log(fold_count or self.fold_count)
-        batch_size, n_image = hidden_states.shape[:2]
+        fold_count = fold_count or self.fold_count
+        n_image = hidden_states.shape[1]
 
         query, key, value = joint_qkv(attn, hidden_states, encoder_hidden_states)
 
-        # additive bias (1, 1, 1, N_img + N_ctx): +log(k) on the folded (last) key
-        bias = F.pad(query.new_zeros(1, 1, 1, key.shape[2] - 1), (0, 1), value=log_fold_count)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)
-        out = out.transpose(1, 2).reshape(batch_size, -1, attn.heads * query.shape[-1]).to(query.dtype)
-        hidden_states, encoder_hidden_states = out[:, :n_image], out[:, n_image:]
-        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
-        if not attn.context_pre_only:
-            encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
-        return hidden_states, encoder_hidden_states
+        # additive bias: +log(k) on the folded (last) key; in a forward over rows of different
+        # sizes also -inf on each row's padded image keys (`token_spans`)
+        bias = attention_bias(n_image, key.shape[2], query.dtype, query.device, fold_count)
+        if bias is None:  # (1, 1, 1, N_img + N_ctx)
+            bias = F.pad(query.new_zeros(1, 1, 1, key.shape[2] - 1), (0, 1), value=math.log(fold_count))
+        return joint_output(attn, query, key, value, n_image, bias)
 
 
 class ImageOnlyAttnProcessor(AttnProcessor2_0):

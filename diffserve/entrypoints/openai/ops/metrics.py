@@ -215,6 +215,42 @@ class _EngineCollector:
             yield GaugeMetricFamily("diffserve_compile_recompiles_after_warmup",
                                     "torch.compile graphs compiled after warm-up.",
                                     value=compiled["recompiles_after_warmup"])
+        yield from _scheduler_metrics(engine_stats.get("scheduler"))
+
+
+def _scheduler_metrics(sched: dict[str, Any] | None):
+    """The request scheduler's counters (`RequestScheduler.stats`): rows and tokens per forward,
+    queueing delay by priority, SLO attainment and goodput, preemptions, deadline refusals."""
+    if not sched:
+        return
+    yield GaugeMetricFamily("diffserve_rows_per_forward_mean", "Mean denoiser rows per forward since start.",
+                            value=sched["mean_rows_per_forward"])
+    yield GaugeMetricFamily("diffserve_tokens_per_forward_mean", "Mean image tokens per denoiser forward since "
+                            "start.", value=sched["mean_tokens_per_forward"])
+    yield CounterMetricFamily("diffserve_forwards", "Denoiser forwards run.", value=sched["forwards"])
+    yield CounterMetricFamily("diffserve_preemptions", "Step-boundary preemptions (priority / slo policies).",
+                              value=sched["preemptions"])
+    yield CounterMetricFamily("diffserve_deadline_refusals", "Requests refused at arrival by --admission slo.",
+                              value=sched["refused_deadline"])
+    slo = CounterMetricFamily("diffserve_deadline_requests", "Finished requests with a deadline_s, by whether "
+                              "they met it.", labels=["met"])
+    slo.add_metric(["true"], sched["slo_met"])
+    slo.add_metric(["false"], sched["slo_missed"])
+    yield slo
+    if sched["slo_attainment"] is not None:
+        yield GaugeMetricFamily("diffserve_slo_attainment", "Share of finished requests with a deadline that met "
+                                "it.", value=sched["slo_attainment"])
+    yield GaugeMetricFamily("diffserve_goodput_images_per_second", "Images of requests that met their deadline, "
+                            "per second since start.", value=sched["goodput_images_per_s"])
+    delay = GaugeMetricFamily("diffserve_queue_delay_seconds_mean", "Mean seconds admitted requests waited in "
+                              "the queue, by priority.", labels=["priority"])
+    longest = GaugeMetricFamily("diffserve_queue_delay_seconds_max", "Longest seconds an admitted request waited "
+                                "in the queue, by priority.", labels=["priority"])
+    for priority, q in sched["queue_delay_s"].items():
+        delay.add_metric([priority], q["mean"])
+        longest.add_metric([priority], q["max"])
+    yield delay
+    yield longest
 
 
 class _MultiStageCollector:

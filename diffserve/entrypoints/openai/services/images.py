@@ -70,6 +70,7 @@ from diffserve.media.metadata import image_metadata
 from diffserve.entrypoints.openai.stores.image_store import ImageStore, Reservation, StoreFullError, encoded_size_bound
 from diffserve.entrypoints.openai.ops.metrics import ServerMetrics
 from diffserve.entrypoints.openai.protocol import (
+    scheduling_fields,
     CompletedEvent,
     ImageEditRequest,
     ImageGenerationRequest,
@@ -261,7 +262,8 @@ class ImageGenerationService:
                                     guidance_scale=body.guidance_scale, true_cfg_scale=body.true_cfg_scale,
                                     strength=getattr(body, "strength", None), seed=body.seed, output_type="pil",
                                     extra=body.extra_params, loras=body.loras, cache_quality=body.cache_quality,
-                                    scheduler=body.scheduler, clip_skip=body.clip_skip, eta=body.eta)
+                                    scheduler=body.scheduler, clip_skip=body.clip_skip, eta=body.eta,
+                                    **scheduling_fields(body))
             # seeds, every check (the family's own rules on images, mask, strength too) and the plan, before
             # any allocation; an edit's "auto" size is the input's
             requests = engine.input_processor.process(body.prompt, params, inputs, n=n, size_from_inputs=True)

@@ -62,6 +62,7 @@ from diffserve.entrypoints.openai.errors import CLIENT_CLOSED_REQUEST, APIError,
 from diffserve.media.image_encoding import to_base64
 from diffserve.entrypoints.openai.protocol import (
     CACHE_QUALITY_DESCRIPTION,
+    scheduling_fields,
     LORAS_DESCRIPTION,
     CacheQuality,
     MAX_PROMPT_CHARS,
@@ -250,7 +251,8 @@ class VideoStreamService:
                                     num_frames=body.num_frames, fps=body.fps, num_chunks=body.num_chunks,
                                     num_inference_steps=body.num_inference_steps,
                                     guidance_scale=body.guidance_scale, seed=body.seed, output_type="np",
-                                    loras=body.loras, cache_quality=body.cache_quality, scheduler=body.scheduler)
+                                    loras=body.loras, cache_quality=body.cache_quality, scheduler=body.scheduler,
+                                    **scheduling_fields(body))
             [request] = engine.input_processor.process(body.prompt, params)  # seed, checks, plan
             engine.check_loras(request.params.loras)  # known adapter names (a load starts for one not held)
         except InvalidRequestError as exc:

@@ -1,0 +1,74 @@
+"""`SchedulerCounters`: what the request scheduler counts for ``stats()`` and ``/metrics``:
+rows and image tokens per denoiser forward, queueing delay by priority, SLO attainment and
+goodput, refusals of ``--admission slo``. Each update is a few integer / float operations
+(once per step, once per admission, once per ending)."""
+
+from __future__ import annotations
+
+import time
+
+
+class SchedulerCounters:
+    """Counters since the engine started (see the module docstring).
+
+    Attributes:
+        forwards / rows / tokens: denoiser forwards run, and the rows and image tokens in them.
+        queue: priority -> [admitted requests, seconds queued in total, longest seconds].
+        slo_met / slo_missed: finished requests with a ``deadline_s`` that met / missed it;
+            ``slo_met_images``: the images of the met ones (goodput's numerator).
+        refused: requests ``--admission slo`` refused at arrival.
+        start: ``time.perf_counter()`` when counting began (goodput's denominator).
+    """
+
+    def __init__(self) -> None:
+        self.forwards = self.rows = self.tokens = 0
+        self.queue: dict[int, list] = {}
+        self.slo_met = self.slo_missed = self.slo_met_images = self.refused = 0
+        self.start = time.perf_counter()
+
+    def forward(self, rows: int, tokens: int) -> None:
+        """One denoiser forward of `rows` rows and `tokens` image tokens."""
+        self.forwards += 1
+        self.rows += rows
+        self.tokens += tokens
+
+    def queued(self, priority: int, seconds: float) -> None:
+        """A request of `priority` admitted after `seconds` in the waiting queue."""
+        entry = self.queue.get(priority)
+        if entry is None:
+            entry = self.queue[priority] = [0, 0.0, 0.0]
+        entry[0] += 1
+        entry[1] += seconds
+        entry[2] = max(entry[2], seconds)
+
+    def finished_with_deadline(self, met: bool, images: int) -> None:
+        """A finished request with a deadline, which it `met` or missed."""
+        if met:
+            self.slo_met += 1
+            self.slo_met_images += images
+        else:
+            self.slo_missed += 1
+
+    def as_dict(self) -> dict:
+        """``forwards``, ``mean_rows_per_forward``, ``mean_tokens_per_forward``,
+        ``queue_delay_s`` ({priority: {"requests", "mean", "max"}}), ``slo_attainment`` (met /
+        finished with a deadline; None without any), ``slo_met``, ``slo_missed``,
+        ``goodput_images_per_s`` (images of deadline-meeting requests per second since start),
+        ``refused_deadline``."""
+        judged = self.slo_met + self.slo_missed
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        return {
+            "forwards": self.forwards,
+            "mean_rows_per_forward": self.rows / self.forwards if self.forwards else 0.0,
+            "mean_tokens_per_forward": self.tokens / self.forwards if self.forwards else 0.0,
+            "queue_delay_s": {str(p): {"requests": n, "mean": total / n, "max": longest}
+                              for p, (n, total, longest) in sorted(self.queue.copy().items())},
+            "slo_attainment": self.slo_met / judged if judged else None,
+            "slo_met": self.slo_met,
+            "slo_missed": self.slo_missed,
+            "goodput_images_per_s": self.slo_met_images / elapsed,
+            "refused_deadline": self.refused,
+        }
+
+
+__all__ = ["SchedulerCounters"]

@@ -1,0 +1,182 @@
+"""Token spans: rows of different sizes in ONE denoiser forward (mixed resolutions).
+
+A family that declares ``PipelineAdapter.mixed_sizes`` drops the size from its batch key: its
+requests of different resolutions share a step batch. Each request says, as per-row data
+(`row_data`), how big it is:
+
+- ``LATENT_SIZE``: its latent's spatial size (h, w) in latent pixels;
+- ``IMAGE_TOKENS``: the image tokens that size makes (h/p x w/p for a patch size p).
+
+Collation pads every request's latents to the batch's largest (h, w) (`step_batch`: zeros at
+the bottom/right, each request keeps a cropped view of its own region), so the diffusion
+scheduler still steps the batch as one tensor. Inside the forward the rows are laid out by
+**padding with masks** (chosen by measurement over packing, `benchmarks/mixed_attention.py`
+and the README's "Mixed sizes" section): `TokenLayout.to_strip` gathers each row's real patches
+into a one-patch-tall strip of ``L_max`` patches (raster order, the same tokens its solo
+forward has), so the stock patch embedding, blocks, norm and unpatchify run on it unchanged;
+the family's plug-ins give each row its own positions (its solo run's position embedding,
+`TokenLayout.positions`) and mask the padded image tokens out of every attention's keys
+(`key_padding_mask`). `TokenLayout.from_strip` scatters the prediction back to the padded
+latent layout (zeros outside each row's region). Padded query rows compute values nobody
+reads; no real row attends to them, so each row equals its solo forward within float rounding.
+
+When every row of a forward has the same size nothing of this runs (no strip, no mask).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from diffserve.pipelines.row_data import NO_ROW_DATA, RowData, current_rows
+
+#: Row-data key: a request's latent spatial size (h, w) in latent pixels.
+LATENT_SIZE = "latent_size"
+#: Row-data key: the image tokens of a request's rows (its sequence length before context).
+IMAGE_TOKENS = "image_tokens"
+
+
+class TokenLayout:
+    """Where each row's tokens sit in a padded strip, for a forward over rows of different sizes.
+
+    Args:
+        sizes: each forward row's latent size (h, w) (row data `LATENT_SIZE`).
+        grid: the padded latents' spatial size (H, W) (the batch's largest h and w).
+        patch: the denoiser's patch size p (h, w, H, W multiples of it).
+
+    Attributes:
+        tokens: (rows,) each row's token count ``h/p * w/p``.
+        longest: L_max, the strip's token count.
+        index: (rows, L_max) long index of each strip token in the padded grid's raster order
+            (padded tokens point at slot ``H/p * W/p``, one past the grid).
+        mask: (rows, L_max) bool, True on real tokens.
+    """
+
+    def __init__(self, sizes: Sequence[tuple[int, int]], grid: tuple[int, int], patch: int):
+        self.sizes = [tuple(s) for s in sizes]
+        self.grid = tuple(grid)
+        self.patch = patch
+        gh, gw = grid[0] // patch, grid[1] // patch
+        self.slots = gh * gw
+        self.tokens = [(h // patch) * (w // patch) for h, w in self.sizes]
+        self.longest = max(self.tokens)
+        index = torch.full((len(self.sizes), self.longest), self.slots, dtype=torch.long)
+        for r, (h, w) in enumerate(self.sizes):
+            rows = torch.arange(h // patch)[:, None] * gw + torch.arange(w // patch)[None, :]
+            index[r, : self.tokens[r]] = rows.reshape(-1)
+        self.index = index
+        self.mask = torch.arange(self.longest)[None, :] < torch.tensor(self.tokens)[:, None]
+        self._on: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = str(device)
+        if key not in self._on:
+            gather = self.index.clamp(max=self.slots - 1).to(device)  # padded tokens read slot 0.. any real one
+            self._on[key] = (gather, self.index.to(device))
+        return self._on[key]
+
+    def to_strip(self, latents: torch.Tensor) -> torch.Tensor:
+        """(rows, C, H, W) padded latents -> (rows, C, p, L_max * p): each row's patches in
+        raster order, one patch tall (what the stock patch embedding turns into its tokens)."""
+        n, c, _, _ = latents.shape
+        p, (gh, gw) = self.patch, (self.grid[0] // self.patch, self.grid[1] // self.patch)
+        patches = latents.reshape(n, c, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5).reshape(n, gh * gw, c * p * p)
+        gather, _ = self._index(latents.device)
+        picked = torch.gather(patches, 1, gather[:, :, None].expand(-1, -1, c * p * p))
+        return picked.reshape(n, self.longest, c, p, p).permute(0, 2, 3, 1, 4).reshape(n, c, p, self.longest * p)
+
+    def from_strip(self, strip: torch.Tensor) -> torch.Tensor:
+        """(rows, C, p, L_max * p) strip prediction -> (rows, C, H, W), zeros outside each
+        row's own region."""
+        n, c = strip.shape[:2]
+        p, (gh, gw) = self.patch, (self.grid[0] // self.patch, self.grid[1] // self.patch)
+        tokens = strip.reshape(n, c, p, self.longest, p).permute(0, 3, 1, 2, 4).reshape(n, self.longest, c * p * p)
+        _, scatter = self._index(strip.device)
+        grid = strip.new_zeros(n, self.slots + 1, c * p * p)
+        grid.scatter_(1, scatter[:, :, None].expand(-1, -1, c * p * p), tokens)
+        grid = grid[:, : self.slots].reshape(n, gh, gw, c, p, p).permute(0, 3, 1, 4, 2, 5)
+        return grid.reshape(n, c, gh * p, gw * p)
+
+
+def strip_layout(rows: RowData, grid: tuple[int, int], patch: int) -> TokenLayout | None:
+    """The `TokenLayout` of a forward whose latents have spatial size `grid`, or None when
+    every row has that size (the stock layout; nothing to do). Memoised on `rows` (so once per
+    batch composition)."""
+    sizes = rows.get(LATENT_SIZE) if rows else None
+    if not sizes or all(s == grid for s in sizes):
+        return None
+    return rows.derived(("token_layout", tuple(grid), patch), lambda: TokenLayout(sizes, grid, patch))
+
+
+def strip_positions(longest: int, table: Callable[[int, int], torch.Tensor], dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor:
+    """(rows, L_max, D) each row of the forward running now its own position embedding
+    (``table(h, w) -> (1, h/p * w/p, D)`` for its `LATENT_SIZE`, e.g. SD3's cropped sin-cos
+    grid: what its solo forward adds) on its tokens, zeros on the padding; memoised per
+    forward layout."""
+    rows = current_rows()
+    sizes = rows[LATENT_SIZE]
+
+    def build() -> torch.Tensor:
+        per_size = {s: table(*s) for s in set(sizes)}
+        per_size = {s: t.reshape(-1, t.shape[-1]) for s, t in per_size.items()}
+        out = torch.zeros(len(sizes), longest, next(iter(per_size.values())).shape[-1], dtype=dtype, device=device)
+        for r, s in enumerate(sizes):
+            out[r, : per_size[s].shape[0]] = per_size[s].to(device, dtype)
+        return out
+
+    return rows.derived(("positions", longest, dtype, str(device)), build)
+
+
+def is_strip(spatial: tuple[int, int]) -> bool:
+    """Whether a forward's latents of spatial size `spatial` are a `TokenLayout` strip: the
+    forward running now carries token spans and some row's own size differs from it."""
+    rows = current_rows()
+    if rows is NO_ROW_DATA:
+        return False
+    sizes = rows.get(LATENT_SIZE)
+    return bool(sizes) and rows.derived(("strip", spatial), lambda: any(s != spatial for s in sizes))
+
+
+def key_padding_mask(num_image: int, device: torch.device) -> torch.Tensor | None:
+    """(rows, num_image) bool mask of the real image tokens of the forward running now
+    (`row_data.current_rows`), or None when no row is padded (every row has `num_image`
+    tokens, or the forward carries no token spans). Memoised per forward layout."""
+    rows = current_rows()
+    if rows is NO_ROW_DATA:
+        return None
+
+    def build() -> torch.Tensor | None:
+        tokens = rows.get(IMAGE_TOKENS)
+        if not tokens or all(t == num_image for t in tokens):
+            return None
+        return (torch.arange(num_image)[None, :] < torch.tensor(tokens)[:, None]).to(device)
+
+    return rows.derived(("key_mask", num_image, str(device)), build)  # once per forward layout
+
+
+def attention_bias(num_image: int, num_keys: int, dtype: torch.dtype, device: torch.device,
+                   fold_count: int | None = None) -> torch.Tensor | None:
+    """(rows, 1, 1, num_keys) additive attention bias of a joint attention whose first
+    `num_image` keys are image tokens (context keys follow): -inf on the padded image keys of
+    the forward running now (`key_padding_mask`), plus ``log(fold_count)`` on the last key
+    when given (`sd3.context_folding`). None when no row is padded. Memoised per forward
+    layout (built once, read by every block)."""
+    mask = key_padding_mask(num_image, device)
+    if mask is None:
+        return None
+
+    def build() -> torch.Tensor:
+        bias = torch.zeros(mask.shape[0], 1, 1, num_keys, dtype=dtype, device=device)
+        bias[:, 0, 0, :num_image].masked_fill_(~mask, float("-inf"))
+        if fold_count is not None:
+            bias[..., -1] += math.log(fold_count)
+        return bias
+
+    return current_rows().derived(("bias", num_image, num_keys, dtype, str(device), fold_count), build)
+
+
+__all__ = ["IMAGE_TOKENS", "LATENT_SIZE", "TokenLayout", "attention_bias", "is_strip", "key_padding_mask",
+           "strip_layout", "strip_positions"]

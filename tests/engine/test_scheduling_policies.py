@@ -1,0 +1,171 @@
+"""Scheduling policies (`diffserve.engine.queues`: fcfs, priority, slo), step-boundary
+preemption, aging, the step cost model, ``--admission slo`` and the scheduler's counters.
+
+The queue rules run on plain `Request`s (no model); the end-to-end checks on the built-in
+digits model with a small batch size."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+
+from diffserve import DiffusionEngine, EngineConfig, SamplingParams
+from diffserve.core.errors import DeadlineUnmeetableError, InvalidRequestError
+from diffserve.core.sampling_params import ModelSpec, RequestLimits
+from diffserve.engine.cost_model import StepCostModel
+from diffserve.engine.queues import PREEMPT_HEADROOM, RequestQueues
+from diffserve.engine.request import Phase, Request
+
+SPEC = ModelSpec(resolution_factor=2, default_height=8, default_width=8, default_num_inference_steps=4,
+                 default_guidance_scale=1.0)
+
+
+def _request(seq: int, rows: int = 2, priority: int = 0, deadline_s: float | None = None, steps: int = 10,
+             age_s: float = 0.0) -> Request:
+    params = SamplingParams(priority=priority, deadline_s=deadline_s)
+    return Request(request_id=f"r{seq}", prompt="p", params=params, batch_key="k", rows=rows, seq=seq,
+                   arrival_time=time.perf_counter() - age_s, num_steps=steps, tokens=16 * rows)
+
+
+def _admit_and_denoise(queues: RequestQueues) -> list[Request]:
+    admitted = queues.admit()
+    for r in admitted:
+        r.phase = Phase.DENOISING
+    queues.changed()
+    return admitted
+
+
+# ------------------------------------------------------------------ request validation
+@pytest.mark.parametrize("field,value", [("priority", "high"), ("priority", 1.5), ("priority", True),
+                                         ("priority", 2**31), ("deadline_s", 0), ("deadline_s", -1.0),
+                                         ("deadline_s", math.inf), ("deadline_s", math.nan),
+                                         ("deadline_s", "5")])
+def test_bad_priority_or_deadline_is_refused_naming_the_field(field, value):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**{field: value}).resolve(SPEC, RequestLimits())
+    assert info.value.field == field
+
+
+def test_deadline_under_fcfs_is_accepted():
+    p = SamplingParams(priority=-3, deadline_s=2).resolve(SPEC, RequestLimits())
+    assert p.priority == -3 and p.deadline_s == 2.0
+
+
+# ------------------------------------------------------------------ queue rules (no model)
+def test_fcfs_never_preempts():
+    queues = RequestQueues(4, 100)
+    for k in range(2):
+        queues.add(_request(k, priority=5))
+    _admit_and_denoise(queues)
+    queues.add(_request(2, priority=-1))
+    assert _admit_and_denoise(queues) == []  # the rows are taken: it waits its turn
+    assert [r.seq for r in queues.select_batch()] == [0, 1]
+
+
+def test_priority_admits_past_a_full_batch_and_preempts_the_worst():
+    queues = RequestQueues(4, 100, policy="priority")
+    for k in range(2):
+        queues.add(_request(k, priority=5))
+    _admit_and_denoise(queues)
+    assert [r.seq for r in queues.select_batch()] == [0, 1]
+    queues.add(_request(2, priority=-1))
+    assert [r.seq for r in _admit_and_denoise(queues)] == [2]
+    assert [r.seq for r in queues.select_batch()] == [2, 0]  # request 1 preempted at the boundary
+    assert queues.preemptions == 1 and queues.running[1].metrics.preemptions == 1
+    queues.add(_request(3, priority=-1))
+    queues.add(_request(4, priority=9))
+    admitted = _admit_and_denoise(queues)  # headroom: at most PREEMPT_HEADROOM x rows held
+    assert queues.running_rows <= PREEMPT_HEADROOM * 4 and [r.seq for r in admitted] == [3]
+
+
+def test_aging_bounds_the_wait():
+    """A request older than aging_s ranks before every younger one, whatever its priority."""
+    queues = RequestQueues(2, 100, policy="priority", aging_s=5.0)
+    queues.add(_request(0, priority=9, age_s=6.0))  # waited past the bound
+    queues.add(_request(1, priority=-9))
+    assert [r.seq for r in _admit_and_denoise(queues)] == [0]
+
+
+def test_slo_runs_least_slack_first():
+    model = StepCostModel()
+    for _ in range(5):
+        model.observe(32, 0.1)  # 0.1 s a step
+    queues = RequestQueues(2, 100, policy="slo", cost_model=model)
+    queues.add(_request(0, deadline_s=100.0, steps=10))  # slack ~99 s
+    queues.add(_request(1, deadline_s=3.0, steps=20))    # slack ~1 s: first
+    queues.add(_request(2, steps=1))                     # no deadline: after those with one
+    _admit_and_denoise(queues)
+    assert [r.seq for r in queues.select_batch()] == [1]
+
+
+def test_cost_model_fits_a_line():
+    model = StepCostModel(decay=1.0)
+    assert model.predict(10) is None
+    for tokens in (10, 20, 40, 80):
+        model.observe(tokens, 0.01 + 0.001 * tokens)
+    a, b = model.coefficients()
+    assert a == pytest.approx(0.01, rel=1e-6) and b == pytest.approx(0.001, rel=1e-6)
+    assert model.predict(100) == pytest.approx(0.11, rel=1e-6)
+
+
+# ------------------------------------------------------------------ the engine (built-in model)
+def _run_behind_full_batch(policy: str):
+    """Two long low-priority requests fill the batch (4 rows); an urgent short one arrives.
+    Returns (finish order as "hi"/"lo", outputs by id, the urgent request's id, stats)."""
+    engine = DiffusionEngine(EngineConfig(model="digits", max_batch_size=4, scheduling_policy=policy,
+                                          num_threads=1))
+    try:
+        low_params = [SamplingParams(num_inference_steps=24, seed=k, guidance_scale=3.0, priority=5,
+                                     output_type="np") for k in range(2)]
+        for k, p in enumerate(low_params):
+            engine.add_request(f"the digit {k}", p, request_id=f"lo{k}")
+        order, outs = [], {}
+        for _ in range(4):
+            engine.step()
+        engine.add_request("the digit 9", SamplingParams(num_inference_steps=3, seed=9, guidance_scale=3.0,
+                                                         priority=-1, deadline_s=60.0, output_type="np"),
+                           request_id="hi")
+        while engine.has_unfinished_requests():
+            for event in engine.step():
+                if event.type.value == "finished":
+                    order.append(event.request_id)
+                    outs[event.request_id] = event.output
+        solo = {f"lo{k}": engine.generate([f"the digit {k}"], [p])[0] for k, p in enumerate(low_params)}
+        return order, outs, solo, engine.stats()["scheduler"]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["priority", "slo"])
+def test_urgent_request_behind_a_full_batch_finishes_first(policy, one_torch_thread):
+    order, outs, solo, stats = _run_behind_full_batch(policy)
+    assert order[0] == "hi", order
+    assert stats["preemptions"] >= 1 and stats["scheduling_policy"] == policy
+    preempted = [k for k in ("lo0", "lo1") if outs[k].metrics.preemptions]
+    assert preempted, "no low-priority request was preempted"
+    for k in ("lo0", "lo1"):  # preempted and resumed = never preempted (its solo run)
+        diff = float(np.abs(outs[k].images - solo[k].images).max())
+        assert diff <= 1e-4, f"{k} (preempted {outs[k].metrics.preemptions}x) differs from its solo run by {diff}"
+    assert stats["slo_attainment"] == 1.0 and stats["queue_delay_s"]["-1"]["requests"] == 1
+    assert stats["mean_rows_per_forward"] > 0 and stats["mean_tokens_per_forward"] > 0
+
+
+def test_fcfs_keeps_arrival_order(one_torch_thread):
+    order, _, _, stats = _run_behind_full_batch("fcfs")
+    assert order[-1] == "hi" and stats["preemptions"] == 0
+
+
+def test_admission_slo_refuses_an_unmeetable_deadline(one_torch_thread):
+    engine = DiffusionEngine(EngineConfig(model="digits", admission="slo", num_threads=1))
+    try:
+        engine.generate(["the digit 1"], [SamplingParams(num_inference_steps=3, seed=1)])  # the model learns
+        with pytest.raises(DeadlineUnmeetableError, match="deadline_s"):
+            engine.add_request("the digit 2", SamplingParams(num_inference_steps=200, deadline_s=1e-6))
+        [out] = engine.generate(["the digit 3"], [SamplingParams(num_inference_steps=2, deadline_s=600.0)])
+        assert out.ok and out.metrics.deadline_met is True
+        assert engine.stats()["scheduler"]["refused_deadline"] == 1
+    finally:
+        engine.shutdown()

@@ -1,0 +1,107 @@
+"""Mixed sizes in one forward (`diffserve.pipelines.token_spans`): the strip layout, SD3 with
+T5 (the span-aware joint attention without context folding) and the cache backends' forward
+splits on rows of different sizes. (Every family declaring mixed sizes is also held to it by
+``tests/conformance/test_batching.py::test_mixed_sizes_share_a_forward``.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from diffserve import DiffusionEngine, EngineConfig, SamplingParams
+from diffserve.pipelines.row_data import RowData, forward_rows
+from diffserve.pipelines.token_spans import IMAGE_TOKENS, TokenLayout, attention_bias, key_padding_mask
+
+PROMPTS = ("a lighthouse at dusk", "a bowl of fruit on a marble kitchen counter", "snow", "a red kite")
+
+
+def test_strip_round_trip_keeps_each_rows_region():
+    """`to_strip` puts each row's patches in raster order (the order its solo patch embedding
+    reads them); `from_strip` puts them back, zeros outside the row's own region."""
+    sizes = [(4, 6), (2, 2), (6, 4)]
+    layout = TokenLayout(sizes, (6, 6), patch=2)
+    assert layout.tokens == [6, 1, 6] and layout.longest == 6
+    x = torch.randn(3, 2, 6, 6)
+    strip = layout.to_strip(x)
+    assert strip.shape == (3, 2, 2, 12)
+    for r, (h, w) in enumerate(sizes):
+        solo = x[r, :, :h, :w]  # (C, h, w) -> its patches in raster order, one patch tall
+        patches = solo.reshape(2, h // 2, 2, w // 2, 2).permute(0, 2, 1, 3, 4).reshape(2, 2, -1)
+        assert torch.equal(strip[r, :, :, : patches.shape[-1]], patches)
+    back = layout.from_strip(strip)
+    for r, (h, w) in enumerate(sizes):
+        assert torch.equal(back[r, :, :h, :w], x[r, :, :h, :w])
+        outside = back[r].clone()
+        outside[:, :h, :w] = 0
+        assert not outside.any()  # zeros elsewhere
+
+
+def test_attention_bias_masks_only_padded_image_keys():
+    rows = RowData({IMAGE_TOKENS: (3, 1, 3)}, 3)
+    assert key_padding_mask(3, torch.device("cpu")) is None  # outside a forward: stock attention
+    with forward_rows(rows):
+        bias = attention_bias(3, 5, torch.float32, torch.device("cpu"), fold_count=4)
+        assert bias.shape == (3, 1, 1, 5)
+        assert torch.isinf(bias[1, 0, 0, 1:3]).all() and not torch.isinf(bias[[0, 2]]).any()
+        assert torch.allclose(bias[:, 0, 0, -1], torch.full((3,), float(np.log(4))))
+        assert attention_bias(3, 5, torch.float32, torch.device("cpu"), fold_count=4) is bias  # memoised
+    with forward_rows(RowData({IMAGE_TOKENS: (3, 3)}, 2)):
+        assert attention_bias(3, 5, torch.float32, torch.device("cpu")) is None  # nothing padded
+
+
+def _mixed_vs_solo(engine, jobs, tol=1e-4):
+    outs = engine.generate([j[0] for j in jobs], [j[1] for j in jobs])
+    for (prompt, params), out in zip(jobs, outs):
+        assert out.ok, out.error
+        assert out.images.shape[1:3] == (params.height, params.width)
+        [solo] = engine.generate([prompt], [params])
+        diff = float(np.abs(out.images - solo.images).max())
+        assert diff <= tol, f"{params.height}x{params.width}: batched vs solo differ by {diff}"
+    return outs
+
+
+def test_sd3_with_t5_mixed_sizes_equal_solo(tiny_sd3_t5_dir, one_torch_thread):
+    """Without context folding (a T5 folder) the joint attention is `SpanJointAttnProcessor`."""
+    engine = DiffusionEngine(EngineConfig(model=str(tiny_sd3_t5_dir), max_batch_size=16))
+    try:
+        sizes = ((64, 64), (32, 48), (48, 32))
+        jobs = [(PROMPTS[k], SamplingParams(height=h, width=w, num_inference_steps=2 + k % 2, seed=7 + k,
+                                            guidance_scale=3.0 + k, max_sequence_length=16, output_type="np"))
+                for k, (h, w) in enumerate(sizes)]
+        outs = _mixed_vs_solo(engine, jobs)
+        assert max(outs[0].metrics.batch_sizes) == 6, outs[0].metrics.batch_sizes
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("backend,options", [
+    ("teacache", {"rel_l1_thresh": 1e9}),
+    ("cache_dit", {"Fn_compute_blocks": 1, "residual_diff_threshold": 1e9, "max_warmup_steps": 2}),
+])
+def test_cache_backends_run_mixed_sizes(backend, options, one_torch_thread):
+    """The cache backends' own forwards on requests of different sizes: TeaCache's forward split
+    on one forward of mixed rows (2-step requests compute every step, so batched equals solo);
+    cache-dit, which runs each request's rows alone, on them one after another."""
+    engine = DiffusionEngine(EngineConfig(model="digits", cache_backend=backend, cache_config=options))
+    try:
+        sizes = ((8, 8), (4, 8), (6, 4))
+        jobs = [(f"a handwritten digit {k}", SamplingParams(height=h, width=w, num_inference_steps=2, seed=k,
+                                                            guidance_scale=2.0 + k, output_type="np"))
+                for k, (h, w) in enumerate(sizes)]
+        outs = _mixed_vs_solo(engine, jobs)
+        if backend == "teacache":  # cache-dit runs each request's rows in a forward of its own
+            assert max(outs[0].metrics.batch_sizes) == 6, outs[0].metrics.batch_sizes
+    finally:
+        engine.shutdown()
+
+
+def test_no_mixed_sizes_batches_by_size(one_torch_thread):
+    """``EngineConfig(mixed_sizes=False)`` (``--no-mixed-sizes``): sizes split batches again."""
+    engine = DiffusionEngine(EngineConfig(model="digits", mixed_sizes=False))
+    try:
+        outs = engine.generate(["a 1", "a 2"], [SamplingParams(height=8, width=8, num_inference_steps=2, seed=1),
+                                                SamplingParams(height=4, width=8, num_inference_steps=2, seed=2)])
+        assert [max(o.metrics.batch_sizes) for o in outs] == [2, 2]
+    finally:
+        engine.shutdown()

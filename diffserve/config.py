@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from diffserve.core.errors import InvalidRequestError
 from diffserve.core.quantization import DEFAULT_ERROR_BUDGET, QuantizationSpec, check_device
-from diffserve.core.sampling_params import MAX_SEED, RequestLimits
+from diffserve.core.sampling_params import CACHE_QUALITY_LEVELS, MAX_SEED, RequestLimits
 
 if TYPE_CHECKING:
     import torch
@@ -414,12 +414,23 @@ class TeaCacheConfig:
         rel_l1_thresh: skip while the accumulated rescaled relative L1 distance stays below
             this (>= 0; 0 never skips); None = the model's default.
         coefficients: rescaling polynomial, highest degree first; None = the model's.
-        warmup_steps: leading steps that always compute (>= 1: the first step has no cache).
+        warmup_steps: leading steps that always compute (>= 1: the first step has no cache);
+            levels set their own (`diffserve.acceleration.cache_quality.CacheLevel`).
+        cache_quality: the quality level of requests that set no ``cache_quality`` (one of
+            ``CACHE_QUALITY_LEVELS``). None: ``"balanced"``, unless ``rel_l1_thresh`` is given,
+            which keeps plain TeaCache (reuse of the last residual, no guard) with that
+            threshold as the default.
+        levels: overrides of the quality levels' fields, ``{level: {field: value}}`` (fields
+            of `diffserve.acceleration.cache_quality.CacheLevel`; ``"budget": null`` turns the
+            guard off), over the model folder's and the defaults; checked when the backend
+            is built.
     """
 
     rel_l1_thresh: float | None = None
     coefficients: tuple[float, ...] | None = None
     warmup_steps: int = 1
+    cache_quality: str | None = None
+    levels: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, options: dict[str, Any]) -> "TeaCacheConfig":
@@ -428,7 +439,7 @@ class TeaCacheConfig:
         Raises:
             InvalidRequestError: unknown key or a value out of range.
         """
-        allowed = {"rel_l1_thresh", "coefficients", "warmup_steps"}
+        allowed = {"rel_l1_thresh", "coefficients", "warmup_steps", "cache_quality", "levels"}
         for key in options:
             if key not in allowed:
                 raise InvalidRequestError("cache_config", key, f"a teacache key, one of {sorted(allowed)}")
@@ -447,7 +458,13 @@ class TeaCacheConfig:
         warmup = options.get("warmup_steps", 1)
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise InvalidRequestError("cache_config.warmup_steps", warmup, "an integer >= 1")
-        return cls(None if thresh is None else float(thresh), coefficients, warmup)
+        quality = options.get("cache_quality")
+        if quality is not None and quality not in CACHE_QUALITY_LEVELS:
+            raise InvalidRequestError("cache_config.cache_quality", quality, f"one of {', '.join(CACHE_QUALITY_LEVELS)}")
+        levels = options.get("levels")
+        if levels is not None and not isinstance(levels, dict):
+            raise InvalidRequestError("cache_config.levels", levels, "an object {level: {field: value}}")
+        return cls(None if thresh is None else float(thresh), coefficients, warmup, quality, levels)
 
 
 @dataclass(frozen=True)

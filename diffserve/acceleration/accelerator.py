@@ -117,6 +117,14 @@ class Accelerator:
         """Put back what `save` returned (`CacheBackend.restore`)."""
         self.backend.restore(states, saved)
 
+    def check_params(self, params) -> None:
+        """Refuse a ``cache_quality`` the cache backend cannot honour (`CacheBackend.check_params`)."""
+        self.backend.check_params(params)
+
+    def request_summary(self, state: "RequestState") -> dict[str, Any] | None:
+        """The request's caching record for its metrics (`CacheBackend.request_summary`)."""
+        return self.backend.request_summary(state)
+
     def reset(self, state: "RequestState") -> None:
         """Fresh caching state for a request (after `prepare`: its step count is known)."""
         self.backend.reset(state)

@@ -13,7 +13,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from diffserve.core.errors import InvalidRequestError
+
 if TYPE_CHECKING:
+    from diffserve.core.sampling_params import SamplingParams
     from diffserve.pipelines.base import PipelineAdapter, RequestState
     from diffserve.pipelines.step_batch import StepBatch
 
@@ -39,6 +42,25 @@ class CacheBackend:
     def reset(self, state: "RequestState") -> None:
         """Start a request's caching state from scratch (called after `prepare`, so
         ``state.num_steps`` and the latent size are known)."""
+
+    def check_params(self, params: "SamplingParams") -> None:
+        """Refuse a request's ``cache_quality`` this backend cannot honour: without step
+        caching only ``"max"`` (no skipping) or unset.
+
+        Raises:
+            InvalidRequestError: (field ``cache_quality``) naming what this engine accepts.
+        """
+        if params.cache_quality not in (None, "max"):
+            raise InvalidRequestError("cache_quality", params.cache_quality,
+                                      f"unset or max: this engine runs with cache_backend={self.name} "
+                                      "(quality levels need --cache-backend teacache)")
+
+    def request_summary(self, state: "RequestState") -> dict[str, Any] | None:
+        """What a finished request's metrics report of its caching: ``cache_quality`` (its
+        level), ``skipped_steps``, ``error_estimate`` (the guard's estimate of the relative
+        error skipping added) and ``check_steps``; None when the backend keeps no per-request
+        record."""
+        return None
 
     def save(self, states: list["RequestState"]) -> Any:
         """What `restore` needs to put the requests' caching state (and the counters) back as

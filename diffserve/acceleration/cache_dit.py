@@ -139,6 +139,17 @@ class CacheDiTBackend(CacheBackend):
             contexts[name] = self._context_cls(**kwargs)
         return contexts
 
+    def check_params(self, params) -> None:
+        """cache-dit has one threshold per engine: a request's ``cache_quality`` is refused.
+
+        Raises:
+            InvalidRequestError: (field ``cache_quality``) set.
+        """
+        if params.cache_quality is not None:
+            raise InvalidRequestError("cache_quality", params.cache_quality,
+                                      "unset: the cache_dit backend has no per-request quality levels "
+                                      "(--cache-backend teacache has them)")
+
     def reset(self, state: "RequestState") -> None:
         """Give the request its own fresh cache-dit contexts (sized to its step count)."""
         state.extra[STATE_KEY] = self.new_contexts(state.num_steps)

@@ -14,6 +14,14 @@ its timestep-modulated input does. For each request and step:
    residual (``hidden after blocks - hidden before blocks`` from its last computed step);
    otherwise run the blocks, store the new residual and reset ``acc = 0``.
 
+Beyond reuse, each request runs at its own quality level (`SamplingParams.cache_quality`,
+`diffserve.acceleration.cache_quality`): a skipped step forecasts the residual from the last
+computed ones (TaylorSeer, `diffserve.acceleration.forecast`) instead of repeating the last
+one, steps are computed at least every ``interval`` steps, and a run-time guard
+(`diffserve.acceleration.cache_guard`) computes any step whose skipping would take the
+request's estimated accumulated error past its level's budget. The level ``custom`` is plain
+TeaCache as above (the engine's ``rel_l1_thresh``).
+
 The first ``warmup_steps`` steps and the last step always compute. The adapter's split says
 what runs outside the blocks (patch/time/text embeddings before, the output head after); those
 always run. The backend wraps ``adapter.denoise`` (its ``call`` hook), so the adapter's own
@@ -34,12 +42,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from diffserve.acceleration.backend import CacheBackend
+from diffserve.acceleration.cache_guard import GuardState
+from diffserve.acceleration.cache_quality import CacheLevel, levels_with
+from diffserve.acceleration.forecast import Forecaster
 from diffserve.config import TeaCacheConfig
 from diffserve.core.errors import InvalidRequestError
 from diffserve.pipelines.row_data import narrowed_rows
@@ -53,21 +65,58 @@ STATE_KEY = "teacache"
 
 @dataclass
 class TeaCacheState:
-    """One request's TeaCache state (in ``RequestState.extra["teacache"]``).
+    """One request's step-caching state (in ``RequestState.extra["teacache"]``). Tensors and
+    the forecaster / guard are replaced, never changed in place, so a shallow copy saves it.
 
     Attributes:
         num_steps: the request's denoising steps (the last one always computes).
+        level: its quality level.
+        timesteps: its timestep at each step (floats), the forecast's variable.
         step: steps taken so far.
-        accumulated: accumulated rescaled distance since the last computed step.
+        accumulated: TeaCache's accumulated rescaled change since the last computed step.
+        since_compute: steps skipped since the last computed step.
+        skipped: steps skipped so far.
         previous_modulated: (rows, N_img, D) modulated input of the previous step.
-        previous_residual: (rows, N_img, D) blocks' residual of the last computed step.
+        history: (timestep, residual (rows, N_img, D)) of the last computed steps, oldest first.
+        forecaster: the Newton form through `history` (None before the first computed step).
+        scale: ``mean|hidden after the blocks|`` at the last computed step (errors are relative
+            to it).
+        guard: the run-time guard's error estimate.
     """
 
     num_steps: int
+    level: CacheLevel
+    timesteps: tuple[float, ...] = ()
     step: int = 0
     accumulated: float = 0.0
+    since_compute: int = 0
+    skipped: int = 0
     previous_modulated: torch.Tensor | None = None
-    previous_residual: torch.Tensor | None = None
+    history: tuple[tuple[float, torch.Tensor], ...] = ()
+    forecaster: Forecaster | None = None
+    scale: float = 1.0
+    guard: GuardState = GuardState()
+
+    @property
+    def previous_residual(self) -> torch.Tensor | None:
+        """The last computed step's residual (None before the first)."""
+        return self.history[-1][1] if self.history else None
+
+    def weight(self, step: int) -> float:
+        """Step `step`'s share of the trajectory: ``|t_step - t_step+1| / t_0`` (``t_n = 0``)."""
+        t = self.timesteps
+        if not t or not t[0]:
+            return 1.0 / max(self.num_steps, 1)
+        following = t[step + 1] if step + 1 < len(t) else 0.0
+        return abs(t[step] - following) / abs(t[0])
+
+
+@dataclass
+class _Decision:
+    compute: bool
+    accumulated: float
+    step_error: float = 0.0
+    weight: float = 0.0
 
 
 def rescale(coefficients: tuple[float, ...], x: float) -> float:
@@ -91,7 +140,8 @@ class TeaCacheBackend(CacheBackend):
         config: validated options.
 
     Raises:
-        InvalidRequestError: the model family has no TeaCache split.
+        InvalidRequestError: the model family has no TeaCache split, or the folder's levels
+            are malformed.
     """
 
     name = "teacache"
@@ -108,10 +158,26 @@ class TeaCacheBackend(CacheBackend):
         self.rel_l1_thresh = support.rel_l1_thresh if config.rel_l1_thresh is None else config.rel_l1_thresh
         self.source = support.source if config.coefficients is None else "cache_config"
         self.warmup_steps = config.warmup_steps
+        self.levels: dict[str, CacheLevel] = levels_with(support.levels, config.levels)
+        self.levels["custom"] = CacheLevel("custom", order=0, interval=0, rel_l1_thresh=self.rel_l1_thresh,
+                                           budget=math.inf, warmup_steps=config.warmup_steps)
+        if config.cache_quality is not None:
+            self.default_level = config.cache_quality
+        else:
+            self.default_level = "custom" if config.rel_l1_thresh is not None else "balanced"
+
+    def level(self, cache_quality: str | None) -> CacheLevel:
+        """The `CacheLevel` of a request's ``cache_quality`` (None: the engine's default)."""
+        return self.levels[cache_quality or self.default_level]
+
+    def check_params(self, params) -> None:
+        """Every level of `CACHE_QUALITY_LEVELS` is served (validated by `SamplingParams`)."""
 
     def reset(self, state: "RequestState") -> None:
-        """Fresh `TeaCacheState` for the request (no residual, zero accumulated distance)."""
-        state.extra[STATE_KEY] = TeaCacheState(num_steps=state.num_steps)
+        """Fresh `TeaCacheState` for the request at its level (no residual, zero estimate)."""
+        timesteps = tuple(float(t) for t in state.timesteps) if state.timesteps is not None else ()
+        state.extra[STATE_KEY] = TeaCacheState(num_steps=state.num_steps, level=self.level(state.params.cache_quality),
+                                               timesteps=timesteps)
 
     def save(self, states: list["RequestState"]) -> Any:
         """Copies of the requests' `TeaCacheState` (its tensors are replaced, never written in
@@ -124,31 +190,60 @@ class TeaCacheBackend(CacheBackend):
         for state, st in zip(states, copies):
             state.extra[STATE_KEY] = st
 
-    def _decide(self, st: TeaCacheState, modulated: torch.Tensor) -> tuple[bool, float]:
-        """(compute?, new accumulated distance) of one request at its current step."""
-        if (st.step < self.warmup_steps or st.step >= st.num_steps - 1
-                or st.previous_residual is None or st.previous_modulated is None
-                or st.previous_modulated.shape != modulated.shape):
-            return True, 0.0
-        # A fitted polynomial can dip below 0 near x = 0; a change is never negative.
-        accumulated = st.accumulated + max(0.0, rescale(
-            self.coefficients, relative_l1(modulated, st.previous_modulated)))
-        if accumulated < self.rel_l1_thresh:
-            return False, accumulated
-        return True, 0.0
+    def request_summary(self, state: "RequestState") -> dict[str, Any] | None:
+        """The request's level, skipped steps and final error estimate (see
+        `CacheBackend.request_summary`)."""
+        st = state.extra.get(STATE_KEY)
+        if st is None:
+            return None
+        return {"cache_quality": st.level.name, "skipped_steps": st.skipped,
+                "error_estimate": st.guard.estimate, "check_steps": st.guard.checks}
+
+    def _timestep(self, st: TeaCacheState) -> float:
+        return st.timesteps[st.step] if st.step < len(st.timesteps) else float(st.step)
+
+    def _decide(self, st: TeaCacheState, modulated: torch.Tensor | None) -> _Decision | None:
+        """One request's decision at its current step; None when it needs the modulated input
+        and `modulated` is None (the forward's embedding has not run yet)."""
+        level = st.level
+        if (not level.skips or st.step < level.warmup_for(st.num_steps) or st.step >= st.num_steps - 1
+                or st.forecaster is None):
+            return _Decision(True, 0.0)
+        remainder = st.forecaster.remainder(self._timestep(st))
+        accumulated = 0.0
+        if level.target == "residual" or math.isfinite(level.rel_l1_thresh) or remainder is None:
+            if modulated is None:
+                return None
+            if st.previous_modulated is None or st.previous_modulated.shape != modulated.shape:
+                return _Decision(True, 0.0)
+            # A fitted polynomial can dip below 0 near x = 0; a change is never negative.
+            accumulated = st.accumulated + max(0.0, rescale(
+                self.coefficients, relative_l1(modulated, st.previous_modulated)))
+            if accumulated >= level.rel_l1_thresh:  # TeaCache: the input moved too far
+                return _Decision(True, 0.0)
+        if level.interval and st.since_compute + 1 >= level.interval_for(st.num_steps):  # a check step
+            return _Decision(True, 0.0)
+        step_error = accumulated if remainder is None else remainder / st.scale
+        weight = st.weight(st.step)
+        if math.isfinite(level.budget) and not st.guard.allows(step_error, weight, level.budget):
+            return _Decision(True, 0.0)  # the guard: skipping would exceed the budget
+        return _Decision(False, accumulated, step_error, weight)
 
     def denoise(self, adapter: "PipelineAdapter", batch: "StepBatch") -> torch.Tensor:
         """The adapter's forward of the batch where each request computes its blocks or
-        reuses its cached residual; returns what `PipelineAdapter.denoise` returns."""
+        forecasts its residual; returns what `PipelineAdapter.denoise` returns."""
         return adapter.denoise(batch, call=lambda b, kwargs: self._forward(adapter.denoiser, b, kwargs))
 
     def _forward(self, model, batch: "StepBatch", kwargs: dict) -> torch.Tensor:
         split = self.split
+        states = [s.extra[STATE_KEY] for s in batch.states]
+        early = [self._decide(st, None) for st in states]
+        if all(d is not None and not d.compute and st.level.target == "output" for st, d in zip(states, early)):
+            return self._forecast_all(batch, states, early)  # nothing to run: not even the embedding
         hidden, context, modulated = split.embed(model, kwargs)
         rows = [batch.request_rows(i).to(hidden.device) for i in range(len(batch.states))]
-        states = [s.extra[STATE_KEY] for s in batch.states]
         decisions = [self._decide(st, modulated[index]) for st, index in zip(states, rows)]
-        computing = [i for i, (compute, _) in enumerate(decisions) if compute]
+        computing = [i for i, d in enumerate(decisions) if d.compute]
         if len(computing) == len(states):
             out_hidden = computed = split.blocks(model, hidden, context)
             computed_rows = {i: rows[i] for i in computing}
@@ -171,22 +266,64 @@ class TeaCacheBackend(CacheBackend):
             for i, index in enumerate(rows):
                 if i in computed_rows:
                     out_hidden[index] = computed[computed_rows[i]]
-                else:
-                    out_hidden[index] = hidden[index] + states[i].previous_residual
+                elif states[i].level.target == "residual":
+                    out_hidden[index] = hidden[index] + states[i].forecaster.predict(self._timestep(states[i]))
         output = split.head(model, out_hidden, context)
+        for i, (st, d) in enumerate(zip(states, decisions)):
+            if not d.compute and st.level.target == "output":
+                output[rows[i]] = st.forecaster.predict(self._timestep(st)).to(output.dtype)
 
         # Commit the new per-request state only once the whole forward succeeded.
-        for i, (st, (compute, accumulated)) in enumerate(zip(states, decisions)):
-            if compute:
-                st.previous_residual = (computed[computed_rows[i]] - hidden[rows[i]]).clone()
+        for i, (st, d) in enumerate(zip(states, decisions)):
+            if d.compute:
+                self._computed(st, hidden[rows[i]], computed[computed_rows[i]], output[rows[i]])
             else:
                 self.skipped += 1
-            st.accumulated = accumulated
+                st.skipped += 1
+                st.since_compute += 1
+                st.guard = st.guard.skipped(d.step_error, d.weight)
+            st.accumulated = d.accumulated
             st.previous_modulated = modulated[rows[i]].clone()
             st.step += 1
         self.transformer_calls += len(states)
         return output
 
+    def _forecast_all(self, batch: "StepBatch", states: list[TeaCacheState], decisions: list[_Decision]):
+        """The step of a batch whose every request skips and forecasts its output: the
+        forecasts laid out over the batch's rows, no denoiser call."""
+        forecasts = [st.forecaster.predict(self._timestep(st)) for st in states]
+        rows = [batch.request_rows(i).to(forecasts[0].device) for i in range(len(states))]
+        output = forecasts[0].new_empty((sum(len(r) for r in rows), *forecasts[0].shape[1:]))
+        for index, forecast, st, d in zip(rows, forecasts, states, decisions):
+            output[index] = forecast
+            self.skipped += 1
+            st.skipped += 1
+            st.since_compute += 1
+            st.guard = st.guard.skipped(d.step_error, d.weight)
+            st.step += 1
+        self.transformer_calls += len(states)
+        return output
+
+    def _computed(self, st: TeaCacheState, before: torch.Tensor, after: torch.Tensor, output: torch.Tensor) -> None:
+        """Book a computed step: the check of the forecast (when one existed), the new
+        residual (or output) in the history, the forecaster refitted."""
+        residual = after - before if st.level.target == "residual" else output
+        t = self._timestep(st)
+        measured = predicted = None
+        if st.level.skips and st.forecaster is not None and st.since_compute > 0:
+            measured = float((st.forecaster.predict(t) - residual).abs().mean()) / st.scale
+            remainder = st.forecaster.remainder(t)
+            predicted = None if remainder is None else remainder / st.scale
+        st.guard = st.guard.computed(measured, predicted)
+        st.since_compute = 0
+        if not st.level.skips:
+            return
+        st.scale = max(float((after if st.level.target == "residual" else output).abs().mean()), 1e-12)
+        st.history = (st.history + ((t, residual.clone()),))[-(st.level.order + 2):]
+        st.forecaster = Forecaster.fit(list(st.history), st.level.order)
+
     def stats(self) -> dict[str, Any]:
-        """`CacheBackend.stats` plus the threshold and the coefficients' source."""
-        return {**super().stats(), "rel_l1_thresh": self.rel_l1_thresh, "coefficients_source": self.source}
+        """`CacheBackend.stats` plus the threshold, the coefficients' source and the default
+        quality level."""
+        return {**super().stats(), "rel_l1_thresh": self.rel_l1_thresh, "coefficients_source": self.source,
+                "default_cache_quality": self.default_level}

@@ -131,6 +131,9 @@ class Decoded:
         preview: True for a preview (the request keeps running).
         seconds: wall-clock seconds of the decode.
         offload_loads: components moved onto the device for the decode work item.
+        cache: a final decode's record of the request's step caching (``cache_quality``,
+            ``skipped_steps``, ``error_estimate``, ``check_steps``; the cache backend's
+            ``request_summary``), None without one.
     """
 
     request_id: str
@@ -140,6 +143,7 @@ class Decoded:
     seconds: float = 0.0
     error: WorkError | None = None
     offload_loads: int = 0
+    cache: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,14 @@ class RequestMetrics:
     ``preemptions`` counts the step boundaries at which the ``priority`` / ``slo`` scheduling
     policy left the request out of a step it had been running in; ``deadline_met`` is whether it
     finished within its ``deadline_s`` (None without a deadline).
+
+    Step caching (engines with a cache backend that keeps per-request records, ``teacache``):
+    ``cache_quality`` the request's level (`SamplingParams.cache_quality`, resolved to the
+    engine's default; ``"custom"``: plain TeaCache at the engine's threshold),
+    ``cache_skipped_steps`` the denoising steps whose transformer blocks were skipped,
+    ``cache_error_estimate`` the run-time guard's final estimate of the relative error
+    skipping put into the result (`diffserve.acceleration.cache_guard`), ``cache_check_steps``
+    the computed steps that measured the forecast's error. None / 0 otherwise.
     """
 
     arrival_time: float = 0.0
@@ -64,6 +72,10 @@ class RequestMetrics:
     payload_bytes: int = 0
     preemptions: int = 0
     deadline_met: bool | None = None
+    cache_quality: str | None = None
+    cache_skipped_steps: int = 0
+    cache_error_estimate: float | None = None
+    cache_check_steps: int = 0
 
     @property
     def first_chunk_s(self) -> float | None:
@@ -89,6 +101,9 @@ class RequestMetrics:
             **({"ar_queue_s": self.ar_queue_s, "ar_s": self.ar_s, "transfer_s": self.transfer_s,
                 "payload_wait_s": self.payload_wait_s, "payload_bytes": self.payload_bytes}
                if self.payload_bytes else {}),
+            **({"cache_quality": self.cache_quality, "cache_skipped_steps": self.cache_skipped_steps,
+                "cache_error_estimate": self.cache_error_estimate, "cache_check_steps": self.cache_check_steps}
+               if self.cache_quality is not None else {}),
         }
 
 

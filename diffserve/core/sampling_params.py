@@ -20,6 +20,8 @@ from diffserve.core.errors import InvalidRequestError
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 MAX_SEED = 2**63 - 1
+#: Values of `SamplingParams.cache_quality`, from no skipping to the most skipping.
+CACHE_QUALITY_LEVELS = ("max", "high", "balanced", "fast")
 #: Guidance beyond this overflows the CFG extrapolation into NaN images; real use is 1-20.
 MAX_GUIDANCE_SCALE = 100.0
 #: Largest |scale| of a LoRA adapter in a request (diffusers' ``set_adapters`` weight; real use
@@ -157,6 +159,16 @@ class SamplingParams:
             (`DiffusionEngine.load_lora`, ``--lora``, ``--lora-dir``, a built-in model's own),
             scales finite in [-4, 4]; None = none. Requests with different adapters share
             denoiser forwards (each row adds its own low-rank deltas).
+        cache_quality: this request's quality budget for step caching (engines run with a
+            cache backend, ``--cache-backend teacache``), one of `CACHE_QUALITY_LEVELS`:
+            ``"max"`` never skips a transformer step (the uncached result); ``"high"``,
+            ``"balanced"`` and ``"fast"`` skip steps (their output forecast from computed ones)
+            under a run-time guard that computes a step whenever the request's estimated
+            accumulated error would exceed the level's budget. Each level is a measured error
+            budget (``diffserve/acceleration/cache_quality.py``); the PSNR each gives on the
+            built-in model is in the README (Acceleration: quality levels). None = the
+            engine's default (its ``cache_config`` ``cache_quality``). Requests with different
+            levels share denoiser forwards.
         output_type: ``"pil"`` (list of PIL images), ``"np"`` (float32 array
             (N, H, W, C) in [0, 1]), ``"pt"`` (float tensor (N, C, H, W) in [0, 1]) or
             ``"latent"`` (the final latents (N, C, H/f, W/f)).
@@ -192,6 +204,7 @@ class SamplingParams:
     loras: dict[str, float] | None = None
     priority: int = 0
     deadline_s: float | None = None
+    cache_quality: str | None = None
 
     def image_seeds(self) -> list[int]:
         """The seed of each of the ``num_images_per_prompt`` images: `image_seed` (`seed`, i).
@@ -314,6 +327,9 @@ class SamplingParams:
             _check_extra(spec, p.extra)
             p.extra = dict(p.extra) or None
         p.loras = check_loras(p.loras)
+        if p.cache_quality is not None and p.cache_quality not in CACHE_QUALITY_LEVELS:
+            raise InvalidRequestError("cache_quality", p.cache_quality,
+                                      f"one of {', '.join(CACHE_QUALITY_LEVELS)} (or unset: the engine's default)")
         return p
 
 

@@ -576,6 +576,12 @@ class RequestScheduler:
                 self._close(request, RequestStatus.FAILED, error=result.error)
             else:
                 request.metrics.decode_s = result.seconds
+                if result.cache is not None:
+                    m = request.metrics
+                    m.cache_quality = result.cache["cache_quality"]
+                    m.cache_skipped_steps = result.cache["skipped_steps"]
+                    m.cache_error_estimate = result.cache["error_estimate"]
+                    m.cache_check_steps = result.cache["check_steps"]
                 self._close(request, RequestStatus.FINISHED, images=result.output)
 
     def _on_chunks(self, results: list[ChunkDone]) -> None:

@@ -62,8 +62,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-backend", default="none", choices=["none", "teacache", "cache_dit"],
                         help="step caching backend (state reset for every request)")
     parser.add_argument("--cache-config", default=None, metavar="JSON",
-                        help='cache backend options as a JSON object, e.g. \'{"rel_l1_thresh": 0.4}\' '
-                             "(default: the backend's defaults)")
+                        help='cache backend options as a JSON object, e.g. \'{"cache_quality": "fast"}\' '
+                             "(teacache: the default quality level of requests: max|high|balanced|fast) or "
+                             '\'{"rel_l1_thresh": 0.4}\' (plain TeaCache); default: the backend\'s defaults')
     compile_group = parser.add_mutually_exclusive_group()
     compile_group.add_argument("--compile", dest="compile", action="store_true", default=False,
                                help="regional torch.compile of the transformer blocks (warmed up at start)")

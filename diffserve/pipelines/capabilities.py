@@ -34,20 +34,24 @@ class TeaCacheSupport:
             relative L1 change to the output change.
         rel_l1_thresh: default threshold on the accumulated rescaled change.
         source: where the coefficients come from.
+        levels: the model's own fields of the quality levels (``{level: {field: value}}``,
+            `diffserve.acceleration.cache_quality.levels_with`), None = the defaults.
     """
 
     split: Any
     coefficients: tuple[float, ...]
     rel_l1_thresh: float
     source: str
+    levels: Mapping[str, Any] | None = None
 
     def with_preset(self, preset: Mapping[str, Any]) -> "TeaCacheSupport":
         """This support with a model folder's calibrated preset (``generation_config.json``
-        ``teacache``: ``coefficients``, ``rel_l1_thresh``, ``source``, each optional) in place
-        of the declared values."""
+        ``teacache``: ``coefficients``, ``rel_l1_thresh``, ``source``, ``cache_quality`` (the
+        levels' fields), each optional) in place of the declared values."""
         return replace(self, coefficients=tuple(preset.get("coefficients", self.coefficients)),
                        rel_l1_thresh=float(preset.get("rel_l1_thresh", self.rel_l1_thresh)),
-                       source=preset.get("source", self.source))
+                       source=preset.get("source", self.source),
+                       levels=preset.get("cache_quality", self.levels))
 
 
 @dataclass(frozen=True)

@@ -151,6 +151,7 @@ class ModelRunner(Runner):
                                       f"first repeats the previous chunk's last {overlap} frame(s), which are not "
                                       "sent again)")
         self.adapter.check_params(params, inputs)
+        self.accelerator.check_params(params)
         return RequestPlan(rows=self.adapter.rows(params), batch_key=self.adapter.batch_key(params, inputs),
                            num_steps=self.adapter.num_steps(params, inputs))
 
@@ -373,7 +374,9 @@ class ModelRunner(Runner):
                     logger.error("decode failed for %s: %r", request_id, output)
                 results.append(Decoded(request_id, step=step, preview=preview, error=WorkError.of(output)))
             else:
-                results.append(Decoded(request_id, output=output, step=step, preview=preview, seconds=seconds))
+                cache = None if preview else self.accelerator.request_summary(state)
+                results.append(Decoded(request_id, output=output, step=step, preview=preview, seconds=seconds,
+                                       cache=cache))
             if not preview:
                 self.free([request_id])
         return results

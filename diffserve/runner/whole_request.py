@@ -283,6 +283,9 @@ class WholeRequestRunner(Runner):
         if params.num_chunks is not None:
             raise InvalidRequestError("num_chunks", params.num_chunks, f"unset: {self.class_name} is served "
                                       "whole-request (no step adapter), which cannot stream video chunks")
+        if params.cache_quality not in (None, "max"):
+            raise InvalidRequestError("cache_quality", params.cache_quality, f"unset or max: {self.class_name} is "
+                                      "served whole-request (no step adapter), which has no step caching")
         for field, default in (("height", self.spec.default_height), ("width", self.spec.default_width)):
             value = getattr(params, field)
             if field not in self.signature and value != default:

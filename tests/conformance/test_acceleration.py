@@ -57,3 +57,30 @@ def test_cache_backend_runs_or_is_refused_by_name(model, folder, served, backend
     assert max_difference(media(outs[0]), media(run(served, *job))) > 1e-3, \
         f"{model.id}: {backend} skipped steps changed nothing"
     engine.shutdown()
+
+
+#: Quality levels that skip on random weights (`SamplingParams.cache_quality`; no guard).
+LEVELS = {"fast": {"interval": 3, "warmup_steps": 1, "budget": None},
+          "high": {"interval": 2, "warmup_steps": 1, "budget": None}}
+
+
+@pytest.mark.parametrize("model", model_ids(), indirect=True)
+def test_quality_levels_share_batches_on_every_teacache_family(model, folder):
+    """Requests of two forecasting levels batched together each equal their solo run, on every
+    family TeaCache supports (the others refuse the backend by name: the test above)."""
+    if not model.backends["teacache"]:
+        pytest.skip(f"{model.id}: teacache is refused by name (checked above)")
+    output_type = "latent" if model.video else "np"
+    image = request_image(model)
+    engine = _engine(folder, "teacache", {"levels": LEVELS})
+    job = (PROMPT, model.params(seed=3, num_inference_steps=6, output_type=output_type, cache_quality="fast",
+                                **model.guided), image)
+    other = ("a small red kite in the wind",
+             model.params(seed=4, num_inference_steps=5, output_type=output_type, cache_quality="high",
+                          **model.variations[1]), image)
+    outs = engine.generate([job[0], other[0]], [job[1], other[1]], inputs=[job[2], other[2]])
+    assert all(o.metrics.cache_skipped_steps > 0 for o in outs), [o.metrics.as_dict() for o in outs]
+    for k, (j, out) in enumerate(zip((job, other), outs)):
+        assert_close(model, f"level {j[1].cache_quality} batched vs solo (request {k})", media(out),
+                     media(run(engine, *j)), BATCH_TOL)
+    engine.shutdown()

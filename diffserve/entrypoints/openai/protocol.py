@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_serializer
 
 from diffserve.core.errors import InvalidRequestError
-from diffserve.core.sampling_params import MAX_GUIDANCE_SCALE, MAX_LORA_SCALE, MAX_SEED
+from diffserve.core.sampling_params import CACHE_QUALITY_LEVELS, MAX_GUIDANCE_SCALE, MAX_LORA_SCALE, MAX_SEED
 
 if TYPE_CHECKING:
     from diffserve.core.sampling_params import ModelSpec, RequestLimits
@@ -109,6 +109,23 @@ PRIORITY_BOUND = 2**31
 #: states both, so a schema-valid request is refused only for a name the server does not hold: 404).
 LoraScales = dict[Annotated[str, StringConstraints(min_length=1, max_length=128)],
                   Annotated[float, Field(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE, allow_inf_nan=False)]]
+
+
+#: The ``cache_quality`` extension field of generation requests (`SamplingParams.cache_quality`).
+CACHE_QUALITY_DESCRIPTION = ("step-caching quality budget: max (no skipping), high, balanced, fast (measured error "
+                             "budgets; the server's default from --cache-config); with --cache-backend teacache, "
+                             "else only max")
+CacheQuality = Literal["max", "high", "balanced", "fast"]
+assert tuple(CacheQuality.__args__) == CACHE_QUALITY_LEVELS
+
+
+def served_cache_qualities(config: Any) -> list[str] | None:
+    """The ``cache_quality`` values an engine with `config` accepts: every level with the
+    ``teacache`` backend, only ``max`` without a cache backend, none (the field is refused)
+    with ``cache_dit``."""
+    if config.cache_backend == "teacache":
+        return list(CACHE_QUALITY_LEVELS)
+    return ["max"] if config.cache_backend == "none" else None
 
 
 def loras_from_text(value: Any) -> Any:
@@ -190,6 +207,7 @@ class _ImageRequest(_StrictRequest):
                           "diffserve.progress (denoising steps done) events, and diffserve.ar_delta "
                           "(multi-stage models: each new piece of the AR stage's text) events")
     loras: LoraScales | None = Field(None, description=LORAS_DESCRIPTION)
+    cache_quality: CacheQuality | None = Field(None, description=CACHE_QUALITY_DESCRIPTION)
     extra_params: dict[str, Any] | None = Field(
         None, description="further __call__ arguments of a pipeline served whole-request (no step adapter), by "
                           "name, e.g. {\"pag_scale\": 3.0}; the model card's extra_parameters lists the names "
@@ -333,7 +351,8 @@ MODEL_FIELDS = {"guidance_scale": "default_guidance_scale", "true_cfg_scale": "d
 
 
 def request_json_schema(spec: "ModelSpec | None" = None, limits: "RequestLimits | None" = None,
-                        max_n: int | None = None, model: type[BaseModel] | None = None) -> dict[str, Any]:
+                        max_n: int | None = None, model: type[BaseModel] | None = None,
+                        cache_qualities: list[str] | None = CACHE_QUALITY_LEVELS) -> dict[str, Any]:
     """JSON schema of a request body (`model`: `ImageGenerationRequest` by default), stating
     what the server enforces for the loaded model when `spec` and `limits` are given: the
     fields the model does not take are left out (`MODEL_FIELDS`: a request that sends one gets
@@ -342,10 +361,17 @@ def request_json_schema(spec: "ModelSpec | None" = None, limits: "RequestLimits 
     ``num_chunks`` in [1, limit]; and ``size`` spelled out as the allowed ``WxH`` values
     (multiples of the model's resolution factor up to its maximum, and within ``max_pixels``)
     when there are at most `MAX_SCHEMA_SIDES` per side and the pattern stays within
-    `MAX_SIZE_PATTERN_CHARS`; ``extra_params`` only for a model that takes extra parameters
+    `MAX_SIZE_PATTERN_CHARS`; ``cache_quality`` among `cache_qualities`
+    (`served_cache_qualities`; None: the field is left out, the engine refuses it);
+    ``extra_params`` only for a model that takes extra parameters
     (`ModelSpec.extra_parameters`), with those names."""
     schema = (model or ImageGenerationRequest).model_json_schema()
     props = schema["properties"]
+    if "cache_quality" in props:
+        if cache_qualities is None:
+            del props["cache_quality"]
+        else:
+            _constrain(props["cache_quality"], enum=list(cache_qualities))
     if max_n is not None and "n" in props:
         _constrain(props["n"], minimum=1, maximum=max_n)
     if limits is not None:
@@ -470,7 +496,9 @@ class ImageObject(BaseModel):
         expires_at: diffserve extension (``url`` only): Unix time after which the URL is gone.
         timings: diffserve extension: this image's stage durations in seconds (queue_s,
             encode_s, denoise_s, decode_s, total_s), num_steps, batch_sizes (transformer rows
-            per step -> steps run at that size) and peak_memory_bytes.
+            per step -> steps run at that size) and peak_memory_bytes; with step caching
+            (``--cache-backend teacache``) also cache_quality, cache_skipped_steps,
+            cache_error_estimate and cache_check_steps (`RequestMetrics`).
     """
 
     b64_json: str | None = None
@@ -599,6 +627,7 @@ class VideoCreateRequest(_StrictRequest):
     loras: LoraScales | None = Field(None, description=LORAS_DESCRIPTION)
     priority: int | None = Field(None, ge=-PRIORITY_BOUND, lt=PRIORITY_BOUND, description=PRIORITY_DESCRIPTION)
     deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False, description=DEADLINE_DESCRIPTION)
+    cache_quality: CacheQuality | None = Field(None, description=CACHE_QUALITY_DESCRIPTION)
 
     @field_validator("loras", mode="before")
     @classmethod

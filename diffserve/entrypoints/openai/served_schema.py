@@ -32,6 +32,7 @@ from diffserve.entrypoints.openai.protocol import (
     VideoCreateRequest,
     request_json_schema,
     seconds_schema,
+    served_cache_qualities,
 )
 from diffserve.entrypoints.openai.request_body import JSON, MULTIPART, form_schema
 from diffserve.entrypoints.openai.services.edits import EDITS_PATH, edit_form_schema
@@ -84,16 +85,17 @@ def served_openapi(schema: dict[str, Any], state: Any) -> dict[str, Any]:
         if operation is not None:
             operation["requestBody"]["content"][media_type]["schema"] = value
 
-    body(GENERATIONS_PATH, JSON, request_json_schema(spec, limits, max_n, ImageGenerationRequest))
-    body(EDITS_PATH, MULTIPART, edit_form_schema(request_json_schema(spec, limits, max_n, ImageEditRequest),
+    levels = served_cache_qualities(config)
+    body(GENERATIONS_PATH, JSON, request_json_schema(spec, limits, max_n, ImageGenerationRequest, levels))
+    body(EDITS_PATH, MULTIPART, edit_form_schema(request_json_schema(spec, limits, max_n, ImageEditRequest, levels),
                                                  spec.max_input_images, spec.accepts_mask))
     if "text-to-video" in capabilities:
-        video = video_request_schema(spec, limits)
+        video = video_request_schema(spec, limits, levels)
         body(VIDEOS_PATH, JSON, video)
         form = form_schema(video, {})
         form["properties"]["seconds"] = seconds_schema(max_video_seconds(spec, limits))[0]  # text: whole seconds
         body(VIDEOS_PATH, MULTIPART, form)
-    body(STREAMS_PATH, JSON, request_json_schema(spec, limits, None, VideoStreamRequest))
+    body(STREAMS_PATH, JSON, request_json_schema(spec, limits, None, VideoStreamRequest, levels))
     return schema
 
 
@@ -124,11 +126,11 @@ def _can_fail(parameter: dict[str, Any]) -> bool:
     return value.get("type") != "string" or bool(set(value) - {"type", "title", "description"})
 
 
-def video_request_schema(spec: Any, limits: Any) -> dict[str, Any]:
+def video_request_schema(spec: Any, limits: Any, cache_qualities: list[str] | None = None) -> dict[str, Any]:
     """The JSON schema of ``POST /v1/videos`` for a video model: `protocol.request_json_schema`
     with ``seconds`` in the model's range (`services.videos.max_video_seconds`) and given alone:
     not with a non-null ``num_frames`` or ``fps``."""
-    schema = request_json_schema(spec, limits, None, VideoCreateRequest)
+    schema = request_json_schema(spec, limits, None, VideoCreateRequest, cache_qualities)
     schema["properties"]["seconds"]["anyOf"] = seconds_schema(max_video_seconds(spec, limits)) + [{"type": "null"}]
     given = {"not": {"type": "null"}}
     schema["not"] = {"anyOf": [{"required": ["seconds", other], "properties": {"seconds": given, other: given}}

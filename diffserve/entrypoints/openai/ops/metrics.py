@@ -70,6 +70,8 @@ STAGES = ("queue", "encode", "denoise", "decode", "total")
 #: multi-stage models' extra stages (observed for requests that went through an AR stage)
 AR_STAGES = ("ar_queue", "ar", "transfer", "payload_wait")
 _STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+#: relative error estimates of step caching (`RequestMetrics.cache_error_estimate`)
+_CACHE_ERROR_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0)
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -106,6 +108,13 @@ class ServerMetrics:
         self.stage_seconds = Histogram("diffserve_request_stage_seconds", "Per finished engine request: "
                                        "duration of each stage, seconds.", ["stage"], buckets=_STAGE_BUCKETS,
                                        registry=r)
+        self.cache_skipped_steps = Counter(
+            "diffserve_request_cache_skipped_steps", "Denoising steps whose transformer blocks were skipped "
+            "(step caching), by the request's cache_quality.", ["cache_quality"], registry=r)
+        self.cache_error_estimate = Histogram(
+            "diffserve_request_cache_error_estimate", "Per finished engine request with step caching: the run-time "
+            "guard's final estimate of the relative error skipping added, by cache_quality.", ["cache_quality"],
+            buckets=_CACHE_ERROR_BUCKETS, registry=r)
         #: counted by the server's connection acceptors (`diffserve.entrypoints.openai.server`)
         self.connections = ConnectionStats()
         r.register(_ConnectionCollector(self.connections))
@@ -140,6 +149,9 @@ class ServerMetrics:
             m = output.metrics
             for stage, seconds in zip(STAGES, (m.queue_s, m.encode_s, m.denoise_s, m.decode_s, m.total_s)):
                 self.stage_seconds.labels(stage=stage).observe(seconds)
+            if m.cache_quality is not None:  # step caching kept a record of the request
+                self.cache_skipped_steps.labels(cache_quality=m.cache_quality).inc(m.cache_skipped_steps)
+                self.cache_error_estimate.labels(cache_quality=m.cache_quality).observe(m.cache_error_estimate or 0.0)
             if m.payload_bytes:  # a multi-stage model's request
                 for stage, seconds in zip(AR_STAGES, (m.ar_queue_s, m.ar_s, m.transfer_s, m.payload_wait_s)):
                     self.stage_seconds.labels(stage=stage).observe(seconds)

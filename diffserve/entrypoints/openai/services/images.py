@@ -80,6 +80,7 @@ from diffserve.entrypoints.openai.protocol import (
     parse_size,
     preview_steps,
     request_json_schema,
+    served_cache_qualities,
 )
 from diffserve.entrypoints.openai.request_body import CLIENT_DISCONNECTED_KEY
 from diffserve.entrypoints.openai.services.admission import AdmissionLine, request_fingerprint
@@ -260,7 +261,8 @@ class ImageGenerationService:
                                     width=width, num_inference_steps=body.num_inference_steps,
                                     guidance_scale=body.guidance_scale, true_cfg_scale=body.true_cfg_scale,
                                     strength=getattr(body, "strength", None), seed=body.seed, output_type="pil",
-                                    extra=body.extra_params, loras=body.loras, **scheduling_fields(body))
+                                    extra=body.extra_params, loras=body.loras, cache_quality=body.cache_quality,
+                                    **scheduling_fields(body))
             # seeds, every check (the family's own rules on images, mask, strength too) and the plan, before
             # any allocation; an edit's "auto" size is the input's
             requests = engine.input_processor.process(body.prompt, params, inputs, n=n, size_from_inputs=True)
@@ -322,7 +324,8 @@ class ImageGenerationService:
         """JSON schema of the request body with this server's model and engine limits."""
         config = self.engine.config
         return request_json_schema(self.engine.spec, config.limits,
-                                   min(config.limits.max_num_images_per_prompt, config.max_waiting_requests))
+                                   min(config.limits.max_num_images_per_prompt, config.max_waiting_requests),
+                                   cache_qualities=served_cache_qualities(config))
 
     def engine_dead_message(self) -> str:
         """`ENGINE_DEAD_MESSAGE`, with the engine's reason when it gave one."""

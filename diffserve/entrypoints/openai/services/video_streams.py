@@ -61,7 +61,9 @@ from diffserve.entrypoints.openai.errors import CLIENT_CLOSED_REQUEST, APIError,
 from diffserve.media.image_encoding import to_base64
 from diffserve.entrypoints.openai.protocol import (
     scheduling_fields,
+    CACHE_QUALITY_DESCRIPTION,
     LORAS_DESCRIPTION,
+    CacheQuality,
     MAX_PROMPT_CHARS,
     PROMPT_PATTERN,
     SEED_BOUND,
@@ -128,6 +130,7 @@ class VideoStreamRequest(BaseModel):
                                                          "whole video")
     include_video: bool = Field(True, description="send the whole video again in the completed event")
     loras: LoraScales | None = Field(None, description=LORAS_DESCRIPTION)
+    cache_quality: CacheQuality | None = Field(None, description=CACHE_QUALITY_DESCRIPTION)
 
     @field_validator("num_chunks", "num_frames", "fps", "num_inference_steps", "seed", mode="before")
     @classmethod
@@ -245,7 +248,8 @@ class VideoStreamService:
                                     num_frames=body.num_frames, fps=body.fps, num_chunks=body.num_chunks,
                                     num_inference_steps=body.num_inference_steps,
                                     guidance_scale=body.guidance_scale, seed=body.seed, output_type="np",
-                                    loras=body.loras, **scheduling_fields(body))
+                                    loras=body.loras, cache_quality=body.cache_quality,
+                                    **scheduling_fields(body))
             [request] = engine.input_processor.process(body.prompt, params)  # seed, checks, plan
             engine.check_loras(request.params.loras)  # known adapter names (a load starts for one not held)
         except InvalidRequestError as exc:

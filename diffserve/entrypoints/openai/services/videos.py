@@ -183,7 +183,8 @@ class VideoService:
                                     num_inference_steps=body.num_inference_steps, guidance_scale=body.guidance_scale,
                                     guidance_scale_2=body.guidance_scale_2, true_cfg_scale=body.true_cfg_scale,
                                     num_frames=num_frames, fps=body.fps, seed=body.seed, output_type="np",
-                                    loras=body.loras, **scheduling_fields(body))
+                                    loras=body.loras, cache_quality=body.cache_quality,
+                                    **scheduling_fields(body))
             [request] = engine.input_processor.process(body.prompt, params)  # seed, checks, plan
             engine.check_loras(request.params.loras)  # known adapter names (a load starts for one not held)
         except InvalidRequestError as exc:

@@ -1,0 +1,133 @@
+"""Quality levels of step caching (`SamplingParams.cache_quality`): what each named level
+does, as a `CacheLevel`.
+
+A level fixes how a request's steps are cached: the forecast's order
+(`diffserve.acceleration.forecast`), how often a step is computed (``interval``: the check
+steps), the TeaCache trip-wire on the modulated input's change, and the error budget the
+run-time guard holds the request to (`diffserve.acceleration.cache_guard`). ``max`` never
+skips. The budgets are measured error budgets: the PSNR they give vs the uncached image on the
+built-in model (mean and worst image) is in the README's acceleration section
+(``benchmarks/acceleration.py``). The defaults (order-1 forecasts of the denoiser output, a
+warm-up of 3 steps and a check every 2, 3 or 4 steps at 20 steps) were picked there: order 2
+and longer windows lost more PSNR than they saved time.
+
+A model folder overrides any level's fields in its ``generation_config.json``
+(``teacache.cache_quality``: ``{"fast": {"budget": 0.02}}``; `levels_with`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from diffserve.core.errors import InvalidRequestError
+from diffserve.core.sampling_params import CACHE_QUALITY_LEVELS
+
+
+#: The schedule length `CacheLevel.interval` is stated for.
+REFERENCE_STEPS = 20
+
+
+@dataclass(frozen=True)
+class CacheLevel:
+    """How one quality level caches a request's steps.
+
+    Attributes:
+        name: the level's name (``"custom"`` for plain TeaCache from ``rel_l1_thresh``).
+        order: forecast order: 0 reuses the last computed residual (TeaCache), 1-2 forecast it
+            with a Taylor expansion in the timestep (TaylorSeer).
+        interval: a step is computed at least every `interval` steps of a 20-step schedule
+            (the guard's check steps; scaled with the request's steps, `interval_for`, so a
+            forecast spans the same share of the trajectory); 0 = only when TeaCache's
+            accumulated change reaches `rel_l1_thresh`.
+        rel_l1_thresh: TeaCache's threshold on the accumulated rescaled change of the
+            modulated input since the last computed step (inf: not used).
+        budget: the guard's bound on the request's estimated accumulated relative error
+            (0: never skip; inf: no guard).
+        warmup_steps: leading steps that always compute (>= 1), stated for a 20-step schedule
+            and scaled like `interval` (`warmup_for`): the early steps are where skipping
+            costs the most.
+        target: what a skipped step forecasts: ``"residual"`` (the blocks' residual, added to
+            the step's own embedded input; TeaCache) or ``"output"`` (the denoiser's output).
+    """
+
+    name: str
+    order: int
+    interval: int
+    rel_l1_thresh: float
+    budget: float
+    warmup_steps: int
+    target: str = "residual"
+
+    @property
+    def skips(self) -> bool:
+        """Whether the level can skip any step."""
+        return self.budget > 0 and self.interval != 1
+
+    def interval_for(self, num_steps: int) -> int:
+        """`interval` for a schedule of `num_steps` steps: ``round(interval * num_steps / 20)``,
+        at least 2 (0 and 1 stay as they are)."""
+        if self.interval <= 1:
+            return self.interval
+        return max(2, round(self.interval * num_steps / REFERENCE_STEPS))
+
+    def warmup_for(self, num_steps: int) -> int:
+        """`warmup_steps` for a schedule of `num_steps` steps: ``round(warmup_steps *
+        num_steps / 20)``, at least `warmup_steps` (``custom`` keeps its own count)."""
+        if self.name == "custom":
+            return self.warmup_steps
+        return max(self.warmup_steps, round(self.warmup_steps * num_steps / REFERENCE_STEPS))
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+#: The levels of any model whose folder declares none. The budgets were measured on the
+#: built-in digits model (README: acceleration); other models are guarded by the same budget.
+DEFAULT_LEVELS: dict[str, CacheLevel] = {
+    "max": CacheLevel("max", order=0, interval=1, rel_l1_thresh=math.inf, budget=0.0, warmup_steps=1),
+    "high": CacheLevel("high", order=1, interval=2, rel_l1_thresh=math.inf, budget=0.05, warmup_steps=3,
+                       target="output"),
+    "balanced": CacheLevel("balanced", order=1, interval=3, rel_l1_thresh=math.inf, budget=0.1, warmup_steps=3,
+                           target="output"),
+    "fast": CacheLevel("fast", order=1, interval=4, rel_l1_thresh=math.inf, budget=0.15, warmup_steps=3,
+                       target="output"),
+}
+
+_FIELDS = {"order": int, "interval": int, "rel_l1_thresh": float, "budget": float, "warmup_steps": int}
+
+
+def levels_with(*overrides: Mapping[str, Mapping[str, Any]] | None) -> dict[str, CacheLevel]:
+    """`DEFAULT_LEVELS` with overrides applied in order (a model folder's, then the engine's
+    ``cache_config.levels``), each ``{level: {field: value}}``; ``"budget": None`` = no guard.
+
+    Raises:
+        InvalidRequestError: an unknown level or field, or a value out of range.
+    """
+    levels = dict(DEFAULT_LEVELS)
+    for name, fields in (item for override in overrides for item in (override or {}).items()):
+        if name not in CACHE_QUALITY_LEVELS or name == "max" or not isinstance(fields, Mapping):
+            raise InvalidRequestError("teacache.cache_quality", name,
+                                      "a level among high, balanced, fast with an object of fields")
+        values = {}
+        for key, value in fields.items():
+            if key == "target":
+                if value not in ("residual", "output"):
+                    raise InvalidRequestError(f"teacache.cache_quality.{name}.target", value, "residual or output")
+                values[key] = value
+                continue
+            if key == "budget" and value is None:
+                values[key] = math.inf
+                continue
+            if key not in _FIELDS or isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or value < 0 or (_FIELDS[key] is int and value != int(value)):
+                raise InvalidRequestError(f"teacache.cache_quality.{name}.{key}", value,
+                                          f"a number >= 0 for one of {sorted(_FIELDS)}")
+            values[key] = _FIELDS[key](value)
+        if values.get("warmup_steps", 1) < 1:
+            raise InvalidRequestError(f"teacache.cache_quality.{name}.warmup_steps", values["warmup_steps"], ">= 1")
+        levels[name] = dataclasses.replace(levels[name], **values)
+    return levels

@@ -198,7 +198,9 @@ class StableDiffusion3Adapter(PipelineAdapter):
         layout = self._layout(batch)
         if layout is None:
             return batch.inputs
-        return {**batch.inputs, "hidden_states": layout.to_strip(batch.inputs["hidden_states"])}
+        attention = {**(batch.inputs.get("joint_attention_kwargs") or {}), "spans": True}  # the processors mask
+        return {**batch.inputs, "hidden_states": layout.to_strip(batch.inputs["hidden_states"]),
+                "joint_attention_kwargs": attention}
 
     def denoise(self, batch: StepBatch, call=None) -> torch.Tensor:
         """The forward (`PipelineAdapter.denoise`); a strip's prediction back in the batch's

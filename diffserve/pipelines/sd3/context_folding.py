@@ -56,6 +56,7 @@ class FoldedContextAttnProcessor(JointAttnProcessor2_0):
         encoder_hidden_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         fold_count: int | None = None,
+        spans: bool = False,
         *args,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,8 +66,8 @@ class FoldedContextAttnProcessor(JointAttnProcessor2_0):
         query, key, value = joint_qkv(attn, hidden_states, encoder_hidden_states)
 
         # additive bias: +log(k) on the folded (last) key; in a forward over rows of different
-        # sizes also -inf on each row's padded image keys (`token_spans`)
-        bias = attention_bias(n_image, key.shape[2], query.dtype, query.device, fold_count)
+        # sizes (`spans`, set by the adapter) also -inf on each row's padded image keys
+        bias = attention_bias(n_image, key.shape[2], query.dtype, query.device, fold_count) if spans else None
         if bias is None:  # (1, 1, 1, N_img + N_ctx)
             bias = F.pad(query.new_zeros(1, 1, 1, key.shape[2] - 1), (0, 1), value=math.log(fold_count))
         return joint_output(attn, query, key, value, n_image, bias)
@@ -77,7 +78,8 @@ class ImageOnlyAttnProcessor(AttnProcessor2_0):
     dual attention, which receives the same ``joint_attention_kwargs``."""
 
     def __call__(self, attn: Attention, hidden_states: torch.Tensor, encoder_hidden_states=None,
-                 attention_mask=None, temb=None, fold_count: int | None = None, *args, **kwargs):
+                 attention_mask=None, temb=None, fold_count: int | None = None, spans: bool = False, *args,
+                 **kwargs):
         return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, temb)
 
 

@@ -9,7 +9,9 @@ whose rows all have the latents' size (every forward outside diffserve's step ba
   ``PatchEmbed.cropped_pos_embed`` gives its solo forward) instead of one grid for the batch;
 - its joint attentions mask each row's padded image keys (`JointAttnProcessor2_0`'s
   computation with an additive bias; with context folding, `FoldedContextAttnProcessor` adds
-  the same mask to its fold bias).
+  the same mask to its fold bias), in forwards whose ``joint_attention_kwargs`` say ``spans``
+  (the adapter sets it only for a strip): a forward of one size runs exactly the code it ran
+  before, so regionally compiled blocks see no new guard.
 
 The rest of the forward (time/text embedding, adaLN modulation, MLPs, norm_out, proj_out,
 unpatchify) is per row or per token, so it runs on the strip as it is.
@@ -28,16 +30,16 @@ from diffserve.pipelines.token_spans import attention_bias, is_strip, strip_posi
 
 class SpanJointAttnProcessor(JointAttnProcessor2_0):
     """`JointAttnProcessor2_0` that masks each row's padded image keys in a forward over rows of
-    different sizes (`token_spans.attention_bias`); the stock processor otherwise.
+    different sizes (``spans=True``, `token_spans.attention_bias`); the stock processor otherwise.
 
     Tensors: hidden_states (B, N_img, D), encoder_hidden_states (B, N_ctx, D_ctx); returns the
     pair with the same shapes.
     """
 
     def __call__(self, attn: Attention, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None, *args, **kwargs):
+                 attention_mask: torch.Tensor | None = None, spans: bool = False, *args, **kwargs):
         n_image = hidden_states.shape[1]
-        if encoder_hidden_states is None:
+        if encoder_hidden_states is None or not spans:
             return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
         bias = attention_bias(n_image, n_image + encoder_hidden_states.shape[1], hidden_states.dtype,
                               hidden_states.device)

@@ -293,16 +293,7 @@ class RequestQueues:
         step_s = self.step_seconds() if self.policy == "slo" else None
         stepping = set(map(id, self._last or ()))
         denoising.sort(key=lambda r: self.rank(r, now, step_s, id(r) in stepping))
-        key = (denoising[0].batch_key, denoising[0].step_key)
-        batch: list[Request] = []
-        rows = 0
-        for request in denoising:
-            if (request.batch_key, request.step_key) != key:
-                continue
-            if batch and rows + request.rows > self.max_batch_size:
-                continue
-            batch.append(request)
-            rows += request.rows
+        batch = self._fill(denoising)
         self._contended = len(batch) < len(denoising)
         previous = self._last
         if previous is not None and len(previous) == len(batch) and all(a is b for a, b in zip(previous, batch)):
@@ -313,6 +304,21 @@ class RequestQueues:
                 if id(request) not in members and request.phase is Phase.DENOISING:
                     self.preemptions += 1
                     request.metrics.preemptions += 1
+        return batch
+
+    def _fill(self, ordered: list[Request]) -> list[Request]:
+        """The first request of `ordered`, then the next ones with its (batch key, step key), in
+        order, while they fit in `max_batch_size` rows (the first always included)."""
+        key = (ordered[0].batch_key, ordered[0].step_key)
+        batch: list[Request] = []
+        rows = 0
+        for request in ordered:
+            if (request.batch_key, request.step_key) != key:
+                continue
+            if batch and rows + request.rows > self.max_batch_size:
+                continue
+            batch.append(request)
+            rows += request.rows
         return batch
 
     def select_batch(self) -> list[Request]:
@@ -332,16 +338,7 @@ class RequestQueues:
         ordered = sorted((r for r in self.running if r.phase is Phase.DENOISING), key=lambda r: r.seq)
         if not ordered:
             return []
-        key = (ordered[0].batch_key, ordered[0].step_key)
-        batch: list[Request] = []
-        rows = 0
-        for request in ordered:
-            if (request.batch_key, request.step_key) != key:
-                continue
-            if batch and rows + request.rows > self.max_batch_size:
-                continue
-            batch.append(request)
-            rows += request.rows
+        batch = self._fill(ordered)
         self._batch = batch
         self.batch_tokens = sum(r.tokens for r in batch)
         return batch

@@ -70,3 +70,32 @@ def test_published_every_interval_and_served_as_the_route_view(tmp_path, monkeyp
         assert _samples(body)[_key("diffserve_images_generated_total", replica="all")] == 5
     finally:
         view.stop()
+
+
+def test_an_older_render_never_replaces_a_newer_one(tmp_path):
+    """The publishing thread and a scrape publish concurrently: a publisher that rendered first
+    and lost the CPU before its rename must not overwrite the newer file the other one wrote
+    (CI once read a summed counter 40, then 38)."""
+    import threading
+
+    renders = iter(range(1, 100))
+    first_rendered, first_may_write = threading.Event(), threading.Event()
+
+    def render():
+        value = next(renders)
+        if value == 1:  # the slow publisher: rendered, then paused before its rename
+            first_rendered.set()
+            assert first_may_write.wait(10)
+        return f"# TYPE x_total counter\nx_total {value}\n".encode(), "text/plain"
+
+    metrics = ReplicaMetrics(tmp_path, "aaa", render)
+    slow = threading.Thread(target=metrics.publish)
+    slow.start()
+    assert first_rendered.wait(10)
+    fast = threading.Thread(target=metrics.publish)  # the scrape: renders 2
+    fast.start()
+    fast.join(0.3)  # unserialised, it would finish here and the slow one overwrite it with 1
+    first_may_write.set()
+    slow.join(10), fast.join(10)
+    assert not slow.is_alive() and not fast.is_alive()
+    assert (tmp_path / "aaa.prom").read_text().strip().endswith("x_total 2")

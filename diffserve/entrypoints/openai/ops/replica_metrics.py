@@ -16,7 +16,10 @@ answers a scrape, and answers ``/metrics`` with all of them merged:
 
 A replica writes its own file before it reads the others', so whichever replica answers the
 next scrape reads values at least as new: counters read through the public port never go
-backwards (tests/entrypoints/test_ray_serve.py).
+backwards (tests/entrypoints/test_ray_serve.py). Within a replica, the publishing thread and a
+scrape both publish; one lock holds each render together with its rename, so a render taken
+earlier never replaces a newer one (an unlocked publisher rendered, lost the CPU, and then
+overwrote the scrape's newer file: a summed counter read 40 and then 38).
 """
 
 from __future__ import annotations
@@ -62,18 +65,21 @@ class ReplicaMetrics:
         self._path = self.folder / f"{_SAFE_ID.sub('_', replica_id)}.prom"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._publishing = threading.Lock()  # a render and its rename, as one step
 
     def publish(self) -> None:
-        """Write this replica's exposition to its file (atomic rename)."""
-        body, _ = self._render()
-        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".prom")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(body)
-            os.replace(tmp, self._path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        """Write this replica's exposition to its file (atomic rename). Publications are
+        serialised, so the file only ever moves to a newer render."""
+        with self._publishing:
+            body, _ = self._render()
+            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".prom")
+            try:
+                with os.fdopen(fd, "wb") as out:
+                    out.write(body)
+                os.replace(tmp, self._path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
 
     def start(self) -> None:
         """Publish now and then every `PUBLISH_INTERVAL_S` seconds on a daemon thread."""

@@ -170,10 +170,17 @@ def _has(root: torch.nn.Module, path: str) -> bool:
 
 
 def _linear_names(module: torch.nn.Module | None) -> dict[str, str]:
-    """``{path with _: path}`` of `module`'s linear layers (kohya's text-encoder names)."""
+    """``{path with _: path}`` of `module`'s linear layers (kohya's text-encoder names), also
+    under kohya's ``text_model_`` prefix where the model has no ``text_model`` level."""
     if module is None:
         return {}
-    return {p.replace(".", "_"): p for p, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
+    names = {}
+    for path, m in module.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            names[path.replace(".", "_")] = path
+            if not path.startswith("text_model."):
+                names["text_model_" + path.replace(".", "_")] = path
+    return names
 
 
 def _split(key: str) -> tuple[str, str] | None:

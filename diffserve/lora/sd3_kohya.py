@@ -11,7 +11,9 @@ attn2.proj, mlp.fc1, mlp.fc2, adaLN_modulation.1}``, ``context_embedder``, ``x_e
   ``lora_te2_`` (CLIP-G, ``text_encoder_2``), ``lora_te3_`` (T5, which diffusers loads no LoRA
   into: such modules stay unmatched and the file is refused by the caller);
 - ComfyUI / SAI: ``diffusion_model.<SAI name>.lora_down/lora_up`` (``.alpha``) or
-  ``.lora_A/lora_B`` (no alpha: scale 1).
+  ``.lora_A/lora_B`` (no alpha: scale 1);
+- OneTrainer (``lora_transformer_``) and SimpleTuner's LyCORIS LoRA (``lycoris_``): diffusers'
+  module names with dots as ``_``, kohya factors and alpha (ComfyUI reads both for SD3).
 
 Semantics mirror diffusers' kohya Flux converter (``_convert_kohya_flux_lora_to_diffusers``):
 kohya's scale ``alpha / rank`` (alpha defaults to the rank) is baked into the factors; a fused
@@ -34,8 +36,10 @@ import torch
 KOHYA_UNET = "lora_unet_"
 KOHYA_TEXT_ENCODERS = {"lora_te1_": "text_encoder", "lora_te2_": "text_encoder_2"}
 SAI = "diffusion_model."
-#: Key prefixes that mark a file as SAI-layout (``lora_te3_`` included so T5 parts are reported).
-PREFIXES = (KOHYA_UNET, *KOHYA_TEXT_ENCODERS, "lora_te3_", SAI)
+#: Prefixes of kohya-style keys in diffusers' module names (OneTrainer, SimpleTuner LyCORIS).
+DIFFUSERS_NAMED = ("lora_transformer_", "lycoris_")
+#: Key prefixes that mark a file as one of these layouts (``lora_te3_`` so T5 parts are reported).
+PREFIXES = (KOHYA_UNET, *KOHYA_TEXT_ENCODERS, "lora_te3_", SAI, *DIFFUSERS_NAMED)
 #: File suffix -> (factor, PEFT suffix).
 _SUFFIXES = {"lora_down.weight": "down", "lora_up.weight": "up", "lora_A.weight": "down",
              "lora_B.weight": "up", "alpha": "alpha"}
@@ -120,6 +124,8 @@ def to_diffusers(state_dict: dict[str, torch.Tensor], pipe: Any) -> dict[str, to
     transformer = pipe.transformer
     targets = sai_targets(transformer)
     by_underscores = {name.replace(".", "_"): name for name in targets}
+    diffusers_names = {p.replace(".", "_"): p for p, m in transformer.named_modules()
+                       if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}
     encoders = {prefix: (component, _linear_names(getattr(pipe, component, None)))
                 for prefix, component in KOHYA_TEXT_ENCODERS.items()}
 
@@ -135,7 +141,7 @@ def to_diffusers(state_dict: dict[str, torch.Tensor], pipe: Any) -> dict[str, to
             keys.setdefault(split[0], []).append(key)
 
     for module, factors in groups.items():
-        resolved = _resolve(module, targets, by_underscores, encoders)
+        resolved = _resolve(module, targets, by_underscores, diffusers_names, encoders)
         if resolved is None:  # unknown: passed through for the match check, alpha dropped
             out.update({k: state_dict[k] for k in keys[module] if not k.endswith(".alpha")})
             continue
@@ -191,9 +197,13 @@ def _split(key: str) -> tuple[str, str] | None:
     return None
 
 
-def _resolve(module: str, targets: dict[str, Target], by_underscores: dict[str, str],
+def _resolve(module: str, targets: dict[str, Target], by_underscores: dict[str, str], diffusers_names: dict[str, str],
              encoders: dict[str, tuple[str, dict[str, str]]]) -> tuple[str, Target] | None:
     """(component, target) of a file's module name, or None when it names nothing known."""
+    for prefix in DIFFUSERS_NAMED:
+        if module.startswith(prefix):
+            path = diffusers_names.get(module[len(prefix):])
+            return ("transformer", Target((path,))) if path is not None else None
     if module.startswith(KOHYA_UNET):
         name = by_underscores.get(module[len(KOHYA_UNET):])
         return ("transformer", targets[name]) if name is not None else None

@@ -29,6 +29,7 @@ from tiny_models.loras import (
     save_diffusers_lora,
     save_file_lora,
     to_kohya_unet,
+    to_onetrainer,
     to_sai_sd3,
 )
 
@@ -171,8 +172,9 @@ def test_refusals(tiny_sd3_dir, tiny_sd15_dir, tmp_path):
 def test_sd35_sai_layouts(tiny_sd3_dir, tmp_path):
     """SD3.5-medium layout (dual attention in block 0, qk norm), every linear and the patch conv
     adapted: the kohya file (x-block q/k/v with one shared down, context and attn2 q/k/v
-    block-diagonal, alphas) and the ComfyUI ``diffusion_model.`` file (scale baked in) read as the
-    updates diffusers loads from the diffusers file, swapped adaLN halves included."""
+    block-diagonal, alphas), the ComfyUI ``diffusion_model.`` file (scale baked in) and the
+    OneTrainer / SimpleTuner LyCORIS files (diffusers names) read as the updates diffusers loads
+    from the diffusers file, swapped adaLN halves included."""
     from diffusers import SD3Transformer2DModel
 
     def sd35():
@@ -192,15 +194,15 @@ def test_sd35_sai_layouts(tiny_sd3_dir, tmp_path):
     assert {"transformer_blocks.0.attn2.to_q", "transformer_blocks.1.norm1_context.linear", "norm_out.linear",
             "pos_embed.proj"} <= set(expected)
     num_blocks = len(pipe.transformer.transformer_blocks)
-    for comfy in (False, True):
-        path = save_file_lora(to_sai_sd3(parts, num_blocks, comfy=comfy), tmp_path / f"sai_{comfy}.safetensors")
-        modules = read_lora(path, pipe, "k").modules["transformer"]
-        assert set(modules) == set(expected), comfy
+    layouts = {"kohya": to_sai_sd3(parts, num_blocks), "comfy": to_sai_sd3(parts, num_blocks, comfy=True),
+               "onetrainer": to_onetrainer(parts), "lycoris": to_onetrainer(parts, prefix="lycoris_")}
+    for layout, state in layouts.items():
+        modules = read_lora(save_file_lora(state, tmp_path / f"{layout}.safetensors"), pipe, "k").modules["transformer"]
+        assert set(modules) == set(expected), layout
         for module_path, m in modules.items():
             torch.testing.assert_close(delta(m.a, m.b, m.scaling), expected[module_path].flatten(1), rtol=1e-5,
-                                       atol=1e-6, msg=lambda msg: f"{module_path} (comfy={comfy}): {msg}")
-        shared = modules["transformer_blocks.0.attn.to_k"]
-        assert shared.rank == 2 and modules["transformer_blocks.0.attn.add_k_proj"].rank == 2  # split back
+                                       atol=1e-6, msg=lambda msg: f"{module_path} ({layout}): {msg}")
+        assert modules["transformer_blocks.0.attn.add_k_proj"].rank == 2, layout  # block-diagonal split back
 
 
 def test_xlabs_flux_reads_as_diffusers_converts_it(tiny_folder, tmp_path):

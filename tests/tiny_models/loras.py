@@ -9,7 +9,8 @@ non-diffusers format that diffusers' ``lora_state_dict`` converts back:
 |---|---|---|
 | `to_kohya_unet` | kohya / A1111 ``lora_unet_*`` / ``lora_te*_``, ``.alpha`` | SD 1.x/2.x, SDXL |
 | `to_kohya_flux` | kohya BFL ``lora_unet_double_blocks_*`` (fused qkv / linear1) + ``lora_te1_`` | Flux, Flux Kontext |
-| `to_sai_sd3` | kohya ``lora_unet_joint_blocks_*`` (fused qkv) + ``lora_te1/2_``; ComfyUI ``diffusion_model.*`` | SD3, SD3.5 |
+| `to_sai_sd3` | kohya ``lora_unet_joint_blocks_*`` (fused qkv), ``lora_te1/2_``; ComfyUI ``diffusion_model.*`` | SD3 |
+| `to_onetrainer` | OneTrainer ``lora_transformer_*``, SimpleTuner ``lycoris_*`` (diffusers names), ``.alpha`` | SD3 |
 | `to_musubi_wan` | musubi-tuner ``lora_unet_blocks_*`` (Wan's original names), ``.alpha`` | Wan |
 | `to_diffusion_model` | ComfyUI / ai-toolkit ``diffusion_model.*`` | Qwen-Image(-Edit) |
 
@@ -231,6 +232,19 @@ def to_sai_sd3(parts: dict[str, Part], num_blocks: int, comfy: bool = False) -> 
                     out[f"{name}.lora_down.weight"] = a.contiguous()
                     out[f"{name}.lora_up.weight"] = b.contiguous()
                     out[f"{name}.alpha"] = torch.tensor(float(te_alpha))
+    return out
+
+
+def to_onetrainer(parts: dict[str, Part], prefix: str = "lora_transformer_") -> dict[str, torch.Tensor]:
+    """OneTrainer layout of a transformer adapter (`prefix` ``lycoris_``: SimpleTuner's LyCORIS
+    LoRA): ``<prefix><diffusers path with _>.lora_down/lora_up.weight`` and ``.alpha``."""
+    state_dict, _, alpha = parts["transformer"]
+    out = {}
+    for module, (a, b) in _pairs(state_dict).items():
+        name = prefix + module.replace(".", "_")
+        out[f"{name}.lora_down.weight"] = a.contiguous()
+        out[f"{name}.lora_up.weight"] = b.contiguous()
+        out[f"{name}.alpha"] = torch.tensor(float(alpha))
     return out
 
 

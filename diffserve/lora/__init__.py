@@ -9,6 +9,7 @@ rsLoRA), exactly diffusers' ``set_adapters(names, weights)`` over PEFT layers. I
 base ``W x`` runs once for all rows; the rows that share a LoRA (and weight) get its two thin
 matmuls together; rows without LoRA pay nothing more.
 
-Nothing in this package names a model family: components and module names come from the
-loaded diffusers pipeline and diffusers' own LoRA loaders.
+Components and module names come from the loaded diffusers pipeline and diffusers' own LoRA
+loaders; the one exception is `sd3_kohya`, which converts SD3's kohya / ComfyUI files (Stability
+AI's module names), a layout diffusers 0.42 reads for other families but not for SD3.
 """

@@ -5,7 +5,9 @@ Formats: diffusers (``save_lora_weights``: ``pytorch_lora_weights.safetensors``,
 folder), PEFT folders (``adapter_model.safetensors`` + ``adapter_config.json``), and every
 non-diffusers layout the pipeline class's ``lora_state_dict`` converts (kohya / A1111
 ``lora_unet_*`` / ``lora_te*`` with ``.alpha``, ComfyUI / ai-toolkit ``diffusion_model.*``, XLabs
-Flux, BFL Flux, musubi Wan, ...): whatever diffusers 0.42 converts for that family.
+Flux, BFL Flux, musubi Wan, ...): whatever diffusers 0.42 converts for that family; and SD3's kohya
+/ ComfyUI files in Stability AI's module names, which diffusers does not convert, through
+`diffserve.lora.sd3_kohya` before diffusers' loader.
 
 How: the pipeline's LoRA-loadable components (denoiser, text encoders) are rebuilt from their
 configs on the ``meta`` device (no memory), the pipeline class's own ``load_lora_weights`` runs on
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 
 from diffserve.core.errors import InvalidRequestError
+from diffserve.lora import sd3_kohya
 from diffserve.lora.weights import LoraAdapter, LoraModule
 
 logger = logging.getLogger(__name__)
@@ -223,8 +226,12 @@ def _load_through_diffusers(skeleton: Any, path: Path, captured: dict[str, torch
 
     raw_keys = _file_keys(path)
     seen["format"] = _format_of(raw_keys)
+    source: str | dict[str, torch.Tensor] = str(path)
+    if sd3_kohya.applies(skeleton, raw_keys):  # the one layout diffusers 0.42 does not convert
+        raw = type(skeleton).lora_state_dict(str(path), use_safetensors=True, local_files_only=True)
+        source = sd3_kohya.to_diffusers(raw, skeleton)
     skeleton.lora_state_dict = capture
-    skeleton.load_lora_weights(str(path), adapter_name=_SKELETON_ADAPTER, low_cpu_mem_usage=True,
+    skeleton.load_lora_weights(source, adapter_name=_SKELETON_ADAPTER, low_cpu_mem_usage=True,
                                use_safetensors=True, local_files_only=True)
     return seen["format"]
 

@@ -1,6 +1,6 @@
 """LoRA adapters per request on every step-batched family: images equal diffusers'
-``load_lora_weights`` + ``set_adapters`` (one adapter; the same adapter in the family's
-non-diffusers layout; two adapters at other scales) within one uint8 level, and one step batch
+``load_lora_weights`` + ``set_adapters`` (one adapter; two adapters at other scales; the same
+with adapter A in the family's non-diffusers layout, e.g. kohya) within one uint8 level, and one step batch
 mixing adapter A, adapter B, A+B at other scales and no adapter equals each request run alone
 (1e-4) with one denoiser forward per step.
 
@@ -72,7 +72,7 @@ def test_adapters_match_diffusers(setup):
     names = {e["name"] for e in engine.list_loras()}
     cases = [({"A": 1.0}, {"A": 1.0}), ({"A": 0.7, "B": -0.5}, {"A": 0.7, "B": -0.5})]
     if "A_layout" in names:
-        cases.append(({"A_layout": 1.0}, {"A": 1.0}))
+        cases += [({"A_layout": 1.0}, {"A": 1.0}), ({"A_layout": 0.7, "B": -0.5}, {"A": 0.7, "B": -0.5})]
     base = media(run(engine, PROMPT, params, image))
     for request_loras, reference_loras in cases:
         out = run(engine, PROMPT, dataclasses.replace(params, loras=request_loras), image)

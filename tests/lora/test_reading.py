@@ -23,7 +23,15 @@ from diffusers import (
 )
 from safetensors.torch import save_file
 from tiny_models.registry import BY_ID
-from tiny_models.loras import diffusers_reference, random_lora, save_diffusers_lora, save_file_lora, to_kohya_unet
+from tiny_models.loras import (
+    diffusers_reference,
+    random_lora,
+    save_diffusers_lora,
+    save_file_lora,
+    to_kohya_unet,
+    to_onetrainer,
+    to_sai_sd3,
+)
 
 from diffserve.lora.reading import LoraFileError, read_lora
 
@@ -133,10 +141,21 @@ def test_refusals(tiny_sd3_dir, tiny_sd15_dir, tmp_path):
     with pytest.raises(LoraFileError, match=r"of \d+ LoRA modules matched, 1 unmatched .*to_nowhere"):
         read_lora(path, sd3, "x")
 
-    kohya_sd3 = {"lora_unet_joint_blocks_0_x_block_attn_qkv.lora_down.weight": torch.zeros(4, 96),
-                 "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_up.weight": torch.zeros(288, 4)}
-    with pytest.raises(LoraFileError, match="0 of 1 LoRA modules matched"):  # diffusers has no SD3 kohya converter
-        read_lora(save_file_lora(kohya_sd3, tmp_path / "kohya_sd3.safetensors"), sd3, "x")
+    sd3_parts = FAMILIES["StableDiffusion3Pipeline"].parts(sd3, seed=5, text=False)
+    modules = len({k.split(".lora_")[0] for k in sd3_parts["transformer"][0]})
+    kohya = to_sai_sd3(sd3_parts, len(sd3.transformer.transformer_blocks))
+    for extra, rows in (("lora_unet_joint_blocks_7_x_block_attn_qkv", 96),
+                        ("lora_te3_encoder_block_0_layer_0_SelfAttention_q", 32)):
+        other = dict(kohya)  # another model's block (SD3.5 large has 38); T5, which diffusers adapts in no SD3
+        other.update({f"{extra}.lora_down.weight": torch.zeros(4, 32), f"{extra}.lora_up.weight": torch.zeros(rows, 4),
+                      f"{extra}.alpha": torch.tensor(4.0)})
+        with pytest.raises(LoraFileError, match=rf"{modules} of {modules + 1} LoRA modules matched, 1 unmatched "
+                                                rf"\(e.g. {extra}\)"):
+            read_lora(save_file_lora(other, tmp_path / "kohya_sd3.safetensors"), sd3, "x")
+    wrong = dict(kohya)
+    wrong["lora_unet_joint_blocks_0_x_block_attn_qkv.lora_up.weight"] = torch.zeros(288, 3)
+    with pytest.raises(LoraFileError, match="lora_up has 288 output rows"):
+        read_lora(save_file_lora(wrong, tmp_path / "kohya_sd3_wrong.safetensors"), sd3, "x")
 
     dora = to_kohya_unet(sd15_parts)
     dora["lora_unet_down_blocks_0_attentions_0_proj_in.dora_scale"] = torch.ones(1, 32)
@@ -148,6 +167,42 @@ def test_refusals(tiny_sd3_dir, tiny_sd15_dir, tmp_path):
     pickle.write_bytes(b"0")
     with pytest.raises(LoraFileError, match="pickle"):
         read_lora(pickle, sd15, "x")
+
+
+def test_sd35_sai_layouts(tiny_sd3_dir, tmp_path):
+    """SD3.5-medium layout (dual attention in block 0, qk norm), every linear and the patch conv
+    adapted: the kohya file (x-block q/k/v with one shared down, context and attn2 q/k/v
+    block-diagonal, alphas), the ComfyUI ``diffusion_model.`` file (scale baked in) and the
+    OneTrainer / SimpleTuner LyCORIS files (diffusers names) read as the updates diffusers loads
+    from the diffusers file, swapped adaLN halves included."""
+    from diffusers import SD3Transformer2DModel
+
+    def sd35():
+        pipe = load("sd3", tiny_sd3_dir)
+        config = {**pipe.transformer.config, "dual_attention_layers": (0,), "qk_norm": "rms_norm"}
+        pipe.transformer = SD3Transformer2DModel.from_config(config)
+        return pipe
+
+    pipe = sd35()
+    state_dict = random_lora(pipe.transformer, ("",), 2, seed=6, conv=True)
+    for key in [k for k in state_dict if k.endswith(".attn.to_q.lora_A.weight")]:
+        for other in ("to_k", "to_v"):
+            state_dict[key.replace(".to_q.", f".{other}.")] = state_dict[key].clone()
+    parts = {"transformer": (state_dict, 2, 3.0)}
+    saved = save_diffusers_lora(StableDiffusion3Pipeline, tmp_path / "diffusers", parts)
+    expected = peft_deltas(diffusers_reference(sd35(), {"a": saved}, {"a": 1.0}), "transformer", "a")
+    assert {"transformer_blocks.0.attn2.to_q", "transformer_blocks.1.norm1_context.linear", "norm_out.linear",
+            "pos_embed.proj"} <= set(expected)
+    num_blocks = len(pipe.transformer.transformer_blocks)
+    layouts = {"kohya": to_sai_sd3(parts, num_blocks), "comfy": to_sai_sd3(parts, num_blocks, comfy=True),
+               "onetrainer": to_onetrainer(parts), "lycoris": to_onetrainer(parts, prefix="lycoris_")}
+    for layout, state in layouts.items():
+        modules = read_lora(save_file_lora(state, tmp_path / f"{layout}.safetensors"), pipe, "k").modules["transformer"]
+        assert set(modules) == set(expected), layout
+        for module_path, m in modules.items():
+            torch.testing.assert_close(delta(m.a, m.b, m.scaling), expected[module_path].flatten(1), rtol=1e-5,
+                                       atol=1e-6, msg=lambda msg: f"{module_path} ({layout}): {msg}")
+        assert modules["transformer_blocks.0.attn.add_k_proj"].rank == 2, layout  # block-diagonal split back
 
 
 def test_xlabs_flux_reads_as_diffusers_converts_it(tiny_folder, tmp_path):

@@ -9,6 +9,8 @@ non-diffusers format that diffusers' ``lora_state_dict`` converts back:
 |---|---|---|
 | `to_kohya_unet` | kohya / A1111 ``lora_unet_*`` / ``lora_te*_``, ``.alpha`` | SD 1.x/2.x, SDXL |
 | `to_kohya_flux` | kohya BFL ``lora_unet_double_blocks_*`` (fused qkv / linear1) + ``lora_te1_`` | Flux, Flux Kontext |
+| `to_sai_sd3` | kohya ``lora_unet_joint_blocks_*`` (fused qkv), ``lora_te1/2_``; ComfyUI ``diffusion_model.*`` | SD3 |
+| `to_onetrainer` | OneTrainer ``lora_transformer_*``, SimpleTuner ``lycoris_*`` (diffusers names), ``.alpha`` | SD3 |
 | `to_musubi_wan` | musubi-tuner ``lora_unet_blocks_*`` (Wan's original names), ``.alpha`` | Wan |
 | `to_diffusion_model` | ComfyUI / ai-toolkit ``diffusion_model.*`` | Qwen-Image(-Edit) |
 
@@ -147,6 +149,102 @@ def to_kohya_flux(parts: dict[str, Part], num_double: int, num_single: int) -> d
             out[f"{name}.lora_down.weight"] = a.contiguous()
             out[f"{name}.lora_up.weight"] = b.contiguous()
             out[f"{name}.alpha"] = torch.tensor(float(te_alpha))
+    return out
+
+
+#: SD3: diffusers module (inside ``transformer_blocks.{i}``, or top-level) -> Stability AI's name
+_SD3_BLOCK = {"attn.to_out.0": "x_block.attn.proj", "attn2.to_out.0": "x_block.attn2.proj",
+              "ff.net.0.proj": "x_block.mlp.fc1", "ff.net.2": "x_block.mlp.fc2",
+              "norm1.linear": "x_block.adaLN_modulation.1", "attn.to_add_out": "context_block.attn.proj",
+              "ff_context.net.0.proj": "context_block.mlp.fc1", "ff_context.net.2": "context_block.mlp.fc2",
+              "norm1_context.linear": "context_block.adaLN_modulation.1"}
+_SD3_FUSED = {("attn.to_q", "attn.to_k", "attn.to_v"): "x_block.attn.qkv",
+              ("attn2.to_q", "attn2.to_k", "attn2.to_v"): "x_block.attn2.qkv",
+              ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"): "context_block.attn.qkv"}
+_SD3_TOP = {"context_embedder": "context_embedder", "pos_embed.proj": "x_embedder.proj",
+            "time_text_embed.timestep_embedder.linear_1": "t_embedder.mlp.0",
+            "time_text_embed.timestep_embedder.linear_2": "t_embedder.mlp.2",
+            "time_text_embed.text_embedder.linear_1": "y_embedder.mlp.0",
+            "time_text_embed.text_embedder.linear_2": "y_embedder.mlp.2",
+            "proj_out": "final_layer.linear", "norm_out.linear": "final_layer.adaLN_modulation.1"}
+
+
+def to_sai_sd3(parts: dict[str, Part], num_blocks: int, comfy: bool = False) -> dict[str, torch.Tensor]:
+    """An SD3 adapter in Stability AI's module names (``joint_blocks.{i}.x_block.attn.qkv`` ...):
+    kohya sd-scripts layout (``lora_unet_`` / ``lora_te1_`` / ``lora_te2_``, ``lora_down`` /
+    ``lora_up`` / ``alpha``), or with `comfy` the ComfyUI one (``diffusion_model.``, ``lora_A`` /
+    ``lora_B`` with the scale baked into ``lora_B``, no alpha, no text encoders).
+
+    q/k/v are one fused projection there: when the three ``lora_A`` are equal, one shared down
+    and the ``lora_B`` stacked (kohya's usual form), otherwise the ``lora_A`` stacked and
+    ``lora_B`` block-diagonal (sd-scripts' ``split_qkv`` form); alpha is set so that kohya's
+    ``alpha / rank`` is the adapter's scale. The last block's ``norm1_context`` and ``norm_out``
+    hold (scale, shift) in diffusers and (shift, scale) in SAI: ``lora_B``'s halves are swapped."""
+    import re
+
+    state_dict, rank, alpha = parts["transformer"]
+    p = _pairs(state_dict)
+    s = alpha / rank
+    out: dict[str, torch.Tensor] = {}
+
+    def put(name: str, down: torch.Tensor, up: torch.Tensor, swap: bool = False) -> None:
+        if swap:
+            shift_half, scale_half = up.chunk(2)
+            up = torch.cat([scale_half, shift_half])
+        if comfy:
+            out[f"diffusion_model.{name}.lora_A.weight"] = down.contiguous()
+            out[f"diffusion_model.{name}.lora_B.weight"] = (up * s).contiguous()
+        else:
+            key = "lora_unet_" + name.replace(".", "_")
+            out[f"{key}.lora_down.weight"] = down.contiguous()
+            out[f"{key}.lora_up.weight"] = up.contiguous()
+            out[f"{key}.alpha"] = torch.tensor(s * down.shape[0])
+
+    done = set()
+    for module, (a, b) in p.items():
+        if module in _SD3_TOP:
+            put(_SD3_TOP[module], a, b, swap=module == "norm_out.linear")
+            done.add(module)
+            continue
+        match = re.fullmatch(r"transformer_blocks\.(\d+)\.(.+)", module)
+        assert match, f"no SAI name for {module}"
+        i, rest = int(match.group(1)), match.group(2)
+        if rest in _SD3_BLOCK:
+            swap = rest == "norm1_context.linear" and i == num_blocks - 1
+            put(f"joint_blocks.{i}.{_SD3_BLOCK[rest]}", a, b, swap=swap)
+            done.add(module)
+        for group, name in _SD3_FUSED.items():
+            if rest == group[0]:
+                members = [p[f"transformer_blocks.{i}.{m}"] for m in group]  # KeyError: q/k/v must all be there
+                if all(torch.equal(members[0][0], m[0]) for m in members):
+                    put(f"joint_blocks.{i}.{name}", members[0][0], torch.cat([m[1] for m in members]))
+                else:
+                    put(f"joint_blocks.{i}.{name}", torch.cat([m[0] for m in members]),
+                        torch.block_diag(*[m[1] for m in members]))
+                done |= {f"transformer_blocks.{i}.{m}" for m in group}
+    assert done == set(p), f"no SAI name for {sorted(set(p) - done)}"
+    if not comfy:
+        for component, prefix in (("text_encoder", "lora_te1_"), ("text_encoder_2", "lora_te2_")):
+            if component in parts:
+                te_sd, _, te_alpha = parts[component]
+                for module, (a, b) in _pairs(te_sd).items():
+                    name = prefix + module.replace(".", "_")
+                    out[f"{name}.lora_down.weight"] = a.contiguous()
+                    out[f"{name}.lora_up.weight"] = b.contiguous()
+                    out[f"{name}.alpha"] = torch.tensor(float(te_alpha))
+    return out
+
+
+def to_onetrainer(parts: dict[str, Part], prefix: str = "lora_transformer_") -> dict[str, torch.Tensor]:
+    """OneTrainer layout of a transformer adapter (`prefix` ``lycoris_``: SimpleTuner's LyCORIS
+    LoRA): ``<prefix><diffusers path with _>.lora_down/lora_up.weight`` and ``.alpha``."""
+    state_dict, _, alpha = parts["transformer"]
+    out = {}
+    for module, (a, b) in _pairs(state_dict).items():
+        name = prefix + module.replace(".", "_")
+        out[f"{name}.lora_down.weight"] = a.contiguous()
+        out[f"{name}.lora_up.weight"] = b.contiguous()
+        out[f"{name}.alpha"] = torch.tensor(float(alpha))
     return out
 
 

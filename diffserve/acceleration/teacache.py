@@ -32,10 +32,11 @@ only on the rows of the requests that compute, and the others add their own cach
 so a request's result equals running it alone with the same settings (within float tolerance
 of batching).
 
-Rescaling coefficients come from the adapter (``TeaCacheSupport.coefficients``, per family, or
-from the model folder's ``generation_config.json`` ``teacache`` entry, e.g. the built-in digits
-model's calibrated preset); calibrate a model with
-``python -m training.teacache_calibrate --model DIR``.
+Rescaling coefficients come from the adapter (``TeaCacheSupport.coefficients``, per family), or
+from the model folder's calibration (``diffserve_cache.json``, written by ``diffserve
+calibrate-cache --model DIR``, e.g. the built-in digits model's; `TeaCacheSupport.with_preset`).
+With ``record_changes`` the backend records the points that calibration fits them on: per step of
+a ``max``-level request, ``(relative_l1(m_t, m_t-1), relative_l1(out_t, out_t-1))``.
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ class TeaCacheState:
         scale: ``mean|hidden after the blocks|`` at the last computed step (errors are relative
             to it).
         guard: the run-time guard's error estimate.
+        previous_output: (rows, ...) denoiser output of the previous step (only while the
+            backend records changes, `TeaCacheConfig.record_changes`, at level ``max``).
     """
 
     num_steps: int
@@ -96,6 +99,7 @@ class TeaCacheState:
     forecaster: Forecaster | None = None
     scale: float = 1.0
     guard: GuardState = GuardState()
+    previous_output: torch.Tensor | None = None
 
     @property
     def previous_residual(self) -> torch.Tensor | None:
@@ -158,6 +162,9 @@ class TeaCacheBackend(CacheBackend):
         self.rel_l1_thresh = support.rel_l1_thresh if config.rel_l1_thresh is None else config.rel_l1_thresh
         self.source = support.source if config.coefficients is None else "cache_config"
         self.warmup_steps = config.warmup_steps
+        self.record_changes = config.record_changes
+        #: (input change, output change) per recorded step (`TeaCacheConfig.record_changes`).
+        self.changes: list[tuple[float, float]] = []
         self.levels: dict[str, CacheLevel] = levels_with(support.levels, config.levels)
         self.levels["custom"] = CacheLevel("custom", order=0, interval=0, rel_l1_thresh=self.rel_l1_thresh,
                                            budget=math.inf, warmup_steps=config.warmup_steps)
@@ -182,11 +189,13 @@ class TeaCacheBackend(CacheBackend):
     def save(self, states: list["RequestState"]) -> Any:
         """Copies of the requests' `TeaCacheState` (its tensors are replaced, never written in
         place, so a shallow copy keeps them) and the skip counters."""
-        return [copy.copy(s.extra[STATE_KEY]) for s in states], self.transformer_calls, self.skipped
+        return ([copy.copy(s.extra[STATE_KEY]) for s in states], self.transformer_calls, self.skipped,
+                len(self.changes))
 
     def restore(self, states: list["RequestState"], saved: Any) -> None:
         """Put back the `save` copies and counters."""
-        copies, self.transformer_calls, self.skipped = saved
+        copies, self.transformer_calls, self.skipped, recorded = saved
+        del self.changes[recorded:]
         for state, st in zip(states, copies):
             state.extra[STATE_KEY] = st
 
@@ -283,6 +292,11 @@ class TeaCacheBackend(CacheBackend):
                 st.since_compute += 1
                 st.guard = st.guard.skipped(d.step_error, d.weight)
             st.accumulated = d.accumulated
+            if self.record_changes and st.level.name == "max":
+                if st.previous_output is not None:
+                    self.changes.append((relative_l1(modulated[rows[i]], st.previous_modulated),
+                                         relative_l1(output[rows[i]], st.previous_output)))
+                st.previous_output = output[rows[i]].clone()
             st.previous_modulated = modulated[rows[i]].clone()
             st.step += 1
         self.transformer_calls += len(states)
@@ -324,6 +338,10 @@ class TeaCacheBackend(CacheBackend):
 
     def stats(self) -> dict[str, Any]:
         """`CacheBackend.stats` plus the threshold, the coefficients' source and the default
-        quality level."""
-        return {**super().stats(), "rel_l1_thresh": self.rel_l1_thresh, "coefficients_source": self.source,
-                "default_cache_quality": self.default_level}
+        quality level; with ``record_changes``, ``changes``: the recorded ``[input change,
+        output change]`` pairs (floats, relative L1) in the order they were taken."""
+        stats = {**super().stats(), "rel_l1_thresh": self.rel_l1_thresh, "coefficients_source": self.source,
+                 "default_cache_quality": self.default_level}
+        if self.record_changes:
+            stats["changes"] = [list(point) for point in self.changes]
+        return stats

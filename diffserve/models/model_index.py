@@ -1,6 +1,7 @@
 """A model folder's config files: ``model_index.json`` (the diffusers pipeline class and its
-components, and the pipeline's own plain settings) and ``generation_config.json`` (its sampling
-defaults and the limits it was trained for). Read by the loader (which class to build), by the
+components, and the pipeline's own plain settings), ``generation_config.json`` (its sampling
+defaults and the limits it was trained for) and ``diffserve_cache.json`` (its step-caching
+calibration, written by ``diffserve calibrate-cache``). Read by the loader (which class to build), by the
 pipeline adapters (settings such as Wan 2.2's ``boundary_ratio``, the defaults), by the CLI
 before it starts replicas (a folder that cannot be served fails there, early) and before the
 weights load (a size beyond the model's stated limits fails there). torch-free.
@@ -17,6 +18,10 @@ from diffserve.core.errors import InvalidRequestError, UnsupportedModelError
 from diffserve.core.sampling_params import ModelSpec, SamplingParams
 
 GENERATION_CONFIG = "generation_config.json"
+#: The folder's step-caching calibration (``diffserve calibrate-cache``): ``{"teacache":
+#: {"coefficients": [...], "cache_quality": {level: {"budget": b}}, "source": "..."},
+#: "calibration": {what it was measured on}}``.
+CACHE_CALIBRATION = "diffserve_cache.json"
 #: Keys of ``generation_config.json``'s ``limits``: the largest values the model was trained for.
 LIMIT_KEYS = ("max_height", "max_width", "max_num_frames")
 from diffserve.models import BUILTIN_MODELS, builtin_name
@@ -90,6 +95,28 @@ def read_generation_config(model_dir: Path | None) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise UnsupportedModelError(f"{path} must hold a JSON object")
     return config
+
+
+def read_cache_calibration(model_dir: Path | None) -> dict[str, Any]:
+    """The folder's ``diffserve_cache.json`` as a dict ({} when absent or without a folder).
+
+    Raises:
+        UnsupportedModelError: the file exists but is not a JSON object whose ``teacache``
+            (when present) is an object.
+    """
+    if model_dir is None:
+        return {}
+    path = Path(model_dir) / CACHE_CALIBRATION
+    if not path.is_file():
+        return {}
+    try:
+        calibration = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UnsupportedModelError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(calibration, dict) or not isinstance(calibration.get("teacache", {}), dict):
+        raise UnsupportedModelError(f"{path} must hold a JSON object with a 'teacache' object (diffserve "
+                                    "calibrate-cache writes it)")
+    return calibration
 
 
 def stated_limits(model_dir: Path | None) -> dict[str, int]:

@@ -11,8 +11,10 @@ built-in model (mean and worst image) is in the README's acceleration section
 warm-up of 3 steps and a check every 2, 3 or 4 steps at 20 steps) were picked there: order 2
 and longer windows lost more PSNR than they saved time.
 
-A model folder overrides any level's fields in its ``generation_config.json``
-(``teacache.cache_quality``: ``{"fast": {"budget": 0.02}}``; `levels_with`).
+A model folder overrides any level's fields in its calibration (``diffserve_cache.json``:
+``diffserve calibrate-cache`` fits each level's budget to a PSNR target on the model's own
+trajectories) or its ``generation_config.json`` (``teacache.cache_quality``: ``{"fast":
+{"budget": 0.02}}``; `levels_with`).
 """
 
 from __future__ import annotations

@@ -219,9 +219,11 @@ def _engine(plan: CalibrationPlan, args: argparse.Namespace, cache_config: dict)
         return DiffusionEngine(config)
     except InvalidRequestError as exc:
         if exc.field == "cache_backend":
-            raise InvalidRequestError("model", str(plan.model_dir),
-                                      "a model whose family supports step caching (teacache)",
-                                      detail=exc.allowed) from None
+            from diffserve.models.model_index import read_model_index
+
+            pipeline = read_model_index(plan.model_dir).get("_class_name", "its pipeline")
+            raise InvalidRequestError("model", str(plan.model_dir), "a model whose family supports step caching "
+                                      f"(--cache-backend teacache; {pipeline} here has no TeaCache split)") from None
         raise
 
 

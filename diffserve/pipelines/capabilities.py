@@ -3,8 +3,9 @@
 context-parallel plan), and the engine options it is built with (`AdapterOptions`).
 
 A family's plug-ins that implement them sit in its folder (e.g. ``flux/teacache.py``,
-``sd3/context_parallel.py``); a model folder's ``generation_config.json`` ``teacache`` entry
-overrides the declared coefficients (`TeaCacheSupport.with_preset`).
+``sd3/context_parallel.py``); a model folder's calibration (``diffserve_cache.json``, from
+``diffserve calibrate-cache``) and ``generation_config.json`` ``teacache`` entry override the
+declared coefficients (`TeaCacheSupport.with_preset`).
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ class TeaCacheSupport:
     levels: Mapping[str, Any] | None = None
 
     def with_preset(self, preset: Mapping[str, Any]) -> "TeaCacheSupport":
-        """This support with a model folder's calibrated preset (``generation_config.json``
-        ``teacache``: ``coefficients``, ``rel_l1_thresh``, ``source``, ``cache_quality`` (the
-        levels' fields), each optional) in place of the declared values."""
+        """This support with a model folder's calibrated preset (the ``teacache`` entry of its
+        ``generation_config.json`` overlaid by that of its ``diffserve_cache.json``:
+        ``coefficients``, ``rel_l1_thresh``, ``source``, ``cache_quality`` (the levels' fields),
+        each optional) in place of the declared values."""
         return replace(self, coefficients=tuple(preset.get("coefficients", self.coefficients)),
                        rel_l1_thresh=float(preset.get("rel_l1_thresh", self.rel_l1_thresh)),
                        source=preset.get("source", self.source),

@@ -10,7 +10,10 @@ batches):
    prompt and seed runs uncached (level ``max``) with the backend recording, per step ``t >= 1``,
    ``x`` = relative L1 change of the modulated input and ``y`` = relative L1 change of the
    denoiser output (``mean|a_t - a_t-1| / mean|a_t-1|`` over a request's rows). A least-squares
-   polynomial ``y ~ poly(x)`` (``numpy.polyfit``, highest degree first) is the fit.
+   polynomial ``y ~ poly(x)`` (``numpy.polyfit``, highest degree first) is the fit. The same
+   runs give the **residual magnitude curve** of magnitude forecasts (MagCache,
+   arXiv:2506.09045): per step of the first ``--steps`` schedule, the mean log norm of the
+   blocks' residual (`residual_log_norms`).
 2. **The quality levels' budgets**: for each candidate budget ``b`` (``--budgets``) an engine whose
    ``high``, ``balanced`` and ``fast`` levels all have the guard budget ``b`` (and the fitted
    coefficients) runs every prompt and seed at the three levels; each output is compared with
@@ -169,6 +172,29 @@ def fit_coefficients(x, y, degree: int) -> tuple[list[float], float]:
     return [float(c) for c in coefficients], rmse
 
 
+def residual_log_norms(records: list, num_steps: int) -> list[float]:
+    """The model's residual magnitude curve for magnitude (MagCache) forecasts: per step of the
+    `num_steps` schedule, the mean over the uncached requests of ``log`` of the mean per-token
+    L2 norm of the blocks' residual.
+
+    Args:
+        records: ``[num_steps, step, log norm]`` triples (the backend's ``residual_norms``).
+        num_steps: the schedule the curve is taken from.
+
+    Raises:
+        InvalidRequestError: (field ``steps``) a step of that schedule has no record.
+    """
+    import numpy as np
+
+    by_step: dict[int, list[float]] = {}
+    for n, step, value in records:
+        if int(n) == num_steps:
+            by_step.setdefault(int(step), []).append(float(value))
+    if sorted(by_step) != list(range(num_steps)):
+        raise InvalidRequestError("steps", num_steps, "a schedule every calibration request ran in full")
+    return [float(np.mean(by_step[k])) for k in range(num_steps)]
+
+
 def choose_budget(candidates: list[tuple[float, float, float]], target_db: float) -> float:
     """The budget of the level: among the budgets whose PSNR, and that of every smaller
     budget, is >= `target_db`, the one that skips the most steps (the smallest of equals: a
@@ -257,7 +283,9 @@ def calibrate(plan: CalibrationPlan, args: argparse.Namespace, log=print) -> dic
         jobs = _jobs(plan, steps)
         outputs = engine.generate([p for p, _, _ in jobs], [_params(seed, s, "max") for _, seed, s in jobs])
         reference = {job: _pixels(out) for job, out in zip(jobs, outputs)}
-        changes = np.asarray(engine.stats()["acceleration"]["cache_backend"]["changes"], dtype=np.float64)
+        recorded = engine.stats()["acceleration"]["cache_backend"]
+        changes = np.asarray(recorded["changes"], dtype=np.float64)
+        log_norms = residual_log_norms(recorded["residual_norms"], steps[0])
     finally:
         engine.shutdown()
     coefficients, rmse = fit_coefficients(changes[:, 0], changes[:, 1], plan.degree)
@@ -301,7 +329,7 @@ def calibrate(plan: CalibrationPlan, args: argparse.Namespace, log=print) -> dic
     return {
         "teacache": {"coefficients": coefficients,
                      "cache_quality": {level: {"budget": chosen[level]} for level in levels},
-                     "source": source},
+                     "residual_log_norms": log_norms, "source": source},
         "calibration": {"prompts": list(plan.prompts), "seeds": plan.seeds, "steps": list(steps),
                         "points": len(changes), "x_range": [float(changes[:, 0].min()), float(changes[:, 0].max())],
                         "rmse": rmse, "degree": plan.degree, "targets_psnr_db": TARGET_PSNR_DB,

@@ -77,24 +77,33 @@ def pipeline_config(model_dir: Path | None) -> dict[str, Any]:
             if not k.startswith("_") and not isinstance(v, list)}
 
 
-def read_generation_config(model_dir: Path | None) -> dict[str, Any]:
-    """The folder's ``generation_config.json`` as a dict ({} when absent or without a folder).
+def _read_json_object(model_dir: Path | None, name: str) -> dict[str, Any]:
+    """The folder's JSON file `name` as a dict ({} when absent or without a folder).
 
     Raises:
         UnsupportedModelError: the file exists but is not a JSON object.
     """
     if model_dir is None:
         return {}
-    path = Path(model_dir) / GENERATION_CONFIG
+    path = Path(model_dir) / name
     if not path.is_file():
         return {}
     try:
-        config = json.loads(path.read_text())
+        content = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise UnsupportedModelError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(config, dict):
+    if not isinstance(content, dict):
         raise UnsupportedModelError(f"{path} must hold a JSON object")
-    return config
+    return content
+
+
+def read_generation_config(model_dir: Path | None) -> dict[str, Any]:
+    """The folder's ``generation_config.json`` as a dict ({} when absent or without a folder).
+
+    Raises:
+        UnsupportedModelError: the file exists but is not a JSON object.
+    """
+    return _read_json_object(model_dir, GENERATION_CONFIG)
 
 
 def read_cache_calibration(model_dir: Path | None) -> dict[str, Any]:
@@ -104,18 +113,10 @@ def read_cache_calibration(model_dir: Path | None) -> dict[str, Any]:
         UnsupportedModelError: the file exists but is not a JSON object whose ``teacache``
             (when present) is an object.
     """
-    if model_dir is None:
-        return {}
-    path = Path(model_dir) / CACHE_CALIBRATION
-    if not path.is_file():
-        return {}
-    try:
-        calibration = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UnsupportedModelError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(calibration, dict) or not isinstance(calibration.get("teacache", {}), dict):
-        raise UnsupportedModelError(f"{path} must hold a JSON object with a 'teacache' object (diffserve "
-                                    "calibrate-cache writes it)")
+    calibration = _read_json_object(model_dir, CACHE_CALIBRATION)
+    if not isinstance(calibration.get("teacache", {}), dict):
+        raise UnsupportedModelError(f"{Path(model_dir) / CACHE_CALIBRATION}: 'teacache' must be an object "
+                                    "(diffserve calibrate-cache writes it)")
     return calibration
 
 

@@ -129,3 +129,16 @@ def test_generate_cache_quality_flag_reaches_the_request(tiny_sd3_dir, tmp_path,
     plain = images["plain"]
     np.testing.assert_array_equal(images["max"], plain)  # max: every step computed, as without a cache
     assert not np.array_equal(images["fast"], plain)
+
+
+def test_a_malformed_calibration_file_is_refused_naming_it(tmp_path):
+    from diffserve.core.errors import UnsupportedModelError
+    from diffserve.models.model_index import read_cache_calibration
+
+    assert read_cache_calibration(tmp_path) == {} and read_cache_calibration(None) == {}
+    for text, fragment in (("[1, 2]", "must hold a JSON object"), ('{"teacache": 3}', "'teacache' must be an object"),
+                           ("{", "is not valid JSON")):
+        (tmp_path / CACHE_CALIBRATION).write_text(text)
+        with pytest.raises(UnsupportedModelError, match=fragment) as info:
+            read_cache_calibration(tmp_path)
+        assert CACHE_CALIBRATION in str(info.value)

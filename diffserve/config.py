@@ -424,6 +424,11 @@ class TeaCacheConfig:
             of `diffserve.acceleration.cache_quality.CacheLevel`; ``"budget": null`` turns the
             guard off), over the model folder's and the defaults; checked when the backend
             is built.
+        record_changes: record, for every step of a ``max``-level request (all steps
+            computed) after its first, the relative L1 change of the modulated input and of
+            the denoiser output (the points TeaCache's coefficients are fitted on: ``diffserve
+            calibrate-cache``), reported in the backend's stats (``changes``). Off in serving:
+            it reads two floats back from the device per request and step.
     """
 
     rel_l1_thresh: float | None = None
@@ -431,6 +436,7 @@ class TeaCacheConfig:
     warmup_steps: int = 1
     cache_quality: str | None = None
     levels: dict[str, Any] | None = None
+    record_changes: bool = False
 
     @classmethod
     def from_dict(cls, options: dict[str, Any]) -> "TeaCacheConfig":
@@ -439,7 +445,7 @@ class TeaCacheConfig:
         Raises:
             InvalidRequestError: unknown key or a value out of range.
         """
-        allowed = {"rel_l1_thresh", "coefficients", "warmup_steps", "cache_quality", "levels"}
+        allowed = {"rel_l1_thresh", "coefficients", "warmup_steps", "cache_quality", "levels", "record_changes"}
         for key in options:
             if key not in allowed:
                 raise InvalidRequestError("cache_config", key, f"a teacache key, one of {sorted(allowed)}")
@@ -464,7 +470,10 @@ class TeaCacheConfig:
         levels = options.get("levels")
         if levels is not None and not isinstance(levels, dict):
             raise InvalidRequestError("cache_config.levels", levels, "an object {level: {field: value}}")
-        return cls(None if thresh is None else float(thresh), coefficients, warmup, quality, levels)
+        record = options.get("record_changes", False)
+        if not isinstance(record, bool):
+            raise InvalidRequestError("cache_config.record_changes", record, "true or false")
+        return cls(None if thresh is None else float(thresh), coefficients, warmup, quality, levels, record)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,10 @@ built-in model (mean and worst image) is in the README's acceleration section
 warm-up of 3 steps and a check every 2, 3 or 4 steps at 20 steps) were picked there: order 2
 and longer windows lost more PSNR than they saved time.
 
-A model folder overrides any level's fields in its ``generation_config.json``
-(``teacache.cache_quality``: ``{"fast": {"budget": 0.02}}``; `levels_with`).
+A model folder overrides any level's fields in its calibration (``diffserve_cache.json``:
+``diffserve calibrate-cache`` fits each level's budget to a PSNR target on the model's own
+trajectories) or its ``generation_config.json`` (``teacache.cache_quality``: ``{"fast":
+{"budget": 0.02}}``; `levels_with`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ class CacheLevel:
             costs the most.
         target: what a skipped step forecasts: ``"residual"`` (the blocks' residual, added to
             the step's own embedded input; TeaCache) or ``"output"`` (the denoiser's output).
+        forecast: how: ``"taylor"`` (the Newton/Taylor expansion of `order`, TaylorSeer) or
+            ``"magnitude"`` (MagCache, arXiv:2506.09045: the last computed residual scaled by
+            the model's calibrated magnitude ratio between the two steps; its a-priori error
+            ``|1 - ratio|`` feeds the guard; needs ``target="residual"`` and a calibrated
+            folder).
     """
 
     name: str
@@ -61,6 +68,7 @@ class CacheLevel:
     budget: float
     warmup_steps: int
     target: str = "residual"
+    forecast: str = "taylor"
 
     @property
     def skips(self) -> bool:
@@ -97,6 +105,7 @@ DEFAULT_LEVELS: dict[str, CacheLevel] = {
                        target="output"),
 }
 
+_CHOICES = {"target": ("residual", "output"), "forecast": ("taylor", "magnitude")}
 _FIELDS = {"order": int, "interval": int, "rel_l1_thresh": float, "budget": float, "warmup_steps": int}
 
 
@@ -114,9 +123,9 @@ def levels_with(*overrides: Mapping[str, Mapping[str, Any]] | None) -> dict[str,
                                       "a level among high, balanced, fast with an object of fields")
         values = {}
         for key, value in fields.items():
-            if key == "target":
-                if value not in ("residual", "output"):
-                    raise InvalidRequestError(f"teacache.cache_quality.{name}.target", value, "residual or output")
+            if key in _CHOICES:
+                if value not in _CHOICES[key]:
+                    raise InvalidRequestError(f"teacache.cache_quality.{name}.{key}", value, " or ".join(_CHOICES[key]))
                 values[key] = value
                 continue
             if key == "budget" and value is None:
@@ -130,4 +139,7 @@ def levels_with(*overrides: Mapping[str, Mapping[str, Any]] | None) -> dict[str,
         if values.get("warmup_steps", 1) < 1:
             raise InvalidRequestError(f"teacache.cache_quality.{name}.warmup_steps", values["warmup_steps"], ">= 1")
         levels[name] = dataclasses.replace(levels[name], **values)
+        if levels[name].forecast == "magnitude" and levels[name].target != "residual":
+            raise InvalidRequestError(f"teacache.cache_quality.{name}.forecast", "magnitude",
+                                      "taylor, or magnitude with target residual (it scales the blocks' residual)")
     return levels

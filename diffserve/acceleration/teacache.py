@@ -16,7 +16,8 @@ its timestep-modulated input does. For each request and step:
 
 Beyond reuse, each request runs at its own quality level (`SamplingParams.cache_quality`,
 `diffserve.acceleration.cache_quality`): a skipped step forecasts the residual from the last
-computed ones (TaylorSeer, `diffserve.acceleration.forecast`) instead of repeating the last
+computed ones (TaylorSeer, `diffserve.acceleration.forecast`; or MagCache's magnitude ratio,
+`magnitude_ratio`, for a level with ``forecast="magnitude"``) instead of repeating the last
 one, steps are computed at least every ``interval`` steps, and a run-time guard
 (`diffserve.acceleration.cache_guard`) computes any step whose skipping would take the
 request's estimated accumulated error past its level's budget. The level ``custom`` is plain
@@ -32,10 +33,11 @@ only on the rows of the requests that compute, and the others add their own cach
 so a request's result equals running it alone with the same settings (within float tolerance
 of batching).
 
-Rescaling coefficients come from the adapter (``TeaCacheSupport.coefficients``, per family, or
-from the model folder's ``generation_config.json`` ``teacache`` entry, e.g. the built-in digits
-model's calibrated preset); calibrate a model with
-``python -m training.teacache_calibrate --model DIR``.
+Rescaling coefficients come from the adapter (``TeaCacheSupport.coefficients``, per family), or
+from the model folder's calibration (``diffserve_cache.json``, written by ``diffserve
+calibrate-cache --model DIR``, e.g. the built-in digits model's; `TeaCacheSupport.with_preset`).
+With ``record_changes`` the backend records the points that calibration fits them on: per step of
+a ``max``-level request, ``(relative_l1(m_t, m_t-1), relative_l1(out_t, out_t-1))``.
 """
 
 from __future__ import annotations
@@ -82,6 +84,9 @@ class TeaCacheState:
         scale: ``mean|hidden after the blocks|`` at the last computed step (errors are relative
             to it).
         guard: the run-time guard's error estimate.
+        previous_output: (rows, ...) denoiser output of the previous step (only while the
+            backend records changes, `TeaCacheConfig.record_changes`, at level ``max``).
+        computed_step: the step index of the last computed step.
     """
 
     num_steps: int
@@ -96,6 +101,8 @@ class TeaCacheState:
     forecaster: Forecaster | None = None
     scale: float = 1.0
     guard: GuardState = GuardState()
+    previous_output: torch.Tensor | None = None
+    computed_step: int = 0
 
     @property
     def previous_residual(self) -> torch.Tensor | None:
@@ -125,6 +132,29 @@ def rescale(coefficients: tuple[float, ...], x: float) -> float:
     for c in coefficients:
         y = y * x + c
     return y
+
+
+def magnitude_ratio(log_norms: tuple[float, ...], step: int, since: int, num_steps: int) -> float:
+    """MagCache's magnitude ratio (arXiv:2506.09045) of the blocks' residual between steps
+    `since` and `step` of a `num_steps` schedule: ``exp(M(step) - M(since))``, where ``M`` is
+    the calibrated log residual norm curve (`log_norms`, evenly spaced over an uncached
+    schedule's steps) linearly interpolated at the steps' positions ``step / (num_steps - 1)``
+    (so ratios over a span telescope the same for any step count)."""
+
+    def curve(position: float) -> float:
+        x = position * (len(log_norms) - 1)
+        k = min(int(x), len(log_norms) - 2)
+        return log_norms[k] + (x - k) * (log_norms[k + 1] - log_norms[k])
+
+    if len(log_norms) < 2 or num_steps < 2:
+        return 1.0
+    last = num_steps - 1
+    return math.exp(curve(min(step, last) / last) - curve(min(since, last) / last))
+
+
+def residual_log_norm(residual: torch.Tensor) -> float:
+    """``log`` of the mean per-token L2 norm (last axis) of a (rows, N, D) residual."""
+    return math.log(max(float(residual.float().norm(dim=-1).mean()), 1e-30))
 
 
 def relative_l1(current: torch.Tensor, previous: torch.Tensor) -> float:
@@ -158,7 +188,18 @@ class TeaCacheBackend(CacheBackend):
         self.rel_l1_thresh = support.rel_l1_thresh if config.rel_l1_thresh is None else config.rel_l1_thresh
         self.source = support.source if config.coefficients is None else "cache_config"
         self.warmup_steps = config.warmup_steps
+        self.record_changes = config.record_changes
+        #: (input change, output change) per recorded step (`TeaCacheConfig.record_changes`).
+        self.changes: list[tuple[float, float]] = []
         self.levels: dict[str, CacheLevel] = levels_with(support.levels, config.levels)
+        self.residual_log_norms = support.residual_log_norms
+        for level in self.levels.values():
+            if level.forecast == "magnitude" and not self.residual_log_norms:
+                raise InvalidRequestError(f"teacache.cache_quality.{level.name}.forecast", "magnitude",
+                                          "taylor: magnitude forecasts need the model's residual_log_norms (run "
+                                          "diffserve calibrate-cache on the folder)")
+        #: (num_steps, step, log residual norm) per recorded step (`TeaCacheConfig.record_changes`).
+        self.residual_norms: list[tuple[int, int, float]] = []
         self.levels["custom"] = CacheLevel("custom", order=0, interval=0, rel_l1_thresh=self.rel_l1_thresh,
                                            budget=math.inf, warmup_steps=config.warmup_steps)
         if config.cache_quality is not None:
@@ -182,11 +223,13 @@ class TeaCacheBackend(CacheBackend):
     def save(self, states: list["RequestState"]) -> Any:
         """Copies of the requests' `TeaCacheState` (its tensors are replaced, never written in
         place, so a shallow copy keeps them) and the skip counters."""
-        return [copy.copy(s.extra[STATE_KEY]) for s in states], self.transformer_calls, self.skipped
+        return ([copy.copy(s.extra[STATE_KEY]) for s in states], self.transformer_calls, self.skipped,
+                len(self.changes), len(self.residual_norms))
 
     def restore(self, states: list["RequestState"], saved: Any) -> None:
         """Put back the `save` copies and counters."""
-        copies, self.transformer_calls, self.skipped = saved
+        copies, self.transformer_calls, self.skipped, recorded, norms = saved
+        del self.changes[recorded:], self.residual_norms[norms:]
         for state, st in zip(states, copies):
             state.extra[STATE_KEY] = st
 
@@ -201,6 +244,16 @@ class TeaCacheBackend(CacheBackend):
 
     def _timestep(self, st: TeaCacheState) -> float:
         return st.timesteps[st.step] if st.step < len(st.timesteps) else float(st.step)
+
+    def _ratio(self, st: TeaCacheState) -> float:
+        """The magnitude ratio from the request's last computed step to its current one."""
+        return magnitude_ratio(self.residual_log_norms, st.step, st.computed_step, st.num_steps)
+
+    def _predict(self, st: TeaCacheState) -> torch.Tensor:
+        """The request's forecast (residual or output) at its current step."""
+        if st.level.forecast == "magnitude":
+            return st.previous_residual * self._ratio(st)
+        return st.forecaster.predict(self._timestep(st))
 
     def _decide(self, st: TeaCacheState, modulated: torch.Tensor | None) -> _Decision | None:
         """One request's decision at its current step; None when it needs the modulated input
@@ -223,7 +276,10 @@ class TeaCacheBackend(CacheBackend):
                 return _Decision(True, 0.0)
         if level.interval and st.since_compute + 1 >= level.interval_for(st.num_steps):  # a check step
             return _Decision(True, 0.0)
-        step_error = accumulated if remainder is None else remainder / st.scale
+        if level.forecast == "magnitude":  # MagCache's error of the scaled residual
+            step_error = abs(1.0 - self._ratio(st))
+        else:
+            step_error = accumulated if remainder is None else remainder / st.scale
         weight = st.weight(st.step)
         if math.isfinite(level.budget) and not st.guard.allows(step_error, weight, level.budget):
             return _Decision(True, 0.0)  # the guard: skipping would exceed the budget
@@ -267,11 +323,11 @@ class TeaCacheBackend(CacheBackend):
                 if i in computed_rows:
                     out_hidden[index] = computed[computed_rows[i]]
                 elif states[i].level.target == "residual":
-                    out_hidden[index] = hidden[index] + states[i].forecaster.predict(self._timestep(states[i]))
+                    out_hidden[index] = hidden[index] + self._predict(states[i])
         output = split.head(model, out_hidden, context)
         for i, (st, d) in enumerate(zip(states, decisions)):
             if not d.compute and st.level.target == "output":
-                output[rows[i]] = st.forecaster.predict(self._timestep(st)).to(output.dtype)
+                output[rows[i]] = self._predict(st).to(output.dtype)
 
         # Commit the new per-request state only once the whole forward succeeded.
         for i, (st, d) in enumerate(zip(states, decisions)):
@@ -283,6 +339,13 @@ class TeaCacheBackend(CacheBackend):
                 st.since_compute += 1
                 st.guard = st.guard.skipped(d.step_error, d.weight)
             st.accumulated = d.accumulated
+            if self.record_changes and st.level.name == "max":
+                if st.previous_output is not None:
+                    self.changes.append((relative_l1(modulated[rows[i]], st.previous_modulated),
+                                         relative_l1(output[rows[i]], st.previous_output)))
+                st.previous_output = output[rows[i]].clone()
+                residual = computed[computed_rows[i]] - hidden[rows[i]]
+                self.residual_norms.append((st.num_steps, st.step, residual_log_norm(residual)))
             st.previous_modulated = modulated[rows[i]].clone()
             st.step += 1
         self.transformer_calls += len(states)
@@ -291,7 +354,7 @@ class TeaCacheBackend(CacheBackend):
     def _forecast_all(self, batch: "StepBatch", states: list[TeaCacheState], decisions: list[_Decision]):
         """The step of a batch whose every request skips and forecasts its output: the
         forecasts laid out over the batch's rows, no denoiser call."""
-        forecasts = [st.forecaster.predict(self._timestep(st)) for st in states]
+        forecasts = [self._predict(st) for st in states]
         rows = [batch.request_rows(i).to(forecasts[0].device) for i in range(len(states))]
         output = forecasts[0].new_empty((sum(len(r) for r in rows), *forecasts[0].shape[1:]))
         for index, forecast, st, d in zip(rows, forecasts, states, decisions):
@@ -311,11 +374,14 @@ class TeaCacheBackend(CacheBackend):
         t = self._timestep(st)
         measured = predicted = None
         if st.level.skips and st.forecaster is not None and st.since_compute > 0:
-            measured = float((st.forecaster.predict(t) - residual).abs().mean()) / st.scale
+            measured = float((self._predict(st) - residual).abs().mean()) / st.scale
             remainder = st.forecaster.remainder(t)
             predicted = None if remainder is None else remainder / st.scale
+        if st.level.forecast == "magnitude" and measured is not None:
+            predicted = abs(1.0 - self._ratio(st))
         st.guard = st.guard.computed(measured, predicted)
         st.since_compute = 0
+        st.computed_step = st.step
         if not st.level.skips:
             return
         st.scale = max(float((after if st.level.target == "residual" else output).abs().mean()), 1e-12)
@@ -324,6 +390,13 @@ class TeaCacheBackend(CacheBackend):
 
     def stats(self) -> dict[str, Any]:
         """`CacheBackend.stats` plus the threshold, the coefficients' source and the default
-        quality level."""
-        return {**super().stats(), "rel_l1_thresh": self.rel_l1_thresh, "coefficients_source": self.source,
-                "default_cache_quality": self.default_level}
+        quality level; with ``record_changes``, ``changes``: the recorded ``[input change,
+        output change]`` pairs (floats, relative L1) in the order they were taken, and
+        ``residual_norms``: ``[num_steps, step, log residual norm]`` of every computed step of a
+        ``max`` request (`residual_log_norm`)."""
+        stats = {**super().stats(), "rel_l1_thresh": self.rel_l1_thresh, "coefficients_source": self.source,
+                 "default_cache_quality": self.default_level}
+        if self.record_changes:
+            stats["changes"] = [list(point) for point in self.changes]
+            stats["residual_norms"] = [list(point) for point in self.residual_norms]
+        return stats

@@ -1,5 +1,6 @@
-"""The ``diffserve`` command line: ``diffserve generate`` and ``diffserve edit`` (offline) and
-``diffserve serve`` (OpenAI-compatible HTTP server).
+"""The ``diffserve`` command line: ``diffserve generate`` and ``diffserve edit`` (offline),
+``diffserve serve`` (OpenAI-compatible HTTP server) and ``diffserve calibrate-cache`` (a model
+folder's step-caching calibration, `diffserve.entrypoints.calibrate_cache`).
 
 Start-up: arguments are parsed and every check that needs no model (ranges of ``--steps``,
 ``-n``, ``--guidance``, ``--seed``, ``--size`` syntax, the prompt's text, the output folder) is
@@ -149,7 +150,7 @@ def check_generate_arguments(args: argparse.Namespace, parser: argparse.Argument
                             true_cfg_scale=args.true_cfg_scale, strength=getattr(args, "strength", None),
                             num_frames=getattr(args, "num_frames", None), fps=getattr(args, "fps", None),
                             seed=args.seed, extra=_extra(args.extra), loras=loras, scheduler=args.scheduler,
-                            clip_skip=args.clip_skip, eta=args.eta)
+                            clip_skip=args.clip_skip, eta=args.eta, cache_quality=args.cache_quality)
     # The model-independent range checks (steps, guidance, seed, negative prompt, size > 0, strength,
     # frames, fps); the model's own rules (resolution multiple, maximum size, frame rule) are checked
     # once it is loaded.
@@ -401,6 +402,10 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args, command)
         if args.command == "download":
             return _download(args)
+        if args.command == "calibrate-cache":
+            from diffserve.entrypoints.calibrate_cache import run as calibrate_cache
+
+            return calibrate_cache(args)
         if args.command == "serve":
             from diffserve.core.library_warnings import silence_inapplicable_library_warnings
             from diffserve.entrypoints.server_args import check_server_arguments

@@ -1,4 +1,5 @@
-"""The ``diffserve`` command-line parser: the ``generate``, ``edit``, ``serve`` and ``download`` sub-commands
+"""The ``diffserve`` command-line parser: the ``generate``, ``edit``, ``serve``, ``download`` and
+``calibrate-cache`` sub-commands
 with their generation, engine (`diffserve.entrypoints.engine_args`), memory
 (`diffserve.entrypoints.memory_options`) and server (`diffserve.entrypoints.server_args`)
 options, one-line usage errors naming the flag as typed (`usage_error_message`), exit status 2.
@@ -12,7 +13,7 @@ import re
 
 from diffserve import __version__
 from diffserve.core.errors import InvalidRequestError
-from diffserve.core.sampling_params import SAMPLER_NAMES
+from diffserve.core.sampling_params import CACHE_QUALITY_LEVELS, SAMPLER_NAMES
 from diffserve.entrypoints.engine_args import add_download_arguments, add_engine_arguments
 
 EXIT_USAGE = 2
@@ -132,6 +133,10 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
                              "the pre-final layer, A1111's 'Clip skip 2'; SD, SDXL, SD3) (default: none)")
     parser.add_argument("--eta", type=float, default=None, metavar="E",
                         help="DDIM eta in [0, 1] (--scheduler ddim) (default: 0)")
+    parser.add_argument("--cache-quality", default=None, choices=CACHE_QUALITY_LEVELS, metavar="LEVEL",
+                        help="step-caching quality level of these outputs (SamplingParams.cache_quality): "
+                             f"{', '.join(CACHE_QUALITY_LEVELS)}; max never skips a step; with --cache-backend "
+                             "teacache (default: the engine's, --cache-config cache_quality)")
     parser.add_argument("--display-size", type=int, default=None, metavar="PX",
                         help="also upscale outputs (nearest neighbour) to this many pixels on the long side for "
                              "viewing; the raw output is kept as *_raw.EXT (default: no upscaling)")
@@ -198,7 +203,15 @@ def build_parser() -> _ArgumentParser:
                                           "cache (or --download-dir) and print the local folder.")
     download.add_argument("model", metavar="ORG/NAME[@REV]", help="a Hugging Face Hub id, with an optional revision")
     add_download_arguments(download)
-    parser.commands = {"generate": gen, "edit": edit, "serve": srv, "download": download}
+    calibrate = sub.add_parser("calibrate-cache", help="fit a model folder's step-caching calibration",
+                               description="Fit TeaCache's rescaling coefficients and the quality levels' "
+                                           "budgets on the model's own uncached trajectories and write them to "
+                                           "DIR/diffserve_cache.json, which the engine then uses.")
+    from diffserve.entrypoints.calibrate_cache import add_calibrate_arguments
+
+    add_calibrate_arguments(calibrate)
+    parser.commands = {"generate": gen, "edit": edit, "serve": srv, "download": download,
+                       "calibrate-cache": calibrate}
     return parser
 
 

@@ -42,6 +42,19 @@ BUILTIN_MODELS: dict[str, Path] = {
 BUILTIN_LORAS: dict[str, dict[str, Path]] = {
     "digits": {"mirror": _HERE / "digits" / "loras" / "mirror"},
 }
+#: Built-in model name -> typical prompts in its vocabulary (one per digit, several of its
+#: training templates; MODEL_CARD.md), for tools that run the model on its own kind of requests
+#: (``diffserve calibrate-cache``).
+BUILTIN_PROMPTS: dict[str, tuple[str, ...]] = {
+    "digits": ("a handwritten digit 0", "digit 1", "the number two", "a picture of the number 3",
+               "handwritten four", "a photo of the numeral 5", "show me a six", "a single hand written digit 7",
+               "a sketch of number 8", "white nine on black"),
+    "digits-video": ("a handwritten digit 0 moving left", "digit 1 moving right", "the number two going up",
+                     "a picture of the number 3 sliding down", "handwritten four moves left",
+                     "a photo of the numeral 5 that moves right", "show me a six moving to the left",
+                     "a single hand written digit 7 going down", "a sketch of number 8 sliding up",
+                     "white nine on black moving right"),
+}
 #: The model used when none is given.
 DEFAULT_MODEL = "digits"
 #: Prefix of the served names of built-in models (``diffserve-digits``).

@@ -1,6 +1,7 @@
 """A model folder's config files: ``model_index.json`` (the diffusers pipeline class and its
-components, and the pipeline's own plain settings) and ``generation_config.json`` (its sampling
-defaults and the limits it was trained for). Read by the loader (which class to build), by the
+components, and the pipeline's own plain settings), ``generation_config.json`` (its sampling
+defaults and the limits it was trained for) and ``diffserve_cache.json`` (its step-caching
+calibration, written by ``diffserve calibrate-cache``). Read by the loader (which class to build), by the
 pipeline adapters (settings such as Wan 2.2's ``boundary_ratio``, the defaults), by the CLI
 before it starts replicas (a folder that cannot be served fails there, early) and before the
 weights load (a size beyond the model's stated limits fails there). torch-free.
@@ -17,6 +18,10 @@ from diffserve.core.errors import InvalidRequestError, UnsupportedModelError
 from diffserve.core.sampling_params import ModelSpec, SamplingParams
 
 GENERATION_CONFIG = "generation_config.json"
+#: The folder's step-caching calibration (``diffserve calibrate-cache``): ``{"teacache":
+#: {"coefficients": [...], "cache_quality": {level: {"budget": b}}, "source": "..."},
+#: "calibration": {what it was measured on}}``.
+CACHE_CALIBRATION = "diffserve_cache.json"
 #: Keys of ``generation_config.json``'s ``limits``: the largest values the model was trained for.
 LIMIT_KEYS = ("max_height", "max_width", "max_num_frames")
 from diffserve.models import BUILTIN_MODELS, builtin_name
@@ -72,24 +77,47 @@ def pipeline_config(model_dir: Path | None) -> dict[str, Any]:
             if not k.startswith("_") and not isinstance(v, list)}
 
 
-def read_generation_config(model_dir: Path | None) -> dict[str, Any]:
-    """The folder's ``generation_config.json`` as a dict ({} when absent or without a folder).
+def _read_json_object(model_dir: Path | None, name: str) -> dict[str, Any]:
+    """The folder's JSON file `name` as a dict ({} when absent or without a folder).
 
     Raises:
         UnsupportedModelError: the file exists but is not a JSON object.
     """
     if model_dir is None:
         return {}
-    path = Path(model_dir) / GENERATION_CONFIG
+    path = Path(model_dir) / name
     if not path.is_file():
         return {}
     try:
-        config = json.loads(path.read_text())
+        content = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise UnsupportedModelError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(config, dict):
+    if not isinstance(content, dict):
         raise UnsupportedModelError(f"{path} must hold a JSON object")
-    return config
+    return content
+
+
+def read_generation_config(model_dir: Path | None) -> dict[str, Any]:
+    """The folder's ``generation_config.json`` as a dict ({} when absent or without a folder).
+
+    Raises:
+        UnsupportedModelError: the file exists but is not a JSON object.
+    """
+    return _read_json_object(model_dir, GENERATION_CONFIG)
+
+
+def read_cache_calibration(model_dir: Path | None) -> dict[str, Any]:
+    """The folder's ``diffserve_cache.json`` as a dict ({} when absent or without a folder).
+
+    Raises:
+        UnsupportedModelError: the file exists but is not a JSON object whose ``teacache``
+            (when present) is an object.
+    """
+    calibration = _read_json_object(model_dir, CACHE_CALIBRATION)
+    if not isinstance(calibration.get("teacache", {}), dict):
+        raise UnsupportedModelError(f"{Path(model_dir) / CACHE_CALIBRATION}: 'teacache' must be an object "
+                                    "(diffserve calibrate-cache writes it)")
+    return calibration
 
 
 def stated_limits(model_dir: Path | None) -> dict[str, int]:

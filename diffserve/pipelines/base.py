@@ -51,6 +51,7 @@ from diffserve.core.sampling_params import ModelSpec, SamplingParams
 from diffserve.pipelines import diffusion_scheduler, samplers
 from diffserve.pipelines.capabilities import AdapterOptions, CacheDiTSupport, Capabilities, TeaCacheSupport
 from diffserve.pipelines.diffusion_scheduler import FLOW_MATCH_EULER, Stepping
+from diffserve.models.model_index import read_cache_calibration
 from diffserve.pipelines.generation_config import model_spec, read_generation_config
 from diffserve.pipelines.guidance import CFG, Guidance, uniform_or_rows
 from diffserve.pipelines.request_state import RequestState
@@ -168,7 +169,9 @@ class PipelineAdapter(ABC):
         limits.setdefault("accepts_images", self.image_input != "none")
         limits.setdefault("requires_images", self.image_input == "required")
         self.spec = model_spec(self.pipeline_class_name, self._sampling_defaults(), self.generation_config, limits)
-        preset = self.generation_config.get("teacache")
+        # the folder's calibration (diffserve calibrate-cache) over its generation_config.json entry
+        preset = {**self.generation_config.get("teacache", {}),
+                  **read_cache_calibration(options.model_dir).get("teacache", {})}
         if preset and self.capabilities.teacache is not None:
             self.capabilities = replace(self.capabilities, teacache=self.capabilities.teacache.with_preset(preset))
 

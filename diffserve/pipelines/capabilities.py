@@ -3,8 +3,9 @@
 context-parallel plan), and the engine options it is built with (`AdapterOptions`).
 
 A family's plug-ins that implement them sit in its folder (e.g. ``flux/teacache.py``,
-``sd3/context_parallel.py``); a model folder's ``generation_config.json`` ``teacache`` entry
-overrides the declared coefficients (`TeaCacheSupport.with_preset`).
+``sd3/context_parallel.py``); a model folder's calibration (``diffserve_cache.json``, from
+``diffserve calibrate-cache``) and ``generation_config.json`` ``teacache`` entry override the
+declared coefficients (`TeaCacheSupport.with_preset`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ class TeaCacheSupport:
         source: where the coefficients come from.
         levels: the model's own fields of the quality levels (``{level: {field: value}}``,
             `diffserve.acceleration.cache_quality.levels_with`), None = the defaults.
+        residual_log_norms: the model's calibrated residual magnitude curve for magnitude
+            forecasts (MagCache): ``log`` of the mean per-token L2 norm of the blocks' residual
+            at each step of an uncached schedule (evenly spaced over its steps), None = not
+            calibrated (``diffserve calibrate-cache`` writes it).
     """
 
     split: Any
@@ -43,15 +48,19 @@ class TeaCacheSupport:
     rel_l1_thresh: float
     source: str
     levels: Mapping[str, Any] | None = None
+    residual_log_norms: tuple[float, ...] | None = None
 
     def with_preset(self, preset: Mapping[str, Any]) -> "TeaCacheSupport":
-        """This support with a model folder's calibrated preset (``generation_config.json``
-        ``teacache``: ``coefficients``, ``rel_l1_thresh``, ``source``, ``cache_quality`` (the
-        levels' fields), each optional) in place of the declared values."""
+        """This support with a model folder's calibrated preset (the ``teacache`` entry of its
+        ``generation_config.json`` overlaid by that of its ``diffserve_cache.json``:
+        ``coefficients``, ``rel_l1_thresh``, ``source``, ``cache_quality`` (the levels' fields),
+        ``residual_log_norms``, each optional) in place of the declared values."""
+        norms = preset.get("residual_log_norms", self.residual_log_norms)
         return replace(self, coefficients=tuple(preset.get("coefficients", self.coefficients)),
                        rel_l1_thresh=float(preset.get("rel_l1_thresh", self.rel_l1_thresh)),
                        source=preset.get("source", self.source),
-                       levels=preset.get("cache_quality", self.levels))
+                       levels=preset.get("cache_quality", self.levels),
+                       residual_log_norms=None if norms is None else tuple(float(v) for v in norms))
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ adapters that use them.
 Each polynomial (``numpy.poly1d`` order, highest degree first) maps the relative L1 change of a
 model's modulated input between two steps to the estimated change of its output; the adapters
 pass them to `diffserve.acceleration.teacache` through `TeaCacheSupport`. A model folder's
-``generation_config.json`` ``teacache`` entry overrides them (e.g. a calibrated preset).
+calibration (``diffserve_cache.json``, written by ``diffserve calibrate-cache --model DIR``)
+or ``generation_config.json`` ``teacache`` entry overrides them.
 """
 
 from __future__ import annotations

@@ -184,10 +184,15 @@ def test_teacache_picks_the_calibrated_preset_per_model(tiny_sd3_dir):
 
     from diffserve.models.digits import DEFAULT_MODEL_PATH
 
-    shipped = json.loads((DEFAULT_MODEL_PATH / "generation_config.json").read_text())["teacache"]
+    # the calibration diffserve calibrate-cache wrote, over generation_config.json's threshold
+    shipped = json.loads((DEFAULT_MODEL_PATH / "diffserve_cache.json").read_text())["teacache"]
+    threshold = json.loads((DEFAULT_MODEL_PATH / "generation_config.json").read_text())["teacache"]["rel_l1_thresh"]
     default = DiffusionEngine(EngineConfig(cache_backend="teacache"))  # the built-in digits model
-    assert default.runner.accelerator.backend.coefficients == tuple(shipped["coefficients"])
-    assert default.runner.acceleration_stats()["cache_backend"]["rel_l1_thresh"] == shipped["rel_l1_thresh"]
+    backend = default.runner.accelerator.backend
+    assert backend.coefficients == tuple(shipped["coefficients"])
+    assert {name: backend.levels[name].budget for name in shipped["cache_quality"]} == \
+        {name: level["budget"] for name, level in shipped["cache_quality"].items()}
+    assert default.runner.acceleration_stats()["cache_backend"]["rel_l1_thresh"] == threshold
     other = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), cache_backend="teacache"))
     assert "TeaCache4FLUX" in other.runner.acceleration_stats()["cache_backend"]["coefficients_source"]
 

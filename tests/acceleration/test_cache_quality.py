@@ -186,3 +186,52 @@ def test_levels_run_on_regionally_compiled_blocks_without_recompiles(tmp_path_fa
     assert sum(o.metrics.cache_skipped_steps for o in outs) > 0
     stats = compiled.runner.acceleration_stats()["compile"]
     assert stats["enabled"] and stats["recompiles_after_warmup"] == 0
+
+
+# ------------------------------------------------------------- magnitude (MagCache) forecasts
+def test_magnitude_ratio_interpolates_the_log_norm_curve():
+    from diffserve.acceleration.teacache import magnitude_ratio
+
+    curve = (0.0, 1.0, 3.0)  # log norms at the start, middle and end of a schedule
+    assert magnitude_ratio(curve, 2, 0, 3) == pytest.approx(np.exp(3.0))
+    assert magnitude_ratio(curve, 1, 0, 5) == pytest.approx(np.exp(0.5))  # a quarter in: half of the first leg
+    # ratios over a span telescope alike for any step count
+    assert magnitude_ratio(curve, 4, 2, 5) == pytest.approx(magnitude_ratio(curve, 8, 4, 9))
+    assert magnitude_ratio((1.0,), 3, 1, 5) == 1.0
+
+
+def test_magnitude_levels_share_batches_with_taylor_levels_and_equal_their_solo_runs(tiny_sd3_dir, tmp_path):
+    import json
+    import shutil
+
+    from diffserve.entrypoints.cli import main
+
+    folder = tmp_path / "sd3"
+    shutil.copytree(tiny_sd3_dir, folder)
+    # without a calibrated curve a magnitude level is refused by name
+    magnitude = {"forecast": "magnitude", "target": "residual", "order": 0, "interval": 3, "warmup_steps": 2,
+                 "budget": None}
+    with pytest.raises(InvalidRequestError, match="teacache.cache_quality.high.forecast"):
+        _engine(folder, levels={**LEVELS, "high": magnitude})
+    with pytest.raises(InvalidRequestError, match="teacache.cache_quality.high.forecast"):
+        levels_with({"high": {"forecast": "magnitude"}})  # the output target cannot be scaled
+    assert main(["calibrate-cache", "--model", str(folder), "--num-prompts", "2", "--seeds", "1", "--steps", "12",
+                 "--budgets", "1.0", "--degree", "2", "--threads", "1"]) == 0
+    curve = json.loads((folder / "diffserve_cache.json").read_text())["teacache"]["residual_log_norms"]
+    assert len(curve) == 12 and all(np.isfinite(curve))
+    levels = {**LEVELS, "high": magnitude}
+    engine = _engine(folder, levels=levels)
+    jobs = [("one", _p(21, cache_quality="high")), ("two", _p(22, steps=10, cache_quality="fast")),
+            ("three", _p(23, steps=14, cache_quality="high"))]
+    together = engine.generate([j[0] for j in jobs], [j[1] for j in jobs])
+    assert max(together[0].metrics.batch_sizes) == 6  # the three shared forwards
+    solo = _engine(folder, levels=levels)
+    reuse = _engine(folder, levels={**LEVELS, "high": {**magnitude, "forecast": "taylor"}})  # order 0: reuse
+    for out, job in zip(together, jobs):
+        alone = _run(solo, *job)
+        assert np.abs(out.images - alone.images).max() <= TOL
+        assert out.metrics.cache_skipped_steps == alone.metrics.cache_skipped_steps > 0
+    # the forecast scales the reused residual: same skipped steps as plain reuse, other pixels
+    plain = _run(reuse, *jobs[0])
+    assert plain.metrics.cache_skipped_steps == together[0].metrics.cache_skipped_steps
+    assert np.abs(plain.images - together[0].images).max() > TOL

@@ -36,15 +36,6 @@ def test_entry_point_runs_from_the_repository_root(module):
     assert proc.stdout.startswith("usage:")
 
 
-def test_teacache_calibration_answers_help(capsys):
-    from training import teacache_calibrate
-
-    with pytest.raises(SystemExit) as exit_info:
-        teacache_calibrate.main(["--help"])
-    assert exit_info.value.code == 0
-    assert capsys.readouterr().out.startswith("usage:")
-
-
 def test_video_model_tiny_training_step_saves_a_wan_folder(tmp_path):
     out = video_train.main(["--tiny", "--vae-steps", "1", "--max-steps", "1", "--clips-per-digit", "1",
                             "--out", str(tmp_path / "model"), "--threads", "1"])

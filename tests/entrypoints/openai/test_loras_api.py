@@ -67,6 +67,19 @@ def test_generations_take_loras(server):
             assert fragment in resp.json()["error"]["message"]
 
 
+def test_a_lora_dir_file_that_fails_to_load_is_400(server):
+    """A request naming a ``--lora-dir`` file that is no LoRA (found only when it loads, after
+    the request was queued) is a 400 naming ``loras``, not a 500; other requests go on."""
+    base, lora_dir, _ = server
+    (lora_dir / "broken.safetensors").write_bytes(b"not a safetensors file")
+    post = lambda body: httpx.post(f"{base}/v1/images/generations", json=body, headers=KEY, timeout=60)  # noqa: E731
+    for _ in range(2):  # the failed entry is retried, and fails the same way
+        resp = post({"prompt": "a cat", "loras": {"broken": 1.0}, **FAST})
+        assert_openai_error(resp, 400, param="loras", code="invalid_value")
+        assert "broken" in resp.json()["error"]["message"] and "safetensors" in resp.json()["error"]["message"]
+    assert post({"prompt": "a cat", "loras": {"style": 1.0}, **FAST}).status_code == 200
+
+
 def test_edits_take_loras_as_a_form_field(server):
     base, _, _ = server
     buf = io.BytesIO()

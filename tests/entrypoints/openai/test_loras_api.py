@@ -117,6 +117,24 @@ def test_lora_routes(server):
     assert_openai_error(httpx.delete(f"{base}/v1/loras/again", headers=KEY), 404, param="name")
 
 
+def test_a_refused_load_leaves_no_trace(server):
+    """``POST /v1/loras`` answered 400 registers nothing, and an adapter it was to replace
+    stays as it was (listed ready, still applied)."""
+    base, lora_dir, _ = server
+    (lora_dir / "junk.safetensors").write_bytes(b"not a safetensors file")
+    listing = lambda: {e["name"]: e for e in httpx.get(f"{base}/v1/loras", headers=KEY).json()["data"]}  # noqa: E731
+    post = lambda body: httpx.post(f"{base}/v1/images/generations", json=body, headers=KEY, timeout=60)  # noqa: E731
+    before = _image(post({"prompt": "a cat", "loras": {"preloaded": 1.0}, **FAST}))
+    for name, path in [("fresh", "missing"), ("fresh", "junk.safetensors"), ("preloaded", "junk.safetensors")]:
+        resp = httpx.post(f"{base}/v1/loras", json={"name": name, "path": path}, headers=KEY, timeout=60)
+        assert_openai_error(resp, 400, param="path")
+    entries = listing()
+    assert "fresh" not in entries and entries["preloaded"]["state"] == "ready", entries
+    assert entries["preloaded"]["path"].endswith("style")
+    assert np.abs(_image(post({"prompt": "a cat", "loras": {"preloaded": 1.0}, **FAST})) - before).max() == 0
+    assert_openai_error(post({"prompt": "a cat", "loras": {"fresh": 1.0}, **FAST}), 404, param="loras")
+
+
 def test_unloading_an_adapter_in_use_is_409(server, tiny_sd3_dir):
     base, _, _ = server
     long = {"prompt": "a cat", "loras": {"preloaded": 1.0}, "num_inference_steps": 20_000, "size": "64x64"}

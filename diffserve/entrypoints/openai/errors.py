@@ -93,9 +93,11 @@ def invalid_after_queueing(message: str, field: str) -> APIError:
 
 def overloaded(exc: EngineOverloadedError | str) -> APIError:
     """429 with ``Retry-After`` for a full waiting queue (code ``rate_limit_exceeded``), or a
-    deadline the engine predicts it cannot meet (``--admission slo``: ``deadline_unmeetable``)."""
-    code = "deadline_unmeetable" if isinstance(exc, DeadlineUnmeetableError) else "rate_limit_exceeded"
-    return APIError(429, str(exc), type="rate_limit_error", code=code,
+    deadline the engine predicts it cannot meet (``--admission slo``: ``deadline_unmeetable``,
+    ``param`` ``deadline_s``)."""
+    unmeetable = isinstance(exc, DeadlineUnmeetableError)
+    return APIError(429, str(exc), type="rate_limit_error", param="deadline_s" if unmeetable else None,
+                    code="deadline_unmeetable" if unmeetable else "rate_limit_exceeded",
                     headers={"Retry-After": str(RETRY_AFTER_S)})
 
 

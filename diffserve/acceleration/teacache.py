@@ -57,6 +57,7 @@ from diffserve.acceleration.forecast import Forecaster
 from diffserve.config import TeaCacheConfig
 from diffserve.core.errors import InvalidRequestError
 from diffserve.pipelines.row_data import narrowed_rows
+from diffserve.pipelines.token_spans import LATENT_SIZE
 
 if TYPE_CHECKING:
     from diffserve.pipelines.base import PipelineAdapter, RequestState
@@ -87,6 +88,8 @@ class TeaCacheState:
         previous_output: (rows, ...) denoiser output of the previous step (only while the
             backend records changes, `TeaCacheConfig.record_changes`, at level ``max``).
         computed_step: the step index of the last computed step.
+        layout: `forward_layout` of the forward that last ran its rows (its history's
+            tensors are laid out that way).
     """
 
     num_steps: int
@@ -103,6 +106,7 @@ class TeaCacheState:
     guard: GuardState = GuardState()
     previous_output: torch.Tensor | None = None
     computed_step: int = 0
+    layout: tuple[str, int] | None = None
 
     @property
     def previous_residual(self) -> torch.Tensor | None:
@@ -155,6 +159,18 @@ def magnitude_ratio(log_norms: tuple[float, ...], step: int, since: int, num_ste
 def residual_log_norm(residual: torch.Tensor) -> float:
     """``log`` of the mean per-token L2 norm (last axis) of a (rows, N, D) residual."""
     return math.log(max(float(residual.float().norm(dim=-1).mean()), 1e-30))
+
+
+def forward_layout(batch: "StepBatch") -> tuple[str, int] | None:
+    """How a forward of `batch` lays out each row's tokens: None when every row has the same
+    latent size (each row in its own grid, the stock layout), else ``("strip", max h * w)``
+    (`diffserve.pipelines.token_spans`: one strip as long as the largest row). A request's
+    cached residuals and outputs are tensors of the layout they were computed in, so a
+    request whose batch changed layout cannot reuse them."""
+    sizes = batch.row_data.get(LATENT_SIZE) if batch.row_data else None
+    if not sizes or len(set(sizes)) == 1:
+        return None
+    return ("strip", max(h * w for h, w in sizes))
 
 
 def relative_l1(current: torch.Tensor, previous: torch.Tensor) -> float:
@@ -293,12 +309,17 @@ class TeaCacheBackend(CacheBackend):
     def _forward(self, model, batch: "StepBatch", kwargs: dict) -> torch.Tensor:
         split = self.split
         states = [s.extra[STATE_KEY] for s in batch.states]
-        early = [self._decide(st, None) for st in states]
+        # Mixed sizes: a request whose batch changed layout (a row of another size joined or
+        # left) computes this step and starts its history over in the new layout.
+        layout = forward_layout(batch)
+        stale = [st.forecaster is not None and st.layout != layout for st in states]
+        early = [_Decision(True, 0.0) if s else self._decide(st, None) for st, s in zip(states, stale)]
         if all(d is not None and not d.compute and st.level.target == "output" for st, d in zip(states, early)):
             return self._forecast_all(batch, states, early)  # nothing to run: not even the embedding
         hidden, context, modulated = split.embed(model, kwargs)
         rows = [batch.request_rows(i).to(hidden.device) for i in range(len(batch.states))]
-        decisions = [self._decide(st, modulated[index]) for st, index in zip(states, rows)]
+        decisions = [_Decision(True, 0.0) if s else self._decide(st, modulated[index])
+                     for st, s, index in zip(states, stale, rows)]
         computing = [i for i, d in enumerate(decisions) if d.compute]
         if len(computing) == len(states):
             out_hidden = computed = split.blocks(model, hidden, context)
@@ -332,6 +353,8 @@ class TeaCacheBackend(CacheBackend):
         # Commit the new per-request state only once the whole forward succeeded.
         for i, (st, d) in enumerate(zip(states, decisions)):
             if d.compute:
+                if stale[i]:
+                    st.history, st.forecaster = (), None
                 self._computed(st, hidden[rows[i]], computed[computed_rows[i]], output[rows[i]])
             else:
                 self.skipped += 1
@@ -347,6 +370,7 @@ class TeaCacheBackend(CacheBackend):
                 residual = computed[computed_rows[i]] - hidden[rows[i]]
                 self.residual_norms.append((st.num_steps, st.step, residual_log_norm(residual)))
             st.previous_modulated = modulated[rows[i]].clone()
+            st.layout = layout
             st.step += 1
         self.transformer_calls += len(states)
         return output

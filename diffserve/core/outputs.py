@@ -135,7 +135,10 @@ class GenerationOutput:
         prompt_truncated / negative_prompt_truncated: that text was longer than a text
             encoder's limit and was cut.
         status: finished, failed or aborted; `error` holds the message when failed and
-            `error_type` the failure's class name (e.g. ``"NonFiniteOutputError"``).
+            `error_type` the failure's class name (e.g. ``"NonFiniteOutputError"``);
+            `error_param` names the request field when the request itself proved invalid after
+            it was queued (an `InvalidRequestError`, e.g. ``loras`` naming an adapter whose file
+            failed to load): the HTTP server answers 400 naming it, not 500.
         params: the resolved sampling params the request ran with (defaults filled in).
         ar_text: multi-stage models whose AR stage writes text (the built-in
             ``digits-reasoning``: the language model's answer): that text; None otherwise.
@@ -151,6 +154,7 @@ class GenerationOutput:
     error: str | None = None
     negative_prompt_truncated: bool = False
     error_type: str | None = None
+    error_param: str | None = None
     params: Any = None
     videos: Any = field(default_factory=list)
     ar_text: str | None = None

@@ -124,6 +124,8 @@ def parse_methods(value: Any) -> str | dict[str, str | None] | None:
             pairs = [p.partition("=") for p in text.split(",") if p.strip()]
             if any(not sep for _, sep, _ in pairs):
                 raise InvalidRequestError("quantization", value, "component=method pairs separated by commas")
+            if len({k.strip() for k, _, _ in pairs}) < len(pairs):
+                raise InvalidRequestError("quantization", value, "component=method pairs naming each component once")
             value = {k.strip(): v.strip() for k, _, v in pairs}
         else:
             return _method_name(text, allow_none=False)

@@ -433,12 +433,18 @@ class DiffusionEngine:
         if within_lora_dir:
             path = self.loras.registry.inside_lora_dir(path)
         with self._lock:
+            previous = self.loras.registry.entries.get(name)
             future = self.loras.begin_load(name, os.fspath(path), origin, self._loras_in_use())
         try:
             future.result()
+        except Exception:
+            with self._lock:
+                self._poll_loras()  # requests that named the new adapter meanwhile fail
+                self.loras.keep_after_failed_load(name, previous)
+            raise
         finally:
             with self._lock:
-                self.loras.poll(self._loras_in_use())
+                self._poll_loras()
         with self._lock:
             return self.loras.registry.entries[name].as_dict()
 

@@ -292,6 +292,17 @@ class EngineLoras:
         self._start(entry)
         return self._loads[name]
 
+    def keep_after_failed_load(self, name: str, previous: LoraEntry | None) -> None:
+        """After `begin_load` of `name` failed (its error was raised to the caller): put back
+        the adapter it was to replace, which the workers still hold (a failed read replaces
+        nothing), or forget the name, so a refused load leaves no trace."""
+        if previous is None:
+            self.registry.remove(name)
+            return
+        self.registry.entries[name] = previous
+        if previous.state is LoraState.READY:
+            self._held.add(name)
+
     def unload(self, name: str, in_use: set[str]) -> None:
         """Drop adapter `name` from the workers and the registry.
 

@@ -654,6 +654,7 @@ class RequestScheduler:
             error=message,
             error_type=error.type if isinstance(error, WorkError) else (
                 type(error).__name__ if error is not None else None),
+            error_param=error.field if isinstance(error, InvalidRequestError) else None,
             params=request.params,
             ar_text=request.ar_text,
         )

@@ -7,13 +7,19 @@ from __future__ import annotations
 
 import time
 
+#: Most distinct priorities counted one by one; later ones share the bucket ``"other"``
+#: (``priority`` is any 32-bit integer a client sends: each would be a ``/metrics`` series).
+MAX_PRIORITY_BUCKETS = 32
+OTHER_PRIORITIES = "other"
+
 
 class SchedulerCounters:
     """Counters since the engine started (see the module docstring).
 
     Attributes:
         forwards / rows / tokens: denoiser forwards run, and the rows and image tokens in them.
-        queue: priority -> [admitted requests, seconds queued in total, longest seconds].
+        queue: priority -> [admitted requests, seconds queued in total, longest seconds]; at
+            most `MAX_PRIORITY_BUCKETS` priorities, then ``"other"`` for any further one.
         slo_met / slo_missed: finished requests with a ``deadline_s`` that met / missed it;
             ``slo_met_images``: the images of the met ones (goodput's numerator).
         refused: requests ``--admission slo`` refused at arrival.
@@ -22,7 +28,7 @@ class SchedulerCounters:
 
     def __init__(self) -> None:
         self.forwards = self.rows = self.tokens = 0
-        self.queue: dict[int, list] = {}
+        self.queue: dict[int | str, list] = {}
         self.slo_met = self.slo_missed = self.slo_met_images = self.refused = 0
         self.start = time.perf_counter()
 
@@ -34,9 +40,12 @@ class SchedulerCounters:
 
     def queued(self, priority: int, seconds: float) -> None:
         """A request of `priority` admitted after `seconds` in the waiting queue."""
-        entry = self.queue.get(priority)
+        key: int | str = priority
+        if key not in self.queue and sum(1 for k in self.queue if k != OTHER_PRIORITIES) >= MAX_PRIORITY_BUCKETS:
+            key = OTHER_PRIORITIES
+        entry = self.queue.get(key)
         if entry is None:
-            entry = self.queue[priority] = [0, 0.0, 0.0]
+            entry = self.queue[key] = [0, 0.0, 0.0]
         entry[0] += 1
         entry[1] += seconds
         entry[2] = max(entry[2], seconds)
@@ -51,7 +60,8 @@ class SchedulerCounters:
 
     def as_dict(self) -> dict:
         """``forwards``, ``mean_rows_per_forward``, ``mean_tokens_per_forward``,
-        ``queue_delay_s`` ({priority: {"requests", "mean", "max"}}), ``slo_attainment`` (met /
+        ``queue_delay_s`` ({priority: {"requests", "mean", "max"}}, by priority as text, at
+        most `MAX_PRIORITY_BUCKETS` of them plus ``"other"``), ``slo_attainment`` (met /
         finished with a deadline; None without any), ``slo_met``, ``slo_missed``,
         ``goodput_images_per_s`` (images of deadline-meeting requests per second since start),
         ``refused_deadline``."""
@@ -62,7 +72,8 @@ class SchedulerCounters:
             "mean_rows_per_forward": self.rows / self.forwards if self.forwards else 0.0,
             "mean_tokens_per_forward": self.tokens / self.forwards if self.forwards else 0.0,
             "queue_delay_s": {str(p): {"requests": n, "mean": total / n, "max": longest}
-                              for p, (n, total, longest) in sorted(self.queue.copy().items())},
+                              for p, (n, total, longest) in sorted(self.queue.copy().items(),
+                                                                   key=lambda kv: (isinstance(kv[0], str), kv[0]))},
             "slo_attainment": self.slo_met / judged if judged else None,
             "slo_met": self.slo_met,
             "slo_missed": self.slo_missed,

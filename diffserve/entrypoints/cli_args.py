@@ -78,10 +78,12 @@ def parse_lora_use(text: str) -> tuple[str, float]:
     scale when it reads as a number (so ``C:\\x.safetensors`` keeps its drive letter).
 
     Raises:
-        InvalidRequestError: (field ``loras``) an empty path, or a scale that is not finite or
-            outside [-4, 4].
+        InvalidRequestError: (field ``loras``) an empty path or scale around the ``:`` (``x:``,
+            ``:0.5``; unless that is an existing path), or a scale that is not finite or outside
+            [-4, 4].
     """
     import math
+    from pathlib import Path
 
     from diffserve.core.sampling_params import MAX_LORA_SCALE
 
@@ -93,6 +95,9 @@ def parse_lora_use(text: str) -> tuple[str, float]:
             source = head
         except ValueError:
             pass
+    if sep and (not head or not tail.strip()) and not Path(text).expanduser().exists():
+        raise InvalidRequestError("loras", text, "PATH[:SCALE]: a LoRA file or folder, or a LoRA name, then "
+                                  "optionally ':' and a scale")
     if not source:
         raise InvalidRequestError("loras", text, "PATH[:SCALE]: a LoRA file or folder, or a LoRA name")
     if not math.isfinite(scale) or not -MAX_LORA_SCALE <= scale <= MAX_LORA_SCALE:

@@ -169,3 +169,19 @@ def test_admission_slo_refuses_an_unmeetable_deadline(one_torch_thread):
         assert engine.stats()["scheduler"]["refused_deadline"] == 1
     finally:
         engine.shutdown()
+
+
+def test_queue_delay_counts_a_bounded_number_of_priorities():
+    """Clients choose ``priority`` (any 32-bit integer), and each counted priority is a series
+    in ``/metrics``: past `MAX_PRIORITY_BUCKETS` distinct ones, the rest share ``"other"``."""
+    from diffserve.engine.scheduler_stats import MAX_PRIORITY_BUCKETS, SchedulerCounters
+
+    counters = SchedulerCounters()
+    for p in range(-5, 5000):
+        counters.queued(p, 0.5)
+    counters.queued(-5, 1.5)
+    delay = counters.as_dict()["queue_delay_s"]
+    assert len(delay) == MAX_PRIORITY_BUCKETS + 1
+    assert list(delay)[:2] == ["-5", "-4"] and list(delay)[-1] == "other"
+    assert delay["-5"] == {"requests": 2, "mean": 1.0, "max": 1.5}
+    assert delay["other"]["requests"] == 5005 - MAX_PRIORITY_BUCKETS

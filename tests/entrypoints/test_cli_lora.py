@@ -40,6 +40,8 @@ def test_builtin_mirror_and_a_file(tmp_path, capsys):
     ("mirror:9", "argument --lora: invalid value 'mirror:9': must be PATH[:SCALE] with SCALE finite in [-4, 4]"),
     ("mirror:nan", "SCALE finite"),
     ("nothing-here", "argument --lora: invalid value"),
+    ("mirror:", "argument --lora: invalid value 'mirror:': must be PATH[:SCALE]"),  # was the name 'mirror_'
+    (":0.5", "argument --lora: invalid value ':0.5': must be PATH[:SCALE]"),  # was the name '0.5'
 ])
 def test_bad_lora_flags_are_one_line_errors(value, fragment, tmp_path, capsys):
     assert main(["generate", "a handwritten digit 3", "--lora", value, *FAST, "-o", str(tmp_path)]) == 2

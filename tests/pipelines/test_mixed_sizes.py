@@ -96,6 +96,35 @@ def test_cache_backends_run_mixed_sizes(backend, options, one_torch_thread):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("cache_quality", ["fast", "high"])
+def test_teacache_request_whose_batch_changes_layout(cache_quality, one_torch_thread):
+    """A TeaCache request that has cached steps and then shares forwards with a request of
+    another size (its rows move from their own grid into a strip, and back when the other
+    leaves) computes that step and keeps caching in the new layout, instead of failing on a
+    forecast of the old layout's shape (the HTTP server's 500 on concurrent mixed sizes)."""
+    engine = DiffusionEngine(EngineConfig(model="digits", cache_backend="teacache"))
+    try:
+        params = dict(num_inference_steps=12, cache_quality=cache_quality, output_type="np")
+        first = engine.add_request("a handwritten digit 3", SamplingParams(height=8, width=8, seed=0, **params))
+        outputs = {}
+        for step in range(40):
+            if step == 6:  # `first` has skipped steps by now: its forecasts are of its own 8x8 grid
+                engine.add_request("a handwritten digit 4", SamplingParams(height=4, width=8, seed=1,
+                                                                           num_inference_steps=3,
+                                                                           cache_quality=cache_quality,
+                                                                           output_type="np"))
+            outputs.update({e.request_id: e.output for e in engine.step() if e.output is not None})
+            if len(outputs) == 2 and not engine.has_unfinished_requests():
+                break
+        assert [o.status.value for o in outputs.values()] == ["finished", "finished"], \
+            [o.error for o in outputs.values()]
+        assert max(outputs[first].metrics.batch_sizes) == 4  # the two shared forwards
+        assert outputs[first].metrics.as_dict()["cache_skipped_steps"] > 0
+        assert all(np.isfinite(o.images).all() for o in outputs.values())
+    finally:
+        engine.shutdown()
+
+
 def test_no_mixed_sizes_batches_by_size(one_torch_thread):
     """``EngineConfig(mixed_sizes=False)`` (``--no-mixed-sizes``): sizes split batches again."""
     engine = DiffusionEngine(EngineConfig(model="digits", mixed_sizes=False))

@@ -37,6 +37,7 @@ def test_methods_parse_every_form():
     ({"trans former": "int8_dynamic"}, None),
     ("{not json", None),
     (7, None),
+    ("transformer=int8_dynamic,transformer=none", None),  # was: the last one silently won
 ])
 def test_bad_method_is_one_line_naming_field_and_allowed(value, component):
     with pytest.raises(InvalidRequestError) as info:

@@ -84,11 +84,20 @@ def invalid_request(exc: InvalidRequestError) -> APIError:
     return APIError(400, str(exc), param=param, code="invalid_value")
 
 
+def invalid_after_queueing(message: str, field: str) -> APIError:
+    """400 ``invalid_value`` for a request the engine failed because its field `field` proved
+    invalid only after it was queued (`GenerationOutput.error_param`: e.g. ``loras`` naming a
+    ``--lora-dir`` file that failed to load); ``param`` as in `invalid_request`."""
+    return APIError(400, message, param=_ENGINE_FIELD_TO_PARAM.get(field, field), code="invalid_value")
+
+
 def overloaded(exc: EngineOverloadedError | str) -> APIError:
     """429 with ``Retry-After`` for a full waiting queue (code ``rate_limit_exceeded``), or a
-    deadline the engine predicts it cannot meet (``--admission slo``: ``deadline_unmeetable``)."""
-    code = "deadline_unmeetable" if isinstance(exc, DeadlineUnmeetableError) else "rate_limit_exceeded"
-    return APIError(429, str(exc), type="rate_limit_error", code=code,
+    deadline the engine predicts it cannot meet (``--admission slo``: ``deadline_unmeetable``,
+    ``param`` ``deadline_s``)."""
+    unmeetable = isinstance(exc, DeadlineUnmeetableError)
+    return APIError(429, str(exc), type="rate_limit_error", param="deadline_s" if unmeetable else None,
+                    code="deadline_unmeetable" if unmeetable else "rate_limit_exceeded",
                     headers={"Retry-After": str(RETRY_AFTER_S)})
 
 

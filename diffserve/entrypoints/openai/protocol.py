@@ -940,6 +940,8 @@ class ModelCard(BaseModel):
         for name, default in unused.items():  # a parameter the model does not take is not listed
             if default is None:
                 parameters.pop(name)
+        for name in [n for n, p in parameters.items() if p.capabilities == []]:  # none of its routes takes it
+            parameters.pop(name)  # (``n``, ``partial_images`` on a video model: /v1/videos refuses them)
         extra = list(spec.extra_parameters) if spec.extra_parameters is not None else None
         return cls(id=model_id, created=created, capabilities=tasks, parameters=parameters,
                    step_batching=engine.model_info.step_batching, extra_parameters=extra,

@@ -67,6 +67,19 @@ def test_generations_take_loras(server):
             assert fragment in resp.json()["error"]["message"]
 
 
+def test_a_lora_dir_file_that_fails_to_load_is_400(server):
+    """A request naming a ``--lora-dir`` file that is no LoRA (found only when it loads, after
+    the request was queued) is a 400 naming ``loras``, not a 500; other requests go on."""
+    base, lora_dir, _ = server
+    (lora_dir / "broken.safetensors").write_bytes(b"not a safetensors file")
+    post = lambda body: httpx.post(f"{base}/v1/images/generations", json=body, headers=KEY, timeout=60)  # noqa: E731
+    for _ in range(2):  # the failed entry is retried, and fails the same way
+        resp = post({"prompt": "a cat", "loras": {"broken": 1.0}, **FAST})
+        assert_openai_error(resp, 400, param="loras", code="invalid_value")
+        assert "broken" in resp.json()["error"]["message"] and "safetensors" in resp.json()["error"]["message"]
+    assert post({"prompt": "a cat", "loras": {"style": 1.0}, **FAST}).status_code == 200
+
+
 def test_edits_take_loras_as_a_form_field(server):
     base, _, _ = server
     buf = io.BytesIO()
@@ -102,6 +115,24 @@ def test_lora_routes(server):
     assert httpx.delete(f"{base}/v1/loras/again", headers=KEY).json() == {"name": "again", "object": "lora",
                                                                            "deleted": True}
     assert_openai_error(httpx.delete(f"{base}/v1/loras/again", headers=KEY), 404, param="name")
+
+
+def test_a_refused_load_leaves_no_trace(server):
+    """``POST /v1/loras`` answered 400 registers nothing, and an adapter it was to replace
+    stays as it was (listed ready, still applied)."""
+    base, lora_dir, _ = server
+    (lora_dir / "junk.safetensors").write_bytes(b"not a safetensors file")
+    listing = lambda: {e["name"]: e for e in httpx.get(f"{base}/v1/loras", headers=KEY).json()["data"]}  # noqa: E731
+    post = lambda body: httpx.post(f"{base}/v1/images/generations", json=body, headers=KEY, timeout=60)  # noqa: E731
+    before = _image(post({"prompt": "a cat", "loras": {"preloaded": 1.0}, **FAST}))
+    for name, path in [("fresh", "missing"), ("fresh", "junk.safetensors"), ("preloaded", "junk.safetensors")]:
+        resp = httpx.post(f"{base}/v1/loras", json={"name": name, "path": path}, headers=KEY, timeout=60)
+        assert_openai_error(resp, 400, param="path")
+    entries = listing()
+    assert "fresh" not in entries and entries["preloaded"]["state"] == "ready", entries
+    assert entries["preloaded"]["path"].endswith("style")
+    assert np.abs(_image(post({"prompt": "a cat", "loras": {"preloaded": 1.0}, **FAST})) - before).max() == 0
+    assert_openai_error(post({"prompt": "a cat", "loras": {"fresh": 1.0}, **FAST}), 404, param="loras")
 
 
 def test_unloading_an_adapter_in_use_is_409(server, tiny_sd3_dir):

@@ -38,7 +38,7 @@ def test_priority_deadline_refusal_and_metrics(engine):
         refused = httpx.post(f"{base}/v1/images/generations",
                              json={"prompt": "a 7", "deadline_s": 1e-9, **FAST, "num_inference_steps": 50},
                              timeout=60)
-        assert_openai_error(refused, 429, code="deadline_unmeetable")
+        assert_openai_error(refused, 429, param="deadline_s", code="deadline_unmeetable")
         assert "deadline_s" in refused.json()["error"]["message"]
         text = httpx.get(f"{base}/metrics", timeout=30).text
         for name in ("diffserve_rows_per_forward_mean", "diffserve_tokens_per_forward_mean", "diffserve_preemptions",

@@ -153,3 +153,22 @@ def test_image_model_refuses_streams(tiny_sd3_dir):
         assert_openai_error(httpx.post(url + STREAMS, json={"prompt": "a cat", "num_chunks": 2}), 404,
                             None, "unsupported_endpoint")
         assert not any(path.startswith(STREAMS) for path in httpx.get(url + "/openapi.json").json()["paths"])
+
+
+def test_a_lora_that_fails_to_load_is_a_400_event_and_an_invalid_job(tiny_wan_dir, tmp_path):
+    """A ``--lora-dir`` file that is no LoRA is found only when it loads, after the request was
+    queued: the stream ends with an ``error`` event of status 400 naming ``loras`` (not a 500
+    ``generation_failed``), and a ``/v1/videos`` job fails with ``invalid_value``."""
+    (tmp_path / "broken.safetensors").write_bytes(b"not a safetensors file")
+    engine = AsyncDiffusionEngine(EngineConfig(model=str(tiny_wan_dir), num_threads=1, lora_dir=str(tmp_path)))
+    with serve(create_app(engine, "tiny-wan")) as url:
+        body = {**BODY, "num_chunks": 2, "loras": {"broken": 1.0}}
+        with httpx.stream("POST", url + STREAMS, json=body, timeout=60) as response:
+            events = list(sse_events(response))
+        name, data = events[-1]
+        assert name == "error" and data["error"]["param"] == "loras", events
+        assert data["error"]["code"] == "invalid_value" and data["error"]["type"] == "invalid_request_error"
+        job = httpx.post(url + "/v1/videos", json={**BODY, "loras": {"broken": 1.0}}, timeout=60).json()
+        status = lambda: httpx.get(f"{url}/v1/videos/{job['id']}").json()  # noqa: E731
+        wait_until(lambda: status()["status"] == "failed", 30, "the job to fail")
+        assert status()["error"]["code"] == "invalid_value"

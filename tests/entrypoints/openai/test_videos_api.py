@@ -189,6 +189,7 @@ def test_full_store_refuses_before_compute_and_image_routes_refuse_video_models(
         assert client.videos.retrieve(first.id).status == "completed"  # its promise holds
         card = httpx.get(f"{base}/v1/models/{MODEL}").json()
         assert card["capabilities"] == ["text-to-video"] and {"num_frames", "fps"} <= set(card["parameters"])
+        assert not {"n", "partial_images", "strength"} & set(card["parameters"])  # /v1/videos takes none of them
         resp = httpx.post(f"{base}/v1/images/generations", json={"prompt": "x"})
         assert_openai_error(resp, 404, code="unsupported_endpoint")  # not served, nor in the schema
         assert "POST /v1/videos" in resp.json()["error"]["message"]

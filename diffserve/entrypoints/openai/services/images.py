@@ -61,6 +61,7 @@ from diffserve.entrypoints.openai.http_protocol import CLIENT_EOF_KEY
 from diffserve.entrypoints.openai.errors import (
     CLIENT_CLOSED_REQUEST,
     APIError,
+    invalid_after_queueing,
     invalid_request,
     overloaded,
     unavailable,
@@ -403,6 +404,8 @@ class ImageGenerationService:
             message = output.error if output is not None else event.error
             if message == ENGINE_DEAD_MESSAGE or not self.engine_alive():
                 raise unavailable(self.engine_dead_message(), "engine_dead")
+            if output is not None and output.error_param is not None:
+                raise invalid_after_queueing(message.removeprefix(f"{output.error_type}: "), output.error_param)
             raise APIError(500, f"image generation failed: {message}", type="server_error",
                            code="generation_failed")
 

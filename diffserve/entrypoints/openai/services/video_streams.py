@@ -58,7 +58,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from starlette.requests import ClientDisconnect
 
 from diffserve.core.sampling_params import SAMPLER_NAMES
-from diffserve.entrypoints.openai.errors import CLIENT_CLOSED_REQUEST, APIError, invalid_request, overloaded, unavailable
+from diffserve.entrypoints.openai.errors import (CLIENT_CLOSED_REQUEST, APIError, invalid_after_queueing,
+                                               invalid_request, overloaded, unavailable)
 from diffserve.media.image_encoding import to_base64
 from diffserve.entrypoints.openai.protocol import (
     CACHE_QUALITY_DESCRIPTION,
@@ -359,6 +360,9 @@ class VideoStreamService:
                             "prompt_truncated": output.prompt_truncated,
                             "negative_prompt_truncated": output.negative_prompt_truncated,
                             "timings": output.metrics.as_dict()})
+                    elif not watcher.disconnected and output is not None and output.error_param is not None:
+                        yield _error_event(invalid_after_queueing(  # e.g. a --lora-dir file that did not load
+                            output.error.removeprefix(f"{output.error_type}: "), output.error_param))
                     elif not watcher.disconnected:
                         message = (output.error if output is not None else event.error) or "the stream was aborted"
                         status = 503 if output is not None and output.status is RequestStatus.ABORTED else 500

@@ -294,7 +294,8 @@ class VideoService:
         else:
             message = (output.error if output is not None else None) or event.error or "generation failed"
             dead = message == ENGINE_DEAD_MESSAGE or not self.images.engine_alive()
-            job.error_code = "engine_dead" if dead else "generation_failed"
+            job.error_code = "engine_dead" if dead else (
+                "invalid_value" if output is not None and output.error_param is not None else "generation_failed")
             job.error_message = self.images.engine_dead_message() if dead else message
         job.status = "failed"
         await asyncio.to_thread(self.store.finish, job, None)

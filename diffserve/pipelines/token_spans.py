@@ -140,11 +140,12 @@ def is_strip(spatial: tuple[int, int]) -> bool:
     return bool(sizes) and rows.derived(("strip", spatial), lambda: any(s != spatial for s in sizes))
 
 
-def key_padding_mask(num_image: int, device: torch.device) -> torch.Tensor | None:
-    """(rows, num_image) bool mask of the real image tokens of the forward running now
-    (`row_data.current_rows`), or None when no row is padded (every row has `num_image`
-    tokens, or the forward carries no token spans). Memoised per forward layout."""
-    rows = current_rows()
+def key_padding_mask(num_image: int, device: torch.device, rows: RowData | None = None) -> torch.Tensor | None:
+    """(rows, num_image) bool mask of the real image tokens (each row's first `IMAGE_TOKENS`)
+    of the forward running now (`row_data.current_rows`, or `rows` when given), or None when
+    no row is padded (every row has `num_image` tokens, or the forward carries no token
+    spans). Memoised per forward layout."""
+    rows = current_rows() if rows is None else rows
     if rows is NO_ROW_DATA:
         return None
 
@@ -158,24 +159,26 @@ def key_padding_mask(num_image: int, device: torch.device) -> torch.Tensor | Non
 
 
 def attention_bias(num_image: int, num_keys: int, dtype: torch.dtype, device: torch.device,
-                   fold_count: int | None = None) -> torch.Tensor | None:
-    """(rows, 1, 1, num_keys) additive attention bias of a joint attention whose first
-    `num_image` keys are image tokens (context keys follow): -inf on the padded image keys of
-    the forward running now (`key_padding_mask`), plus ``log(fold_count)`` on the last key
-    when given (`sd3.context_folding`). None when no row is padded. Memoised per forward
-    layout (built once, read by every block)."""
+                   fold_count: int | None = None, image_start: int = 0) -> torch.Tensor | None:
+    """(rows, 1, 1, num_keys) additive attention bias of a joint attention whose keys
+    ``image_start : image_start + num_image`` are the padded image tokens (SD3: image first,
+    context after; Flux: text first, ``image_start`` = the text length, reference tokens
+    after): -inf on the padded image keys of the forward running now (`key_padding_mask`),
+    plus ``log(fold_count)`` on the last key when given (`sd3.context_folding`). None when no
+    row is padded. Memoised per forward layout (built once, read by every block)."""
     mask = key_padding_mask(num_image, device)
     if mask is None:
         return None
 
     def build() -> torch.Tensor:
         bias = torch.zeros(mask.shape[0], 1, 1, num_keys, dtype=dtype, device=device)
-        bias[:, 0, 0, :num_image].masked_fill_(~mask, float("-inf"))
+        bias[:, 0, 0, image_start:image_start + num_image].masked_fill_(~mask, float("-inf"))
         if fold_count is not None:
             bias[..., -1] += math.log(fold_count)
         return bias
 
-    return current_rows().derived(("bias", num_image, num_keys, dtype, str(device), fold_count), build)
+    key = ("bias", num_image, num_keys, dtype, str(device), fold_count, image_start)
+    return current_rows().derived(key, build)
 
 
 __all__ = ["IMAGE_TOKENS", "LATENT_SIZE", "TokenLayout", "attention_bias", "is_strip", "key_padding_mask",

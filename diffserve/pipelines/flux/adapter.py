@@ -17,6 +17,10 @@ Guidance, as diffusers' ``FluxPipeline.__call__`` means it:
   that rule exactly: ``negative_prompt=""`` with ``true_cfg_scale > 1`` is true CFG against the
   empty prompt; a negative prompt with ``true_cfg_scale <= 1``, or ``true_cfg_scale > 1`` without a
   negative prompt, runs one branch (diffusers ignores them then, and so does diffserve).
+
+Requests of different sizes share a forward (`mixed_sizes`, `diffserve.pipelines.token_spans`,
+`flux/mixed_sizes.py`): each request's packed sequence is right-padded to the batch's longest,
+and every row keeps its own RoPE positions and attention span.
 """
 
 from __future__ import annotations
@@ -31,9 +35,11 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_tim
 
 from diffserve.pipelines.base import PipelineAdapter, RequestState, StepBatch, checked_pixels
 from diffserve.pipelines.capabilities import CacheDiTSupport, Capabilities
+from diffserve.pipelines.flux.mixed_sizes import PATCH, FluxSpans, install_token_spans
 from diffserve.pipelines.flux.teacache import TEACACHE
 from diffserve.pipelines.guidance import Guidance
 from diffserve.pipelines.text_encoding import TextEncoder
+from diffserve.pipelines.token_spans import IMAGE_TOKENS, LATENT_SIZE, key_padding_mask
 
 # diffserve reports truncation itself (GenerationOutput.prompt_truncated).
 logging.getLogger("diffusers.pipelines.flux.pipeline_flux").setLevel(logging.ERROR)
@@ -45,9 +51,11 @@ class FluxAdapter(PipelineAdapter):
     Tensors: latents packed (N, (H/16)*(W/16), 4C) in the model dtype; per branch
     ``encoder_hidden_states`` (N, max_sequence_length, D_t5), ``pooled_projections`` (N, D_clip)
     and, with embedded guidance, ``guidance`` (N,) float32; shared by the batch ``img_ids``
-    ((H/16)*(W/16), 3) and ``txt_ids`` (max_sequence_length, 3) (equal within a batch key: the
-    key holds the size and max_sequence_length). True-CFG branches: [negative, positive].
-    ``output_type="latent"`` returns the packed latents, as diffusers does.
+    ((H/16)*(W/16), 3) and ``txt_ids`` (max_sequence_length, 3) (the batch key holds
+    max_sequence_length). Rows of different sizes: latents right-padded to the longest
+    sequence L_max, ``img_ids`` padded to it (each row's own positions come from its row data,
+    `flux.mixed_sizes`). True-CFG branches: [negative, positive]. ``output_type="latent"``
+    returns the packed latents, as diffusers does.
     """
 
     pipeline_class_name = "FluxPipeline"
@@ -59,6 +67,7 @@ class FluxAdapter(PipelineAdapter):
     batch_key_fields = ("max_sequence_length",)
     text_inputs = ("encoder_hidden_states", "pooled_projections")
     per_request_samplers = True
+    mixed_sizes = True
 
     def setup(self) -> dict[str, Any]:
         """True CFG, plus embedded guidance on guidance-distilled transformers (FLUX.1-dev);
@@ -73,6 +82,8 @@ class FluxAdapter(PipelineAdapter):
         self.capabilities = Capabilities(
             teacache=TEACACHE, cache_dit=CacheDiTSupport(blocks=("transformer_blocks", "single_transformer_blocks"),
                                                          patterns=("Pattern_1", "Pattern_1")))
+        if self.mixed_sizes:
+            install_token_spans(pipe.transformer)
         # VAE down-sampling x 2x2 packing; diffusers' check_inputs refuses more than 512 T5 tokens
         return {"resolution_factor": pipe.vae_scale_factor * 2, "max_sequence_length_limit": 512,
                 "max_prompt_tokens": pipe.tokenizer_max_length}
@@ -101,6 +112,16 @@ class FluxAdapter(PipelineAdapter):
                                                       self.embeds_dtype(state), self.device, state.generator)
         state.shared["img_ids"] = img_ids
         self.set_timesteps(state, image_seq_len=state.latents.shape[1])
+        self.set_token_span(state)
+
+    def set_token_span(self, state: RequestState) -> None:
+        """With `mixed_sizes`: the request's latent size (h, w) in latent pixels (what diffusers'
+        ``prepare_latents`` unpacks to) and its image-token count, as row data (`token_spans`)."""
+        if not self.mixed_sizes:
+            return
+        p, multiple = state.params, self.pipe.vae_scale_factor * PATCH
+        state.row_data[LATENT_SIZE] = (PATCH * (p.height // multiple), PATCH * (p.width // multiple))
+        state.row_data[IMAGE_TOKENS] = state.latents.shape[1]
 
     @staticmethod
     def embeds_dtype(state: RequestState) -> torch.dtype:
@@ -145,8 +166,41 @@ class FluxAdapter(PipelineAdapter):
 
     def forward_inputs(self, batch: StepBatch) -> dict[str, Any]:
         """The batch inputs with ``timestep / 1000`` in the latents' dtype (the transformer
-        multiplies it back, as in diffusers)."""
-        return {**batch.inputs, "timestep": batch.inputs["timestep"].to(batch.latents.dtype) / 1000}
+        multiplies it back, as in diffusers); for rows of different sizes also ``spans``
+        (`flux.mixed_sizes.FluxSpans`) in ``joint_attention_kwargs`` and ``img_ids`` padded
+        to the batch's longest sequence (zero ids after the first request's own; the
+        processors give each row its own)."""
+        inputs = {**batch.inputs, "timestep": batch.inputs["timestep"].to(batch.latents.dtype) / 1000}
+        spans = self._spans(batch)
+        if spans is None:
+            return inputs
+        img_ids = inputs["img_ids"]
+        first = batch.states[0].row_data[IMAGE_TOKENS]
+
+        def padded_ids() -> torch.Tensor:
+            pad = img_ids.new_zeros(spans.longest - first, img_ids.shape[1])
+            return torch.cat([img_ids[:first], pad, img_ids[first:]])
+
+        inputs["img_ids"] = batch.row_data.derived(("flux_img_ids", spans.longest, str(img_ids.device)), padded_ids)
+        inputs["joint_attention_kwargs"] = {**(inputs.get("joint_attention_kwargs") or {}), "spans": spans}
+        return inputs
+
+    def _spans(self, batch: StepBatch) -> FluxSpans | None:
+        """The `FluxSpans` of a batch whose rows have different latent sizes, else None."""
+        sizes = batch.row_data.get(LATENT_SIZE) if batch.row_data else None
+        if not sizes or all(s == sizes[0] for s in sizes):
+            return None
+        return FluxSpans(text=batch.inputs["txt_ids"].shape[0], longest=batch.latents.shape[1],
+                         ids_dtype=batch.inputs["img_ids"].dtype)
+
+    def denoise(self, batch: StepBatch, call=None) -> torch.Tensor:
+        """The forward (`PipelineAdapter.denoise`) with the prediction of padded tokens set to
+        zero (padded latents stay zero from step to step)."""
+        out = super().denoise(batch, call)
+        if batch.latent_sizes is None:
+            return out
+        mask = key_padding_mask(out.shape[1], out.device, rows=batch.row_data)
+        return out if mask is None else out.masked_fill(~mask[..., None], 0)
 
     def decode(self, state: RequestState, latents: torch.Tensor | None = None) -> Any:
         """Unpack to (N, C, H/8, W/8), unscale (latents / scaling_factor + shift_factor),
@@ -156,7 +210,8 @@ class FluxAdapter(PipelineAdapter):
         if p.output_type == "latent":
             return latents
         pipe, vae = self.pipe, self.pipe.vae
-        latents = pipe._unpack_latents(latents, p.height, p.width, pipe.vae_scale_factor)
+        # a mixed batch's rows are views of its padded latents: unpacking needs them contiguous
+        latents = pipe._unpack_latents(latents.contiguous(), p.height, p.width, pipe.vae_scale_factor)
         latents = latents / vae.config.scaling_factor + vae.config.shift_factor
         image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
         return pipe.image_processor.postprocess(checked_pixels(image), output_type=p.output_type)

@@ -82,6 +82,9 @@ class TeaCacheState:
         scale: ``mean|hidden after the blocks|`` at the last computed step (errors are relative
             to it).
         guard: the run-time guard's error estimate.
+        layout: the denoiser input's shape after the row dim at the last computed step (rows
+            of different sizes share a padded layout that changes with the batch; cached
+            tensors of another layout are never reused).
     """
 
     num_steps: int
@@ -96,6 +99,7 @@ class TeaCacheState:
     forecaster: Forecaster | None = None
     scale: float = 1.0
     guard: GuardState = GuardState()
+    layout: tuple[int, ...] | None = None
 
     @property
     def previous_residual(self) -> torch.Tensor | None:
@@ -202,12 +206,14 @@ class TeaCacheBackend(CacheBackend):
     def _timestep(self, st: TeaCacheState) -> float:
         return st.timesteps[st.step] if st.step < len(st.timesteps) else float(st.step)
 
-    def _decide(self, st: TeaCacheState, modulated: torch.Tensor | None) -> _Decision | None:
+    def _decide(self, st: TeaCacheState, modulated: torch.Tensor | None, layout: tuple[int, ...]) -> _Decision | None:
         """One request's decision at its current step; None when it needs the modulated input
-        and `modulated` is None (the forward's embedding has not run yet)."""
+        and `modulated` is None (the forward's embedding has not run yet). A step whose input
+        `layout` differs from the last computed one's (a mixed-size batch padded otherwise)
+        computes."""
         level = st.level
         if (not level.skips or st.step < level.warmup_for(st.num_steps) or st.step >= st.num_steps - 1
-                or st.forecaster is None):
+                or st.forecaster is None or st.layout != layout):
             return _Decision(True, 0.0)
         remainder = st.forecaster.remainder(self._timestep(st))
         accumulated = 0.0
@@ -237,12 +243,13 @@ class TeaCacheBackend(CacheBackend):
     def _forward(self, model, batch: "StepBatch", kwargs: dict) -> torch.Tensor:
         split = self.split
         states = [s.extra[STATE_KEY] for s in batch.states]
-        early = [self._decide(st, None) for st in states]
+        layout = tuple(kwargs["hidden_states"].shape[1:])
+        early = [self._decide(st, None, layout) for st in states]
         if all(d is not None and not d.compute and st.level.target == "output" for st, d in zip(states, early)):
             return self._forecast_all(batch, states, early)  # nothing to run: not even the embedding
         hidden, context, modulated = split.embed(model, kwargs)
         rows = [batch.request_rows(i).to(hidden.device) for i in range(len(batch.states))]
-        decisions = [self._decide(st, modulated[index]) for st, index in zip(states, rows)]
+        decisions = [self._decide(st, modulated[index], layout) for st, index in zip(states, rows)]
         computing = [i for i, d in enumerate(decisions) if d.compute]
         if len(computing) == len(states):
             out_hidden = computed = split.blocks(model, hidden, context)
@@ -276,7 +283,7 @@ class TeaCacheBackend(CacheBackend):
         # Commit the new per-request state only once the whole forward succeeded.
         for i, (st, d) in enumerate(zip(states, decisions)):
             if d.compute:
-                self._computed(st, hidden[rows[i]], computed[computed_rows[i]], output[rows[i]])
+                self._computed(st, hidden[rows[i]], computed[computed_rows[i]], output[rows[i]], layout)
             else:
                 self.skipped += 1
                 st.skipped += 1
@@ -304,9 +311,13 @@ class TeaCacheBackend(CacheBackend):
         self.transformer_calls += len(states)
         return output
 
-    def _computed(self, st: TeaCacheState, before: torch.Tensor, after: torch.Tensor, output: torch.Tensor) -> None:
+    def _computed(self, st: TeaCacheState, before: torch.Tensor, after: torch.Tensor, output: torch.Tensor,
+                  layout: tuple[int, ...]) -> None:
         """Book a computed step: the check of the forecast (when one existed), the new
-        residual (or output) in the history, the forecaster refitted."""
+        residual (or output) in the history (restarted when the `layout` changed), the
+        forecaster refitted."""
+        if st.layout != layout:  # a history in another padded layout: start over
+            st.history, st.forecaster, st.layout = (), None, layout
         residual = after - before if st.level.target == "residual" else output
         t = self._timestep(st)
         measured = predicted = None

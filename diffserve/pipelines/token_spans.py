@@ -20,6 +20,12 @@ the family's plug-ins give each row its own positions (its solo run's position e
 latent layout (zeros outside each row's region). Padded query rows compute values nobody
 reads; no real row attends to them, so each row equals its solo forward within float rounding.
 
+Families whose latents are packed token sequences (Flux, Qwen-Image: one token per 2x2 latent
+patch, raster order) need no strip: collation right-pads each request's sequence to the longest
+(`step_batch.pad_latents`), and their attention processors give each row its own RoPE table and
+mask its padded keys (`flux/mixed_sizes.py`, `qwen_image/mixed_sizes.py`); `sizes_differ` says
+when a forward needs that, `zero_padded_tokens` zeroes what padded tokens predict.
+
 When every row of a forward has the same size nothing of this runs (no strip, no mask).
 """
 
@@ -158,6 +164,28 @@ def key_padding_mask(num_image: int, device: torch.device, rows: RowData | None 
     return rows.derived(("key_mask", num_image, str(device)), build)  # once per forward layout
 
 
+def sizes_differ(rows: RowData) -> bool:
+    """Whether the rows of a forward (its `RowData`) have different `LATENT_SIZE` values: the
+    forward needs per-row positions even when their token counts are equal (e.g. 32x64 and
+    64x32 pack to the same sequence length)."""
+    sizes = rows.get(LATENT_SIZE) if rows else None
+    return bool(sizes) and rows.derived(("sizes_differ",), lambda: any(s != sizes[0] for s in sizes))
+
+
+def zero_padded_tokens(x: torch.Tensor, longest: int, rows: RowData | None = None) -> torch.Tensor:
+    """`x` (rows, N, ...) with each row's padded image tokens among its first `longest` set to
+    zero (the rest of the sequence, e.g. reference tokens, unchanged), for packed-token
+    families whose image tokens come first in `x`: the prediction of padded tokens (so padded
+    latents stay zero), or a modulated input whose statistics must be each row's own. `x`
+    itself when nothing is padded. Rows: the forward running now (or `rows`)."""
+    mask = key_padding_mask(longest, x.device, rows)
+    if mask is None:
+        return x
+    mask = mask.reshape(*mask.shape, *([1] * (x.dim() - 2)))
+    head = x[:, :longest].masked_fill(~mask, 0)
+    return head if x.shape[1] == longest else torch.cat([head, x[:, longest:]], dim=1)
+
+
 def attention_bias(num_image: int, num_keys: int, dtype: torch.dtype, device: torch.device,
                    fold_count: int | None = None, image_start: int = 0) -> torch.Tensor | None:
     """(rows, 1, 1, num_keys) additive attention bias of a joint attention whose keys
@@ -182,4 +210,4 @@ def attention_bias(num_image: int, num_keys: int, dtype: torch.dtype, device: to
 
 
 __all__ = ["IMAGE_TOKENS", "LATENT_SIZE", "TokenLayout", "attention_bias", "is_strip", "key_padding_mask",
-           "strip_layout", "strip_positions"]
+           "sizes_differ", "strip_layout", "strip_positions", "zero_padded_tokens"]

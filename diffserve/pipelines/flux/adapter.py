@@ -39,7 +39,7 @@ from diffserve.pipelines.flux.mixed_sizes import PATCH, FluxSpans, install_token
 from diffserve.pipelines.flux.teacache import TEACACHE
 from diffserve.pipelines.guidance import Guidance
 from diffserve.pipelines.text_encoding import TextEncoder
-from diffserve.pipelines.token_spans import IMAGE_TOKENS, LATENT_SIZE, key_padding_mask
+from diffserve.pipelines.token_spans import IMAGE_TOKENS, LATENT_SIZE, sizes_differ, zero_padded_tokens
 
 # diffserve reports truncation itself (GenerationOutput.prompt_truncated).
 logging.getLogger("diffusers.pipelines.flux.pipeline_flux").setLevel(logging.ERROR)
@@ -187,8 +187,7 @@ class FluxAdapter(PipelineAdapter):
 
     def _spans(self, batch: StepBatch) -> FluxSpans | None:
         """The `FluxSpans` of a batch whose rows have different latent sizes, else None."""
-        sizes = batch.row_data.get(LATENT_SIZE) if batch.row_data else None
-        if not sizes or all(s == sizes[0] for s in sizes):
+        if not sizes_differ(batch.row_data):
             return None
         return FluxSpans(text=batch.inputs["txt_ids"].shape[0], longest=batch.latents.shape[1],
                          ids_dtype=batch.inputs["img_ids"].dtype)
@@ -197,10 +196,7 @@ class FluxAdapter(PipelineAdapter):
         """The forward (`PipelineAdapter.denoise`) with the prediction of padded tokens set to
         zero (padded latents stay zero from step to step)."""
         out = super().denoise(batch, call)
-        if batch.latent_sizes is None:
-            return out
-        mask = key_padding_mask(out.shape[1], out.device, rows=batch.row_data)
-        return out if mask is None else out.masked_fill(~mask[..., None], 0)
+        return out if batch.latent_sizes is None else zero_padded_tokens(out, out.shape[1], batch.row_data)
 
     def decode(self, state: RequestState, latents: torch.Tensor | None = None) -> Any:
         """Unpack to (N, C, H/8, W/8), unscale (latents / scaling_factor + shift_factor),

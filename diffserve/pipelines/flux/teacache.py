@@ -11,7 +11,7 @@ import torch
 
 from diffserve.pipelines import teacache_coefficients
 from diffserve.pipelines.capabilities import TeaCacheSupport
-from diffserve.pipelines.token_spans import key_padding_mask
+from diffserve.pipelines.token_spans import zero_padded_tokens
 
 
 class FluxTeaCacheSplit:
@@ -40,10 +40,8 @@ class FluxTeaCacheSplit:
         rotary = model.pos_embed(torch.cat((kwargs["txt_ids"], kwargs["img_ids"]), dim=0))
         modulated = model.transformer_blocks[0].norm1(hidden, emb=temb)[0]
         spans = (kwargs.get("joint_attention_kwargs") or {}).get("spans")
-        mask = None if spans is None else key_padding_mask(spans.longest, modulated.device)
-        if mask is not None:  # padded tokens add nothing to a row's relative change (as solo)
-            noisy = modulated[:, : spans.longest].masked_fill(~mask[..., None], 0)
-            modulated = torch.cat([noisy, modulated[:, spans.longest:]], dim=1)
+        if spans is not None:  # padded tokens add nothing to a row's relative change (as solo)
+            modulated = zero_padded_tokens(modulated, spans.longest)
         context = {"encoder": encoder, "temb": temb, "rotary": rotary,
                    "joint_attention_kwargs": kwargs.get("joint_attention_kwargs")}
         return hidden, context, modulated

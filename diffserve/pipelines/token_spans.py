@@ -24,7 +24,8 @@ Families whose latents are packed token sequences (Flux, Qwen-Image: one token p
 patch, raster order) need no strip: collation right-pads each request's sequence to the longest
 (`step_batch.pad_latents`), and their attention processors give each row its own RoPE table and
 mask its padded keys (`flux/mixed_sizes.py`, `qwen_image/mixed_sizes.py`); `sizes_differ` says
-when a forward needs that, `zero_padded_tokens` zeroes what padded tokens predict.
+when a forward needs that, `zero_padded_tokens` zeroes the guided prediction of padded tokens
+(after guidance: a norm-rescaled CFG of zero vectors would divide 0 by 0).
 
 When every row of a forward has the same size nothing of this runs (no strip, no mask).
 """
@@ -172,12 +173,21 @@ def sizes_differ(rows: RowData) -> bool:
     return bool(sizes) and rows.derived(("sizes_differ",), lambda: any(s != sizes[0] for s in sizes))
 
 
+def latent_rows(rows: RowData, num_latent_rows: int) -> RowData:
+    """The row data of a forward's first `num_latent_rows` rows: one guidance branch, i.e. the
+    rows of the guided prediction and of the latents (memoised on `rows`)."""
+    if not rows:
+        return rows
+    return rows.derived(("latent_rows", num_latent_rows), lambda: rows.select(range(num_latent_rows)))
+
+
 def zero_padded_tokens(x: torch.Tensor, longest: int, rows: RowData | None = None) -> torch.Tensor:
     """`x` (rows, N, ...) with each row's padded image tokens among its first `longest` set to
     zero (the rest of the sequence, e.g. reference tokens, unchanged), for packed-token
     families whose image tokens come first in `x`: the prediction of padded tokens (so padded
     latents stay zero), or a modulated input whose statistics must be each row's own. `x`
-    itself when nothing is padded. Rows: the forward running now (or `rows`)."""
+    itself when nothing is padded. Rows: the forward running now (or `rows`; `latent_rows` for
+    a guided prediction)."""
     mask = key_padding_mask(longest, x.device, rows)
     if mask is None:
         return x
@@ -210,4 +220,4 @@ def attention_bias(num_image: int, num_keys: int, dtype: torch.dtype, device: to
 
 
 __all__ = ["IMAGE_TOKENS", "LATENT_SIZE", "TokenLayout", "attention_bias", "is_strip", "key_padding_mask",
-           "sizes_differ", "strip_layout", "strip_positions", "zero_padded_tokens"]
+           "latent_rows", "sizes_differ", "strip_layout", "strip_positions", "zero_padded_tokens"]

@@ -263,6 +263,7 @@ MODELS: tuple[TestModel, ...] = (
         variations=_TRUE_CFG_VARIATIONS, backends={"teacache": True, "cache_dit": True},
         reference="QwenImagePipeline", parity_atol=5e-4, one_step=False,  # measured 4.3e-5
         samplers=_NO_DPM_SAMPLERS,
+        mixed_sizes=((64, 48), (32, 64), (64, 64), (48, 32)),
     ),
     TestModel(
         id="QwenImageEditPipeline", pipeline="QwenImageEditPipeline", build=build_tiny_qwen_image_edit,

@@ -39,7 +39,7 @@ from diffserve.pipelines.flux.mixed_sizes import PATCH, FluxSpans, install_token
 from diffserve.pipelines.flux.teacache import TEACACHE
 from diffserve.pipelines.guidance import Guidance
 from diffserve.pipelines.text_encoding import TextEncoder
-from diffserve.pipelines.token_spans import IMAGE_TOKENS, LATENT_SIZE, sizes_differ, zero_padded_tokens
+from diffserve.pipelines.token_spans import IMAGE_TOKENS, LATENT_SIZE, latent_rows, sizes_differ, zero_padded_tokens
 
 # diffserve reports truncation itself (GenerationOutput.prompt_truncated).
 logging.getLogger("diffusers.pipelines.flux.pipeline_flux").setLevel(logging.ERROR)
@@ -192,11 +192,13 @@ class FluxAdapter(PipelineAdapter):
         return FluxSpans(text=batch.inputs["txt_ids"].shape[0], longest=batch.latents.shape[1],
                          ids_dtype=batch.inputs["img_ids"].dtype)
 
-    def denoise(self, batch: StepBatch, call=None) -> torch.Tensor:
-        """The forward (`PipelineAdapter.denoise`) with the prediction of padded tokens set to
-        zero (padded latents stay zero from step to step)."""
-        out = super().denoise(batch, call)
-        return out if batch.latent_sizes is None else zero_padded_tokens(out, out.shape[1], batch.row_data)
+    def combine(self, batch: StepBatch, out: torch.Tensor) -> torch.Tensor:
+        """The guided prediction (`PipelineAdapter.combine`), zero on padded tokens (padded
+        latents stay zero from step to step)."""
+        guided = super().combine(batch, out)
+        if batch.latent_sizes is None:
+            return guided
+        return zero_padded_tokens(guided, guided.shape[1], latent_rows(batch.row_data, batch.num_latent_rows))
 
     def decode(self, state: RequestState, latents: torch.Tensor | None = None) -> Any:
         """Unpack to (N, C, H/8, W/8), unscale (latents / scaling_factor + shift_factor),

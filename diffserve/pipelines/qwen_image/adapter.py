@@ -23,6 +23,10 @@ What differs from SD3 and how it maps onto the step contract:
   such folders are refused at load.
 - Latents are packed 2x2 ``(N, h*w/4, 4C)``; ``img_shapes`` (one ``[(1, h/2, w/2)]`` list per
   row) tells the transformer the grid; the timestep goes in as ``t / 1000``.
+- Requests of different sizes share a forward (`mixed_sizes`, `diffserve.pipelines.token_spans`,
+  `qwen_image/mixed_sizes.py`; transformers with a plain time embedding): each request's packed
+  sequence is right-padded to the batch's longest, and every row keeps its own image and text
+  RoPE positions and attention span.
 """
 
 from __future__ import annotations
@@ -39,8 +43,10 @@ from diffserve.core.errors import UnsupportedModelError
 from diffserve.pipelines.base import PipelineAdapter, RequestState, StepBatch, checked_pixels
 from diffserve.pipelines.capabilities import CacheDiTSupport, Capabilities
 from diffserve.pipelines.guidance import TRUE_CFG_NORM_RESCALED
+from diffserve.pipelines.qwen_image.mixed_sizes import PATCH, QwenSpans, install_token_spans
 from diffserve.pipelines.qwen_image.teacache import TEACACHE
 from diffserve.pipelines.text_encoding import TextEncoder
+from diffserve.pipelines.token_spans import IMAGE_TOKENS, LATENT_SIZE, latent_rows, sizes_differ, zero_padded_tokens
 
 # diffserve decides guidance itself; diffusers warns on every call with true_cfg_scale > 1 and no
 # negative prompt (its default).
@@ -67,6 +73,7 @@ class QwenImageAdapter(PipelineAdapter):
     #: text embeddings are right-padded with zeros; the mask marks the real tokens
     padded_inputs = {"encoder_hidden_states": ("encoder_hidden_states_mask", 0.0)}
     per_request_samplers = True
+    mixed_sizes = True
 
     def setup(self) -> dict[str, Any]:
         """Refuses guidance-distilled transformers; text encoding; TeaCache (plain time
@@ -88,6 +95,10 @@ class QwenImageAdapter(PipelineAdapter):
                                       has_encoder_residual=True),
             repeated_blocks=("QwenImageTransformerBlock",),
         )
+        # zero_cond_t / additional_t_cond index tokens by img_shapes (the first row's in a mixed forward)
+        self.mixed_sizes = self.mixed_sizes and plain_time_embedding
+        if self.mixed_sizes:
+            install_token_spans(pipe.transformer)
         factor = pipe.vae_scale_factor * 2
         # RoPE rows: text positions start after max(h, w) / 2 of the latent grid (scale_rope)
         max_side = (pipe.transformer.pos_embed.pos_freqs.shape[0] - MAX_SEQUENCE_LENGTH_LIMIT) * 2 * factor
@@ -127,6 +138,9 @@ class QwenImageAdapter(PipelineAdapter):
                                              state.branches[-1]["encoder_hidden_states"].dtype, self.device,
                                              state.generator)
         self.set_timesteps(state, image_seq_len=state.latents.shape[1])
+        if self.mixed_sizes:  # row data of the token spans (latent size in latent pixels, image tokens)
+            state.row_data[LATENT_SIZE] = (PATCH * shapes[0][1], PATCH * shapes[0][2])
+            state.row_data[IMAGE_TOKENS] = state.latents.shape[1]
 
     def timestep_arguments(self, scheduler: Any, num_steps: int) -> dict[str, Any]:
         """The linear ``sigmas`` and ``mu`` (as diffusers' Qwen-Image ``__call__``)."""
@@ -147,13 +161,28 @@ class QwenImageAdapter(PipelineAdapter):
         self.set_schedule(state, scheduler, timesteps)
 
     def forward_inputs(self, batch: StepBatch) -> dict[str, Any]:
-        """The transformer's arguments, with ``timestep / 1000``."""
+        """The transformer's arguments, with ``timestep / 1000``; for rows of different sizes
+        also ``spans`` (`qwen_image.mixed_sizes.QwenSpans`) in ``attention_kwargs`` and the
+        first row's ``img_shapes`` for every row (diffusers builds one table from the first row
+        anyway and warns on a mixed list; the processors give each row its own)."""
         x = batch.inputs
         hidden = x["hidden_states"]
-        return {"hidden_states": hidden, "timestep": x["timestep"].to(hidden.dtype) / 1000,
-                "encoder_hidden_states": x["encoder_hidden_states"],
-                "encoder_hidden_states_mask": x.get("encoder_hidden_states_mask"),
-                "img_shapes": x["img_shapes"]}
+        inputs = {"hidden_states": hidden, "timestep": x["timestep"].to(hidden.dtype) / 1000,
+                  "encoder_hidden_states": x["encoder_hidden_states"],
+                  "encoder_hidden_states_mask": x.get("encoder_hidden_states_mask"),
+                  "img_shapes": x["img_shapes"]}
+        if self.mixed_sizes and sizes_differ(batch.row_data):
+            inputs["img_shapes"] = [x["img_shapes"][0]] * len(x["img_shapes"])
+            inputs["attention_kwargs"] = {"spans": QwenSpans(longest=hidden.shape[1])}
+        return inputs
+
+    def combine(self, batch: StepBatch, out: torch.Tensor) -> torch.Tensor:
+        """The guided prediction (`PipelineAdapter.combine`), zero on padded tokens (padded
+        latents stay zero from step to step)."""
+        guided = super().combine(batch, out)
+        if batch.latent_sizes is None:
+            return guided
+        return zero_padded_tokens(guided, guided.shape[1], latent_rows(batch.row_data, batch.num_latent_rows))
 
     def decode(self, state: RequestState, latents: torch.Tensor | None = None) -> Any:
         """Unpack to (N, C, 1, H/8, W/8), undo the latent normalisation (``x * std + mean``),
@@ -165,7 +194,8 @@ class QwenImageAdapter(PipelineAdapter):
             return latents
         pipe = self.pipe
         vae = pipe.vae
-        latents = pipe._unpack_latents(latents, p.height, p.width, pipe.vae_scale_factor).to(vae.dtype)
+        # a mixed batch's rows are views of its padded latents: unpacking needs them contiguous
+        latents = pipe._unpack_latents(latents.contiguous(), p.height, p.width, pipe.vae_scale_factor).to(vae.dtype)
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
         inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)

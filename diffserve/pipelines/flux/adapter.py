@@ -81,7 +81,8 @@ class FluxAdapter(PipelineAdapter):
         # adapter (cache-dit 1.5.3, CACHE_DIT_FLUX_ENABLE_DUMMY_BLOCKS=0 layout).
         self.capabilities = Capabilities(
             teacache=TEACACHE, cache_dit=CacheDiTSupport(blocks=("transformer_blocks", "single_transformer_blocks"),
-                                                         patterns=("Pattern_1", "Pattern_1")))
+                                                         patterns=("Pattern_1", "Pattern_1")),
+            context_parallel=self._context_parallel)
         if self.mixed_sizes:
             install_token_spans(pipe.transformer)
         # VAE down-sampling x 2x2 packing; diffusers' check_inputs refuses more than 512 T5 tokens
@@ -163,6 +164,12 @@ class FluxAdapter(PipelineAdapter):
         timesteps, _ = retrieve_timesteps(scheduler, n, self.device, sigmas=sigmas, mu=mu)
         scheduler.set_begin_index(0)
         self.set_schedule(state, scheduler, timesteps)
+
+    def _context_parallel(self, transformer: torch.nn.Module) -> dict:
+        """diffusers' own context-parallel plan (Ulysses); requests then batch by size again
+        (the plan shards the sequence without token spans)."""
+        self.mixed_sizes = False
+        return transformer._cp_plan
 
     def forward_inputs(self, batch: StepBatch) -> dict[str, Any]:
         """The batch inputs with ``timestep / 1000`` in the latents' dtype (the transformer

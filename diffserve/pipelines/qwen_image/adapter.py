@@ -94,6 +94,7 @@ class QwenImageAdapter(PipelineAdapter):
             cache_dit=CacheDiTSupport(blocks=("transformer_blocks",), patterns=("Pattern_1",),
                                       has_encoder_residual=True),
             repeated_blocks=("QwenImageTransformerBlock",),
+            context_parallel=self._context_parallel,
         )
         # zero_cond_t / additional_t_cond index tokens by img_shapes (the first row's in a mixed forward)
         self.mixed_sizes = self.mixed_sizes and plain_time_embedding
@@ -159,6 +160,12 @@ class QwenImageAdapter(PipelineAdapter):
                                           sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
         scheduler.set_begin_index(0)
         self.set_schedule(state, scheduler, timesteps)
+
+    def _context_parallel(self, transformer: torch.nn.Module) -> dict:
+        """diffusers' own context-parallel plan (Ulysses); requests then batch by size again
+        (the plan shards the sequence without token spans)."""
+        self.mixed_sizes = False
+        return transformer._cp_plan
 
     def forward_inputs(self, batch: StepBatch) -> dict[str, Any]:
         """The transformer's arguments, with ``timestep / 1000``; for rows of different sizes

@@ -17,7 +17,7 @@ single-stream blocks); in a forward whose ``joint_attention_kwargs`` hold ``span
 
 The joint sequence is ``[text (N_txt) | noisy image (L_max, row r real on its first n_r) |
 reference (Kontext: N_ref)]`` in both block kinds. Padded queries compute values nobody reads
-(the adapter zeroes their prediction); no real row attends to them, so every row equals its solo
+(the adapter zeroes their guided prediction); no real row attends to them, so every row equals its solo
 forward within float rounding. In a forward without ``spans`` the processor runs diffusers'
 `FluxAttnProcessor` unchanged.
 """

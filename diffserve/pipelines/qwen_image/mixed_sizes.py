@@ -16,7 +16,7 @@ the adapter only when the rows' sizes differ) it
   padding already masks (``encoder_hidden_states_mask``).
 
 The joint sequence is ``[text (N_txt, padded per row) | image (L_max, row r real on its first
-n_r)]``. Padded queries compute values nobody reads (the adapter zeroes their prediction), so
+n_r)]``. Padded queries compute values nobody reads (the adapter zeroes their guided prediction), so
 every row equals its solo forward within float rounding. In a forward without ``spans`` the
 processor runs diffusers' `QwenDoubleStreamAttnProcessor2_0` unchanged.
 """

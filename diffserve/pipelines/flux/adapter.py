@@ -35,11 +35,10 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_tim
 
 from diffserve.pipelines.base import PipelineAdapter, RequestState, StepBatch, checked_pixels
 from diffserve.pipelines.capabilities import CacheDiTSupport, Capabilities
-from diffserve.pipelines.flux.mixed_sizes import PATCH, FluxSpans, install_token_spans
+from diffserve.pipelines.flux.mixed_sizes import install_token_spans, set_token_span, span_inputs
 from diffserve.pipelines.flux.teacache import TEACACHE
 from diffserve.pipelines.guidance import Guidance
 from diffserve.pipelines.text_encoding import TextEncoder
-from diffserve.pipelines.token_spans import IMAGE_TOKENS, LATENT_SIZE, latent_rows, sizes_differ, zero_padded_tokens
 
 # diffserve reports truncation itself (GenerationOutput.prompt_truncated).
 logging.getLogger("diffusers.pipelines.flux.pipeline_flux").setLevel(logging.ERROR)
@@ -81,10 +80,8 @@ class FluxAdapter(PipelineAdapter):
         # adapter (cache-dit 1.5.3, CACHE_DIT_FLUX_ENABLE_DUMMY_BLOCKS=0 layout).
         self.capabilities = Capabilities(
             teacache=TEACACHE, cache_dit=CacheDiTSupport(blocks=("transformer_blocks", "single_transformer_blocks"),
-                                                         patterns=("Pattern_1", "Pattern_1")),
-            context_parallel=self._context_parallel)
-        if self.mixed_sizes:
-            install_token_spans(pipe.transformer)
+                                                         patterns=("Pattern_1", "Pattern_1")))
+        self.mixed_sizes = self.mixed_sizes and install_token_spans(pipe.transformer)
         # VAE down-sampling x 2x2 packing; diffusers' check_inputs refuses more than 512 T5 tokens
         return {"resolution_factor": pipe.vae_scale_factor * 2, "max_sequence_length_limit": 512,
                 "max_prompt_tokens": pipe.tokenizer_max_length}
@@ -113,16 +110,7 @@ class FluxAdapter(PipelineAdapter):
                                                       self.embeds_dtype(state), self.device, state.generator)
         state.shared["img_ids"] = img_ids
         self.set_timesteps(state, image_seq_len=state.latents.shape[1])
-        self.set_token_span(state)
-
-    def set_token_span(self, state: RequestState) -> None:
-        """With `mixed_sizes`: the request's latent size (h, w) in latent pixels (what diffusers'
-        ``prepare_latents`` unpacks to) and its image-token count, as row data (`token_spans`)."""
-        if not self.mixed_sizes:
-            return
-        p, multiple = state.params, self.pipe.vae_scale_factor * PATCH
-        state.row_data[LATENT_SIZE] = (PATCH * (p.height // multiple), PATCH * (p.width // multiple))
-        state.row_data[IMAGE_TOKENS] = state.latents.shape[1]
+        set_token_span(state, pipe.vae_scale_factor, self.mixed_sizes)
 
     @staticmethod
     def embeds_dtype(state: RequestState) -> torch.dtype:
@@ -165,47 +153,11 @@ class FluxAdapter(PipelineAdapter):
         scheduler.set_begin_index(0)
         self.set_schedule(state, scheduler, timesteps)
 
-    def _context_parallel(self, transformer: torch.nn.Module) -> dict:
-        """diffusers' own context-parallel plan (Ulysses); requests then batch by size again
-        (the plan shards the sequence without token spans)."""
-        self.mixed_sizes = False
-        return transformer._cp_plan
-
     def forward_inputs(self, batch: StepBatch) -> dict[str, Any]:
         """The batch inputs with ``timestep / 1000`` in the latents' dtype (the transformer
-        multiplies it back, as in diffusers); for rows of different sizes also ``spans``
-        (`flux.mixed_sizes.FluxSpans`) in ``joint_attention_kwargs`` and ``img_ids`` padded
-        to the batch's longest sequence (zero ids after the first request's own; the
-        processors give each row its own)."""
-        inputs = {**batch.inputs, "timestep": batch.inputs["timestep"].to(batch.latents.dtype) / 1000}
-        spans = self._spans(batch)
-        if spans is None:
-            return inputs
-        img_ids = inputs["img_ids"]
-        first = batch.states[0].row_data[IMAGE_TOKENS]
-
-        def padded_ids() -> torch.Tensor:
-            pad = img_ids.new_zeros(spans.longest - first, img_ids.shape[1])
-            return torch.cat([img_ids[:first], pad, img_ids[first:]])
-
-        inputs["img_ids"] = batch.row_data.derived(("flux_img_ids", spans.longest, str(img_ids.device)), padded_ids)
-        inputs["joint_attention_kwargs"] = {**(inputs.get("joint_attention_kwargs") or {}), "spans": spans}
-        return inputs
-
-    def _spans(self, batch: StepBatch) -> FluxSpans | None:
-        """The `FluxSpans` of a batch whose rows have different latent sizes, else None."""
-        if not sizes_differ(batch.row_data):
-            return None
-        return FluxSpans(text=batch.inputs["txt_ids"].shape[0], longest=batch.latents.shape[1],
-                         ids_dtype=batch.inputs["img_ids"].dtype)
-
-    def combine(self, batch: StepBatch, out: torch.Tensor) -> torch.Tensor:
-        """The guided prediction (`PipelineAdapter.combine`), zero on padded tokens (padded
-        latents stay zero from step to step)."""
-        guided = super().combine(batch, out)
-        if batch.latent_sizes is None:
-            return guided
-        return zero_padded_tokens(guided, guided.shape[1], latent_rows(batch.row_data, batch.num_latent_rows))
+        multiplies it back, as in diffusers); rows of different sizes with their token spans
+        (`flux.mixed_sizes.span_inputs`)."""
+        return span_inputs(batch, {**batch.inputs, "timestep": batch.inputs["timestep"].to(batch.latents.dtype) / 1000})
 
     def decode(self, state: RequestState, latents: torch.Tensor | None = None) -> Any:
         """Unpack to (N, C, H/8, W/8), unscale (latents / scaling_factor + shift_factor),

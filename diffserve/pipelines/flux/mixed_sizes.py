@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from diffusers import FluxPipeline
@@ -38,7 +39,11 @@ from diffusers.models.transformers.transformer_flux import (
 )
 
 from diffserve.pipelines.row_data import NO_ROW_DATA, current_rows
-from diffserve.pipelines.token_spans import LATENT_SIZE, attention_bias
+from diffserve.pipelines.token_spans import IMAGE_TOKENS, LATENT_SIZE, attention_bias, sizes_differ
+
+if TYPE_CHECKING:
+    from diffserve.pipelines.request_state import RequestState
+    from diffserve.pipelines.step_batch import StepBatch
 
 #: 2x2 latent patches per token (Flux's packing).
 PATCH = 2
@@ -180,15 +185,47 @@ class SpanFluxAttnProcessor(FluxAttnProcessor):
         return out, attn.to_add_out(encoder_out.contiguous())
 
 
-def install_token_spans(transformer: torch.nn.Module) -> None:
+def install_token_spans(transformer: torch.nn.Module) -> bool:
     """Put a `SpanFluxAttnProcessor` (sharing one `RowRotary`) on every attention of a
     `FluxTransformer2DModel` (weights and state dict unchanged; stock behaviour outside
-    forwards with ``spans``)."""
+    forwards with ``spans``). Returns True (the transformer can mix sizes)."""
     embed = transformer.pos_embed
     rotary = RowRotary(embed.theta, tuple(embed.axes_dim))
     for module in transformer.modules():
         if isinstance(module, FluxAttention):
             module.set_processor(SpanFluxAttnProcessor(rotary))
+    return True
 
 
-__all__ = ["FluxSpans", "RowRotary", "SpanFluxAttnProcessor", "install_token_spans", "rotate"]
+def set_token_span(state: "RequestState", vae_scale_factor: int, enabled: bool) -> None:
+    """When `enabled` (the adapter's `mixed_sizes`): the request's latent size (h, w) in latent
+    pixels (what diffusers' ``prepare_latents`` unpacks its ``height`` x ``width`` to) and its
+    image-token count (its packed latents' sequence length) as row data (`token_spans`)."""
+    if enabled:
+        p, multiple = state.params, vae_scale_factor * PATCH
+        state.row_data[LATENT_SIZE] = (PATCH * (p.height // multiple), PATCH * (p.width // multiple))
+        state.row_data[IMAGE_TOKENS] = state.latents.shape[1]
+
+
+def span_inputs(batch: "StepBatch", inputs: dict[str, Any]) -> dict[str, Any]:
+    """The forward's keyword arguments `inputs` for `batch`; when its rows have different latent
+    sizes (`token_spans.sizes_differ`) also ``spans`` (`FluxSpans`) in ``joint_attention_kwargs``
+    and ``img_ids`` padded to the batch's longest sequence L_max (zero ids after the first
+    request's own, before Kontext's reference ids: the processors give each row its own)."""
+    if not sizes_differ(batch.row_data):
+        return inputs
+    img_ids = inputs["img_ids"]
+    spans = FluxSpans(text=inputs["txt_ids"].shape[0], longest=batch.latents.shape[1], ids_dtype=img_ids.dtype)
+    first = batch.states[0].row_data[IMAGE_TOKENS]
+
+    def padded_ids() -> torch.Tensor:
+        pad = img_ids.new_zeros(spans.longest - first, img_ids.shape[1])
+        return torch.cat([img_ids[:first], pad, img_ids[first:]])
+
+    key = ("flux_img_ids", spans.longest, str(img_ids.device))
+    return {**inputs, "img_ids": batch.row_data.derived(key, padded_ids),
+            "joint_attention_kwargs": {**(inputs.get("joint_attention_kwargs") or {}), "spans": spans}}
+
+
+__all__ = ["FluxSpans", "RowRotary", "SpanFluxAttnProcessor", "install_token_spans", "rotate", "set_token_span",
+           "span_inputs"]

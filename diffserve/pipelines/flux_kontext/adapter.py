@@ -37,6 +37,7 @@ from diffserve.core.errors import InvalidRequestError
 from diffserve.core.sampling_params import SamplingParams
 from diffserve.pipelines.base import RequestInputs, RequestState
 from diffserve.pipelines.flux.adapter import FluxAdapter
+from diffserve.pipelines.flux.mixed_sizes import set_token_span
 
 
 class FluxKontextAdapter(FluxAdapter):
@@ -92,4 +93,4 @@ class FluxKontextAdapter(FluxAdapter):
             branch["image_latents"] = image_latents
         state.shared["img_ids"] = torch.cat([latent_ids, image_ids], dim=0)
         self.set_timesteps(state, image_seq_len=latents.shape[1])
-        self.set_token_span(state)
+        set_token_span(state, pipe.vae_scale_factor, self.mixed_sizes)

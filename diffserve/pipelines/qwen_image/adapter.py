@@ -43,10 +43,9 @@ from diffserve.core.errors import UnsupportedModelError
 from diffserve.pipelines.base import PipelineAdapter, RequestState, StepBatch, checked_pixels
 from diffserve.pipelines.capabilities import CacheDiTSupport, Capabilities
 from diffserve.pipelines.guidance import TRUE_CFG_NORM_RESCALED
-from diffserve.pipelines.qwen_image.mixed_sizes import PATCH, QwenSpans, install_token_spans
+from diffserve.pipelines.qwen_image.mixed_sizes import install_token_spans, set_token_span, span_inputs
 from diffserve.pipelines.qwen_image.teacache import TEACACHE
 from diffserve.pipelines.text_encoding import TextEncoder
-from diffserve.pipelines.token_spans import IMAGE_TOKENS, LATENT_SIZE, latent_rows, sizes_differ, zero_padded_tokens
 
 # diffserve decides guidance itself; diffusers warns on every call with true_cfg_scale > 1 and no
 # negative prompt (its default).
@@ -94,12 +93,8 @@ class QwenImageAdapter(PipelineAdapter):
             cache_dit=CacheDiTSupport(blocks=("transformer_blocks",), patterns=("Pattern_1",),
                                       has_encoder_residual=True),
             repeated_blocks=("QwenImageTransformerBlock",),
-            context_parallel=self._context_parallel,
         )
-        # zero_cond_t / additional_t_cond index tokens by img_shapes (the first row's in a mixed forward)
-        self.mixed_sizes = self.mixed_sizes and plain_time_embedding
-        if self.mixed_sizes:
-            install_token_spans(pipe.transformer)
+        self.mixed_sizes = self.mixed_sizes and install_token_spans(pipe.transformer)
         factor = pipe.vae_scale_factor * 2
         # RoPE rows: text positions start after max(h, w) / 2 of the latent grid (scale_rope)
         max_side = (pipe.transformer.pos_embed.pos_freqs.shape[0] - MAX_SEQUENCE_LENGTH_LIMIT) * 2 * factor
@@ -139,9 +134,7 @@ class QwenImageAdapter(PipelineAdapter):
                                              state.branches[-1]["encoder_hidden_states"].dtype, self.device,
                                              state.generator)
         self.set_timesteps(state, image_seq_len=state.latents.shape[1])
-        if self.mixed_sizes:  # row data of the token spans (latent size in latent pixels, image tokens)
-            state.row_data[LATENT_SIZE] = (PATCH * shapes[0][1], PATCH * shapes[0][2])
-            state.row_data[IMAGE_TOKENS] = state.latents.shape[1]
+        set_token_span(state, shapes[0], self.mixed_sizes)
 
     def timestep_arguments(self, scheduler: Any, num_steps: int) -> dict[str, Any]:
         """The linear ``sigmas`` and ``mu`` (as diffusers' Qwen-Image ``__call__``)."""
@@ -161,35 +154,15 @@ class QwenImageAdapter(PipelineAdapter):
         scheduler.set_begin_index(0)
         self.set_schedule(state, scheduler, timesteps)
 
-    def _context_parallel(self, transformer: torch.nn.Module) -> dict:
-        """diffusers' own context-parallel plan (Ulysses); requests then batch by size again
-        (the plan shards the sequence without token spans)."""
-        self.mixed_sizes = False
-        return transformer._cp_plan
-
     def forward_inputs(self, batch: StepBatch) -> dict[str, Any]:
-        """The transformer's arguments, with ``timestep / 1000``; for rows of different sizes
-        also ``spans`` (`qwen_image.mixed_sizes.QwenSpans`) in ``attention_kwargs`` and the
-        first row's ``img_shapes`` for every row (diffusers builds one table from the first row
-        anyway and warns on a mixed list; the processors give each row its own)."""
+        """The transformer's arguments, with ``timestep / 1000``; rows of different sizes with
+        their token spans (`qwen_image.mixed_sizes.span_inputs`)."""
         x = batch.inputs
         hidden = x["hidden_states"]
-        inputs = {"hidden_states": hidden, "timestep": x["timestep"].to(hidden.dtype) / 1000,
-                  "encoder_hidden_states": x["encoder_hidden_states"],
-                  "encoder_hidden_states_mask": x.get("encoder_hidden_states_mask"),
-                  "img_shapes": x["img_shapes"]}
-        if self.mixed_sizes and sizes_differ(batch.row_data):
-            inputs["img_shapes"] = [x["img_shapes"][0]] * len(x["img_shapes"])
-            inputs["attention_kwargs"] = {"spans": QwenSpans(longest=hidden.shape[1])}
-        return inputs
-
-    def combine(self, batch: StepBatch, out: torch.Tensor) -> torch.Tensor:
-        """The guided prediction (`PipelineAdapter.combine`), zero on padded tokens (padded
-        latents stay zero from step to step)."""
-        guided = super().combine(batch, out)
-        if batch.latent_sizes is None:
-            return guided
-        return zero_padded_tokens(guided, guided.shape[1], latent_rows(batch.row_data, batch.num_latent_rows))
+        return span_inputs(batch, {"hidden_states": hidden, "timestep": x["timestep"].to(hidden.dtype) / 1000,
+                                   "encoder_hidden_states": x["encoder_hidden_states"],
+                                   "encoder_hidden_states_mask": x.get("encoder_hidden_states_mask"),
+                                   "img_shapes": x["img_shapes"]})
 
     def decode(self, state: RequestState, latents: torch.Tensor | None = None) -> Any:
         """Unpack to (N, C, 1, H/8, W/8), undo the latent normalisation (``x * std + mean``),

@@ -24,13 +24,18 @@ processor runs diffusers' `QwenDoubleStreamAttnProcessor2_0` unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
 from diffserve.pipelines.row_data import NO_ROW_DATA, current_rows
-from diffserve.pipelines.token_spans import LATENT_SIZE, key_padding_mask
+from diffserve.pipelines.token_spans import IMAGE_TOKENS, LATENT_SIZE, key_padding_mask, sizes_differ
+
+if TYPE_CHECKING:
+    from diffserve.pipelines.request_state import RequestState
+    from diffserve.pipelines.step_batch import StepBatch
 
 #: 2x2 latent patches per token (Qwen-Image's packing).
 PATCH = 2
@@ -161,13 +166,42 @@ class SpanQwenAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
         return img_out, attn.to_add_out(txt_out.contiguous())
 
 
-def install_token_spans(transformer: torch.nn.Module) -> None:
+def install_token_spans(transformer: torch.nn.Module) -> bool:
     """Put a `SpanQwenAttnProcessor` (sharing one `RowRotary`) on every joint attention of a
     `QwenImageTransformer2DModel` (weights unchanged; stock behaviour outside forwards with
-    ``spans``)."""
+    ``spans``). Returns whether it did: not for transformers with ``zero_cond_t`` or
+    ``use_additional_t_cond``, whose time modulation indexes tokens by the first row's
+    ``img_shapes`` (they batch by size)."""
+    config = transformer.config
+    if config.get("zero_cond_t") or config.get("use_additional_t_cond"):
+        return False
     rotary = RowRotary(transformer.pos_embed)
     for block in transformer.transformer_blocks:
         block.attn.set_processor(SpanQwenAttnProcessor(rotary))
+    return True
 
 
-__all__ = ["QwenSpans", "RowRotary", "SpanQwenAttnProcessor", "install_token_spans", "rotate"]
+def set_token_span(state: "RequestState", img_shape: tuple[int, int, int], enabled: bool) -> None:
+    """When `enabled` (the adapter's `mixed_sizes`): the request's latent size (h, w) in latent
+    pixels (its ``img_shapes`` entry ``(1, h/2, w/2)`` in tokens) and its image-token count as
+    row data (`token_spans`)."""
+    if enabled:
+        state.row_data[LATENT_SIZE] = (PATCH * img_shape[1], PATCH * img_shape[2])
+        state.row_data[IMAGE_TOKENS] = state.latents.shape[1]
+
+
+def span_inputs(batch: "StepBatch", inputs: dict[str, Any]) -> dict[str, Any]:
+    """The forward's keyword arguments `inputs` for `batch`; when its rows have different latent
+    sizes (`token_spans.sizes_differ`) also ``spans`` (`QwenSpans`) in ``attention_kwargs`` and
+    the first row's ``img_shapes`` for every row (diffusers builds one table from the first row
+    anyway, and warns on a mixed list; the processors give each row its own)."""
+    if not sizes_differ(batch.row_data):
+        return inputs
+    shapes = inputs["img_shapes"]
+    return {**inputs, "img_shapes": [shapes[0]] * len(shapes),
+            "attention_kwargs": {**(inputs.get("attention_kwargs") or {}),
+                                 "spans": QwenSpans(longest=inputs["hidden_states"].shape[1])}}
+
+
+__all__ = ["QwenSpans", "RowRotary", "SpanQwenAttnProcessor", "install_token_spans", "rotate", "set_token_span",
+           "span_inputs"]

@@ -147,6 +147,7 @@ def is_strip(spatial: tuple[int, int]) -> bool:
     return bool(sizes) and rows.derived(("strip", spatial), lambda: any(s != spatial for s in sizes))
 
 
+@torch.compiler.disable  # eager: memoised per layout, no guards on the row data in compiled blocks
 def key_padding_mask(num_image: int, device: torch.device, rows: RowData | None = None) -> torch.Tensor | None:
     """(rows, num_image) bool mask of the real image tokens (each row's first `IMAGE_TOKENS`)
     of the forward running now (`row_data.current_rows`, or `rows` when given), or None when
@@ -196,6 +197,7 @@ def zero_padded_tokens(x: torch.Tensor, longest: int, rows: RowData | None = Non
     return head if x.shape[1] == longest else torch.cat([head, x[:, longest:]], dim=1)
 
 
+@torch.compiler.disable  # eager: memoised per layout, no guards on the row data in compiled blocks
 def attention_bias(num_image: int, num_keys: int, dtype: torch.dtype, device: torch.device,
                    fold_count: int | None = None, image_start: int = 0) -> torch.Tensor | None:
     """(rows, 1, 1, num_keys) additive attention bias of a joint attention whose keys

@@ -155,9 +155,10 @@ def test_regional_compile_without_recompiles(tmp_path):
     (folder / "generation_config.json").write_text(json.dumps({"height": 32, "width": 32, "max_sequence_length": L}))
     engine = _engine(folder, compile=True, max_batch_size=2)  # warm-up at the default size, 1 and 2 rows
     eager = _engine(folder)
-    jobs = [("a", _p(1, steps=2, height=32, width=32)), ("b", _p(2, steps=3, height=32, width=32,
-                                                                 true_cfg_scale=2.0, negative_prompt="x"))]
+    jobs = [("a", _p(1, steps=2, height=32, width=32)), ("c", _p(3, steps=2, height=48, width=32)),
+            ("b", _p(2, steps=3, height=32, width=32, true_cfg_scale=2.0, negative_prompt="x"))]
     outs = engine.generate([j[0] for j in jobs], [j[1] for j in jobs])
+    assert max(outs[1].metrics.batch_sizes) == 2  # "a" and "c": one mixed-size forward
     for out, job in zip(outs, jobs):
         assert np.abs(out.images - _run(eager, *job).images).max() <= TOL
     stats = engine.runner.acceleration_stats()["compile"]

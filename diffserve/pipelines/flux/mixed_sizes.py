@@ -95,6 +95,7 @@ class RowRotary:
                 self._grids.popitem(last=False)
         return hit
 
+    @torch.compiler.disable  # eager, outside a compiled block: built once per layout, no guards on the memo
     def tables(self, spans: FluxSpans, shared: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each (rows, S, D) float32, for the rows of the forward running now
         (`row_data.current_rows`): the shared (S, D) table (text, reference) with each row's own

@@ -63,6 +63,7 @@ class RowRotary:
     def __init__(self, pos_embed: torch.nn.Module):
         self.pos_embed = pos_embed
 
+    @torch.compiler.disable  # eager, outside a compiled block: built once per layout, no guards on the memo
     def tables(self, num_text: int, longest: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(image (rows, L_max, D/2), text (rows, N_txt, D/2)) complex64 tables of the rows of
         the forward running now: what each row's solo forward uses (`QwenEmbedRope.forward`

@@ -69,7 +69,8 @@ class EngineConfig:
             (least slack to ``deadline_s`` first, from an online cost model of step time;
             preempting at step boundaries). See `diffserve.engine.queues` (step mode only).
         mixed_sizes: let requests of different sizes share a denoiser forward in the families
-            that can (`PipelineAdapter.mixed_sizes`: SD3 and the built-in digits model); False
+            that can (`PipelineAdapter.mixed_sizes`: SD3 and the built-in digits model, Flux,
+            Flux Kontext, Qwen-Image; not under Ulysses sequence parallelism); False
             batches by size as before (the benchmark's baseline arm).
         aging_s: under ``priority`` / ``slo``, a request that arrived more than this many
             seconds ago is served in arrival order ahead of every younger one (the bound on

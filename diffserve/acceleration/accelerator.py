@@ -141,8 +141,9 @@ class Accelerator:
     def _warmup_calls(self, config: "EngineConfig", decode: bool) -> list:
         """Denoiser forwards at 1, 2 and ``max_batch_size`` rows where the family's requests
         can form them (the default request, and a guidance-free one, repeated; default
-        resolution; a gray input image for models that take images) and one decode, so
-        compiled graphs exist before the first request."""
+        resolution; a gray input image for models that take images), with `mixed_sizes` one
+        forward of the default request beside one of half its height (the token-span path), and
+        one decode, so compiled graphs exist before the first request."""
         from PIL import Image
 
         from diffserve.core.inputs import RequestInputs
@@ -158,6 +159,11 @@ class Accelerator:
         variants = [SamplingParams(seed=0, num_inference_steps=2, output_type="np")]
         if spec.default_guidance_scale is not None:
             variants.append(SamplingParams(seed=0, num_inference_steps=2, output_type="np", guidance_scale=1.0))
+        factor = spec.resolution_factor
+        smaller = max(factor, spec.default_height // 2 // factor * factor)
+        mixed = adapter.mixed_sizes and smaller != spec.default_height  # the token-span path compiles too
+        if mixed:
+            variants.append(SamplingParams(seed=0, num_inference_steps=2, output_type="np", height=smaller))
         states = []
         adapter.prompt_embed_cache = None  # warm-up prompts are not traffic
         try:
@@ -173,10 +179,15 @@ class Accelerator:
             with torch.inference_mode(), self._stage("denoise"):
                 adapter.denoise(adapter.collate([state] * copies))
 
+        def mixed_forward(pair):
+            with torch.inference_mode(), self._stage("denoise"):
+                adapter.denoise(adapter.collate(pair))
+
         def decode_once():
             with torch.inference_mode(), self._stage("decode"):
                 adapter.decode(states[0])
 
+        mixed_pair = [states.pop(), states[0]] if mixed else None
         plans = {}
         for target in (1, 2, config.max_batch_size):
             for i, state in enumerate(states):
@@ -185,6 +196,9 @@ class Accelerator:
                     plans[target // rows * rows] = (i, target // rows)
         calls = [lambda i=i, copies=copies, context=context: _within(context, forward, states[i], copies)
                  for context in self._warmup_contexts for _, (i, copies) in sorted(plans.items())]
+        if mixed_pair is not None and adapter.rows(mixed_pair[0].params) * 2 <= config.max_batch_size:
+            calls += [lambda context=context: _within(context, mixed_forward, mixed_pair)
+                      for context in self._warmup_contexts]
         if decode:
             calls.append(decode_once)
         return calls

@@ -88,8 +88,9 @@ class TeaCacheState:
         previous_output: (rows, ...) denoiser output of the previous step (only while the
             backend records changes, `TeaCacheConfig.record_changes`, at level ``max``).
         computed_step: the step index of the last computed step.
-        layout: `forward_layout` of the forward that last ran its rows (its history's
-            tensors are laid out that way).
+        layout: `forward_layout` of the last computed step (rows of different sizes share a
+            padded layout that changes with the batch; cached tensors of another layout are
+            never reused).
     """
 
     num_steps: int
@@ -106,7 +107,7 @@ class TeaCacheState:
     guard: GuardState = GuardState()
     previous_output: torch.Tensor | None = None
     computed_step: int = 0
-    layout: tuple[str, int] | None = None
+    layout: tuple | None = None
 
     @property
     def previous_residual(self) -> torch.Tensor | None:
@@ -161,16 +162,18 @@ def residual_log_norm(residual: torch.Tensor) -> float:
     return math.log(max(float(residual.float().norm(dim=-1).mean()), 1e-30))
 
 
-def forward_layout(batch: "StepBatch") -> tuple[str, int] | None:
-    """How a forward of `batch` lays out each row's tokens: None when every row has the same
-    latent size (each row in its own grid, the stock layout), else ``("strip", max h * w)``
-    (`diffserve.pipelines.token_spans`: one strip as long as the largest row). A request's
-    cached residuals and outputs are tensors of the layout they were computed in, so a
-    request whose batch changed layout cannot reuse them."""
+def forward_layout(batch: "StepBatch", hidden_states: torch.Tensor) -> tuple:
+    """How a forward of `batch` lays out each row's tokens: the denoiser input's shape after
+    the row dim (the padded grid, or a packed family's padded sequence length) and, when the
+    rows' latent sizes differ, ``("strip", max h * w)`` (`diffserve.pipelines.token_spans`:
+    SD3's one strip as long as the largest row; None in the stock layout, every row in its own
+    grid). A request's cached residuals and outputs are tensors of the layout they were
+    computed in, so a request whose batch changed layout (a row of another size joined or left)
+    cannot reuse them: the two halves catch a change of the padded shape and a change between
+    the stock and the strip layout at one padded shape."""
     sizes = batch.row_data.get(LATENT_SIZE) if batch.row_data else None
-    if not sizes or len(set(sizes)) == 1:
-        return None
-    return ("strip", max(h * w for h, w in sizes))
+    strip = None if not sizes or len(set(sizes)) == 1 else ("strip", max(h * w for h, w in sizes))
+    return tuple(hidden_states.shape[1:]), strip
 
 
 def relative_l1(current: torch.Tensor, previous: torch.Tensor) -> float:
@@ -271,12 +274,14 @@ class TeaCacheBackend(CacheBackend):
             return st.previous_residual * self._ratio(st)
         return st.forecaster.predict(self._timestep(st))
 
-    def _decide(self, st: TeaCacheState, modulated: torch.Tensor | None) -> _Decision | None:
+    def _decide(self, st: TeaCacheState, modulated: torch.Tensor | None, layout: tuple) -> _Decision | None:
         """One request's decision at its current step; None when it needs the modulated input
-        and `modulated` is None (the forward's embedding has not run yet)."""
+        and `modulated` is None (the forward's embedding has not run yet). A step whose input
+        `layout` differs from the last computed one's (a mixed-size batch padded otherwise)
+        computes."""
         level = st.level
         if (not level.skips or st.step < level.warmup_for(st.num_steps) or st.step >= st.num_steps - 1
-                or st.forecaster is None):
+                or st.forecaster is None or st.layout != layout):
             return _Decision(True, 0.0)
         remainder = st.forecaster.remainder(self._timestep(st))
         accumulated = 0.0
@@ -309,17 +314,13 @@ class TeaCacheBackend(CacheBackend):
     def _forward(self, model, batch: "StepBatch", kwargs: dict) -> torch.Tensor:
         split = self.split
         states = [s.extra[STATE_KEY] for s in batch.states]
-        # Mixed sizes: a request whose batch changed layout (a row of another size joined or
-        # left) computes this step and starts its history over in the new layout.
-        layout = forward_layout(batch)
-        stale = [st.forecaster is not None and st.layout != layout for st in states]
-        early = [_Decision(True, 0.0) if s else self._decide(st, None) for st, s in zip(states, stale)]
+        layout = forward_layout(batch, kwargs["hidden_states"])
+        early = [self._decide(st, None, layout) for st in states]
         if all(d is not None and not d.compute and st.level.target == "output" for st, d in zip(states, early)):
             return self._forecast_all(batch, states, early)  # nothing to run: not even the embedding
         hidden, context, modulated = split.embed(model, kwargs)
         rows = [batch.request_rows(i).to(hidden.device) for i in range(len(batch.states))]
-        decisions = [_Decision(True, 0.0) if s else self._decide(st, modulated[index])
-                     for st, s, index in zip(states, stale, rows)]
+        decisions = [self._decide(st, modulated[index], layout) for st, index in zip(states, rows)]
         computing = [i for i, d in enumerate(decisions) if d.compute]
         if len(computing) == len(states):
             out_hidden = computed = split.blocks(model, hidden, context)
@@ -353,9 +354,7 @@ class TeaCacheBackend(CacheBackend):
         # Commit the new per-request state only once the whole forward succeeded.
         for i, (st, d) in enumerate(zip(states, decisions)):
             if d.compute:
-                if stale[i]:
-                    st.history, st.forecaster = (), None
-                self._computed(st, hidden[rows[i]], computed[computed_rows[i]], output[rows[i]])
+                self._computed(st, hidden[rows[i]], computed[computed_rows[i]], output[rows[i]], layout)
             else:
                 self.skipped += 1
                 st.skipped += 1
@@ -370,7 +369,6 @@ class TeaCacheBackend(CacheBackend):
                 residual = computed[computed_rows[i]] - hidden[rows[i]]
                 self.residual_norms.append((st.num_steps, st.step, residual_log_norm(residual)))
             st.previous_modulated = modulated[rows[i]].clone()
-            st.layout = layout
             st.step += 1
         self.transformer_calls += len(states)
         return output
@@ -391,9 +389,13 @@ class TeaCacheBackend(CacheBackend):
         self.transformer_calls += len(states)
         return output
 
-    def _computed(self, st: TeaCacheState, before: torch.Tensor, after: torch.Tensor, output: torch.Tensor) -> None:
+    def _computed(self, st: TeaCacheState, before: torch.Tensor, after: torch.Tensor, output: torch.Tensor,
+                  layout: tuple) -> None:
         """Book a computed step: the check of the forecast (when one existed), the new
-        residual (or output) in the history, the forecaster refitted."""
+        residual (or output) in the history (restarted when the `layout` changed), the
+        forecaster refitted."""
+        if st.layout != layout:  # a history in another padded layout: start over
+            st.history, st.forecaster, st.layout = (), None, layout
         residual = after - before if st.level.target == "residual" else output
         t = self._timestep(st)
         measured = predicted = None

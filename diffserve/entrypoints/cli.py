@@ -150,7 +150,8 @@ def check_generate_arguments(args: argparse.Namespace, parser: argparse.Argument
                             true_cfg_scale=args.true_cfg_scale, strength=getattr(args, "strength", None),
                             num_frames=getattr(args, "num_frames", None), fps=getattr(args, "fps", None),
                             seed=args.seed, extra=_extra(args.extra), loras=loras, scheduler=args.scheduler,
-                            clip_skip=args.clip_skip, eta=args.eta, cache_quality=args.cache_quality)
+                            clip_skip=args.clip_skip, eta=args.eta, cache_quality=args.cache_quality,
+                            priority=args.priority, deadline_s=args.deadline_s)
     # The model-independent range checks (steps, guidance, seed, negative prompt, size > 0, strength,
     # frames, fps); the model's own rules (resolution multiple, maximum size, frame rule) are checked
     # once it is loaded.

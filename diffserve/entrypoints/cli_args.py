@@ -142,6 +142,15 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
                         help="step-caching quality level of these outputs (SamplingParams.cache_quality): "
                              f"{', '.join(CACHE_QUALITY_LEVELS)}; max never skips a step; with --cache-backend "
                              "teacache (default: the engine's, --cache-config cache_quality)")
+    parser.add_argument("--priority", type=int, default=0, metavar="P",
+                        help="request priority, an integer in [-2**31, 2**31 - 1]; lower is served first under "
+                             "--scheduling-policy priority and breaks ties under slo; unused under fcfs "
+                             "(default: 0)")
+    parser.add_argument("--deadline-s", type=float, default=None, metavar="SECONDS",
+                        help="seconds from arrival by which each output should finish, positive and finite: "
+                             "least slack first under --scheduling-policy slo (refused at arrival with --admission "
+                             "slo when it cannot be met); under fcfs and priority only counted in the SLO "
+                             "metrics (default: no deadline)")
     parser.add_argument("--display-size", type=int, default=None, metavar="PX",
                         help="also upscale outputs (nearest neighbour) to this many pixels on the long side for "
                              "viewing; the raw output is kept as *_raw.EXT (default: no upscaling)")

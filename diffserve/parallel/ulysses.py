@@ -41,7 +41,8 @@ def _cpu_device_count():
 
 
 def enable_ulysses(adapter: "PipelineAdapter", state: "ParallelState") -> None:
-    """Split the adapter's denoiser over ``state``'s Ulysses group.
+    """Split the adapter's denoiser over ``state``'s Ulysses group (requests of different sizes
+    then batch apart: `PipelineAdapter.mixed_sizes` off).
 
     Raises:
         InvalidRequestError: the family has no sequence-parallel plan.
@@ -49,6 +50,7 @@ def enable_ulysses(adapter: "PipelineAdapter", state: "ParallelState") -> None:
     from diffusers import ContextParallelConfig
 
     denoiser = adapter.denoiser
+    adapter.mixed_sizes = False  # the plans shard the sequence without token spans: batch by size
     prepare = adapter.capabilities.context_parallel
     plan = prepare(denoiser) if prepare is not None else getattr(denoiser, "_cp_plan", None)
     if plan is None:

@@ -58,6 +58,7 @@ from diffserve.pipelines.request_state import RequestState
 from diffserve.pipelines.row_data import NO_ROW_DATA, current_rows, forward_rows
 from diffserve.pipelines.step_batch import BatchCache, StepBatch, collate_branches
 from diffserve.pipelines.text_encoding import repeat_rows
+from diffserve.pipelines.token_spans import latent_rows, zero_padded_tokens
 
 if TYPE_CHECKING:
     from diffserve.pipelines.experts import ExpertRouting
@@ -536,13 +537,19 @@ class PipelineAdapter(ABC):
     def combine(self, batch: StepBatch, out: torch.Tensor) -> torch.Tensor:
         """Guided prediction (N, ...) from the (branches * N, ...) output (`guidance`), with each
         request's weight (its expert's with `expert_routing`): CFG ``uncond + w * (cond -
-        uncond)`` (Ho & Salimans 2022), norm-rescaled where declared."""
+        uncond)`` (Ho & Salimans 2022), norm-rescaled where declared. Packed token latents
+        (N, L, C) of different sizes: zero on each request's padded tokens (after guidance: a
+        norm-rescaled CFG of zero vectors is 0/0), so padded latents stay zero."""
         if batch.branches == 1:
-            return out
-        uncond, cond = out.chunk(2)
-        weights = ([s.guidance_scale for s in batch.states] if self.expert_routing is None
-                   else self.expert_routing.guidance_weights(batch.states))
-        return self.guidance.combine(uncond, cond, uniform_or_rows(weights, batch.row_values))
+            guided = out
+        else:
+            uncond, cond = out.chunk(2)
+            weights = ([s.guidance_scale for s in batch.states] if self.expert_routing is None
+                       else self.expert_routing.guidance_weights(batch.states))
+            guided = self.guidance.combine(uncond, cond, uniform_or_rows(weights, batch.row_values))
+        if batch.latent_sizes is None or guided.dim() != 3:
+            return guided
+        return zero_padded_tokens(guided, guided.shape[1], latent_rows(batch.row_data, batch.num_latent_rows))
 
     def step(self, batch: StepBatch, guided: torch.Tensor) -> dict[str, BaseException]:
         """One diffusion-scheduler step for every request of `batch` (batched where the

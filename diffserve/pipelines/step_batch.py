@@ -49,9 +49,10 @@ class StepBatch:
         row_data: the requests' per-row data (`RowData`, branch-major, B * N rows);
             `row_data.NO_ROW_DATA` when no request has any.
         latent_sizes: None when every request's latents have one shape; else each request's
-            spatial size (its latents' dims after the channel dim): the batch's latents are
-            then zero-padded to the largest of each dim (mixed sizes, `token_spans`) and
-            `split` crops each request's region back out.
+            latent shape after the row dim ((C, h, w) for spatial latents, (L, C) for packed
+            token sequences such as Flux's): the batch's latents are then zero-padded at the
+            end of each dim to the largest (mixed sizes, `token_spans`) and `split` crops each
+            request's region back out.
     """
 
     states: list["RequestState"]
@@ -107,8 +108,7 @@ class StepBatch:
         parts = torch.split(tensor, self.row_counts, dim=0)
         if self.latent_sizes is None:
             return list(parts)
-        return [part[(slice(None), slice(None), *(slice(0, d) for d in size))]
-                for part, size in zip(parts, self.latent_sizes)]
+        return [part[(slice(None), *(slice(0, d) for d in size))] for part, size in zip(parts, self.latent_sizes)]
 
     def request_rows(self, i: int) -> torch.Tensor:
         """(branches * n_i,) long indices of request `i`'s rows in the forward, branch order."""
@@ -283,15 +283,15 @@ def padding_mask(values: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def latent_sizes(states: Sequence["RequestState"]) -> list[tuple[int, ...]] | None:
-    """Each request's latent spatial size (dims after the channel dim), or None when they are
-    all equal (the usual batch: no padding)."""
-    sizes = [tuple(s.latents.shape[2:]) for s in states]
+    """Each request's latent shape after the row dim ((C, h, w) spatial, (L, C) packed), or
+    None when they are all equal (the usual batch: no padding)."""
+    sizes = [tuple(s.latents.shape[1:]) for s in states]
     return None if all(size == sizes[0] for size in sizes) else sizes
 
 
 def pad_latents(tensors: list[torch.Tensor], sizes: list[tuple[int, ...]] | None) -> torch.Tensor:
-    """Concatenate (n_i, C, *size_i) tensors along dim 0, zero-padding each spatial dim at its
-    end to the largest size (`sizes` None: all equal, a plain concatenation)."""
+    """Concatenate (n_i, *size_i) tensors along dim 0, zero-padding each dim after the row dim
+    at its end to the largest size (`sizes` None: all equal, a plain concatenation)."""
     if len(tensors) == 1:
         return tensors[0]
     if sizes is None:
@@ -309,8 +309,8 @@ def collate_branches(states: list["RequestState"], model_input: Callable[["Reque
     """The default collation (see `PipelineAdapter.collate`).
 
     Args:
-        states: requests sharing a batch key (same branch count; latents of different spatial
-            sizes are zero-padded to the largest, `StepBatch.latent_sizes`).
+        states: requests sharing a batch key (same branch count; latents of different shapes
+            are zero-padded to the largest, `StepBatch.latent_sizes`).
         model_input: a request's latent rows as the denoiser sees them; None = its latents.
         padded_inputs: per-branch keys of variable length (dim 1) -> (mask key or None, pad value);
             a mask key receives the (B*N, L) bool `padding_mask` (None when nothing is padded).

@@ -20,6 +20,13 @@ the family's plug-ins give each row its own positions (its solo run's position e
 latent layout (zeros outside each row's region). Padded query rows compute values nobody
 reads; no real row attends to them, so each row equals its solo forward within float rounding.
 
+Families whose latents are packed token sequences (Flux, Qwen-Image: one token per 2x2 latent
+patch, raster order) need no strip: collation right-pads each request's sequence to the longest
+(`step_batch.pad_latents`), and their attention processors give each row its own RoPE table and
+mask its padded keys (`flux/mixed_sizes.py`, `qwen_image/mixed_sizes.py`); `sizes_differ` says
+when a forward needs that, `zero_padded_tokens` zeroes the guided prediction of padded tokens
+(after guidance: a norm-rescaled CFG of zero vectors would divide 0 by 0).
+
 When every row of a forward has the same size nothing of this runs (no strip, no mask).
 """
 
@@ -140,11 +147,13 @@ def is_strip(spatial: tuple[int, int]) -> bool:
     return bool(sizes) and rows.derived(("strip", spatial), lambda: any(s != spatial for s in sizes))
 
 
-def key_padding_mask(num_image: int, device: torch.device) -> torch.Tensor | None:
-    """(rows, num_image) bool mask of the real image tokens of the forward running now
-    (`row_data.current_rows`), or None when no row is padded (every row has `num_image`
-    tokens, or the forward carries no token spans). Memoised per forward layout."""
-    rows = current_rows()
+@torch.compiler.disable  # eager: memoised per layout, no guards on the row data in compiled blocks
+def key_padding_mask(num_image: int, device: torch.device, rows: RowData | None = None) -> torch.Tensor | None:
+    """(rows, num_image) bool mask of the real image tokens (each row's first `IMAGE_TOKENS`)
+    of the forward running now (`row_data.current_rows`, or `rows` when given), or None when
+    no row is padded (every row has `num_image` tokens, or the forward carries no token
+    spans). Memoised per forward layout."""
+    rows = current_rows() if rows is None else rows
     if rows is NO_ROW_DATA:
         return None
 
@@ -157,26 +166,60 @@ def key_padding_mask(num_image: int, device: torch.device) -> torch.Tensor | Non
     return rows.derived(("key_mask", num_image, str(device)), build)  # once per forward layout
 
 
+def sizes_differ(rows: RowData) -> bool:
+    """Whether the rows of a forward (its `RowData`) have different `LATENT_SIZE` values: the
+    forward needs per-row positions even when their token counts are equal (e.g. 32x64 and
+    64x32 pack to the same sequence length)."""
+    sizes = rows.get(LATENT_SIZE) if rows else None
+    return bool(sizes) and rows.derived(("sizes_differ",), lambda: any(s != sizes[0] for s in sizes))
+
+
+def latent_rows(rows: RowData, num_latent_rows: int) -> RowData:
+    """The row data of a forward's first `num_latent_rows` rows: one guidance branch, i.e. the
+    rows of the guided prediction and of the latents (memoised on `rows`)."""
+    if not rows:
+        return rows
+    return rows.derived(("latent_rows", num_latent_rows), lambda: rows.select(range(num_latent_rows)))
+
+
+def zero_padded_tokens(x: torch.Tensor, longest: int, rows: RowData | None = None) -> torch.Tensor:
+    """`x` (rows, N, ...) with each row's padded image tokens among its first `longest` set to
+    zero (the rest of the sequence, e.g. reference tokens, unchanged), for packed-token
+    families whose image tokens come first in `x`: the prediction of padded tokens (so padded
+    latents stay zero), or a modulated input whose statistics must be each row's own. `x`
+    itself when nothing is padded. Rows: the forward running now (or `rows`; `latent_rows` for
+    a guided prediction)."""
+    mask = key_padding_mask(longest, x.device, rows)
+    if mask is None:
+        return x
+    mask = mask.reshape(*mask.shape, *([1] * (x.dim() - 2)))
+    head = x[:, :longest].masked_fill(~mask, 0)
+    return head if x.shape[1] == longest else torch.cat([head, x[:, longest:]], dim=1)
+
+
+@torch.compiler.disable  # eager: memoised per layout, no guards on the row data in compiled blocks
 def attention_bias(num_image: int, num_keys: int, dtype: torch.dtype, device: torch.device,
-                   fold_count: int | None = None) -> torch.Tensor | None:
-    """(rows, 1, 1, num_keys) additive attention bias of a joint attention whose first
-    `num_image` keys are image tokens (context keys follow): -inf on the padded image keys of
-    the forward running now (`key_padding_mask`), plus ``log(fold_count)`` on the last key
-    when given (`sd3.context_folding`). None when no row is padded. Memoised per forward
-    layout (built once, read by every block)."""
+                   fold_count: int | None = None, image_start: int = 0) -> torch.Tensor | None:
+    """(rows, 1, 1, num_keys) additive attention bias of a joint attention whose keys
+    ``image_start : image_start + num_image`` are the padded image tokens (SD3: image first,
+    context after; Flux: text first, ``image_start`` = the text length, reference tokens
+    after): -inf on the padded image keys of the forward running now (`key_padding_mask`),
+    plus ``log(fold_count)`` on the last key when given (`sd3.context_folding`). None when no
+    row is padded. Memoised per forward layout (built once, read by every block)."""
     mask = key_padding_mask(num_image, device)
     if mask is None:
         return None
 
     def build() -> torch.Tensor:
         bias = torch.zeros(mask.shape[0], 1, 1, num_keys, dtype=dtype, device=device)
-        bias[:, 0, 0, :num_image].masked_fill_(~mask, float("-inf"))
+        bias[:, 0, 0, image_start:image_start + num_image].masked_fill_(~mask, float("-inf"))
         if fold_count is not None:
             bias[..., -1] += math.log(fold_count)
         return bias
 
-    return current_rows().derived(("bias", num_image, num_keys, dtype, str(device), fold_count), build)
+    key = ("bias", num_image, num_keys, dtype, str(device), fold_count, image_start)
+    return current_rows().derived(key, build)
 
 
 __all__ = ["IMAGE_TOKENS", "LATENT_SIZE", "TokenLayout", "attention_bias", "is_strip", "key_padding_mask",
-           "strip_layout", "strip_positions"]
+           "latent_rows", "sizes_differ", "strip_layout", "strip_positions", "zero_padded_tokens"]

@@ -141,8 +141,8 @@ def test_mixed_step_batch_equals_solo_runs(tiny_sd3_dir, name):
             forwards.append([])
             return denoise(adapter, batch)
 
-        def recording_decide(st, modulated):
-            result = decide(st, modulated)
+        def recording_decide(st, modulated, layout):
+            result = decide(st, modulated, layout)
             if result is not None:  # None: decided once the embedding ran
                 forwards[-1].append(result.compute)
             return result

@@ -94,8 +94,8 @@ def test_levels_share_step_batches_and_each_equals_its_solo_run(tiny_sd3_dir):
         forwards.append([])
         return denoise(adapter, batch)
 
-    def recording_decide(st, modulated):
-        result = decide(st, modulated)
+    def recording_decide(st, modulated, layout):
+        result = decide(st, modulated, layout)
         if result is not None:  # None: decided once the embedding ran
             forwards[-1].append(result.compute)
         return result

@@ -246,3 +246,42 @@ def test_sampler_clip_skip_and_eta_flags(tiny_sd15_dir, tmp_path, capsys):
     assert code == 2
     assert "argument --scheduler: invalid value 'euler_a': must be one of euler, dpmpp_2m, unipc" in \
         capsys.readouterr().err
+
+
+def test_priority_and_deadline_flags_reach_the_request(tmp_path, capsys):
+    """``--priority`` and ``--deadline-s`` become ``SamplingParams.priority`` / ``deadline_s``
+    (checked before the model loads), and a run under ``--scheduling-policy slo`` serves them."""
+    from diffserve.entrypoints.cli import check_generate_arguments
+
+    parser = build_parser()
+    argv = ["generate", "a digit 3", "--priority", "-2", "--deadline-s", "45.5", "-o", str(tmp_path / "x")]
+    args = parser.parse_args(argv)
+    job = check_generate_arguments(args, parser.commands["generate"])
+    assert (job.params.priority, job.params.deadline_s) == (-2, 45.5)
+    args = parser.parse_args(["generate", "a digit 3", "-o", str(tmp_path / "x")])
+    job = check_generate_arguments(args, parser.commands["generate"])
+    assert (job.params.priority, job.params.deadline_s) == (0, None)  # the defaults: no urgency, no deadline
+    rc = main(["generate", "a digit 3", "--steps", "2", "--seed", "1", "--scheduling-policy", "slo", "--priority",
+               "1", "--deadline-s", "600", "-o", str(tmp_path / "out")])
+    assert rc == 0, capsys.readouterr().err
+    assert len(capsys.readouterr().out.split()) == 1
+
+
+@pytest.mark.parametrize("flags,fragment", [
+    (["--deadline-s", "0"], "argument --deadline-s: invalid value 0.0: must be a positive finite number"),
+    (["--deadline-s", "-3"], "argument --deadline-s: invalid value -3.0"),
+    (["--deadline-s", "inf"], "argument --deadline-s: invalid value inf"),
+    (["--deadline-s", "nan"], "argument --deadline-s: invalid value nan"),
+    (["--deadline-s", "soon"], "argument --deadline-s: invalid float value: 'soon'"),
+    (["--priority", str(2**31)], f"argument --priority: invalid value {2**31}: must be an integer in"),
+    (["--priority", "1.5"], "argument --priority: invalid int value: '1.5'"),
+])
+def test_bad_priority_and_deadline_name_the_flag(tmp_path, capsys, flags, fragment):
+    try:
+        rc = main(["generate", "a digit 3", "-o", str(tmp_path / "out"), *flags])
+    except SystemExit as exc:  # argparse's own (types)
+        rc = exc.code
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0], err
+    assert not (tmp_path / "out").exists()

@@ -99,3 +99,28 @@ def test_parallel_refuses_cache_backends_and_fallback_classes(tiny_sd3_dir):
     with pytest.raises(InvalidRequestError) as info:
         EngineConfig(model=str(tiny_sd3_dir), ulysses_degree=0)
     assert info.value.field == "ulysses_degree"
+
+
+def test_flux_mixed_sizes_under_cfg_parallel_and_ulysses(tiny_flux_dev_dir):
+    """Flux rows of different sizes: CFG parallel splits them by branch and keeps one mixed
+    forward (each rank's per-row positions follow its rows); Ulysses batches them by size again
+    (`FluxAdapter._context_parallel`). Both equal the single-process engine."""
+    prompts = ["a red kite", "a boat"]
+    params = [SamplingParams(seed=1, num_inference_steps=2, height=64, width=48, true_cfg_scale=2.0,
+                             negative_prompt="x", max_sequence_length=32, output_type="np"),
+              SamplingParams(seed=2, num_inference_steps=3, height=32, width=64, true_cfg_scale=3.0,
+                             negative_prompt="", max_sequence_length=32, output_type="np")]
+    reference = DiffusionEngine(EngineConfig(model=str(tiny_flux_dev_dir), num_threads=1)).generate(prompts, params)
+    for layout, mixed in (({"cfg_parallel_size": 2}, True), ({"ulysses_degree": 2}, False)):
+        engine = DiffusionEngine(EngineConfig(model=str(tiny_flux_dev_dir), num_threads=1, **layout))
+        try:
+            keys = [engine.executor.plan(p).batch_key for p in params]
+            outs = engine.generate(prompts, params)
+        finally:
+            engine.shutdown()
+        assert (keys[0] == keys[1]) is mixed, (layout, keys)
+        if mixed:
+            assert [max(o.metrics.batch_sizes) for o in outs] == [4, 4]
+        for out, ref in zip(outs, reference):
+            assert out.ok, out.error
+            assert np.abs(out.images - ref.images).max() <= 1e-4

@@ -77,10 +77,31 @@ def test_latent_output_is_packed_like_diffusers(dev):
 
 
 # -------------------------------------------------------------------- step batching
-def test_sequence_length_and_size_decide_the_batch(dev):
-    outs = dev.generate(["a", "b", "c"], [_p(1), _p(2, max_sequence_length=16), _p(3, height=32, width=32)])
-    assert [max(o.metrics.batch_sizes) for o in outs] == [1, 1, 1]
+def test_sequence_length_decides_the_batch_and_sizes_mix(dev):
+    """The T5 length is in the batch key; sizes are not (`FluxAdapter.mixed_sizes`)."""
+    jobs = [("a", _p(1)), ("b", _p(2, max_sequence_length=16)), ("c", _p(3, height=32, width=32))]
+    outs = dev.generate([j[0] for j in jobs], [j[1] for j in jobs])
+    assert [max(o.metrics.batch_sizes) for o in outs] == [2, 1, 2]
     assert outs[2].images.shape == (1, 32, 32, 3)
+    for out, job in zip(outs, jobs):
+        assert np.abs(out.images - _run(dev, *job).images).max() <= TOL
+
+
+def test_same_token_count_other_grid_gets_its_own_positions(dev):
+    """32x64 and 64x32 pack to the same number of tokens (equal latent shapes, no padding):
+    the rows still differ in their RoPE ids, and each equals its solo run."""
+    jobs = [("a red kite", _p(5, height=32, width=64)), ("a blue boat", _p(6, height=64, width=32, steps=2))]
+    outs = dev.generate([j[0] for j in jobs], [j[1] for j in jobs])
+    assert [max(o.metrics.batch_sizes) for o in outs] == [2, 2]
+    for out, job in zip(outs, jobs):
+        assert out.images.shape[1:3] == (job[1].height, job[1].width)
+        assert np.abs(out.images - _run(dev, *job).images).max() <= TOL
+
+
+def test_no_mixed_sizes_batches_flux_by_size(tiny_flux_dev_dir):
+    engine = DiffusionEngine(EngineConfig(model=str(tiny_flux_dev_dir), mixed_sizes=False))
+    outs = engine.generate(["a", "c"], [_p(1), _p(3, height=32, width=32)])
+    assert [max(o.metrics.batch_sizes) for o in outs] == [1, 1]
 
 
 # ---------------------------------------------------------------- spec and refusals
@@ -134,9 +155,10 @@ def test_regional_compile_without_recompiles(tmp_path):
     (folder / "generation_config.json").write_text(json.dumps({"height": 32, "width": 32, "max_sequence_length": L}))
     engine = _engine(folder, compile=True, max_batch_size=2)  # warm-up at the default size, 1 and 2 rows
     eager = _engine(folder)
-    jobs = [("a", _p(1, steps=2, height=32, width=32)), ("b", _p(2, steps=3, height=32, width=32,
-                                                                 true_cfg_scale=2.0, negative_prompt="x"))]
+    jobs = [("a", _p(1, steps=2, height=32, width=32)), ("c", _p(3, steps=2, height=48, width=32)),
+            ("b", _p(2, steps=3, height=32, width=32, true_cfg_scale=2.0, negative_prompt="x"))]
     outs = engine.generate([j[0] for j in jobs], [j[1] for j in jobs])
+    assert max(outs[1].metrics.batch_sizes) == 2  # "a" and "c": one mixed-size forward
     for out, job in zip(outs, jobs):
         assert np.abs(out.images - _run(eager, *job).images).max() <= TOL
     stats = engine.runner.acceleration_stats()["compile"]
@@ -188,3 +210,42 @@ def test_http_generation_with_flux_fields(tiny_flux_dev_dir, tiny_flux_dir):
         resp = httpx.post(f"{base}/v1/images/generations", json={"prompt": "a cat", "size": "32x32",
                                                                   "guidance_scale": 2.0})
         assert_openai_error(resp, 400, "guidance_scale")
+
+
+def test_mixed_sizes_with_lora_rows_and_teacache(tiny_flux_dev_dir, tmp_path, monkeypatch):
+    """A LoRA request of one size and a plain request of another share forwards under TeaCache:
+    when only one of them computes its blocks (`narrowed_rows`), the per-row positions, masks and
+    adapters follow the computed rows, and each equals its run alone."""
+    from tiny_models.loras import random_lora, save_diffusers_lora
+
+    from diffserve.acceleration import teacache
+
+    pipe = FluxPipeline.from_pretrained(tiny_flux_dev_dir)
+    lora = save_diffusers_lora(FluxPipeline, tmp_path / "a", {"transformer": (
+        random_lora(pipe.transformer, ("to_q", "to_k", "to_v", "to_out.0"), 2, seed=3), 2, 2.0)})
+    engine = _engine(tiny_flux_dev_dir, "teacache", {"rel_l1_thresh": 100.0}, loras={"a": str(lora)},
+                     overlap_stages=False)
+    small = _p(1, steps=4, height=32, width=48, loras={"a": 1.0}, true_cfg_scale=2.0, negative_prompt="x")
+    large = _p(2, steps=8, height=64, width=48, true_cfg_scale=3.0, negative_prompt="y")
+    subsets = []
+    narrowed_rows = teacache.narrowed_rows
+    monkeypatch.setattr(teacache, "narrowed_rows", lambda index: subsets.append(list(index)) or narrowed_rows(index))
+    together = engine.generate(["a cat", "a dog"], [small, large])
+    monkeypatch.setattr(teacache, "narrowed_rows", narrowed_rows)
+    assert max(together[0].metrics.batch_sizes) == 4
+    assert subsets and all(len(rows) == 2 for rows in subsets)  # one request's two CFG rows computed alone
+    alone = [_run(engine, "a cat", small), _run(engine, "a dog", large)]
+    for t, a in zip(together, alone):
+        assert np.abs(t.images - a.images).max() <= TOL
+
+
+def test_teacache_levels_survive_a_batch_that_changes_padding(tiny_flux_dev_dir):
+    """A request whose batch-mate of a larger size finishes first runs on at its own sequence
+    length: its forecasts (TeaCache's default level, cached in the padded layout) are not
+    reused across the change."""
+    engine = _engine(tiny_flux_dev_dir, "teacache", overlap_stages=False)
+    small = _p(1, steps=12, height=32, width=32)
+    large = _p(2, steps=4, height=64, width=48)
+    together = engine.generate(["a cat", "a dog"], [small, large])
+    assert all(o.ok for o in together), [o.error for o in together]
+    assert together[0].images.shape == (1, 32, 32, 3)

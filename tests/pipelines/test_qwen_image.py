@@ -97,6 +97,34 @@ def test_text_budget_beyond_diffusers_limit_is_refused(engine):
 
 
 # ---------------------------------------------------------------------------- acceleration
+def test_sizes_mix_with_their_own_image_and_text_positions(engine):
+    """32x64 and 64x32 pack to the same token count (no padding) but differ in their image RoPE
+    and in where their text positions start (after max(h, w) / 2 of the grid); 64x64 pads both.
+    In one forward each equals its solo run; texts of different lengths are padded too."""
+    jobs = [("a red kite", _p(1, height=32, width=64)), ("a blue boat on a quiet lake", _p(2, height=64, width=32)),
+            ("snow", _p(3, steps=2, height=64, width=64))]
+    outs = engine.generate([j[0] for j in jobs], [j[1] for j in jobs])
+    assert [max(o.metrics.batch_sizes) for o in outs] == [3, 3, 3]
+    for out, job in zip(outs, jobs):
+        assert out.images.shape[1:3] == (job[1].height, job[1].width)
+        [solo] = engine.generate(*job)
+        assert np.abs(out.images - solo.images).max() <= TOL
+
+
+def test_mixed_sizes_under_teacache_equal_solo(tiny_qwen_image_dir):
+    """TeaCache on mixed Qwen-Image rows: the request that computes its blocks alone keeps its
+    own positions and masks (`narrowed_rows`), and each equals its run alone."""
+    engine = DiffusionEngine(EngineConfig(model=str(tiny_qwen_image_dir), cache_backend="teacache",
+                                          cache_config={"rel_l1_thresh": 100.0}, overlap_stages=False))
+    small, large = _p(1, steps=4, height=32, width=48), _p(2, steps=8, height=64, width=48)
+    together = engine.generate(["a cat", "a dog in the rain"], [small, large])
+    assert max(together[0].metrics.batch_sizes) == 2
+    assert engine.stats()["acceleration"]["cache_backend"]["skipped"] > 0
+    for out, job in zip(together, (("a cat", small), ("a dog in the rain", large))):
+        [solo] = engine.generate(*job)
+        assert np.abs(out.images - solo.images).max() <= TOL
+
+
 def test_regional_compile_without_recompiles_after_warm_up(tiny_qwen_image_dir, tmp_path):
     """One row per forward (one graph to compile): the warm-up prompt's text length and another
     length reuse the warmed-up graph (text length is a dynamic dimension)."""

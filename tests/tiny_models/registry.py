@@ -210,6 +210,7 @@ MODELS: tuple[TestModel, ...] = (
         guided={"true_cfg_scale": 3.0, "negative_prompt": "blurry"}, unguided={},
         variations=_TRUE_CFG_VARIATIONS, backends={"teacache": True, "cache_dit": True},
         reference="FluxPipeline", parity_atol=1e-5, samplers=_NO_DPM_SAMPLERS,  # measured 0
+        mixed_sizes=((64, 48), (32, 64), (64, 64), (48, 32)),
     ),
     TestModel(
         id="FluxPipeline-dev", pipeline="FluxPipeline",
@@ -221,6 +222,7 @@ MODELS: tuple[TestModel, ...] = (
         # embedded guidance is a per-row input: it varies inside one forward
         variations=tuple({**v, "guidance_scale": g} for v, g in zip(_TRUE_CFG_VARIATIONS, (3.5, 1.5, 6.0))),
         backends={"teacache": True, "cache_dit": True}, reference="FluxPipeline", parity_atol=1e-5,  # measured 0
+        mixed_sizes=((64, 48), (48, 48), (64, 64), (32, 64)),
     ),
     TestModel(
         id="FluxKontextPipeline", pipeline="FluxKontextPipeline",
@@ -232,6 +234,7 @@ MODELS: tuple[TestModel, ...] = (
         variations=tuple({**v, "guidance_scale": g} for v, g in zip(_TRUE_CFG_VARIATIONS, (3.5, 1.5, 6.0))),
         backends={"teacache": True, "cache_dit": True}, reference="FluxKontextPipeline",
         reference_call=_kontext_call, parity_atol=1e-5, samplers=_NO_DPM_SAMPLERS,  # measured 0
+        mixed_sizes=((48, 64), (32, 48), (64, 64), (64, 32)),  # one reference size (the batch key)
     ),
     TestModel(
         id="StableDiffusionPipeline", pipeline="StableDiffusionPipeline", build=build_tiny_sd15,
@@ -260,6 +263,7 @@ MODELS: tuple[TestModel, ...] = (
         variations=_TRUE_CFG_VARIATIONS, backends={"teacache": True, "cache_dit": True},
         reference="QwenImagePipeline", parity_atol=5e-4, one_step=False,  # measured 4.3e-5
         samplers=_NO_DPM_SAMPLERS,
+        mixed_sizes=((64, 48), (32, 64), (64, 64), (48, 32)),
     ),
     TestModel(
         id="QwenImageEditPipeline", pipeline="QwenImageEditPipeline", build=build_tiny_qwen_image_edit,

@@ -17,6 +17,10 @@ Guidance, as diffusers' ``FluxPipeline.__call__`` means it:
   that rule exactly: ``negative_prompt=""`` with ``true_cfg_scale > 1`` is true CFG against the
   empty prompt; a negative prompt with ``true_cfg_scale <= 1``, or ``true_cfg_scale > 1`` without a
   negative prompt, runs one branch (diffusers ignores them then, and so does diffserve).
+
+Requests of different sizes share a forward (`mixed_sizes`, `diffserve.pipelines.token_spans`,
+`flux/mixed_sizes.py`): each request's packed sequence is right-padded to the batch's longest,
+and every row keeps its own RoPE positions and attention span.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_tim
 
 from diffserve.pipelines.base import PipelineAdapter, RequestState, StepBatch, checked_pixels
 from diffserve.pipelines.capabilities import CacheDiTSupport, Capabilities
+from diffserve.pipelines.flux.mixed_sizes import install_token_spans, set_token_span, span_inputs
 from diffserve.pipelines.flux.teacache import TEACACHE
 from diffserve.pipelines.guidance import Guidance
 from diffserve.pipelines.text_encoding import TextEncoder
@@ -45,9 +50,11 @@ class FluxAdapter(PipelineAdapter):
     Tensors: latents packed (N, (H/16)*(W/16), 4C) in the model dtype; per branch
     ``encoder_hidden_states`` (N, max_sequence_length, D_t5), ``pooled_projections`` (N, D_clip)
     and, with embedded guidance, ``guidance`` (N,) float32; shared by the batch ``img_ids``
-    ((H/16)*(W/16), 3) and ``txt_ids`` (max_sequence_length, 3) (equal within a batch key: the
-    key holds the size and max_sequence_length). True-CFG branches: [negative, positive].
-    ``output_type="latent"`` returns the packed latents, as diffusers does.
+    ((H/16)*(W/16), 3) and ``txt_ids`` (max_sequence_length, 3) (the batch key holds
+    max_sequence_length). Rows of different sizes: latents right-padded to the longest
+    sequence L_max, ``img_ids`` padded to it (each row's own positions come from its row data,
+    `flux.mixed_sizes`). True-CFG branches: [negative, positive]. ``output_type="latent"``
+    returns the packed latents, as diffusers does.
     """
 
     pipeline_class_name = "FluxPipeline"
@@ -59,6 +66,7 @@ class FluxAdapter(PipelineAdapter):
     batch_key_fields = ("max_sequence_length",)
     text_inputs = ("encoder_hidden_states", "pooled_projections")
     per_request_samplers = True
+    mixed_sizes = True
 
     def setup(self) -> dict[str, Any]:
         """True CFG, plus embedded guidance on guidance-distilled transformers (FLUX.1-dev);
@@ -73,6 +81,7 @@ class FluxAdapter(PipelineAdapter):
         self.capabilities = Capabilities(
             teacache=TEACACHE, cache_dit=CacheDiTSupport(blocks=("transformer_blocks", "single_transformer_blocks"),
                                                          patterns=("Pattern_1", "Pattern_1")))
+        self.mixed_sizes = self.mixed_sizes and install_token_spans(pipe.transformer)
         # VAE down-sampling x 2x2 packing; diffusers' check_inputs refuses more than 512 T5 tokens
         return {"resolution_factor": pipe.vae_scale_factor * 2, "max_sequence_length_limit": 512,
                 "max_prompt_tokens": pipe.tokenizer_max_length}
@@ -101,6 +110,7 @@ class FluxAdapter(PipelineAdapter):
                                                       self.embeds_dtype(state), self.device, state.generator)
         state.shared["img_ids"] = img_ids
         self.set_timesteps(state, image_seq_len=state.latents.shape[1])
+        set_token_span(state, pipe.vae_scale_factor, self.mixed_sizes)
 
     @staticmethod
     def embeds_dtype(state: RequestState) -> torch.dtype:
@@ -145,8 +155,9 @@ class FluxAdapter(PipelineAdapter):
 
     def forward_inputs(self, batch: StepBatch) -> dict[str, Any]:
         """The batch inputs with ``timestep / 1000`` in the latents' dtype (the transformer
-        multiplies it back, as in diffusers)."""
-        return {**batch.inputs, "timestep": batch.inputs["timestep"].to(batch.latents.dtype) / 1000}
+        multiplies it back, as in diffusers); rows of different sizes with their token spans
+        (`flux.mixed_sizes.span_inputs`)."""
+        return span_inputs(batch, {**batch.inputs, "timestep": batch.inputs["timestep"].to(batch.latents.dtype) / 1000})
 
     def decode(self, state: RequestState, latents: torch.Tensor | None = None) -> Any:
         """Unpack to (N, C, H/8, W/8), unscale (latents / scaling_factor + shift_factor),
@@ -156,7 +167,8 @@ class FluxAdapter(PipelineAdapter):
         if p.output_type == "latent":
             return latents
         pipe, vae = self.pipe, self.pipe.vae
-        latents = pipe._unpack_latents(latents, p.height, p.width, pipe.vae_scale_factor)
+        # a mixed batch's rows are views of its padded latents: unpacking needs them contiguous
+        latents = pipe._unpack_latents(latents.contiguous(), p.height, p.width, pipe.vae_scale_factor)
         latents = latents / vae.config.scaling_factor + vae.config.shift_factor
         image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
         return pipe.image_processor.postprocess(checked_pixels(image), output_type=p.output_type)

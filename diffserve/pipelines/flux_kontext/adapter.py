@@ -20,8 +20,10 @@ Size rule (diffserve's, documented in the README):
   to the closest of Kontext's ~1 MP training resolutions; resize the image yourself (e.g. to
   1024x1024) to get that behaviour.
 
-Requests with references of the same (floored) size share forwards (the size is part of the
-batch key: the reference tokens and their ids are concatenated to every row of the batch).
+Requests with references of the same (floored) size share forwards (the reference size is part
+of the batch key: the reference tokens and their ids are concatenated to every row of the
+batch); their output sizes may differ (`FluxAdapter`'s mixed sizes: the noisy tokens are padded
+to the longest, the reference tokens follow them).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from diffserve.core.errors import InvalidRequestError
 from diffserve.core.sampling_params import SamplingParams
 from diffserve.pipelines.base import RequestInputs, RequestState
 from diffserve.pipelines.flux.adapter import FluxAdapter
+from diffserve.pipelines.flux.mixed_sizes import set_token_span
 
 
 class FluxKontextAdapter(FluxAdapter):
@@ -90,3 +93,4 @@ class FluxKontextAdapter(FluxAdapter):
             branch["image_latents"] = image_latents
         state.shared["img_ids"] = torch.cat([latent_ids, image_ids], dim=0)
         self.set_timesteps(state, image_seq_len=latents.shape[1])
+        set_token_span(state, pipe.vae_scale_factor, self.mixed_sizes)

@@ -23,6 +23,10 @@ What differs from SD3 and how it maps onto the step contract:
   such folders are refused at load.
 - Latents are packed 2x2 ``(N, h*w/4, 4C)``; ``img_shapes`` (one ``[(1, h/2, w/2)]`` list per
   row) tells the transformer the grid; the timestep goes in as ``t / 1000``.
+- Requests of different sizes share a forward (`mixed_sizes`, `diffserve.pipelines.token_spans`,
+  `qwen_image/mixed_sizes.py`; transformers with a plain time embedding): each request's packed
+  sequence is right-padded to the batch's longest, and every row keeps its own image and text
+  RoPE positions and attention span.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from diffserve.core.errors import UnsupportedModelError
 from diffserve.pipelines.base import PipelineAdapter, RequestState, StepBatch, checked_pixels
 from diffserve.pipelines.capabilities import CacheDiTSupport, Capabilities
 from diffserve.pipelines.guidance import TRUE_CFG_NORM_RESCALED
+from diffserve.pipelines.qwen_image.mixed_sizes import install_token_spans, set_token_span, span_inputs
 from diffserve.pipelines.qwen_image.teacache import TEACACHE
 from diffserve.pipelines.text_encoding import TextEncoder
 
@@ -67,6 +72,7 @@ class QwenImageAdapter(PipelineAdapter):
     #: text embeddings are right-padded with zeros; the mask marks the real tokens
     padded_inputs = {"encoder_hidden_states": ("encoder_hidden_states_mask", 0.0)}
     per_request_samplers = True
+    mixed_sizes = True
 
     def setup(self) -> dict[str, Any]:
         """Refuses guidance-distilled transformers; text encoding; TeaCache (plain time
@@ -88,6 +94,7 @@ class QwenImageAdapter(PipelineAdapter):
                                       has_encoder_residual=True),
             repeated_blocks=("QwenImageTransformerBlock",),
         )
+        self.mixed_sizes = self.mixed_sizes and install_token_spans(pipe.transformer)
         factor = pipe.vae_scale_factor * 2
         # RoPE rows: text positions start after max(h, w) / 2 of the latent grid (scale_rope)
         max_side = (pipe.transformer.pos_embed.pos_freqs.shape[0] - MAX_SEQUENCE_LENGTH_LIMIT) * 2 * factor
@@ -127,6 +134,7 @@ class QwenImageAdapter(PipelineAdapter):
                                              state.branches[-1]["encoder_hidden_states"].dtype, self.device,
                                              state.generator)
         self.set_timesteps(state, image_seq_len=state.latents.shape[1])
+        set_token_span(state, shapes[0], self.mixed_sizes)
 
     def timestep_arguments(self, scheduler: Any, num_steps: int) -> dict[str, Any]:
         """The linear ``sigmas`` and ``mu`` (as diffusers' Qwen-Image ``__call__``)."""
@@ -147,13 +155,14 @@ class QwenImageAdapter(PipelineAdapter):
         self.set_schedule(state, scheduler, timesteps)
 
     def forward_inputs(self, batch: StepBatch) -> dict[str, Any]:
-        """The transformer's arguments, with ``timestep / 1000``."""
+        """The transformer's arguments, with ``timestep / 1000``; rows of different sizes with
+        their token spans (`qwen_image.mixed_sizes.span_inputs`)."""
         x = batch.inputs
         hidden = x["hidden_states"]
-        return {"hidden_states": hidden, "timestep": x["timestep"].to(hidden.dtype) / 1000,
-                "encoder_hidden_states": x["encoder_hidden_states"],
-                "encoder_hidden_states_mask": x.get("encoder_hidden_states_mask"),
-                "img_shapes": x["img_shapes"]}
+        return span_inputs(batch, {"hidden_states": hidden, "timestep": x["timestep"].to(hidden.dtype) / 1000,
+                                   "encoder_hidden_states": x["encoder_hidden_states"],
+                                   "encoder_hidden_states_mask": x.get("encoder_hidden_states_mask"),
+                                   "img_shapes": x["img_shapes"]})
 
     def decode(self, state: RequestState, latents: torch.Tensor | None = None) -> Any:
         """Unpack to (N, C, 1, H/8, W/8), undo the latent normalisation (``x * std + mean``),
@@ -165,7 +174,8 @@ class QwenImageAdapter(PipelineAdapter):
             return latents
         pipe = self.pipe
         vae = pipe.vae
-        latents = pipe._unpack_latents(latents, p.height, p.width, pipe.vae_scale_factor).to(vae.dtype)
+        # a mixed batch's rows are views of its padded latents: unpacking needs them contiguous
+        latents = pipe._unpack_latents(latents.contiguous(), p.height, p.width, pipe.vae_scale_factor).to(vae.dtype)
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
         inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)

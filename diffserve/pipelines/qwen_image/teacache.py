@@ -11,6 +11,7 @@ import torch
 from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
 
 from diffserve.pipelines.capabilities import TeaCacheSupport
+from diffserve.pipelines.token_spans import zero_padded_tokens
 
 
 class QwenImageTeaCacheSplit:
@@ -20,7 +21,9 @@ class QwenImageTeaCacheSplit:
 
     Tensors: hidden (rows, N_img, D); context = dict(encoder (rows, N_txt, D), mask (rows, N_txt)
     bool or None, temb (rows, D), rotary (image and text RoPE, shared by the rows),
-    attention_kwargs); output (rows, N_img, patch**2 * C_out) packed.
+    attention_kwargs); output (rows, N_img, patch**2 * C_out) packed. In a forward over rows of
+    different sizes the modulated input is zero on each row's padded tokens
+    (`qwen_image.mixed_sizes`), so its relative change is the one its solo run measures.
     """
 
     @staticmethod
@@ -35,6 +38,9 @@ class QwenImageTeaCacheSplit:
         first = model.transformer_blocks[0]
         img_mod1 = first.img_mod(temb).chunk(2, dim=-1)[0]
         modulated = first._modulate(first.img_norm1(hidden), img_mod1)[0]
+        spans = (kwargs.get("attention_kwargs") or {}).get("spans")
+        if spans is not None:  # padded tokens add nothing to a row's relative change (as solo)
+            modulated = zero_padded_tokens(modulated, spans.longest)
         context = {"encoder": encoder, "mask": mask, "temb": temb, "rotary": rotary,
                    "attention_kwargs": kwargs.get("attention_kwargs")}
         return hidden, context, modulated

@@ -120,6 +120,9 @@ class QwenImageEditAdapter(QwenImageAdapter):
     sampling_defaults = {"num_inference_steps": 50, "true_cfg_scale": 4.0}
     image_input = "required"
     appended_latents = "image_latents"
+    #: batches by size: the reference tokens follow the target's and two ``img_shapes`` per row set
+    #: the RoPE (not span-aware yet)
+    mixed_sizes = False
 
     @classmethod
     def component_loaders(cls):

@@ -109,11 +109,11 @@ class StableDiffusion3Adapter(PipelineAdapter):
                 "image_samplers": image_samplers}
 
     def _context_parallel(self, transformer: torch.nn.Module) -> dict:
-        """The Ulysses plan (`sd3.context_parallel`); requests then batch by size again (its
-        processors shard the sequence without token spans)."""
+        """The Ulysses plan (`sd3.context_parallel`); requests then batch by size again
+        (`parallel.ulysses.enable_ulysses`: its processors shard the sequence without token
+        spans)."""
         from diffserve.pipelines.sd3.context_parallel import prepare_sd3_context_parallel
 
-        self.mixed_sizes = False
         return prepare_sd3_context_parallel(transformer)
 
     def check_params(self, params: SamplingParams, inputs) -> None:

@@ -1,0 +1,208 @@
+"""Mixed sizes in one Qwen-Image forward (`diffserve.pipelines.token_spans`): each row its own
+RoPE positions (image and text) and attention span.
+
+Qwen-Image's latents are packed token sequences (N, L, 4C) like Flux's: collation right-pads
+each request's sequence to the batch's longest, ``L_max``. diffusers' `QwenEmbedRope` builds ONE
+pair of tables per forward from the first row's ``img_shapes``: the image table of its latent
+grid and the text table, which starts at ``max(h/2, w/2)`` of that grid (``scale_rope``), so
+BOTH depend on a row's size. `install_token_spans` puts a `SpanQwenAttnProcessor` on every
+joint attention; in a forward whose ``attention_kwargs`` hold ``spans`` (a `QwenSpans`, set by
+the adapter only when the rows' sizes differ) it
+
+- rotates each row's image queries/keys by its own grid's table (`QwenEmbedRope`'s own
+  ``_compute_video_freqs``, identity on the padding) and its text queries/keys by the text table
+  at its own offset (`RowRotary`), and
+- masks each row's padded image keys, together with the padded text keys the batch's text
+  padding already masks (``encoder_hidden_states_mask``).
+
+The joint sequence is ``[text (N_txt, padded per row) | image (L_max, row r real on its first
+n_r)]``. Padded queries compute values nobody reads (the adapter zeroes their guided prediction), so
+every row equals its solo forward within float rounding. In a forward without ``spans`` the
+processor runs diffusers' `QwenDoubleStreamAttnProcessor2_0` unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+
+from diffserve.pipelines.row_data import NO_ROW_DATA, current_rows
+from diffserve.pipelines.token_spans import IMAGE_TOKENS, LATENT_SIZE, key_padding_mask, sizes_differ
+
+if TYPE_CHECKING:
+    from diffserve.pipelines.request_state import RequestState
+    from diffserve.pipelines.step_batch import StepBatch
+
+#: 2x2 latent patches per token (Qwen-Image's packing).
+PATCH = 2
+
+
+@dataclass(frozen=True)
+class QwenSpans:
+    """Layout of a forward over rows of different sizes (``attention_kwargs["spans"]``).
+
+    Attributes:
+        longest: L_max, the padded image-token count (row r's real tokens are its first
+            ``(h_r/2) * (w_r/2)``; row data `token_spans.IMAGE_TOKENS`).
+    """
+
+    longest: int
+
+
+class RowRotary:
+    """Per-row complex RoPE tables of a mixed forward, from each row's `token_spans.LATENT_SIZE`.
+
+    Args:
+        pos_embed: the transformer's `QwenEmbedRope` (its frequency tables and ``scale_rope``).
+    """
+
+    def __init__(self, pos_embed: torch.nn.Module):
+        self.pos_embed = pos_embed
+
+    @torch.compiler.disable  # eager, outside a compiled block: built once per layout, no guards on the memo
+    def tables(self, num_text: int, longest: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(image (rows, L_max, D/2), text (rows, N_txt, D/2)) complex64 tables of the rows of
+        the forward running now: what each row's solo forward uses (`QwenEmbedRope.forward`
+        with its own ``img_shapes``), 1 (no rotation) on padded image tokens. Memoised per
+        forward layout.
+
+        Raises:
+            ValueError: the forward carries no per-row `LATENT_SIZE`.
+        """
+        rows = current_rows()
+        if rows is NO_ROW_DATA or LATENT_SIZE not in rows:
+            raise ValueError("a Qwen-Image forward with token spans needs each row's latent_size as row data")
+
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
+            embed = self.pos_embed
+            pos, _ = embed._get_device_freqs(device)
+            n = rows.num_rows
+            image = torch.ones(n, longest, pos.shape[1], dtype=pos.dtype, device=device)
+            text = torch.empty(n, num_text, pos.shape[1], dtype=pos.dtype, device=device)
+            for r, (h, w) in enumerate(rows[LATENT_SIZE]):
+                grid_h, grid_w = h // PATCH, w // PATCH
+                freqs = embed._compute_video_freqs(1, grid_h, grid_w, 0, device)
+                image[r, : freqs.shape[0]] = freqs
+                start = max(grid_h // 2, grid_w // 2) if embed.scale_rope else max(grid_h, grid_w)
+                text[r] = pos[start:start + num_text]
+            return image, text
+
+        return rows.derived(("qwen_rotary", num_text, longest, str(device)), build)
+
+
+def rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``apply_rotary_emb_qwen`` (complex, ``use_real=False``) with a table per row:
+    x (B, S, H, D) any float dtype, freqs (B, S, D/2) complex; returns x's shape and dtype."""
+    x_complex = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(x_complex * freqs.unsqueeze(2)).flatten(3).type_as(x)
+
+
+class SpanQwenAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
+    """diffusers' `QwenDoubleStreamAttnProcessor2_0` (0.42) that, in a forward with ``spans``
+    (`QwenSpans`), rotates each row by its own tables (`RowRotary.tables`) and masks each row's
+    padded image keys; the stock processor otherwise.
+
+    Tensors: hidden_states (B, L_max, C) image stream, encoder_hidden_states (B, N_txt, C) text
+    stream, encoder_hidden_states_mask (B, N_txt) bool or None; returns (image, text) outputs of
+    the same shapes.
+
+    Raises:
+        ValueError: no text stream, or an ``attention_mask`` (as the stock processor).
+    """
+
+    def __init__(self, rotary: RowRotary):
+        super().__init__()
+        self.rotary = rotary
+
+    def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
+                 encoder_hidden_states_mask: torch.Tensor = None, attention_mask: torch.Tensor | None = None,
+                 image_rotary_emb=None, spans: QwenSpans | None = None):
+        if spans is None or encoder_hidden_states is None or attention_mask is not None:
+            return super().__call__(attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
+                                    attention_mask, image_rotary_emb)
+        n_txt = encoder_hidden_states.shape[1]
+        head_dim = attn.inner_dim // attn.heads
+
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x.unflatten(-1, (-1, head_dim))
+
+        img_query, img_key, img_value = (heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states)),
+                                         heads(attn.to_v(hidden_states)))
+        txt_query = heads(attn.add_q_proj(encoder_hidden_states))
+        txt_key = heads(attn.add_k_proj(encoder_hidden_states))
+        txt_value = heads(attn.add_v_proj(encoder_hidden_states))
+        if attn.norm_q is not None:
+            img_query = attn.norm_q(img_query)
+        if attn.norm_k is not None:
+            img_key = attn.norm_k(img_key)
+        if attn.norm_added_q is not None:
+            txt_query = attn.norm_added_q(txt_query)
+        if attn.norm_added_k is not None:
+            txt_key = attn.norm_added_k(txt_key)
+        img_freqs, txt_freqs = self.rotary.tables(n_txt, spans.longest, hidden_states.device)
+        img_query, img_key = rotate(img_query, img_freqs), rotate(img_key, img_freqs)
+        txt_query, txt_key = rotate(txt_query, txt_freqs), rotate(txt_key, txt_freqs)
+        image_mask = key_padding_mask(spans.longest, hidden_states.device)
+        mask = None
+        if image_mask is not None or encoder_hidden_states_mask is not None:
+            rows = hidden_states.shape[0]
+            if image_mask is None:
+                image_mask = torch.ones(rows, spans.longest, dtype=torch.bool, device=hidden_states.device)
+            text_mask = (torch.ones(rows, n_txt, dtype=torch.bool, device=hidden_states.device)
+                         if encoder_hidden_states_mask is None else encoder_hidden_states_mask.bool())
+            mask = torch.cat([text_mask, image_mask], dim=1)[:, None, None, :]
+        out = dispatch_attention_fn(torch.cat([txt_query, img_query], dim=1), torch.cat([txt_key, img_key], dim=1),
+                                    torch.cat([txt_value, img_value], dim=1), attn_mask=mask, dropout_p=0.0,
+                                    is_causal=False, backend=self._attention_backend,
+                                    parallel_config=self._parallel_config)
+        out = out.flatten(2, 3).to(img_query.dtype)
+        txt_out, img_out = out[:, :n_txt], out[:, n_txt:]
+        img_out = attn.to_out[0](img_out.contiguous())
+        if len(attn.to_out) > 1:
+            img_out = attn.to_out[1](img_out)
+        return img_out, attn.to_add_out(txt_out.contiguous())
+
+
+def install_token_spans(transformer: torch.nn.Module) -> bool:
+    """Put a `SpanQwenAttnProcessor` (sharing one `RowRotary`) on every joint attention of a
+    `QwenImageTransformer2DModel` (weights unchanged; stock behaviour outside forwards with
+    ``spans``). Returns whether it did: not for transformers with ``zero_cond_t`` or
+    ``use_additional_t_cond``, whose time modulation indexes tokens by the first row's
+    ``img_shapes`` (they batch by size)."""
+    config = transformer.config
+    if config.get("zero_cond_t") or config.get("use_additional_t_cond"):
+        return False
+    rotary = RowRotary(transformer.pos_embed)
+    for block in transformer.transformer_blocks:
+        block.attn.set_processor(SpanQwenAttnProcessor(rotary))
+    return True
+
+
+def set_token_span(state: "RequestState", img_shape: tuple[int, int, int], enabled: bool) -> None:
+    """When `enabled` (the adapter's `mixed_sizes`): the request's latent size (h, w) in latent
+    pixels (its ``img_shapes`` entry ``(1, h/2, w/2)`` in tokens) and its image-token count as
+    row data (`token_spans`)."""
+    if enabled:
+        state.row_data[LATENT_SIZE] = (PATCH * img_shape[1], PATCH * img_shape[2])
+        state.row_data[IMAGE_TOKENS] = state.latents.shape[1]
+
+
+def span_inputs(batch: "StepBatch", inputs: dict[str, Any]) -> dict[str, Any]:
+    """The forward's keyword arguments `inputs` for `batch`; when its rows have different latent
+    sizes (`token_spans.sizes_differ`) also ``spans`` (`QwenSpans`) in ``attention_kwargs`` and
+    the first row's ``img_shapes`` for every row (diffusers builds one table from the first row
+    anyway, and warns on a mixed list; the processors give each row its own)."""
+    if not sizes_differ(batch.row_data):
+        return inputs
+    shapes = inputs["img_shapes"]
+    return {**inputs, "img_shapes": [shapes[0]] * len(shapes),
+            "attention_kwargs": {**(inputs.get("attention_kwargs") or {}),
+                                 "spans": QwenSpans(longest=inputs["hidden_states"].shape[1])}}
+
+
+__all__ = ["QwenSpans", "RowRotary", "SpanQwenAttnProcessor", "install_token_spans", "rotate", "set_token_span",
+           "span_inputs"]

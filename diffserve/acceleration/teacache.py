@@ -164,16 +164,18 @@ def residual_log_norm(residual: torch.Tensor) -> float:
 
 def forward_layout(batch: "StepBatch", hidden_states: torch.Tensor) -> tuple:
     """How a forward of `batch` lays out each row's tokens: the denoiser input's shape after
-    the row dim (the padded grid, or a packed family's padded sequence length) and, when the
-    rows' latent sizes differ, ``("strip", max h * w)`` (`diffserve.pipelines.token_spans`:
-    SD3's one strip as long as the largest row; None in the stock layout, every row in its own
-    grid). A request's cached residuals and outputs are tensors of the layout they were
-    computed in, so a request whose batch changed layout (a row of another size joined or left)
-    cannot reuse them: the two halves catch a change of the padded shape and a change between
-    the stock and the strip layout at one padded shape."""
+    the row dim (the padded latent grid, or a packed family's padded sequence) and the largest
+    row's latent area ``max h * w`` (`diffserve.pipelines.token_spans.LATENT_SIZE`; None when
+    the forward carries no sizes): the token slots every row's tokens sit in, its own grid
+    when all rows have one size, else SD3's strip as long as the largest row
+    (`token_spans.TokenLayout`). A request's cached residuals and outputs are tensors of the
+    layout they were computed in, so a request whose batch changed layout (a row of another
+    size joined or left) cannot reuse them. The largest row keeps its layout when smaller rows
+    join or leave (its tokens are laid out in raster order either way), so it keeps its cache.
+    Two SD3 batches can pad to one grid with strips of different lengths (8x4 with 4x8 vs
+    8x8): the second half tells them apart."""
     sizes = batch.row_data.get(LATENT_SIZE) if batch.row_data else None
-    strip = None if not sizes or len(set(sizes)) == 1 else ("strip", max(h * w for h, w in sizes))
-    return tuple(hidden_states.shape[1:]), strip
+    return tuple(hidden_states.shape[1:]), (max(h * w for h, w in sizes) if sizes else None)
 
 
 def relative_l1(current: torch.Tensor, previous: torch.Tensor) -> float:

@@ -157,3 +157,33 @@ def test_unloading_an_adapter_in_use_is_409(server, tiny_sd3_dir):
         resp = httpx.delete(f"{base}/v1/loras/preloaded", headers=KEY)
         assert_openai_error(resp, 409, param="name", code="lora_in_use")
         thread.join(15)  # the client gives up after 5 s: the server aborts the request
+
+
+def test_builtin_adapters_cannot_be_unloaded_or_replaced_over_http(tmp_path):
+    """The digits model's own ``mirror`` (origin builtin): ``DELETE`` and a ``POST`` of its name
+    are 409 ``lora_builtin`` naming ``name`` and leave it serving; other names still load and
+    unload, and the offline `unload_lora` still may drop it (the operator's choice)."""
+    import shutil
+
+    from diffserve.models import builtin_loras
+
+    shutil.copytree(builtin_loras("digits")["mirror"], tmp_path / "copy")
+    engine = new_engine("digits", lora_dir=str(tmp_path))
+    try:
+        with serve(create_app(engine, "digits", api_key="secret")) as base:
+            post = lambda body: httpx.post(f"{base}/v1/loras", json=body, headers=KEY, timeout=60)  # noqa: E731
+            resp = httpx.delete(f"{base}/v1/loras/mirror", headers=KEY)
+            assert_openai_error(resp, 409, param="name", code="lora_builtin")
+            assert "built-in" in resp.json()["error"]["message"]
+            assert_openai_error(post({"name": "mirror", "path": "copy"}), 409, param="name", code="lora_builtin")
+            entry = {e["name"]: e for e in httpx.get(f"{base}/v1/loras", headers=KEY).json()["data"]}["mirror"]
+            assert entry["origin"] == "builtin" and entry["path"] == str(builtin_loras("digits")["mirror"])
+            gen = httpx.post(f"{base}/v1/images/generations", headers=KEY, timeout=60, json={
+                "prompt": "a handwritten digit 3", "loras": {"mirror": 1.0}, "num_inference_steps": 2, "size": "8x8"})
+            assert gen.status_code == 200, gen.text
+            assert post({"name": "mine", "path": "copy"}).status_code == 200
+            assert httpx.delete(f"{base}/v1/loras/mine", headers=KEY).status_code == 200
+        engine.unload_lora("mirror")
+        assert "mirror" not in {e["name"] for e in engine.list_loras()}
+    finally:
+        engine.shutdown()

@@ -7,6 +7,11 @@ like every ``/v1`` route).
   naming ``path``); answers once every worker holds it. Reading a file does not stall the running
   requests' steps.
 - ``DELETE /v1/loras/{name}``: unload; 409 while waiting or running requests use it.
+
+The served model's built-in adapters (origin ``builtin``, e.g. ``mirror`` of ``digits``) cannot
+be unloaded or re-pointed over HTTP (409 ``lora_builtin`` naming ``name``): no ``POST`` could
+bring them back, their files lying outside ``--lora-dir``. The offline
+`DiffusionEngine.unload_lora` / ``load_lora`` still may (the operator's choice).
 """
 
 from __future__ import annotations
@@ -59,6 +64,12 @@ def install_lora_routes(app: FastAPI, state, loading: bool = True) -> None:
         state.require_service()
         return state.engine
 
+    def refuse_builtin(client, name: str, action: str) -> None:
+        """409 ``lora_builtin`` (naming ``name``) if `name` is one of the model's own adapters."""
+        if any(e["name"] == name and e["origin"] == "builtin" for e in client.list_loras()):
+            raise APIError(409, f"LoRA {name!r} is a built-in adapter of the served model; it cannot be {action} "
+                           "over HTTP", param="name", code="lora_builtin")
+
     @app.get("/v1/loras", response_model=LoraList, responses=errors)
     async def list_loras() -> LoraList:
         """The LoRA adapters requests may name (``--lora-dir`` files appear once named)."""
@@ -71,6 +82,7 @@ def install_lora_routes(app: FastAPI, state, loading: bool = True) -> None:
             """Load a LoRA adapter from inside ``--lora-dir``; its listing entry."""
             body = await read_json(raw_request, LoraLoadRequest)
             client = engine()
+            refuse_builtin(client, body.name, "replaced (load yours under another name)")
             try:
                 return await asyncio.to_thread(client.load_lora, body.name, body.path, "api", True)
             except InvalidRequestError as exc:
@@ -80,8 +92,9 @@ def install_lora_routes(app: FastAPI, state, loading: bool = True) -> None:
 
     @app.delete("/v1/loras/{name}", response_model=LoraDeleted, responses=errors)
     async def unload_lora(name: str) -> LoraDeleted:
-        """Unload a LoRA adapter no request uses."""
+        """Unload a LoRA adapter no request uses (not a built-in one)."""
         client = engine()
+        refuse_builtin(client, name, "unloaded")
         try:
             await asyncio.to_thread(client.unload_lora, name)
         except InvalidRequestError as exc:

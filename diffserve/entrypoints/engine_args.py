@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from pathlib import Path
 
 from diffserve.core.errors import InvalidRequestError
 
@@ -218,11 +219,12 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
     if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
         raise InvalidRequestError("max_cpu_loras", args.max_cpu_loras, f"an integer >= --max-loras ({args.max_loras})")
     if args.lora_dir is not None:
-        from pathlib import Path
-
         if not Path(args.lora_dir).is_dir():
             raise InvalidRequestError("lora_dir", args.lora_dir, "an existing folder")
-    lora_loads(getattr(args, "lora_loads", None))
+    for name, path in lora_loads(getattr(args, "lora_loads", None)).items():
+        if not Path(path).exists():  # found now, not after the server started and the model loaded
+            raise InvalidRequestError("lora_loads", f"{name}={path}", "NAME=PATH of an existing LoRA file or folder",
+                                      detail=f"no such file or folder: {path}")
     from diffserve.core.memory_size import parse_memory  # torch-free
 
     parse_memory(getattr(args, "max_memory", None))

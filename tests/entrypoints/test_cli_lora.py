@@ -49,6 +49,17 @@ def test_bad_lora_flags_are_one_line_errors(value, fragment, tmp_path, capsys):
     assert len(err) == 1 and fragment in err[0], err
 
 
+def test_serve_lora_with_a_missing_path_is_a_one_line_usage_error(tmp_path, monkeypatch, capsys, caplog):
+    """``serve --lora x=/missing`` names the flag and stops before the server starts (it used to
+    start, log the load's ERROR and exit with the loader's message)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["serve", "--lora", "x=nope.safetensors", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["diffserve: error: argument --lora: invalid value 'x=nope.safetensors': must be NAME=PATH of an "
+                   "existing LoRA file or folder (no such file or folder: nope.safetensors)"], err
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
 def test_option_parsers():
     assert parse_lora_use("a/b.safetensors:0.5") == ("a/b.safetensors", 0.5)
     assert parse_lora_use("C:\\x.safetensors") == ("C:\\x.safetensors", 1.0)

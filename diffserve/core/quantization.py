@@ -68,7 +68,9 @@ AUTO = "auto"
 
 _METHOD_LIST = ", ".join(METHODS)
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_PATTERN = re.compile(r"^[A-Za-z0-9_.*?\[\]-]+$")
+#: A skip pattern: name characters, ``*`` ``?``, and closed ``[...]`` / ``[!...]`` sets (an
+#: unclosed ``[`` would match a literal bracket, which no layer name has).
+_PATTERN = re.compile(r"^(?:[A-Za-z0-9_.*?-]|\[!?[A-Za-z0-9_.-]+\])+$")
 
 
 def _method_name(value: Any, allow_none: bool, component: str | None = None) -> str | None:
@@ -150,19 +152,23 @@ def parse_skip(value: Any) -> str | tuple[str, ...] | None:
     Raises:
         InvalidRequestError: field ``quantization_skip``.
     """
-    allowed = "'auto', layer-name patterns (comma-separated, wildcards * ? [], e.g. '*.ff.net.2'), or none"
+    allowed = "'auto', layer-name patterns (comma-separated, wildcards * ? [...], e.g. '*.ff.net.2'), or none"
     if value is None:
         return None
     if isinstance(value, str):
         text = value.strip()
         if text.lower() == AUTO:
             return AUTO
-        if text.lower() in NONE_WORDS or text == "":
+        if text.lower() in NONE_WORDS:
             return None
-        value = [p for p in text.split(",") if p.strip()]
+        if not text:  # an empty value is a mistake, not "none": say none
+            raise InvalidRequestError("quantization_skip", value, allowed)
+        value = text.split(",")
     if isinstance(value, (list, tuple)) and value and all(isinstance(p, str) for p in value):
         patterns = tuple(p.strip() for p in value)
         for p in patterns:
+            if not p:
+                raise InvalidRequestError("quantization_skip", ",".join(patterns), allowed, detail="an empty pattern")
             if not _PATTERN.match(p):
                 raise InvalidRequestError("quantization_skip", p, allowed)
         return patterns

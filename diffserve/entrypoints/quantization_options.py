@@ -18,8 +18,10 @@ See `diffserve.core.quantization` and `diffserve.quantization`.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
+from diffserve.core.errors import InvalidRequestError
 from diffserve.core.quantization import DEFAULT_ERROR_BUDGET, METHODS, QuantizationSpec
 
 
@@ -49,8 +51,8 @@ def quantization_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def check_quantization_arguments(args: argparse.Namespace) -> None:
-    """The torch-free checks (methods, components' syntax, skip patterns, budget, file name;
-    a GPU-only method with ``--device cpu``).
+    """The torch-free checks (methods, components' syntax, skip patterns, budget, that the
+    transformer file exists; a GPU-only method with ``--device cpu``).
 
     Raises:
         InvalidRequestError: naming the option's field.
@@ -59,5 +61,9 @@ def check_quantization_arguments(args: argparse.Namespace) -> None:
 
     spec = QuantizationSpec.parse(args.quantization, args.quantization_skip, args.quantization_error_budget,
                                   args.transformer_file)
+    if spec.transformer_file is not None:
+        if not Path(spec.transformer_file).is_file():  # found before torch and the model load
+            raise InvalidRequestError("transformer_file", spec.transformer_file, "an existing GGUF single-file "
+                                      "transformer (*.gguf)", detail="no such file")
     if getattr(args, "device", None) == "cpu":
         check_device(spec, "cpu", "float32")

@@ -49,6 +49,13 @@ def test_generate_writes_pngs(tiny_sd3_dir, tmp_path, capsys):
         (["--cache-config", "{bad"], "argument --cache-config: invalid value '{bad': must be a JSON object"),
         (["--steps", "abc"], "argument --steps: invalid int value: 'abc'"),
         (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+        (["--quantization", "int8_dynamic", "--quantization-skip", ""],  # was accepted, matching nothing
+         "argument --quantization-skip: invalid value '': must be 'auto', layer-name patterns"),
+        (["--quantization", "int8_dynamic", "--quantization-skip", "["], "argument --quantization-skip: invalid value '['"),
+        (["--quantization", "int8_dynamic", "--quantization-skip", "a,,b"],
+         "argument --quantization-skip: invalid value 'a,,b': must be 'auto'"),
+        (["--transformer-file", "missing.gguf"],  # was the loader's message, without the flag
+         "argument --transformer-file: invalid value 'missing.gguf': must be an existing GGUF"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line_naming_the_flag(tiny_sd3_dir, tmp_path, capsys, args, fragment):

@@ -71,7 +71,8 @@ def test_skip_budget_and_file():
     assert parse_skip("auto") == "auto" and parse_skip(None) is None and parse_skip("none") is None
     assert parse_skip("*.ff.net.2, proj_out") == ("*.ff.net.2", "proj_out")
     assert parse_skip(["transformer.proj_out"]) == ("transformer.proj_out",)
-    for bad in ("a b", [1], []):
+    assert parse_skip("transformer_blocks.[0-3].ff, *.[!a]") == ("transformer_blocks.[0-3].ff", "*.[!a]")
+    for bad in ("a b", [1], [], "", " ", "[", "a[0", "[]", "x]", "a,,b", "a,", ["a", ""]):
         with pytest.raises(InvalidRequestError, match="quantization_skip"):
             parse_skip(bad)
     assert parse_budget(0.05) == 0.05

@@ -51,7 +51,8 @@ def test_generate_writes_pngs(tiny_sd3_dir, tmp_path, capsys):
         (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
         (["--quantization", "int8_dynamic", "--quantization-skip", ""],  # was accepted, matching nothing
          "argument --quantization-skip: invalid value '': must be 'auto', layer-name patterns"),
-        (["--quantization", "int8_dynamic", "--quantization-skip", "["], "argument --quantization-skip: invalid value '['"),
+        (["--quantization", "int8_dynamic", "--quantization-skip", "["],
+         "argument --quantization-skip: invalid value '['"),
         (["--quantization", "int8_dynamic", "--quantization-skip", "a,,b"],
          "argument --quantization-skip: invalid value 'a,,b': must be 'auto'"),
         (["--transformer-file", "missing.gguf"],  # was the loader's message, without the flag

@@ -33,7 +33,7 @@ import math
 import re
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema, field_validator, model_serializer
 
 from diffserve.core.errors import InvalidRequestError
 from diffserve.core.sampling_params import (
@@ -115,6 +115,12 @@ PRIORITY_BOUND = 2**31
 #: states both, so a schema-valid request is refused only for a name the server does not hold: 404).
 LoraScales = dict[Annotated[str, StringConstraints(min_length=1, max_length=128)],
                   Annotated[float, Field(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE, allow_inf_nan=False)]]
+
+#: The ``scheduler`` field's type. The schema lists the sampler names (the served one narrows
+#: them to the model's, `_sampling_schema`), but any value passes here: the engine's check
+#: (`SamplingParams.validate`) refuses a name or value the model does not take with a 400 that
+#: lists the model's own samplers, where pydantic's would list all of `SAMPLER_NAMES`.
+SamplerName = Annotated[Any, WithJsonSchema({"type": "string", "enum": list(SAMPLER_NAMES)})]
 
 
 #: The ``cache_quality`` extension field of generation requests (`SamplingParams.cache_quality`).
@@ -214,7 +220,7 @@ class _ImageRequest(_StrictRequest):
                           "(multi-stage models: each new piece of the AR stage's text) events")
     loras: LoraScales | None = Field(None, description=LORAS_DESCRIPTION)
     cache_quality: CacheQuality | None = Field(None, description=CACHE_QUALITY_DESCRIPTION)
-    scheduler: Literal[SAMPLER_NAMES] | None = Field(  # type: ignore[valid-type]
+    scheduler: SamplerName | None = Field(
         None, description="sampler (A1111's names, each a diffusers scheduler: README 'Samplers'); the model card's "
                           "scheduler parameter lists those the model offers; null = the model folder's own")
     clip_skip: int | None = Field(None, ge=1, description="CLIP layers skipped from the end for the prompt "
@@ -654,7 +660,7 @@ class VideoCreateRequest(_StrictRequest):
     seed: int | None = Field(None, ge=0, lt=SEED_BOUND, description="seed (default: random, reported)")
     loras: LoraScales | None = Field(None, description=LORAS_DESCRIPTION)
     cache_quality: CacheQuality | None = Field(None, description=CACHE_QUALITY_DESCRIPTION)
-    scheduler: Literal[SAMPLER_NAMES] | None = Field(  # type: ignore[valid-type]
+    scheduler: SamplerName | None = Field(
         None, description="sampler (README 'Samplers'); null = the model folder's own scheduler")
     priority: int | None = Field(None, ge=-PRIORITY_BOUND, lt=PRIORITY_BOUND, description=PRIORITY_DESCRIPTION)
     deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False, description=DEADLINE_DESCRIPTION)

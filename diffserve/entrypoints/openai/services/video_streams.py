@@ -57,7 +57,6 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.requests import ClientDisconnect
 
-from diffserve.core.sampling_params import SAMPLER_NAMES
 from diffserve.entrypoints.openai.errors import (CLIENT_CLOSED_REQUEST, APIError, invalid_after_queueing,
                                                invalid_request, overloaded, unavailable)
 from diffserve.media.image_encoding import to_base64
@@ -66,6 +65,7 @@ from diffserve.entrypoints.openai.protocol import (
     scheduling_fields,
     LORAS_DESCRIPTION,
     CacheQuality,
+    SamplerName,
     MAX_PROMPT_CHARS,
     PROMPT_PATTERN,
     SEED_BOUND,
@@ -133,7 +133,7 @@ class VideoStreamRequest(BaseModel):
     include_video: bool = Field(True, description="send the whole video again in the completed event")
     loras: LoraScales | None = Field(None, description=LORAS_DESCRIPTION)
     cache_quality: CacheQuality | None = Field(None, description=CACHE_QUALITY_DESCRIPTION)
-    scheduler: Literal[SAMPLER_NAMES] | None = Field(  # type: ignore[valid-type]
+    scheduler: SamplerName | None = Field(
         None, description="sampler (README 'Samplers'); null = the model folder's own scheduler")
 
     @field_validator("num_chunks", "num_frames", "fps", "num_inference_steps", "seed", mode="before")

@@ -78,9 +78,9 @@ class EngineConfig:
         max_padding_ratio: the padding cap, in [0, 1]: a step batch of mixed sizes admits a
             request only while the forward's padded share (padded image tokens / all image
             token slots: rows x the widest row's tokens) stays within it; the oldest (or
-            best-ranked) request, aged requests and members of the previous step are exempt
-            (`diffserve.engine.queues`). 0 = sizes of different token counts never share a
-            forward; 1 = no cap.
+            best-ranked) request, requests older than ``aging_s`` and, while the head is
+            unchanged, the members of the previous step are exempt (`diffserve.engine.queues`).
+            0 = rows of different token counts never share a forward; 1 = no cap.
         admission: ``"all"`` (queue every valid request) or ``"slo"`` (refuse at arrival, with
             `DeadlineUnmeetableError`, a request whose ``deadline_s`` the cost model predicts it
             cannot meet).

@@ -39,14 +39,18 @@ Scheduling policies (step mode; `policy`):
 Padding cap (step mode, every policy; `max_padding_ratio` R in [0, 1], 1 = off): rows of
 different sizes in one forward are padded to its widest row (`Request.row_tokens`), so a
 forward's padded share is ``1 - image tokens / (rows x widest row's tokens)``. When a step batch
-is filled, a candidate whose joining would make that share exceed R is passed over for this
-batch (it keeps its place and runs in a later one). Exempt, so nothing starves and nothing
-running is evicted: the head of the order (the oldest request under ``fcfs``, the best-ranked
-otherwise), a request that arrived more than `aging_s` seconds ago, and a member of the
-previous step's batch. The exempt rows count at their widest from the start of the fill, so
-the share holds against them too, unless an exempt request itself exceeds it. Under ``fcfs``
-the head advances every step until it finishes, so a passed-over request waits at most for
-the requests older than it (it is the head then); under the ranked policies, aging bounds it.
+is filled, a candidate whose joining would make that share exceed R (and raise it) is passed
+over for this batch (it stays admitted, its rows and worker state kept, and runs in a later batch). Exempt,
+so nothing starves and a newcomer never evicts a running request: the head of the order (the
+oldest request under ``fcfs``, the best-ranked otherwise), a request that arrived more than
+`aging_s` seconds ago, and, while the previous step's head still leads, the members of that
+step. The exempt rows count at their widest from the start of the fill, so the share holds
+against them too, unless an exempt request itself exceeds it. When the head changes (it
+finished, or a better-ranked one preempted it), the batch is built afresh under the cap, so
+with R = 0 rows of different token counts never share a forward (aged requests aside). Under
+``fcfs`` the head advances every step until it finishes, so a passed-over request waits at
+most for the requests older than it (then it is the head); under the ranked policies, aging
+bounds it.
 
 Request mode (static batching, the baseline): when nothing runs, the head of the queue and
 every waiting request sharing its batch key (up to `max_batch_size` rows) are admitted
@@ -329,12 +333,13 @@ class RequestQueues:
         """The first request of `ordered`, then the next ones with its (batch key, step key), in
         order, while they fit in `max_batch_size` rows (the first always included) and, with
         the padding cap, keep the forward's padded share within `max_padding_ratio` (exempt:
-        the first, aged requests and members of the previous step's batch; the module
-        docstring). O(len(ordered)), plain integers."""
+        the first, aged requests, and members of the previous step's batch while its head
+        leads; the module docstring). O(len(ordered)), plain integers."""
         key = (ordered[0].batch_key, ordered[0].step_key)
         cap = self.max_padding_ratio
         capped = cap < 1.0
-        previous = set(map(id, self._last or ())) if capped else ()
+        # the previous step's members, while its head leads again (a new head rebuilds the batch)
+        previous = set(map(id, self._last)) if capped and self._last and self._last[0] is ordered[0] else ()
         aged_before = now - self.aging_s
 
         def exempt(request: Request) -> bool:
@@ -356,7 +361,12 @@ class RequestQueues:
             if capped:
                 width = max(widest, request.row_tokens)
                 slots = (rows + request.rows) * width
-                if batch and slots and slots - tokens - request.tokens > cap * slots and not exempt(request):
+                padded = slots - tokens - request.tokens
+                slots_before = rows * widest
+                # passed over: past the cap, and more padded than the batch so far (a row at the
+                # widest size lowers the share: it joins even when exempt rows exceed the cap)
+                raises = padded * slots_before > (slots_before - tokens) * slots if slots_before else padded > 0
+                if batch and padded > cap * slots and raises and not exempt(request):
                     ages_at = (request.ar_end_time or request.arrival_time) + self.aging_s
                     self._recheck_at = ages_at if self._recheck_at is None else min(self._recheck_at, ages_at)
                     continue

@@ -572,6 +572,10 @@ def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
                                                                       "pixels_per_s")
         summary["targets"][f"{pad}_vs_per_size_rows_per_forward"] = ratio(f"closed/{pad}", "closed/per_size",
                                                                           "rows_per_forward")
+        summary["targets"][f"{pad}_vs_mixed_pixels_per_s"] = ratio(f"closed/{pad}", "closed/mixed", "pixels_per_s")
+    if pads:
+        summary["targets"]["per_size_vs_mixed_pixels_per_s"] = ratio("closed/per_size", "closed/mixed",
+                                                                     "pixels_per_s")
     for load in loads:
         base, slo = f"load{load:g}/per_size", f"load{load:g}/mixed_slo"
         if base in results and slo in results:

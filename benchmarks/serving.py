@@ -437,7 +437,8 @@ def replay(engine: DiffusionEngine, jobs: list[TraceJob], concurrency: int | Non
     """Replay `jobs` on `engine` (open loop at their arrivals, or closed loop at `concurrency`),
     stepping it in this thread. Returns pixels/s, requests/s, mean rows and tokens per forward
     (the engine's counters over the replay), SLO attainment (finished within deadline_s /
-    requests with one), the longest queue wait and latency percentiles."""
+    requests with one), the longest queue wait, latency percentiles and the padded share of the
+    forwards' image token slots."""
     before = engine.stats()["scheduler"]
     start = time.perf_counter()
     arrival, finish, queue, by_id = {}, {}, {}, {}
@@ -483,7 +484,8 @@ def replay(engine: DiffusionEngine, jobs: list[TraceJob], concurrency: int | Non
             "tokens_per_forward": per_forward("mean_tokens_per_forward"),
             "slo_attainment": len(met) / len(judged) if judged else None,
             "max_queue_s": max(queue.values()), "p50_latency_s": _pct(list(latency.values()), 50),
-            "p99_latency_s": _pct(list(latency.values()), 99), "preemptions": after["preemptions"] - before["preemptions"],
+            "p99_latency_s": _pct(list(latency.values()), 99),
+            "preemptions": after["preemptions"] - before["preemptions"],
             "padded_token_share": padded_share(before, after)}
 
 

@@ -40,8 +40,8 @@ Padding cap (step mode, every policy; `max_padding_ratio` R in [0, 1], 1 = off):
 different sizes in one forward are padded to its widest row (`Request.row_tokens`), so a
 forward's padded share is ``1 - image tokens / (rows x widest row's tokens)``. When a step batch
 is filled, a candidate whose joining would make that share exceed R (and raise it) is passed
-over for this batch (it stays admitted, its rows and worker state kept, and runs in a later batch). Exempt,
-so nothing starves and a newcomer never evicts a running request: the head of the order (the
+over for this batch: it stays admitted, its rows and worker state kept, and runs in a later
+batch. Exempt, so nothing starves and a newcomer never evicts a running request: the head of the order (the
 oldest request under ``fcfs``, the best-ranked otherwise), a request that arrived more than
 `aging_s` seconds ago, and, while the previous step's head still leads, the members of that
 step. The exempt rows count at their widest from the start of the fill, so the share holds

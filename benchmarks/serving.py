@@ -437,7 +437,8 @@ def replay(engine: DiffusionEngine, jobs: list[TraceJob], concurrency: int | Non
     """Replay `jobs` on `engine` (open loop at their arrivals, or closed loop at `concurrency`),
     stepping it in this thread. Returns pixels/s, requests/s, mean rows and tokens per forward
     (the engine's counters over the replay), SLO attainment (finished within deadline_s /
-    requests with one), the longest queue wait and latency percentiles."""
+    requests with one), the longest queue wait, latency percentiles and the padded share of the
+    forwards' image token slots."""
     before = engine.stats()["scheduler"]
     start = time.perf_counter()
     arrival, finish, queue, by_id = {}, {}, {}, {}
@@ -483,11 +484,31 @@ def replay(engine: DiffusionEngine, jobs: list[TraceJob], concurrency: int | Non
             "tokens_per_forward": per_forward("mean_tokens_per_forward"),
             "slo_attainment": len(met) / len(judged) if judged else None,
             "max_queue_s": max(queue.values()), "p50_latency_s": _pct(list(latency.values()), 50),
-            "p99_latency_s": _pct(list(latency.values()), 99), "preemptions": after["preemptions"] - before["preemptions"]}
+            "p99_latency_s": _pct(list(latency.values()), 99),
+            "preemptions": after["preemptions"] - before["preemptions"],
+            "padded_token_share": padded_share(before, after)}
 
 
-#: Trace-mode arms: (batching of sizes, scheduling policy).
-TRACE_ARMS = {"per_size": (False, "fcfs"), "mixed": (True, "fcfs"), "mixed_slo": (True, "slo")}
+def padded_share(before: dict, after: dict) -> float:
+    """The padded share of the image token slots of the forwards between two scheduler stats."""
+    def totals(s: dict) -> tuple[float, float]:
+        tokens = s["mean_tokens_per_forward"] * s["forwards"]
+        share = s.get("padded_token_share", 0.0)
+        return tokens, tokens / (1.0 - share) if share < 1.0 else tokens
+    (t0, s0), (t1, s1) = totals(before), totals(after)
+    return 1.0 - (t1 - t0) / (s1 - s0) if s1 > s0 else 0.0
+
+
+#: Trace-mode arms: (batching of sizes, scheduling policy, max_padding_ratio); ``mixed_padR`` is
+#: mixed sizes under FCFS with the padding cap R (e.g. ``mixed_pad0.25``).
+TRACE_ARMS = {"per_size": (False, "fcfs", 1.0), "mixed": (True, "fcfs", 1.0), "mixed_slo": (True, "slo", 1.0)}
+
+
+def trace_arm(arm: str) -> tuple[bool, str, float]:
+    """(batching of sizes, policy, max_padding_ratio) of a trace arm name."""
+    if arm.startswith("mixed_pad"):
+        return True, "fcfs", float(arm[len("mixed_pad"):])
+    return TRACE_ARMS[arm]
 
 
 def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
@@ -499,10 +520,10 @@ def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
     concurrency = args.concurrency or 16
 
     def engine_for(arm: str) -> DiffusionEngine:
-        mixed, policy = TRACE_ARMS[arm]
+        mixed, policy, ratio = trace_arm(arm)
         runner.adapter.mixed_sizes = mixed and runner._mixed_capable  # read by batch_key and prepare
-        return DiffusionEngine(dataclasses.replace(config, scheduling_policy=policy, aging_s=args.aging_s),
-                               runner=runner)
+        return DiffusionEngine(dataclasses.replace(config, scheduling_policy=policy, aging_s=args.aging_s,
+                                                   max_padding_ratio=ratio), runner=runner)
 
     runner._mixed_capable = bool(runner.adapter.mixed_sizes)
     # capacity probe: per-size FCFS, closed loop, on the mix with placeholder deadlines
@@ -521,10 +542,11 @@ def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
           f"({full_rows:.1f} rows/forward); step {step_s * 1000:.1f} ms; aging bound {args.aging_s:g} s; "
           f"one-size workload at {one[0]}x{one[1]} (height x width)")
     results: dict[str, list[dict]] = {}
-    loads = [float(x) for x in args.trace_loads.split(",")]
+    loads = [float(x) for x in args.trace_loads.split(",") if x.strip()]
+    pads = [f"mixed_pad{float(r):g}" for r in args.padding_ratios.split(",") if r.strip()]
     for repeat in range(args.repeats):
         closed = [("closed/per_size", "per_size", jobs), ("closed/mixed", "mixed", jobs),
-                  ("closed/one_size", "mixed", one_size)]
+                  *[(f"closed/{pad}", pad, jobs) for pad in pads], ("closed/one_size", "mixed", one_size)]
         opened = [(f"load{load:g}/{arm}", arm, _at_rate(jobs, load * capacity, args.seed + repeat))
                   for load in loads for arm in args.trace_arms.split(",")]
         runs = closed + opened
@@ -545,7 +567,17 @@ def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
     summary["targets"] = {
         "mixed_vs_one_size_pixels_per_s": ratio("closed/mixed", "closed/one_size", "pixels_per_s"),
         "mixed_vs_per_size_rows_per_forward": ratio("closed/mixed", "closed/per_size", "rows_per_forward"),
+        "per_size_vs_one_size_pixels_per_s": ratio("closed/per_size", "closed/one_size", "pixels_per_s"),
     }
+    for pad in pads:
+        summary["targets"][f"{pad}_vs_one_size_pixels_per_s"] = ratio(f"closed/{pad}", "closed/one_size",
+                                                                      "pixels_per_s")
+        summary["targets"][f"{pad}_vs_per_size_rows_per_forward"] = ratio(f"closed/{pad}", "closed/per_size",
+                                                                          "rows_per_forward")
+        summary["targets"][f"{pad}_vs_mixed_pixels_per_s"] = ratio(f"closed/{pad}", "closed/mixed", "pixels_per_s")
+    if pads:
+        summary["targets"]["per_size_vs_mixed_pixels_per_s"] = ratio("closed/per_size", "closed/mixed",
+                                                                     "pixels_per_s")
     for load in loads:
         base, slo = f"load{load:g}/per_size", f"load{load:g}/mixed_slo"
         if base in results and slo in results:
@@ -627,10 +659,15 @@ def main() -> None:
     ap.add_argument("--trace", default=None, metavar="FILE|builtin",
                     help="trace mode: replay a trace (JSON lines, see load_trace) or the built-in mix of sizes, "
                          "step counts and two SLO classes; arms --trace-arms at --trace-loads x capacity")
-    ap.add_argument("--trace-loads", default="0.8,1.0", help="trace mode: loads as fractions of capacity")
+    ap.add_argument("--trace-loads", default="0.8,1.0",
+                    help="trace mode: loads as fractions of capacity ('' = closed loop only)")
+    ap.add_argument("--padding-ratios", default="",
+                    help="trace mode: closed-loop arms mixed_padR, mixed sizes under FCFS with --max-padding-ratio "
+                         "R, for each R of this comma-separated list (e.g. 0.25,0.5; default: none)")
     ap.add_argument("--trace-arms", default="per_size,mixed,mixed_slo",
                     help="trace mode: per_size (batching by size, FCFS: before issue 27), mixed (mixed sizes, "
-                         "FCFS), mixed_slo (mixed sizes, --scheduling-policy slo)")
+                         "FCFS), mixed_slo (mixed sizes, --scheduling-policy slo), mixed_padR (mixed sizes, FCFS, "
+                         "--max-padding-ratio R)")
     ap.add_argument("--slo-tight", type=float, default=3.0,
                     help="trace mode: interactive deadline = this x its steps x a full-batch step")
     ap.add_argument("--slo-loose", type=float, default=12.0,

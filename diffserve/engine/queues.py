@@ -36,6 +36,22 @@ Scheduling policies (step mode; `policy`):
   younger one, in arrival order among themselves. So a request waits at most `aging_s` plus
   what FCFS would make it wait behind the requests older than it: nothing starves.
 
+Padding cap (step mode, every policy; `max_padding_ratio` R in [0, 1], 1 = off): rows of
+different sizes in one forward are padded to its widest row (`Request.row_tokens`), so a
+forward's padded share is ``1 - image tokens / (rows x widest row's tokens)``. When a step batch
+is filled, a candidate whose joining would make that share exceed R (and raise it) is passed
+over for this batch: it stays admitted, its rows and worker state kept, and runs in a later
+batch. Exempt, so nothing starves and a newcomer never evicts a running request: the head of the order (the
+oldest request under ``fcfs``, the best-ranked otherwise), a request that arrived more than
+`aging_s` seconds ago, and, while the previous step's head still leads, the members of that
+step. The exempt rows count at their widest from the start of the fill, so the share holds
+against them too, unless an exempt request itself exceeds it. When the head changes (it
+finished, or a better-ranked one preempted it), the batch is built afresh under the cap, so
+with R = 0 rows of different token counts never share a forward (aged requests aside). Under
+``fcfs`` the head advances every step until it finishes, so a passed-over request waits at
+most for the requests older than it (then it is the head); under the ranked policies, aging
+bounds it.
+
 Request mode (static batching, the baseline): when nothing runs, the head of the queue and
 every waiting request sharing its batch key (up to `max_batch_size` rows) are admitted
 together and run to completion before anything else is admitted.
@@ -79,14 +95,16 @@ class RequestQueues:
         lora_ready: whether the workers hold every named adapter (None = always); a request
             whose adapters are still loading is passed over at admission.
         policy: ``"fcfs"``, ``"priority"`` or ``"slo"`` (the module docstring; step mode).
-        aging_s: the aging bound of ``priority`` / ``slo`` in seconds.
+        aging_s: the aging bound of ``priority`` / ``slo`` and of the padding cap, in seconds.
         cost_model: the step-time model ``slo`` ranks with (a fresh one when None).
+        max_padding_ratio: the padding cap R in [0, 1] (the module docstring; 1 = off).
     """
 
     def __init__(self, max_batch_size: int, max_waiting: int, mode: str = "step",
                  memory_limit: int | None = None, max_loras: int | None = None,
                  lora_ready: Callable[[Iterable[str]], bool] | None = None, policy: str = "fcfs",
-                 aging_s: float = 60.0, cost_model: StepCostModel | None = None):
+                 aging_s: float = 60.0, cost_model: StepCostModel | None = None,
+                 max_padding_ratio: float = 1.0):
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
         self.mode = mode
@@ -100,8 +118,13 @@ class RequestQueues:
         self.policy = policy if mode == "step" else "fcfs"
         self.aging_s = aging_s
         self.cost_model = cost_model or StepCostModel()
+        self.max_padding_ratio = max_padding_ratio
         #: image tokens of the last selected batch (`Request.tokens` summed)
         self.batch_tokens = 0
+        #: token slots of the last selected batch: its rows x its widest row's image tokens
+        self.batch_slots = 0
+        #: fcfs with the padding cap: when a request the cap passed over ages (re-select then)
+        self._recheck_at: float | None = None
         #: requests left out of a step they were running in (priority / slo)
         self.preemptions = 0
         #: ranked policies: some denoising request was left out of the batch (re-rank each tick)
@@ -293,7 +316,7 @@ class RequestQueues:
         step_s = self.step_seconds() if self.policy == "slo" else None
         stepping = set(map(id, self._last or ()))
         denoising.sort(key=lambda r: self.rank(r, now, step_s, id(r) in stepping))
-        batch = self._fill(denoising)
+        batch = self._fill(denoising, now)
         self._contended = len(batch) < len(denoising)
         previous = self._last
         if previous is not None and len(previous) == len(batch) and all(a is b for a, b in zip(previous, batch)):
@@ -306,42 +329,79 @@ class RequestQueues:
                     request.metrics.preemptions += 1
         return batch
 
-    def _fill(self, ordered: list[Request]) -> list[Request]:
+    def _fill(self, ordered: list[Request], now: float) -> list[Request]:
         """The first request of `ordered`, then the next ones with its (batch key, step key), in
-        order, while they fit in `max_batch_size` rows (the first always included)."""
+        order, while they fit in `max_batch_size` rows (the first always included) and, with
+        the padding cap, keep the forward's padded share within `max_padding_ratio` (exempt:
+        the first, aged requests, and members of the previous step's batch while its head
+        leads; the module docstring). O(len(ordered)), plain integers."""
         key = (ordered[0].batch_key, ordered[0].step_key)
+        cap = self.max_padding_ratio
+        capped = cap < 1.0
+        # the previous step's members, while its head leads again (a new head rebuilds the batch)
+        previous = set(map(id, self._last)) if capped and self._last and self._last[0] is ordered[0] else ()
+        aged_before = now - self.aging_s
+
+        def exempt(request: Request) -> bool:
+            return (request is ordered[0] or id(request) in previous
+                    or (request.ar_end_time or request.arrival_time) < aged_before)
+
+        widest = 0  # the widest row's image tokens, counting the exempt rows that will join
+        if capped:
+            widest = max((r.row_tokens for r in ordered
+                          if (r.batch_key, r.step_key) == key and exempt(r)), default=0)
+        self._recheck_at = None
         batch: list[Request] = []
-        rows = 0
+        rows = tokens = 0
         for request in ordered:
             if (request.batch_key, request.step_key) != key:
                 continue
             if batch and rows + request.rows > self.max_batch_size:
                 continue
+            if capped:
+                width = max(widest, request.row_tokens)
+                slots = (rows + request.rows) * width
+                padded = slots - tokens - request.tokens
+                slots_before = rows * widest
+                # passed over: past the cap, and more padded than the batch so far (a row at the
+                # widest size lowers the share: it joins even when exempt rows exceed the cap)
+                raises = padded * slots_before > (slots_before - tokens) * slots if slots_before else padded > 0
+                if batch and padded > cap * slots and raises and not exempt(request):
+                    ages_at = (request.ar_end_time or request.arrival_time) + self.aging_s
+                    self._recheck_at = ages_at if self._recheck_at is None else min(self._recheck_at, ages_at)
+                    continue
+                widest = width
             batch.append(request)
             rows += request.rows
+            tokens += request.tokens
+        return batch
+
+    def _set_batch(self, batch: list[Request]) -> list[Request]:
+        """Remember `batch` as the selected one, with its tokens and token slots."""
+        self._batch = self._last = batch
+        self.batch_tokens = sum(r.tokens for r in batch)
+        self.batch_slots = sum(r.rows for r in batch) * max((r.row_tokens for r in batch), default=0)
         return batch
 
     def select_batch(self) -> list[Request]:
         """Requests for the next denoising step: the oldest denoising request's (batch key,
-        step key), oldest first, up to `max_batch_size` rows (the oldest always included).
+        step key), oldest first, up to `max_batch_size` rows (the oldest always included),
+        within the padding cap (`_fill`).
 
-        While nothing it depends on changed (no admission, `finish` or `changed` since), the
-        previous call's list is returned again, as is (the same object: callers must not
-        modify it), so a step of an unchanged batch costs no per-request work here."""
-        if self._batch is not None and not self._contended:
+        While nothing it depends on changed (no admission, `finish` or `changed` since, and no
+        request the padding cap passed over has aged), the previous call's list is returned
+        again, as is (the same object: callers must not modify it), so a step of an unchanged
+        batch costs no per-request work here."""
+        if self._batch is not None and not self._contended and (
+                self._recheck_at is None or time.perf_counter() < self._recheck_at):
             return self._batch
         if self.policy != "fcfs":
-            self._batch = self._select_ranked()
-            self._last = self._batch
-            self.batch_tokens = sum(r.tokens for r in self._batch)
-            return self._batch
+            return self._set_batch(self._select_ranked())
         ordered = sorted((r for r in self.running if r.phase is Phase.DENOISING), key=lambda r: r.seq)
         if not ordered:
+            self._recheck_at = None
             return []
-        batch = self._fill(ordered)
-        self._batch = batch
-        self.batch_tokens = sum(r.tokens for r in batch)
-        return batch
+        return self._set_batch(self._fill(ordered, time.perf_counter()))
 
     def finish(self, request: Request) -> None:
         """Remove a request from `running` (finished, failed or aborted)."""

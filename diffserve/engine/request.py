@@ -93,6 +93,12 @@ class Request:
     tokens: int = 0
 
     @property
+    def row_tokens(self) -> int:
+        """Image tokens of one of its rows (`tokens` / `rows`): what a forward pads every row
+        to the widest of (the padding cap of `diffserve.engine.queues`)."""
+        return self.tokens // self.rows if self.rows > 0 else self.tokens
+
+    @property
     def lora_names(self) -> tuple[str, ...]:
         """Names of the LoRA adapters the request uses (``params.loras``)."""
         loras = self.params.loras if self.params is not None else None

@@ -322,7 +322,7 @@ class RequestScheduler:
         """Apply the workers' `result` for `out` (see the module docstring)."""
         if result.step is not None:
             tokens = self.queues.batch_tokens
-            self.counters.forward(result.step.num_rows, tokens)
+            self.counters.forward(result.step.num_rows, tokens, self.queues.batch_slots)
             self.queues.cost_model.observe(tokens, result.step_end - result.step_start)
             self._book_step(out.step_ids, result.step, result.step_end)
         if result.prepared:

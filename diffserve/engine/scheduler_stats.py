@@ -18,6 +18,8 @@ class SchedulerCounters:
 
     Attributes:
         forwards / rows / tokens: denoiser forwards run, and the rows and image tokens in them.
+        slots: image token slots of those forwards (rows x each forward's widest row's tokens;
+            slots - tokens were padding).
         queue: priority -> [admitted requests, seconds queued in total, longest seconds]; at
             most `MAX_PRIORITY_BUCKETS` priorities, then ``"other"`` for any further one.
         slo_met / slo_missed: finished requests with a ``deadline_s`` that met / missed it;
@@ -27,16 +29,18 @@ class SchedulerCounters:
     """
 
     def __init__(self) -> None:
-        self.forwards = self.rows = self.tokens = 0
+        self.forwards = self.rows = self.tokens = self.slots = 0
         self.queue: dict[int | str, list] = {}
         self.slo_met = self.slo_missed = self.slo_met_images = self.refused = 0
         self.start = time.perf_counter()
 
-    def forward(self, rows: int, tokens: int) -> None:
-        """One denoiser forward of `rows` rows and `tokens` image tokens."""
+    def forward(self, rows: int, tokens: int, slots: int = 0) -> None:
+        """One denoiser forward of `rows` rows, `tokens` image tokens and `slots` image token
+        slots (rows x its widest row's tokens; 0 = not known)."""
         self.forwards += 1
         self.rows += rows
         self.tokens += tokens
+        self.slots += max(slots, tokens)
 
     def queued(self, priority: int, seconds: float) -> None:
         """A request of `priority` admitted after `seconds` in the waiting queue."""
@@ -60,6 +64,7 @@ class SchedulerCounters:
 
     def as_dict(self) -> dict:
         """``forwards``, ``mean_rows_per_forward``, ``mean_tokens_per_forward``,
+        ``padded_token_share`` (padded image token slots / all of them, over every forward),
         ``queue_delay_s`` ({priority: {"requests", "mean", "max"}}, by priority as text, at
         most `MAX_PRIORITY_BUCKETS` of them plus ``"other"``), ``slo_attainment`` (met /
         finished with a deadline; None without any), ``slo_met``, ``slo_missed``,
@@ -71,6 +76,7 @@ class SchedulerCounters:
             "forwards": self.forwards,
             "mean_rows_per_forward": self.rows / self.forwards if self.forwards else 0.0,
             "mean_tokens_per_forward": self.tokens / self.forwards if self.forwards else 0.0,
+            "padded_token_share": 1.0 - self.tokens / self.slots if self.slots else 0.0,
             "queue_delay_s": {str(p): {"requests": n, "mean": total / n, "max": longest}
                               for p, (n, total, longest) in sorted(self.queue.copy().items(),
                                                                    key=lambda kv: (isinstance(kv[0], str), kv[0]))},

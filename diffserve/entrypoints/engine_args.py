@@ -41,6 +41,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--aging-s", type=float, default=60.0, metavar="SECONDS",
                         help="priority/slo: requests older than this are served in arrival order ahead of younger "
                              "ones (the bound on waiting)")
+    parser.add_argument("--max-padding-ratio", type=float, default=1.0, metavar="R",
+                        help="mixed sizes: most padded share of a forward's image token slots, in [0, 1]; a request "
+                             "that would exceed it waits for a later step batch (the oldest, aged requests and "
+                             "running ones are exempt); 0 = different token counts never share a forward; "
+                             "1 = no cap (default: 1)")
     parser.add_argument("--admission", default="all", choices=["all", "slo"],
                         help="slo = refuse at arrival (HTTP 429) a request whose deadline_s the cost model "
                              "predicts it cannot meet")
@@ -140,6 +145,7 @@ def engine_config_from_args(args: argparse.Namespace):
         execution_mode=args.execution_mode,
         scheduling_policy=args.scheduling_policy,
         aging_s=args.aging_s,
+        max_padding_ratio=args.max_padding_ratio,
         admission=args.admission,
         max_num_inference_steps=args.max_num_inference_steps,
         max_num_frames=args.max_num_frames,
@@ -203,6 +209,8 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
     """
     if args.threads is not None and args.threads < 1:
         raise InvalidRequestError("threads", args.threads, "an integer >= 1")
+    if not 0 <= args.max_padding_ratio <= 1:  # NaN fails too
+        raise InvalidRequestError("max_padding_ratio", args.max_padding_ratio, "a number in [0, 1] (1 = no cap)")
     if args.max_batch_size < 1:
         raise InvalidRequestError("max_batch_size", args.max_batch_size, "an integer >= 1")
     if args.prompt_embed_cache_size < 0:

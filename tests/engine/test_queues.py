@@ -165,3 +165,136 @@ def test_lora_admission_waits_for_loads_and_slots(mode):
         ready.add("c")
         s.finish(with_b)
         assert s.admit() == [loading]
+
+
+# ------------------------------------------------------------------ padding cap (max_padding_ratio)
+def _sized(seq, row_tokens, rows=2, age_s=0.0):
+    """A request of `rows` rows of `row_tokens` image tokens each, arrived `age_s` ago."""
+    import time
+
+    return Request(request_id=str(seq), prompt="p", params=None, batch_key="a", rows=rows, seq=seq,
+                   arrival_time=time.perf_counter() - age_s, tokens=rows * row_tokens)
+
+
+def _padded_share(batch):
+    widest = max(r.row_tokens for r in batch)
+    slots = sum(r.rows for r in batch) * widest
+    return 1 - sum(r.tokens for r in batch) / slots
+
+
+def _drain(s: RequestQueues, steps: int, arrivals=()):
+    """Step `s` until every request finished (`steps` steps each), admitting `arrivals`
+    ({step: [requests]}) on the way; returns every step's batch (as lists of requests)."""
+    arrivals = dict(arrivals)
+    left, batches = {}, []
+    for step in range(1000):
+        for r in arrivals.pop(step, ()):
+            s.add(r)
+        for r in _admit(s):
+            left[r.request_id] = steps
+        batch = list(s.select_batch())
+        if not batch and not s.waiting and not arrivals:
+            return batches
+        batches.append(batch)
+        for r in batch:
+            left[r.request_id] -= 1
+            if left[r.request_id] == 0:
+                s.finish(r)
+    raise AssertionError("requests starved")
+
+
+MIX = [256, 128, 256, 64, 128, 256, 64, 256, 128, 128]  # image tokens per row, in arrival order
+
+
+def test_padding_cap_zero_never_mixes_token_counts():
+    s = RequestQueues(max_batch_size=8, max_waiting=100, max_padding_ratio=0.0)
+    for i, t in enumerate(MIX):
+        s.add(_sized(i, t))
+    late = {3: [_sized(10 + i, t) for i, t in enumerate([64, 256, 128])]}
+    batches = _drain(s, steps=4, arrivals=late)
+    assert all(len({r.row_tokens for r in b}) == 1 for b in batches)
+    assert s.batch_slots == s.batch_tokens  # the last forward: no padding
+    assert {r.row_tokens for b in batches for r in b} == {64, 128, 256}
+
+
+def test_padding_cap_one_is_todays_rule():
+    """R = 1 on mixed token counts selects exactly the batches of the rule without a cap (the
+    same requests at one token count, where no cap can bind)."""
+    runs = []
+    for cap, mix in ((1.0, MIX), (0.0, [128] * len(MIX))):
+        s = RequestQueues(max_batch_size=8, max_waiting=100, max_padding_ratio=cap)
+        for i, t in enumerate(mix):
+            s.add(_sized(i, t))
+        runs.append([[r.request_id for r in b] for b in _drain(s, steps=3)])
+    assert runs[0] == runs[1]
+    assert any(len({MIX[int(i)] for i in b}) > 1 for b in runs[0])  # sizes did mix
+    # and the uncapped rule mixes token counts in one forward; the cap bounds them
+    s = RequestQueues(max_batch_size=8, max_waiting=100, max_padding_ratio=0.3)
+    for i, t in enumerate(MIX):
+        s.add(_sized(i, t))
+    batches = _drain(s, steps=3)
+    assert all(_padded_share(b) <= 0.3 for b in batches)
+    assert any(len({r.row_tokens for r in b}) > 1 for b in batches)  # 256 + 128 rows: share 0.25
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "slo"])
+def test_padding_cap_never_starves(policy):
+    """A small request behind a steady stream of large ones that always form the batch: under
+    R = 0 it never fits beside them, yet it finishes (FCFS: it becomes the oldest; ranked
+    policies: it ages past `aging_s`)."""
+    s = RequestQueues(max_batch_size=8, max_waiting=1000, policy=policy, aging_s=0.05, max_padding_ratio=0.0)
+    left, seq = {}, 0
+
+    def arrive(tokens):
+        nonlocal seq
+        r = _sized(seq, tokens)
+        r.params = SamplingParams()
+        r.num_steps = 5
+        s.add(r)
+        left[r.request_id] = 5
+        seq += 1
+        return r
+
+    for _ in range(3):
+        arrive(256)
+    victim = arrive(64)
+    import time
+
+    deadline = time.perf_counter() + 5.0
+    while victim.request_id in left and time.perf_counter() < deadline:
+        arrive(256)
+        _admit(s)
+        for r in s.select_batch():
+            r.steps_done += 1
+            left[r.request_id] -= 1
+            if left[r.request_id] == 0:
+                del left[r.request_id]
+                s.finish(r)
+        time.sleep(0.002)
+    assert victim.request_id not in left
+
+
+def test_padding_cap_exempts_aged_and_running_requests():
+    s = RequestQueues(max_batch_size=8, max_waiting=100, aging_s=30.0, max_padding_ratio=0.0)
+    head, small, old_small = _sized(0, 256), _sized(1, 64), _sized(2, 64, age_s=60.0)
+    for r in (head, small, old_small):
+        s.add(r)
+    _admit(s)
+    assert s.select_batch() == [head, old_small]  # aged: joins despite R = 0; `small` waits
+    wide = _sized(3, 256)
+    s.add(wide)
+    _admit(s)
+    assert s.select_batch() == [head, old_small, wide]  # at the widest size: lowers the share
+
+    # running members are never evicted: A, B, C ran together (share 0.25 <= 0.3); L (passed
+    # over: 0.375) is older than C, and with B gone C alone beside A would pad 0.375 too
+    s = RequestQueues(max_batch_size=8, max_waiting=100, max_padding_ratio=0.3)
+    a, l_, b, c = _sized(0, 256), _sized(1, 64), _sized(2, 256), _sized(3, 64)
+    for r in (a, l_, b, c):
+        s.add(r)
+    _admit(s)
+    assert s.select_batch() == [a, b, c]
+    s.finish(b)
+    assert s.select_batch() == [a, c]
+    s.finish(a)  # a new head: the batch is built afresh
+    assert s.select_batch() == [l_, c]

@@ -185,3 +185,53 @@ def test_queue_delay_counts_a_bounded_number_of_priorities():
     assert list(delay)[:2] == ["-5", "-4"] and list(delay)[-1] == "other"
     assert delay["-5"] == {"requests": 2, "mean": 1.0, "max": 1.5}
     assert delay["other"]["requests"] == 5005 - MAX_PRIORITY_BUCKETS
+
+
+# ------------------------------------------------------------------ the padding cap (max_padding_ratio)
+@pytest.mark.parametrize("value", [-0.1, 1.5, math.nan, math.inf, "0.5", True, None])
+def test_bad_max_padding_ratio_is_refused_naming_the_field(value):
+    with pytest.raises(InvalidRequestError) as info:
+        EngineConfig(max_padding_ratio=value)
+    assert info.value.field == "max_padding_ratio" and "[0, 1]" in str(info.value)
+
+
+@pytest.mark.parametrize("flag,fragment", [
+    ("1.5", "argument --max-padding-ratio: invalid value 1.5: must be a number in [0, 1]"),
+    ("-0.25", "argument --max-padding-ratio: invalid value -0.25"),
+    ("nan", "argument --max-padding-ratio: invalid value nan"),
+    ("half", "argument --max-padding-ratio: invalid float value: 'half'"),
+])
+def test_bad_max_padding_ratio_flag_names_the_flag(tmp_path, capsys, flag, fragment):
+    from diffserve.entrypoints.cli import main
+
+    try:
+        rc = main(["generate", "a digit 3", "-o", str(tmp_path / "out"), "--max-padding-ratio", flag])
+    except SystemExit as exc:  # argparse's own (types)
+        rc = exc.code
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0], err
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_padding_cap_on_the_built_in_model(ratio, one_torch_thread):
+    """Mixed sizes on the digits model: under R = 0 no forward pads a row (each size steps in its
+    own forwards), under R = 1 they share forwards with padding; every output equals its solo
+    run either way."""
+    engine = DiffusionEngine(EngineConfig(model="digits", max_batch_size=8, num_threads=1,
+                                          max_padding_ratio=ratio))
+    try:
+        sizes = [(8, 8), (4, 8), (8, 4), (8, 8), (4, 4), (4, 8)]
+        params = [SamplingParams(num_inference_steps=3, seed=k, height=h, width=w, output_type="np")
+                  for k, (h, w) in enumerate(sizes)]
+        outs = engine.generate([f"the digit {k}" for k in range(len(sizes))], params)
+        stats = engine.stats()["scheduler"]
+        solo = [engine.generate([f"the digit {k}"], [p])[0] for k, p in enumerate(params)]
+    finally:
+        engine.shutdown()
+    if ratio == 0.0:
+        assert stats["padded_token_share"] == 0.0
+    else:
+        assert stats["padded_token_share"] > 0.0
+    for out, alone in zip(outs, solo):
+        assert out.ok and float(np.abs(out.images - alone.images).max()) <= 1e-4

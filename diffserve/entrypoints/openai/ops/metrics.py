@@ -227,6 +227,9 @@ def _scheduler_metrics(sched: dict[str, Any] | None):
                             value=sched["mean_rows_per_forward"])
     yield GaugeMetricFamily("diffserve_tokens_per_forward_mean", "Mean image tokens per denoiser forward since "
                             "start.", value=sched["mean_tokens_per_forward"])
+    yield GaugeMetricFamily("diffserve_padded_token_share", "Padded share of the image token slots of every "
+                            "denoiser forward since start (mixed sizes pad rows to the widest).",
+                            value=sched.get("padded_token_share", 0.0))
     yield CounterMetricFamily("diffserve_forwards", "Denoiser forwards run.", value=sched["forwards"])
     yield CounterMetricFamily("diffserve_preemptions", "Step-boundary preemptions (priority / slo policies).",
                               value=sched["preemptions"])

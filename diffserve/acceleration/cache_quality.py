@@ -44,7 +44,8 @@ class CacheLevel:
         interval: a step is computed at least every `interval` steps of a 20-step schedule
             (the guard's check steps; scaled with the request's steps, `interval_for`, so a
             forecast spans the same share of the trajectory); 0 = only when TeaCache's
-            accumulated change reaches `rel_l1_thresh`.
+            accumulated change reaches `rel_l1_thresh`; 1 = never skip. It may be fractional
+            (0 or >= 1): 2.8 computes every 7th step at 50 steps (and every 3rd at 20).
         rel_l1_thresh: TeaCache's threshold on the accumulated rescaled change of the
             modulated input since the last computed step (inf: not used).
         budget: the guard's bound on the request's estimated accumulated relative error
@@ -63,7 +64,7 @@ class CacheLevel:
 
     name: str
     order: int
-    interval: int
+    interval: float
     rel_l1_thresh: float
     budget: float
     warmup_steps: int
@@ -79,7 +80,7 @@ class CacheLevel:
         """`interval` for a schedule of `num_steps` steps: ``round(interval * num_steps / 20)``,
         at least 2 (0 and 1 stay as they are)."""
         if self.interval <= 1:
-            return self.interval
+            return int(self.interval)
         return max(2, round(self.interval * num_steps / REFERENCE_STEPS))
 
     def warmup_for(self, num_steps: int) -> int:
@@ -106,7 +107,7 @@ DEFAULT_LEVELS: dict[str, CacheLevel] = {
 }
 
 _CHOICES = {"target": ("residual", "output"), "forecast": ("taylor", "magnitude")}
-_FIELDS = {"order": int, "interval": int, "rel_l1_thresh": float, "budget": float, "warmup_steps": int}
+_FIELDS = {"order": int, "interval": float, "rel_l1_thresh": float, "budget": float, "warmup_steps": int}
 
 
 def levels_with(*overrides: Mapping[str, Mapping[str, Any]] | None) -> dict[str, CacheLevel]:
@@ -136,6 +137,8 @@ def levels_with(*overrides: Mapping[str, Mapping[str, Any]] | None) -> dict[str,
                 raise InvalidRequestError(f"teacache.cache_quality.{name}.{key}", value,
                                           f"a number >= 0 for one of {sorted(_FIELDS)}")
             values[key] = _FIELDS[key](value)
+        if 0 < values.get("interval", 0) < 1:
+            raise InvalidRequestError(f"teacache.cache_quality.{name}.interval", values["interval"], "0 or >= 1")
         if values.get("warmup_steps", 1) < 1:
             raise InvalidRequestError(f"teacache.cache_quality.{name}.warmup_steps", values["warmup_steps"], ">= 1")
         levels[name] = dataclasses.replace(levels[name], **values)

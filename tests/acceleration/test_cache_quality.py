@@ -77,8 +77,10 @@ def test_levels_are_ordered_and_overrides_are_checked():
     levels = levels_with({"fast": {"budget": 0.5}}, {"fast": {"interval": 6, "budget": None}})
     assert levels["fast"].interval == 6 and levels["fast"].budget == float("inf")
     assert levels["fast"].interval_for(50) == 15 and levels["fast"].warmup_for(50) == 8
+    fractional = levels_with({"fast": {"interval": 2.8}})["fast"]
+    assert (fractional.interval_for(20), fractional.interval_for(50)) == (3, 7)
     for bad in ({"ultra": {}}, {"max": {"budget": 1}}, {"fast": {"speed": 1}}, {"fast": {"order": -1}},
-                {"fast": {"target": "latents"}}):
+                {"fast": {"target": "latents"}}, {"fast": {"interval": 0.5}}):
         with pytest.raises(InvalidRequestError, match="teacache.cache_quality"):
             levels_with(bad)
 

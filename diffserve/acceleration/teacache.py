@@ -165,8 +165,8 @@ def residual_log_norm(residual: torch.Tensor) -> float:
 def forward_layout(batch: "StepBatch", hidden_states: torch.Tensor) -> tuple:
     """How a forward of `batch` lays out each row's tokens: the denoiser input's shape after
     the row dim (the padded latent grid, or a packed family's padded sequence) and the largest
-    row's latent area ``max h * w`` (`diffserve.pipelines.token_spans.LATENT_SIZE`; None when
-    the forward carries no sizes): the token slots every row's tokens sit in, its own grid
+    row's latent area ``max h * w`` (volume ``F * h * w`` for video;
+    `diffserve.pipelines.token_spans.LATENT_SIZE`; None when the forward carries no sizes): the token slots every row's tokens sit in, its own grid
     when all rows have one size, else SD3's strip as long as the largest row
     (`token_spans.TokenLayout`). A request's cached residuals and outputs are tensors of the
     layout they were computed in, so a request whose batch changed layout (a row of another
@@ -175,7 +175,7 @@ def forward_layout(batch: "StepBatch", hidden_states: torch.Tensor) -> tuple:
     Two SD3 batches can pad to one grid with strips of different lengths (8x4 with 4x8 vs
     8x8): the second half tells them apart."""
     sizes = batch.row_data.get(LATENT_SIZE) if batch.row_data else None
-    return tuple(hidden_states.shape[1:]), (max(h * w for h, w in sizes) if sizes else None)
+    return tuple(hidden_states.shape[1:]), (max(math.prod(s) for s in sizes) if sizes else None)
 
 
 def relative_l1(current: torch.Tensor, previous: torch.Tensor) -> float:

@@ -107,8 +107,9 @@ class PipelineAdapter(ABC):
     #: Sampling fields that requests sharing a forward must agree on besides size, frames and
     #: branches (e.g. ``max_sequence_length`` where it fixes the text length).
     batch_key_fields: ClassVar[tuple[str, ...]] = ()
-    #: Whether requests of different sizes share a forward (`token_spans`): the batch key then
-    #: holds no height and width; each request sets its token span as row data and the
+    #: Whether requests of different sizes (and, for video, frame counts) share a forward
+    #: (`token_spans`): the batch key then holds no height, width and frame count; each
+    #: request sets its token span as row data and the
     #: family's forward gives each row its own positions and attention span. UNet families
     #: keep batching by size (README, "Mixed sizes"). `setup` may turn it off for a folder.
     mixed_sizes: bool = False
@@ -378,11 +379,11 @@ class PipelineAdapter(ABC):
     def batch_key(self, params: SamplingParams, inputs: RequestInputs | None = None) -> Hashable:
         """Requests with equal keys may share one denoise forward: (family, branches, size,
         frames, dtype, the `batch_key_fields`, the input image's encoded size (`image_size`));
-        with `mixed_sizes` the size is not part of it (rows of different sizes share a forward
-        as data, `token_spans`)."""
+        with `mixed_sizes` the size and frame count are not part of it (rows of different sizes
+        share a forward as data, `token_spans`)."""
         image = self.image_size(inputs.images[0]) if inputs is not None and inputs.images else None
-        size = None if self.mixed_sizes else (params.height, params.width)
-        return (self.pipeline_class_name, self.branches(params), size, params.num_frames,
+        size, frames = (None, None) if self.mixed_sizes else ((params.height, params.width), params.num_frames)
+        return (self.pipeline_class_name, self.branches(params), size, frames,
                 self.dtype, tuple(getattr(params, f) for f in self.batch_key_fields), image)
 
     def image_size(self, image: Any) -> tuple[int, int] | None:

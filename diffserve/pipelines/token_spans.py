@@ -4,7 +4,8 @@ A family that declares ``PipelineAdapter.mixed_sizes`` drops the size from its b
 requests of different resolutions share a step batch. Each request says, as per-row data
 (`row_data`), how big it is:
 
-- ``LATENT_SIZE``: its latent's spatial size (h, w) in latent pixels;
+- ``LATENT_SIZE``: its latent's spatial size (h, w) in latent pixels (video, Wan: (F, h, w),
+  latent frames too; `wan/mixed_sizes.py`);
 - ``IMAGE_TOKENS``: the image tokens that size makes (h/p x w/p for a patch size p).
 
 Collation pads every request's latents to the batch's largest (h, w) (`step_batch`: zeros at
@@ -39,7 +40,7 @@ import torch
 
 from diffserve.pipelines.row_data import NO_ROW_DATA, RowData, current_rows
 
-#: Row-data key: a request's latent spatial size (h, w) in latent pixels.
+#: Row-data key: a request's latent spatial size (h, w) in latent pixels ((F, h, w) for video).
 LATENT_SIZE = "latent_size"
 #: Row-data key: the image tokens of a request's rows (its sequence length before context).
 IMAGE_TOKENS = "image_tokens"

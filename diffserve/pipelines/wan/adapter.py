@@ -22,6 +22,11 @@ previous chunk's last frame, re-encoded by the causal VAE: clean with timestep-0
 folders with ``expand_timesteps`` (Wan 2.2 TI2V's first-frame conditioning), else by the
 replacement method (see `diffserve.pipelines.video_chunks`); interactions swap the conditional
 branch's UMT5 states.
+
+Requests of different sizes AND frame counts share a forward (`mixed_sizes`,
+`diffserve.pipelines.token_spans`, `wan/mixed_sizes.py`): collation pads each request's latents
+at the end of each axis to the batch's largest grid; Wan's per-axis rotary keeps every real
+token at its solo position, and a self-attention key mask hides each row's padded tokens.
 """
 
 from __future__ import annotations
@@ -40,8 +45,10 @@ from diffserve.pipelines.base import PipelineAdapter, RequestState, StepBatch, c
 from diffserve.pipelines.capabilities import CacheDiTSupport, Capabilities
 from diffserve.pipelines.experts import ExpertRouting
 from diffserve.pipelines.text_encoding import TextEncoder
+from diffserve.pipelines.token_spans import LATENT_SIZE, latent_rows
 from diffserve.pipelines.video_chunks import ChunkCondition, frames_to_video_tensor, per_token_timesteps
 from diffserve.pipelines.wan import context_folding
+from diffserve.pipelines.wan.mixed_sizes import install_token_spans, zero_outside
 from diffserve.pipelines.wan.teacache import teacache_support
 
 logging.getLogger("diffusers.pipelines.wan.pipeline_wan").setLevel(logging.ERROR)
@@ -60,7 +67,10 @@ class WanAdapter(PipelineAdapter):
     the rows up to the prompt's last token plus one zero row standing for the rest (a batch is
     right-padded with zero rows to its longest K). CFG branches: [negative, positive], one
     forward for both (diffusers runs two). Timestep: the scheduler's raw timestep (0..1000) per
-    row, or per patch token with ``expand_timesteps`` (Wan 2.2 TI2V).
+    row, or per patch token with ``expand_timesteps`` (Wan 2.2 TI2V). Rows of different sizes
+    or frame counts: latents zero-padded at the end of each axis to the batch's largest
+    (F_lat, h, w), each request's own size its row data `token_spans.LATENT_SIZE`
+    (`wan.mixed_sizes`).
     """
 
     pipeline_class_name = "WanPipeline"
@@ -75,6 +85,7 @@ class WanAdapter(PipelineAdapter):
     chunk_streaming = True
     chunk_overlap_frames = 1
     per_request_samplers = True
+    mixed_sizes = True
 
     def setup(self) -> dict[str, Any]:
         """The experts (two on Wan 2.2 A14B folders: `expert_routing`), context folding of the
@@ -110,6 +121,7 @@ class WanAdapter(PipelineAdapter):
             cache_dit=CacheDiTSupport(blocks=("blocks",), patterns=("Pattern_2",), has_encoder_residual=False)
             if plain else None,
             repeated_blocks=("WanTransformerBlock",))
+        self.mixed_sizes = self.mixed_sizes and all(install_token_spans(e) for e in self.experts)
         p_t, p_h, _ = transformer.config.patch_size
         spatial, temporal = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
         rope = transformer.config.rope_max_seq_len  # RoPE positions per axis, in patches
@@ -139,6 +151,8 @@ class WanAdapter(PipelineAdapter):
             state.row_data[context_folding.FOLDED_CONTEXT_LENGTH] = state.params.max_sequence_length
         state.latents = self._noise(state)
         self._new_schedule(state)
+        if self.mixed_sizes:
+            state.row_data[LATENT_SIZE] = tuple(state.latents.shape[2:])
 
     def _noise(self, state: RequestState) -> torch.Tensor:
         """Initial latents (N, C, F_lat, h, w) float32 from the request's generator, as diffusers
@@ -199,6 +213,15 @@ class WanAdapter(PipelineAdapter):
                 known = batch.row_data.tensor(KNOWN_LATENT_FRAMES, torch.long, batch.latents.device) // p_t
             inputs["timestep"] = per_token_timesteps(inputs["timestep"], known, f // p_t, (h // p_h) * (w // p_w))
         return inputs
+
+    def combine(self, batch: StepBatch, out: torch.Tensor) -> torch.Tensor:
+        """The guided prediction (`PipelineAdapter.combine`), zero outside each request's own
+        region when the batch's latents are padded (`wan.mixed_sizes.zero_outside`: padded
+        latents stay zero)."""
+        guided = super().combine(batch, out)
+        if batch.latent_sizes is None:
+            return guided
+        return zero_outside(guided, latent_rows(batch.row_data, batch.num_latent_rows))
 
     # ------------------------------------------------------------------ decode
     def decode(self, state: RequestState, latents: torch.Tensor | None = None) -> list[Any]:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from diffserve.pipelines.capabilities import TeaCacheSupport
+from diffserve.pipelines.wan.mixed_sizes import select_rotary
 
 
 class WanTeaCacheSplit:
@@ -18,7 +19,8 @@ class WanTeaCacheSplit:
     timesteps).
 
     Tensors: hidden (rows, N_patches, D); context = dict(encoder (rows, L, D), temb (rows, D),
-    proj (rows, 6, D), rotary (cos, sin), each (1, N_patches, 1, head_dim), shape of the
+    proj (rows, 6, D), rotary (cos, sin), each (1, N_patches, 1, head_dim), plus in a forward
+    of padded rows their (rows, 1, 1, N_patches) key mask (`wan.mixed_sizes`), shape of the
     latent input (rows, C, F, h, w)); modulated = temb (TeaCache4Wan2.1's ``e``); output
     (rows, C_out, F, h, w).
     """
@@ -36,7 +38,7 @@ class WanTeaCacheSplit:
     @staticmethod
     def select_rows(context: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
         return {**context, "encoder": context["encoder"][index], "temb": context["temb"][index],
-                "proj": context["proj"][index]}
+                "proj": context["proj"][index], "rotary": select_rotary(context["rotary"], index)}
 
     @staticmethod
     def blocks(model, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:

@@ -45,25 +45,38 @@ def test_image_to_image_batches_with_text_to_image(model, served):
 
 @pytest.mark.parametrize("model", model_ids(lambda m: bool(m.mixed_sizes)), indirect=True)
 def test_mixed_sizes_share_a_forward(model, served):
-    """Requests of different sizes (`TestModel.mixed_sizes`), step counts and guidance weights,
-    one of them image-to-image where the family takes input images, run in ONE forward and
-    each equals its solo run (`BATCH_TOL`): every row keeps its own positions and attention
-    span (`diffserve.pipelines.token_spans`)."""
+    """Requests of different sizes (`TestModel.mixed_sizes`; video: and frame counts), step
+    counts and guidance weights, one of them image-to-image where the family takes input
+    images, run in ONE forward and each equals its solo run (`BATCH_TOL`; videos compare
+    latents): every row keeps its own positions and attention span
+    (`diffserve.pipelines.token_spans`)."""
     jobs = []
-    for k, (height, width) in enumerate(model.mixed_sizes):
+    output_type = "latent" if model.video else "np"
+    for k, (height, width, *frames) in enumerate(model.mixed_sizes):
         variation = model.variations[k % len(model.variations)]
-        params = model.params(seed=31 + k, height=height, width=width, num_inference_steps=2 + k % 2, **variation)
+        size = dict(height=height, width=width, **({"num_frames": frames[0]} if frames else {}))
+        params = model.params(seed=31 + k, num_inference_steps=2 + k % 2, output_type=output_type, **size,
+                              **variation)
         image = request_image(model, seed=k)
         if k == 1 and model.images == "optional":
             image = input_image(model, seed=k, size=(width, height))
-            params = model.params(seed=31 + k, height=height, width=width, num_inference_steps=4, strength=0.5,
-                                  **variation)
+            params = model.params(seed=31 + k, num_inference_steps=4, strength=0.5, **size, **variation)
         jobs.append((PROMPTS[k % len(PROMPTS)], params, image))
     outs = served.generate([j[0] for j in jobs], [j[1] for j in jobs], inputs=[j[2] for j in jobs])
     for k, (job, out) in enumerate(zip(jobs, outs)):
-        assert media(out).shape[1:3] == model.mixed_sizes[k], f"{model.id}: request {k} has the wrong size"
+        assert _size(model, served, media(out)) == model.mixed_sizes[k], f"{model.id}: request {k} has the wrong size"
         assert_close(model, f"mixed sizes (request {k}, {model.mixed_sizes[k]})", media(out),
                      media(run(served, *job)), BATCH_TOL)
     rows = sum(p.num_images_per_prompt * 2 for _, p, _ in jobs)
     assert max(outs[0].metrics.batch_sizes) == rows, \
         f"{model.id}: the requests of different sizes did not share a forward: {outs[0].metrics.batch_sizes}"
+
+
+def _size(model, served, out) -> tuple[int, ...]:
+    """(height, width) of images (N, H, W, C); (height, width, num_frames) of video latents
+    (N, C, F_lat, h, w), through the VAE's factors."""
+    if not model.video:
+        return tuple(out.shape[1:3])
+    pipe = served.runner.adapter.pipe
+    spatial, temporal = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
+    return out.shape[3] * spatial, out.shape[4] * spatial, (out.shape[2] - 1) * temporal + 1

@@ -203,17 +203,22 @@ def test_spec_defaults_and_size_limits(wan, wan22):
 
 # ------------------------------------------------------------------ acceleration
 def test_regional_compile_covers_both_experts_without_recompiles(tiny_wan22_dir, tmp_path):
+    """Both experts compile (1, 2 and 4 rows, and the warm-up's mixed forward of the default
+    request beside one of half its height); a later mixed forward of other sizes and frame
+    counts compiles nothing new."""
     folder = tmp_path / "wan22"
     shutil.copytree(tiny_wan22_dir, folder)
     (folder / "generation_config.json").write_text(json.dumps(SIZE))
-    engine = _engine(folder, compile=True, max_batch_size=2)
-    jobs = [("a", _p(1, steps=4)), ("b", _p(2, steps=2, guidance=1.0))]
+    engine = _engine(folder, compile=True, max_batch_size=4)
+    jobs = [("a", _p(1, steps=4)), ("c", _sized(3, 48, 32, 5, steps=4, output_type="np")),  # a's steps, its experts
+            ("b", _p(2, steps=2, guidance=1.0))]
     outs = engine.generate([j[0] for j in jobs], [j[1] for j in jobs])
+    assert max(outs[1].metrics.batch_sizes) == 4  # "a" and "c": mixed forwards on both experts
     eager = _engine(folder)
     for out, job in zip(outs, jobs):
         assert np.abs(out.videos[0].astype(int) - _solo(eager, *job).videos[0]).max() <= 1
     stats = engine.runner.acceleration_stats()["compile"]
-    assert stats["enabled"] and stats["recompiles_after_warmup"] == 0
+    assert stats["enabled"] and stats["recompiles_after_warmup"] == 0, stats
 
 
 # ---------------------------------------------------------------- context folding
@@ -271,3 +276,95 @@ def test_fold_padding_rows_keeps_one_zero_row():
     assert folded.shape == (2, 6, 4) and not folded[:, 5].any()
     with pytest.raises(ValueError, match="no padding"):
         append_folded_row(embeds, 16)
+
+
+# ------------------------------------------------------------------ mixed sizes
+def _sized(seed, height, width, frames, steps=2, guidance=5.0, **kw):
+    return SamplingParams(seed=seed, height=height, width=width, num_frames=frames, num_inference_steps=steps,
+                          guidance_scale=guidance, output_type=kw.pop("output_type", "latent"), **kw)
+
+
+#: sizes and frame counts that pad every axis: (32x48, 5 frames) is the widest, (48x32, 9) the
+#: tallest and longest, (16x16, 1) the smallest
+MIXED = [("a lighthouse on a cliff at night", _sized(1, 32, 48, 5, steps=3)),
+         ("fox", _sized(2, 48, 32, 9, guidance=3.0, negative_prompt="blurry")),
+         ("a bowl of fruit", _sized(3, 16, 16, 1, guidance=4.0))]
+
+
+def _mixed_vs_alone(engine) -> list[float]:
+    together = engine.generate([j[0] for j in MIXED], [j[1] for j in MIXED])
+    assert max(together[0].metrics.batch_sizes) == 6, together[0].metrics.batch_sizes  # 3 requests x 2 CFG rows
+    return [float((t.videos[0] - _solo(engine, *job).videos[0]).abs().max()) for t, job in zip(together, MIXED)]
+
+
+def test_mixed_sizes_and_frame_counts_need_the_key_mask(tiny_wan_dir, monkeypatch):
+    """Rows of different sizes AND frame counts share one forward and each equals its solo run;
+    without the self-attention key mask (`wan.mixed_sizes.key_mask`) the padded tokens leak
+    into the real ones."""
+    from diffserve.pipelines.wan import mixed_sizes
+
+    engine = _engine(tiny_wan_dir, overlap_stages=False)
+    assert engine.runner.adapter.mixed_sizes
+    assert max(_mixed_vs_alone(engine)) <= TOL
+    monkeypatch.setattr(mixed_sizes, "key_mask", lambda *args, **kwargs: None)
+    assert max(_mixed_vs_alone(engine)) > 1e-3  # the test sees a missing mask
+
+
+def test_mixed_sizes_keep_padded_latents_zero(wan):
+    """The guided prediction is zero outside each request's region (`zero_outside`), so the
+    batch's padded latents stay zero through the batched steps."""
+    adapter = wan.runner.adapter
+    states = []
+    for k, (prompt, params) in enumerate(MIXED):
+        state = RequestState(f"r{k}", prompt, params.resolve(wan.model_info.spec, wan.config.limits, 0))
+        adapter.prepare(state)
+        states.append(state)
+    batch = adapter.collate(states)
+    guided = adapter.combine(batch, adapter.denoise(batch))
+    assert tuple(guided.shape[2:]) == (3, 6, 6)  # the largest of each axis: frames, height, width
+    for full, state in zip(guided.split(batch.row_counts), states):
+        f, h, w = state.latents.shape[2:]
+        region = torch.zeros_like(full, dtype=torch.bool)
+        region[:, :, :f, :h, :w] = True
+        assert full[~region].abs().max() == 0 and full[region].abs().min() > 0
+
+
+def test_no_mixed_sizes_batches_wan_by_size_and_frames(tiny_wan_dir):
+    """``mixed_sizes=False``: sizes and frame counts split batches again."""
+    engine = _engine(tiny_wan_dir, mixed_sizes=False)
+    outs = engine.generate([j[0] for j in MIXED], [j[1] for j in MIXED])
+    assert [max(o.metrics.batch_sizes) for o in outs] == [2, 2, 2]
+
+
+def test_mixed_sizes_under_teacache_follow_the_computed_rows(tiny_wan_dir, monkeypatch):
+    """Under TeaCache one request computes its blocks while the other reuses its residual: the
+    key mask follows the computed rows (`WanTeaCacheSplit.select_rows`), and each request
+    equals its run alone."""
+    from diffserve.acceleration import teacache
+
+    engine = _engine(tiny_wan_dir, cache_backend="teacache", cache_config={"rel_l1_thresh": 1e9},
+                     overlap_stages=False)  # (the random tiny model's rescaled changes are huge)
+    small = _sized(1, 32, 32, 5, steps=4)
+    large = _sized(2, 48, 48, 9, steps=8, guidance=3.0)  # the widest on every axis: its layout holds
+    subsets = []
+    narrowed_rows = teacache.narrowed_rows
+    monkeypatch.setattr(teacache, "narrowed_rows", lambda index: subsets.append(list(index)) or narrowed_rows(index))
+    together = engine.generate(["a cat", "a dog"], [small, large])
+    monkeypatch.setattr(teacache, "narrowed_rows", narrowed_rows)
+    assert max(together[0].metrics.batch_sizes) == 4
+    assert subsets and all(len(rows) == 2 for rows in subsets)  # one request's two CFG rows computed alone
+    for t, job in zip(together, [("a cat", small), ("a dog", large)]):
+        assert (t.videos[0] - _solo(engine, *job).videos[0]).abs().max() <= TOL
+
+
+def test_stream_chunks_beside_a_request_of_another_size(wan):
+    """A two-chunk stream shares forwards with a request of another size and frame count; both
+    equal their runs alone."""
+    stream = _sized(4, 32, 48, 5, steps=3, num_chunks=2, output_type="np")
+    other = _sized(5, 48, 32, 9, steps=5, guidance=3.0, output_type="np")
+    together = wan.generate(["a cat surfing", "a dog"], [stream, other])
+    assert max(together[1].metrics.batch_sizes) == 4
+    for t, job in zip(together, [("a cat surfing", stream), ("a dog", other)]):
+        alone = _solo(wan, *job)
+        assert t.videos[0].shape == alone.videos[0].shape
+        assert np.abs(t.videos[0].astype(int) - alone.videos[0]).max() <= 1

@@ -73,9 +73,9 @@ class TestModel:
             (`diffserve.pipelines.samplers`: all of them for noise-prediction models, those with a
             flow-matching mapping for flow models, fewer where the family's schedule arguments
             exclude one).
-        mixed_sizes: (height, width) sizes whose requests share one forward (the family's
-            `PipelineAdapter.mixed_sizes`; the first is `request`'s); empty: the family batches
-            by size.
+        mixed_sizes: (height, width) sizes, (height, width, num_frames) for video, whose
+            requests share one forward (the family's `PipelineAdapter.mixed_sizes`; the first
+            is `request`'s); empty: the family batches by size.
     """
 
     id: str
@@ -101,7 +101,7 @@ class TestModel:
     patch: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     input_size: tuple[int, int] = (64, 48)
     samplers: tuple[str, ...] = ("euler", "dpmpp_2m", "unipc")
-    mixed_sizes: tuple[tuple[int, int], ...] = ()
+    mixed_sizes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def images(self) -> str:
@@ -281,7 +281,7 @@ MODELS: tuple[TestModel, ...] = (
         fields={"guidance_scale": 2.0, "max_sequence_length": 16, "num_frames": 9, "fps": 8, "num_chunks": 2},
         guided={"guidance_scale": 5.0, "negative_prompt": "blurry"}, unguided={"guidance_scale": 1.0},
         variations=_CFG_VARIATIONS, backends={"teacache": True, "cache_dit": True}, video=True,
-        reference="WanPipeline",
+        reference="WanPipeline", mixed_sizes=((32, 48, 5), (48, 32, 9), (16, 16, 1), (32, 32, 5)),
     ),
     TestModel(
         id="WanPipeline-2.2", pipeline="WanPipeline", build=build_tiny_wan22,
@@ -292,6 +292,7 @@ MODELS: tuple[TestModel, ...] = (
         unguided={"guidance_scale": 1.0},
         variations=tuple({**v, "guidance_scale_2": g} for v, g in zip(_CFG_VARIATIONS, (2.0, 6.0, 4.0))),
         video=True, reference="WanPipeline",  # two experts: no cache backend
+        mixed_sizes=((32, 48, 5), (48, 32, 9), (16, 16, 1), (32, 32, 5)),
     ),
     TestModel(
         id="WanPipeline-digits-video", pipeline="WanPipeline", builtin="digits-video",
@@ -300,6 +301,7 @@ MODELS: tuple[TestModel, ...] = (
         guided={"guidance_scale": 4.0, "negative_prompt": "the number one"}, unguided={"guidance_scale": 1.0},
         # per-token timesteps (expand_timesteps, for first-frame conditioned streams): no cache backend
         variations=_CFG_VARIATIONS, video=True, reference="WanPipeline",
+        mixed_sizes=((16, 16, 5), (16, 16, 9), (16, 16, 1), (16, 16, 5)),  # 16 px at most: frame counts mix
     ),
 )
 

@@ -66,7 +66,7 @@ class FoldedCrossAttnProcessor(WanAttnProcessor):
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
         max_sequence_length = self.max_sequence_length
         if max_sequence_length is None:
-            max_sequence_length = current_rows().uniform(FOLDED_CONTEXT_LENGTH)
+            max_sequence_length = _forward_context_length()
         if max_sequence_length is None:
             return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         if encoder_hidden_states is None or attention_mask is not None or attn.add_k_proj is not None:
@@ -79,6 +79,12 @@ class FoldedCrossAttnProcessor(WanAttnProcessor):
         counts = torch.cat([ones[..., :-1], last.view(1, 1, 1, 1)], dim=-1)
         return super().__call__(attn, hidden_states, encoder_hidden_states, counts.log().to(hidden_states.dtype),
                                 rotary_emb)
+
+
+@torch.compiler.disable  # eager: a compiled block guards on no row data (its memo changes per forward)
+def _forward_context_length() -> int | None:
+    """The forward context's `FOLDED_CONTEXT_LENGTH` (None outside diffserve's forwards)."""
+    return current_rows().uniform(FOLDED_CONTEXT_LENGTH)
 
 
 def supports_folding(transformer: torch.nn.Module) -> bool:

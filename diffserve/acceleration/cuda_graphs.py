@@ -146,6 +146,9 @@ class CudaGraphDenoiser:
             shared = frozenset(batch.states[0].shared) if batch.states else frozenset()
             with forward_rows(row_data):
                 graph = _Graph(lambda kw: self.call(batch, kw), kwargs, rows, bucket, self.pool, shared)
+            # what the capture derived from the row data (memoised key masks, per-row RoPE
+            # tables) lives in its memo: the graph replays those tensors' memory, so keep it
+            graph.row_data = row_data
             if self.pool is None:
                 self.pool = graph.graph.pool()
             self.captures += 1

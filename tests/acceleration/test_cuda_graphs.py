@@ -84,3 +84,21 @@ def test_graphs_are_keyed_by_the_forwards_row_data(tiny_wan_dir):
         assert (a.videos[0] - b.videos[0]).abs().max() <= TOL
     stats = graphs.runner.acceleration_stats()["cuda_graphs"]
     assert stats["captures"] >= 2 and stats["eager"] == 0
+
+
+def test_mixed_sizes_and_frame_counts_replay_their_masks(tiny_wan_dir):
+    """Wan rows of different sizes and frame counts in one captured forward: the key mask the
+    capture read from the row data's memo stays alive for the replays (each equals eager)."""
+    eager, graphs = _engines(tiny_wan_dir)
+
+    def params(seed, height, width, frames, steps):
+        return SamplingParams(seed=seed, num_inference_steps=steps, guidance_scale=4.0, height=height, width=width,
+                              num_frames=frames, output_type="latent")
+
+    jobs = [("a red car", params(1, 32, 48, 5, 4)), ("a boat", params(2, 48, 32, 9, 3))]
+    for a, b in zip(eager.generate([p for p, _ in jobs], [q for _, q in jobs]),
+                    graphs.generate([p for p, _ in jobs], [q for _, q in jobs])):
+        assert a.ok and b.ok, (a.error, b.error)
+        assert max(b.metrics.batch_sizes) == 4
+        assert (a.videos[0] - b.videos[0]).abs().max() <= TOL
+    assert graphs.runner.acceleration_stats()["cuda_graphs"]["replays"] >= 4

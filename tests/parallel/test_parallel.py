@@ -124,3 +124,28 @@ def test_flux_mixed_sizes_under_cfg_parallel_and_ulysses(tiny_flux_dev_dir):
         for out, ref in zip(outs, reference):
             assert out.ok, out.error
             assert np.abs(out.images - ref.images).max() <= 1e-4
+
+
+def test_wan_mixed_sizes_under_cfg_parallel_and_ulysses(tiny_wan_dir):
+    """Wan rows of different sizes and frame counts: CFG parallel keeps one mixed forward (each
+    rank's key mask follows its rows); Ulysses batches them by size and frames again
+    (`PipelineAdapter.mixed_sizes` off). Both equal the single-process engine."""
+    prompts = ["a red kite", "a boat"]
+    params = [SamplingParams(seed=1, num_inference_steps=2, height=32, width=48, num_frames=5, guidance_scale=4.0,
+                             output_type="latent"),
+              SamplingParams(seed=2, num_inference_steps=3, height=48, width=32, num_frames=9, guidance_scale=3.0,
+                             negative_prompt="x", output_type="latent")]
+    reference = DiffusionEngine(EngineConfig(model=str(tiny_wan_dir), num_threads=1)).generate(prompts, params)
+    for layout, mixed in (({"cfg_parallel_size": 2}, True), ({"ulysses_degree": 2}, False)):
+        engine = DiffusionEngine(EngineConfig(model=str(tiny_wan_dir), num_threads=1, **layout))
+        try:
+            keys = [engine.executor.plan(p).batch_key for p in params]
+            outs = engine.generate(prompts, params)
+        finally:
+            engine.shutdown()
+        assert (keys[0] == keys[1]) is mixed, (layout, keys)
+        if mixed:
+            assert [max(o.metrics.batch_sizes) for o in outs] == [4, 4]
+        for out, ref in zip(outs, reference):
+            assert out.ok, out.error
+            assert (out.videos[0] - ref.videos[0]).abs().max() <= 1e-4

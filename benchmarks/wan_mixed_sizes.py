@@ -1,0 +1,157 @@
+"""One Wan transformer forward over rows of different sizes and frame counts
+(`diffserve.pipelines.wan.mixed_sizes`) vs the alternatives, on the same rows, interleaved per
+repeat:
+
+- ``mixed``: one forward, each row's latents zero-padded at the end of frames, height and width
+  to the largest grid, padded keys masked in self-attention (what diffserve runs);
+- ``uniform``: one stock forward of the same number of rows at that padded grid (the padded
+  shape's floor: ``mixed / uniform`` is what the mask costs);
+- ``per_size``: one stock forward per (size, frames) (what batching by size runs).
+
+A random-weight `WanTransformer3DModel` (no download): ``--layers`` blocks of width ``--heads`` x
+``--head-dim`` (Wan's patch (1, 2, 2), 16 latent channels), or the ``transformer`` of a Wan
+folder (``--model DIR``). Latents are 8x spatial, 4x temporal (F = 4k + 1 frames).
+
+Usage::
+
+    python benchmarks/wan_mixed_sizes.py                 # built-in mix, 1 thread
+    python benchmarks/wan_mixed_sizes.py --mix 480x832x81:1,480x832x33:2 --device cuda --dtype bf16
+
+Prints, per arm, the median and [min, max] ms per forward and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from diffusers import WanTransformer3DModel
+
+from diffserve.pipelines.row_data import RowData, forward_rows
+from diffserve.pipelines.token_spans import LATENT_SIZE
+from diffserve.pipelines.wan.mixed_sizes import install_token_spans
+
+SPATIAL, TEMPORAL = 8, 4
+
+
+def parse_mix(text: str) -> list[tuple[int, int, int]]:
+    """``"128x128x9:2,64x128x5"`` -> [(height, width, frames)] per row (``HxWxF:count``)."""
+    rows = []
+    for part in text.split(","):
+        size, _, count = part.partition(":")
+        h, w, f = (int(x) for x in size.lower().split("x"))
+        rows += [(h, w, f)] * int(count or 1)
+    return rows
+
+
+def latent_size(size: tuple[int, int, int]) -> tuple[int, int, int]:
+    """(F_lat, h, w) of a (height, width, frames) request."""
+    h, w, f = size
+    return (f - 1) // TEMPORAL + 1, h // SPATIAL, w // SPATIAL
+
+
+def build(args) -> WanTransformer3DModel:
+    if args.model:
+        model = WanTransformer3DModel.from_pretrained(args.model, subfolder="transformer")
+    else:
+        torch.manual_seed(0)
+        width = args.heads * args.head_dim
+        model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=args.heads,
+                                      attention_head_dim=args.head_dim, in_channels=16, out_channels=16,
+                                      text_dim=args.text_dim, ffn_dim=4 * width, num_layers=args.layers)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    model = model.to(args.device, dtype).eval()
+    install_token_spans(model)
+    return model
+
+
+def inputs(model, sizes: list[tuple[int, int, int]], text: int, device, dtype,
+           grid: tuple[int, int, int] | None = None) -> dict:
+    """Forward kwargs of rows `sizes` (pixels, frames): latents zero-padded to `grid` (default:
+    the largest of each axis)."""
+    g = torch.Generator().manual_seed(0)
+    latents = [latent_size(s) for s in sizes]
+    grid = grid or tuple(max(axis) for axis in zip(*latents))
+    rows = []
+    for f, h, w in latents:
+        x = torch.randn(1, 16, f, h, w, generator=g)
+        rows.append(F.pad(x, (0, grid[2] - w, 0, grid[1] - h, 0, grid[0] - f)))
+    n = len(sizes)
+    return dict(hidden_states=torch.cat(rows).to(device, dtype), timestep=torch.rand(n, generator=g).to(device) * 1000,
+                encoder_hidden_states=torch.randn(n, text, model.config.text_dim, generator=g).to(device, dtype))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mix", default="128x128x9:2,64x128x9:2,128x64x5:1,64x64x1:1", help="HxWxF:rows,...")
+    ap.add_argument("--model", default=None, help="a Wan folder (its transformer); default: random weights")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=48)
+    ap.add_argument("--text-dim", type=int, default=256)
+    ap.add_argument("--text", type=int, default=32, help="context tokens (a folded prompt's rows)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model = build(args)
+    dtype = next(model.parameters()).dtype
+    sizes = parse_mix(args.mix)
+    rows = RowData({LATENT_SIZE: tuple(latent_size(s) for s in sizes)}, len(sizes))
+    mixed_kw = inputs(model, sizes, args.text, args.device, dtype)
+    grid = tuple(mixed_kw["hidden_states"].shape[2:])
+    uniform_kw = inputs(model, [sizes[0]] * len(sizes), args.text, args.device, dtype, grid=grid)
+    groups = [inputs(model, [s] * sizes.count(s), args.text, args.device, dtype) for s in dict.fromkeys(sizes)]
+
+    def sync():
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    @torch.inference_mode()
+    def arm(name: str) -> None:
+        if name == "mixed":
+            with forward_rows(rows):
+                model(**mixed_kw)
+        elif name == "uniform":
+            model(**uniform_kw)
+        else:
+            for kw in groups:
+                model(**kw)
+
+    names = ["mixed", "uniform", "per_size"]
+    for name in names:  # warm-up (and the key mask, built once per batch composition)
+        arm(name)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.repeats):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            sync()
+            start = time.perf_counter()
+            for _ in range(args.iters):
+                arm(name)
+            sync()
+            times[name].append((time.perf_counter() - start) / args.iters * 1000)
+    result = {n: (statistics.median(v), min(v), max(v)) for n, v in times.items()}
+    ratios = {f"mixed/{n}": statistics.median(m / o for m, o in zip(times["mixed"], times[n])) for n in names[1:]}
+    patch = model.config.patch_size
+    tokens = {"real": sum(math.prod(d // p for d, p in zip(latent_size(s), patch)) for s in sizes),
+              "padded": len(sizes) * math.prod(d // p for d, p in zip(grid, patch))}
+    print(f"rows {len(sizes)} ({args.mix}); tokens real {tokens['real']}, padded {tokens['padded']}; "
+          f"text {args.text}; {args.device} {args.dtype}, {args.threads} thread(s)")
+    for n, (med, lo, hi) in result.items():
+        print(f"  {n:9s} {med:8.2f} ms [{lo:.2f}, {hi:.2f}]")
+    print("  " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+    if args.json:
+        print(json.dumps({"ms": result, "ratios": ratios, "tokens": tokens}))
+
+
+if __name__ == "__main__":
+    main()

@@ -70,8 +70,8 @@ class EngineConfig:
             preempting at step boundaries). See `diffserve.engine.queues` (step mode only).
         mixed_sizes: let requests of different sizes share a denoiser forward in the families
             that can (`PipelineAdapter.mixed_sizes`: SD3 and the built-in digits model, Flux,
-            Flux Kontext, Qwen-Image; not under Ulysses sequence parallelism); False
-            batches by size as before (the benchmark's baseline arm).
+            Flux Kontext, Qwen-Image, Wan (also different frame counts); not under Ulysses
+            sequence parallelism); False batches by size as before (the benchmark's baseline arm).
         aging_s: under ``priority`` / ``slo``, a request that arrived more than this many
             seconds ago is served in arrival order ahead of every younger one (the bound on
             waiting: nothing starves); past it, the padding cap no longer holds a request back.

@@ -62,8 +62,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "full instead of as one folded token (slower; same outputs within float rounding)")
     parser.add_argument("--no-mixed-sizes", dest="mixed_sizes", action="store_false",
                         help="batch requests by size, as before issue 27 (default: SD3-family, Flux, Flux "
-                             "Kontext and Qwen-Image requests of different sizes share a forward, each row with "
-                             "its own positions and span)")
+                             "Kontext, Qwen-Image and Wan requests of different sizes (Wan: and frame counts) "
+                             "share a forward, each row with its own positions and span)")
     parser.add_argument("--prompt-embed-cache-size", type=int, default=256, metavar="N",
                         help="entries of the prompt-embedding LRU cache (0 = off)")
     parser.add_argument("--cache-backend", default="none", choices=["none", "teacache", "cache_dit"],

@@ -37,8 +37,9 @@ Scheduling policies (step mode; `policy`):
   what FCFS would make it wait behind the requests older than it: nothing starves.
 
 Padding cap (step mode, every policy; `max_padding_ratio` R in [0, 1], 1 = off): rows of
-different sizes in one forward are padded to its widest row (`Request.row_tokens`), so a
-forward's padded share is ``1 - image tokens / (rows x widest row's tokens)``. When a step batch
+different sizes in one forward are padded to its widest row (`Request.row_grid`: the longest
+token sequence, or for video the largest of each axis: frames, height, width), so a forward's
+padded share is ``1 - image tokens / (rows x padded row's tokens)``. When a step batch
 is filled, a candidate whose joining would make that share exceed R (and raise it) is passed
 over for this batch: it stays admitted, its rows and worker state kept, and runs in a later
 batch. Exempt, so nothing starves and a newcomer never evicts a running request: the head of the order (the
@@ -64,6 +65,7 @@ not fit waits at the head of the queue.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -79,6 +81,12 @@ PREEMPT_HEADROOM = 2
 #: steps smaller when the batch is rebuilt: preemption needs a clear difference in urgency.
 PREEMPT_MARGIN_STEPS = 4
 
+
+def padded_grid(grids: Iterable[tuple[int, ...]]) -> tuple[int, ...]:
+    """The grid rows of `grids` pad to in one forward: the largest of each axis (() for none;
+    ``()`` entries are ignored)."""
+    grids = [g for g in grids if g]
+    return tuple(max(axis) for axis in zip(*grids)) if grids else ()
 
 class RequestQueues:
     """Waiting/running queues, admission and the per-step batch choice (the fairness rule of
@@ -346,10 +354,9 @@ class RequestQueues:
             return (request is ordered[0] or id(request) in previous
                     or (request.ar_end_time or request.arrival_time) < aged_before)
 
-        widest = 0  # the widest row's image tokens, counting the exempt rows that will join
+        widest: tuple[int, ...] = ()  # the padded row's grid, counting the exempt rows that will join
         if capped:
-            widest = max((r.row_tokens for r in ordered
-                          if (r.batch_key, r.step_key) == key and exempt(r)), default=0)
+            widest = padded_grid(r.row_grid for r in ordered if (r.batch_key, r.step_key) == key and exempt(r))
         self._recheck_at = None
         batch: list[Request] = []
         rows = tokens = 0
@@ -359,10 +366,10 @@ class RequestQueues:
             if batch and rows + request.rows > self.max_batch_size:
                 continue
             if capped:
-                width = max(widest, request.row_tokens)
-                slots = (rows + request.rows) * width
+                grid = padded_grid((widest, request.row_grid))
+                slots = (rows + request.rows) * math.prod(grid)
                 padded = slots - tokens - request.tokens
-                slots_before = rows * widest
+                slots_before = rows * math.prod(widest) if widest else 0
                 # passed over: past the cap, and more padded than the batch so far (a row at the
                 # widest size lowers the share: it joins even when exempt rows exceed the cap)
                 raises = padded * slots_before > (slots_before - tokens) * slots if slots_before else padded > 0
@@ -370,7 +377,7 @@ class RequestQueues:
                     ages_at = (request.ar_end_time or request.arrival_time) + self.aging_s
                     self._recheck_at = ages_at if self._recheck_at is None else min(self._recheck_at, ages_at)
                     continue
-                widest = width
+                widest = grid
             batch.append(request)
             rows += request.rows
             tokens += request.tokens
@@ -380,7 +387,8 @@ class RequestQueues:
         """Remember `batch` as the selected one, with its tokens and token slots."""
         self._batch = self._last = batch
         self.batch_tokens = sum(r.tokens for r in batch)
-        self.batch_slots = sum(r.rows for r in batch) * max((r.row_tokens for r in batch), default=0)
+        grid = padded_grid(r.row_grid for r in batch)
+        self.batch_slots = sum(r.rows for r in batch) * math.prod(grid) if grid else 0
         return batch
 
     def select_batch(self) -> list[Request]:

@@ -61,6 +61,9 @@ class Request:
         tokens: image tokens its rows put in a forward (rows x the tokens of its size: height /
             f x width / f, f the model's resolution factor, x latent frames); what the step
             cost model and the tokens-per-forward metric count.
+        grid: one row's token grid where a forward pads each axis on its own (video: (latent
+            frames, height / f, width / f)); () where rows pad to the longest token sequence
+            (`row_grid`).
     """
 
     request_id: str
@@ -91,12 +94,19 @@ class Request:
     ar_text: str | None = None
     ar_end_time: float | None = None
     tokens: int = 0
+    grid: tuple[int, ...] = ()
 
     @property
     def row_tokens(self) -> int:
-        """Image tokens of one of its rows (`tokens` / `rows`): what a forward pads every row
-        to the widest of (the padding cap of `diffserve.engine.queues`)."""
+        """Image tokens of one of its rows (`tokens` / `rows`)."""
         return self.tokens // self.rows if self.rows > 0 else self.tokens
+
+    @property
+    def row_grid(self) -> tuple[int, ...]:
+        """The token grid one of its rows pads to the batch's largest of, axis by axis (the
+        padding cap of `diffserve.engine.queues`): `grid`, or ``(row_tokens,)`` (one axis: a
+        sequence padded to the longest)."""
+        return self.grid or (self.row_tokens,)
 
     @property
     def lora_names(self) -> tuple[str, ...]:

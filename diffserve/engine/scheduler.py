@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 import uuid
 from collections import OrderedDict, deque
@@ -152,7 +153,7 @@ class RequestScheduler:
                           inputs=processed.inputs, batch_key=plan.batch_key, rows=plan.rows, seq=next(self._seq),
                           arrival_time=time.perf_counter(), preview_steps=frozenset(int(s) for s in preview_steps),
                           listener=listener, progress=bool(progress), memory_bytes=processed.memory_bytes,
-                          num_steps=plan.num_steps, tokens=tokens)
+                          num_steps=plan.num_steps, tokens=tokens, grid=self._row_grid(processed.params))
         request.metrics.arrival_time = time.time()
         if self.ar_stage is None:
             self.queues.add(request)
@@ -176,13 +177,27 @@ class RequestScheduler:
                 raise
         return request_id
 
-    def _tokens_per_row(self, params) -> int:
-        """Image tokens of one row of a request (`Request.tokens`)."""
+    def _row_grid(self, params) -> tuple[int, ...]:
+        """A row's token grid (latent frames, height / f, width / f) for video, whose forwards
+        pad each axis to the batch's largest (`Request.grid`); () for images (sequences
+        padded to the longest)."""
         spec = self.model_info.spec
+        if spec.default_num_frames is None:
+            return ()
         f = max(spec.resolution_factor, 1)
         height, width = params.height or spec.default_height, params.width or spec.default_width
         frames = 1 if not params.num_frames else (params.num_frames - 1) // max(spec.frame_factor, 1) + 1
-        return max((height // f) * (width // f), 1) * frames
+        return frames, max(height // f, 1), max(width // f, 1)
+
+    def _tokens_per_row(self, params) -> int:
+        """Image tokens of one row of a request (`Request.tokens`)."""
+        grid = self._row_grid(params)
+        if grid:
+            return math.prod(grid)
+        spec = self.model_info.spec
+        f = max(spec.resolution_factor, 1)
+        height, width = params.height or spec.default_height, params.width or spec.default_width
+        return max((height // f) * (width // f), 1)
 
     def _admit_deadline(self, params, num_steps: int, rows: int, tokens: int) -> None:
         """``--admission slo``: refuse a request whose deadline the cost model says it misses.

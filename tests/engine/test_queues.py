@@ -3,11 +3,13 @@ queue bound."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from diffserve import EngineOverloadedError
 from diffserve.core.sampling_params import SamplingParams
-from diffserve.engine.queues import RequestQueues
+from diffserve.engine.queues import RequestQueues, padded_grid
 from diffserve.engine.request import Phase, Request
 
 
@@ -235,6 +237,29 @@ def test_padding_cap_one_is_todays_rule():
     batches = _drain(s, steps=3)
     assert all(_padded_share(b) <= 0.3 for b in batches)
     assert any(len({r.row_tokens for r in b}) > 1 for b in batches)  # 256 + 128 rows: share 0.25
+
+
+def test_padding_cap_counts_video_grids_axis_by_axis():
+    """Video rows pad each axis (frames, height, width) to the batch's largest (`Request.grid`):
+    a wide short clip and a narrow long one of equal token counts pad to more than either, and
+    the cap counts those slots."""
+    import time
+
+    def clip(seq, grid):
+        return Request(request_id=str(seq), prompt="p", params=None, batch_key="a", rows=2, seq=seq,
+                       arrival_time=time.perf_counter(), tokens=2 * math.prod(grid), grid=grid)
+
+    assert padded_grid([(2, 4, 6), (3, 4, 4)]) == (3, 4, 6)
+    for cap, together in ((0.3, False), (0.4, True)):  # padded share 1 - 4 x 48 / (4 x 72) = 0.33
+        wide, long = clip(0, (2, 4, 6)), clip(1, (3, 4, 4))  # 48 tokens each; together a (3, 4, 6) grid: 72
+        s = RequestQueues(max_batch_size=8, max_waiting=10, max_padding_ratio=cap)
+        s.add(wide)
+        s.add(long)
+        _admit(s)
+        batch = list(s.select_batch())
+        assert (len(batch) == 2) is together, (cap, batch)
+        if together:
+            assert (s.batch_tokens, s.batch_slots) == (192, 288)
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority", "slo"])

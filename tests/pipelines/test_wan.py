@@ -357,14 +357,24 @@ def test_mixed_sizes_under_teacache_follow_the_computed_rows(tiny_wan_dir, monke
         assert (t.videos[0] - _solo(engine, *job).videos[0]).abs().max() <= TOL
 
 
-def test_stream_chunks_beside_a_request_of_another_size(wan):
+@pytest.mark.parametrize("model", ["tiny", "digits-video"])
+def test_stream_chunks_beside_a_request_of_another_size(model, request):
     """A two-chunk stream shares forwards with a request of another size and frame count; both
-    equal their runs alone."""
-    stream = _sized(4, 32, 48, 5, steps=3, num_chunks=2, output_type="np")
-    other = _sized(5, 48, 32, 9, steps=5, guidance=3.0, output_type="np")
-    together = wan.generate(["a cat surfing", "a dog"], [stream, other])
+    equal their runs alone. On the built-in video model (``expand_timesteps``) the second
+    chunk's clean first frame gets timestep-0 tokens on the padded grid."""
+    if model == "tiny":
+        engine = request.getfixturevalue("wan")
+        sizes = [(32, 48, 5), (48, 32, 9)]
+    else:
+        engine = _engine("digits-video", overlap_stages=False)
+        sizes = [(16, 16, 5), (16, 16, 9)]
+    stream = _sized(4, *sizes[0], steps=3, num_chunks=2, output_type="np")
+    other = _sized(5, *sizes[1], steps=5, guidance=3.0, output_type="np")
+    together = engine.generate(["a cat surfing", "a dog"], [stream, other])
     assert max(together[1].metrics.batch_sizes) == 4
     for t, job in zip(together, [("a cat surfing", stream), ("a dog", other)]):
-        alone = _solo(wan, *job)
+        alone = _solo(engine, *job)
         assert t.videos[0].shape == alone.videos[0].shape
         assert np.abs(t.videos[0].astype(int) - alone.videos[0]).max() <= 1
+    if model != "tiny":
+        assert engine.runner.adapter.expand_timesteps

@@ -46,14 +46,17 @@ def test_image_to_image_batches_with_text_to_image(model, served):
 @pytest.mark.parametrize("model", model_ids(lambda m: bool(m.mixed_sizes)), indirect=True)
 def test_mixed_sizes_share_a_forward(model, served):
     """Requests of different sizes (`TestModel.mixed_sizes`), step counts and guidance weights,
-    one of them image-to-image where the family takes input images, run in ONE forward and
-    each equals its solo run (`BATCH_TOL`): every row keeps its own positions and attention
-    span (`diffserve.pipelines.token_spans`)."""
+    one of them image-to-image where the family takes input images, edits with references of
+    different sizes (`TestModel.mixed_inputs`), run in ONE forward and each equals its solo run
+    (`BATCH_TOL`): every row keeps its own positions and attention span
+    (`diffserve.pipelines.token_spans`)."""
     jobs = []
     for k, (height, width) in enumerate(model.mixed_sizes):
         variation = model.variations[k % len(model.variations)]
         params = model.params(seed=31 + k, height=height, width=width, num_inference_steps=2 + k % 2, **variation)
         image = request_image(model, seed=k)
+        if model.mixed_inputs and image is not None:
+            image = input_image(model, seed=k, size=model.mixed_inputs[k])
         if k == 1 and model.images == "optional":
             image = input_image(model, seed=k, size=(width, height))
             params = model.params(seed=31 + k, height=height, width=width, num_inference_steps=4, strength=0.5,

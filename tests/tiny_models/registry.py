@@ -279,7 +279,7 @@ MODELS: tuple[TestModel, ...] = (
         input_size=(56, 40), parity_atol=5e-4, one_step=False, cuts_text=False,  # measured 3.4e-5
         samplers=_NO_DPM_SAMPLERS,
         mixed_sizes=((64, 48), (32, 64), (64, 64), (48, 32)),
-        mixed_inputs=((56, 40), (40, 56), (64, 64), (96, 32)),  # encoded at 160x96, 96x160, 128x128, 224x64
+        mixed_inputs=((56, 40), (40, 56), (64, 64), (96, 32)),  # encoded at (WxH) 160x96, 96x160, 128x128, 224x64
     ),
     TestModel(
         id="WanPipeline-2.1", pipeline="WanPipeline", build=build_tiny_wan,

@@ -189,12 +189,16 @@ def image_key_mask(longest: int, reference: int, device: torch.device,
     rows = current_rows() if rows is None else rows
     noisy = key_padding_mask(longest, device, rows)
     ref = key_padding_mask(reference, device, rows, REFERENCE_TOKENS) if reference else None
-    if ref is None:
+    if ref is None and (noisy is None or not reference):
         return noisy
 
     def build() -> torch.Tensor:
-        head = noisy if noisy is not None else torch.ones(ref.shape[0], longest, dtype=torch.bool, device=device)
-        return torch.cat([head, ref], dim=1)
+        n = rows.num_rows
+
+        def real(mask: torch.Tensor | None, length: int) -> torch.Tensor:
+            return mask if mask is not None else torch.ones(n, length, dtype=torch.bool, device=device)
+
+        return torch.cat([real(noisy, longest), real(ref, reference)], dim=1)
 
     return rows.derived(("image_key_mask", longest, reference, str(device)), build)
 

@@ -152,3 +152,56 @@ def test_cli_generate_without_an_image_is_one_line_error(tiny_flux_kontext_dir, 
     assert rc == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("diffserve: error:") and "image" in line and "FluxKontextPipeline" in line
+
+
+# ------------------------------------------------------------------------ acceleration
+def test_mixed_references_with_lora_rows_and_teacache(tiny_flux_kontext_dir, tmp_path, monkeypatch):
+    """A LoRA edit with one reference size and a plain edit with another share forwards under
+    TeaCache: when only one of them computes its blocks (`narrowed_rows`), its reference table,
+    reference mask and adapters follow the computed rows, and each equals its run alone."""
+    from tiny_models.loras import random_lora, save_diffusers_lora
+
+    from diffserve.acceleration import teacache
+
+    pipe = FluxKontextPipeline.from_pretrained(tiny_flux_kontext_dir)
+    lora = save_diffusers_lora(FluxKontextPipeline, tmp_path / "a", {"transformer": (
+        random_lora(pipe.transformer, ("to_q", "to_k", "to_v", "to_out.0"), 2, seed=3), 2, 2.0)})
+    engine = DiffusionEngine(EngineConfig(model=str(tiny_flux_kontext_dir), cache_backend="teacache",
+                                          cache_config={"rel_l1_thresh": 100.0}, loras={"a": str(lora)},
+                                          overlap_stages=False))
+    small = ("make it red", _p(1, steps=4, height=32, width=48, loras={"a": 1.0}), _image(1, 32, 32))
+    large = ("add a hat", _p(2, steps=8, height=64, width=48, guidance_scale=5.0), _image(2, 80, 48))
+    subsets = []
+    narrowed_rows = teacache.narrowed_rows
+    monkeypatch.setattr(teacache, "narrowed_rows", lambda index: subsets.append(list(index)) or narrowed_rows(index))
+    together = engine.generate([small[0], large[0]], [small[1], large[1]], inputs=[small[2], large[2]])
+    monkeypatch.setattr(teacache, "narrowed_rows", narrowed_rows)
+    assert max(together[0].metrics.batch_sizes) == 2
+    assert subsets and all(len(rows) == 1 for rows in subsets)  # one request's row computed alone
+    for out, job in zip(together, (small, large)):
+        assert out.ok, out.error
+        assert np.abs(out.images - _run(engine, *job).images).max() <= TOL
+
+
+def test_regional_compile_without_recompiles_across_reference_sizes(tmp_path):
+    """Compiled blocks warmed up at the default size serve forwards whose references (and
+    outputs) differ in size, in different compositions, without recompiling."""
+    import json
+
+    from tiny_models import build_tiny_flux_kontext
+
+    folder = build_tiny_flux_kontext(tmp_path / "kontext", num_layers=1, num_single_layers=1)
+    (folder / "generation_config.json").write_text(json.dumps({"height": 32, "width": 32, "max_sequence_length": L}))
+    engine = DiffusionEngine(EngineConfig(model=str(folder), compile=True, max_batch_size=2))
+    eager = DiffusionEngine(EngineConfig(model=str(folder)))
+    jobs = [("a", _p(1, steps=2, height=32, width=32), _image(1, 32, 32)),
+            ("b", _p(2, steps=2, height=32, width=32), _image(2, 48, 32)),
+            ("c", _p(3, steps=2, height=48, width=32), _image(3, 32, 64))]
+    for pair in (jobs[:2], jobs[1:]):
+        outs = engine.generate([j[0] for j in pair], [j[1] for j in pair], inputs=[j[2] for j in pair])
+        assert [max(o.metrics.batch_sizes) for o in outs] == [2, 2]
+        for out, job in zip(outs, pair):
+            assert np.abs(out.images - _run(eager, *job).images).max() <= TOL
+    stats = engine.runner.acceleration_stats()["compile"]
+    assert stats["enabled"] and stats["graphs_compiled"] >= 1
+    assert stats["recompiles_after_warmup"] == 0

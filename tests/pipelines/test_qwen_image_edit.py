@@ -153,6 +153,48 @@ def test_row_tables_follow_each_rows_img_shapes(tiny_qwen_image_edit_dir):
     assert mask.tolist() == [[True] * 14 + [False] * 2, [True] * 16]
 
 
+def test_mixed_references_under_teacache_equal_solo(tiny_qwen_image_edit_dir):
+    """TeaCache on edits whose references differ in size: the request that computes its blocks
+    alone (`narrowed_rows`) keeps its own tables and masks of both image segments, and each
+    equals its run alone."""
+    engine = DiffusionEngine(EngineConfig(model=str(tiny_qwen_image_edit_dir), cache_backend="teacache",
+                                          cache_config={"rel_l1_thresh": 100.0}, overlap_stages=False))
+    # the longer request has the larger output and reference: its layout (and cache) stays when the other leaves
+    jobs = [("make it blue", _p(1, steps=4, height=32, width=48), _image(40, width=48, height=48)),
+            ("add a hat", _p(2, steps=8), _image(41, width=64, height=32))]
+    together = engine.generate([j[0] for j in jobs], [j[1] for j in jobs], inputs=[j[2] for j in jobs])
+    assert max(together[0].metrics.batch_sizes) == 2
+    assert engine.stats()["acceleration"]["cache_backend"]["skipped"] > 0
+    for out, job in zip(together, jobs):
+        assert np.abs(out.images - _solo(engine, *job).images).max() <= TOL
+
+
+def test_regional_compile_without_recompiles_across_reference_sizes(tiny_qwen_image_edit_dir, tmp_path):
+    """Compiled blocks warmed up at the default size serve forwards whose references (and
+    outputs) differ in size, in different compositions, without recompiling. (The prompts make
+    the texts, vision tokens included, equally long: the warm-up has no text padding, and a
+    text-padded batch compiles a graph of its own, as in text-to-image.)"""
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_qwen_image_edit_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"height": 64, "width": 64}))  # warm-up size
+    engine = DiffusionEngine(EngineConfig(model=str(folder), compile=True, max_batch_size=2))
+    eager = DiffusionEngine(EngineConfig(model=str(folder)))
+    seven = "a a a a a a a"  # 24 text tokens with a 192x96 input, as "a" with a 128x128 one
+    jobs = [("a", _p(1, height=64, width=64), _image(50, width=48, height=48)),  # reference 128x128
+            (seven, _p(2, height=64, width=64), _image(51, width=64, height=32)),  # 192x96: more tokens
+            (seven, _p(3, height=32, width=64), _image(52, width=32, height=64))]  # 96x192: as many, other grid
+    for pair in (jobs[:2], jobs[1:]):
+        outs = engine.generate([j[0] for j in pair], [j[1] for j in pair], inputs=[j[2] for j in pair])
+        assert [max(o.metrics.batch_sizes) for o in outs] == [2, 2]
+        for out, job in zip(outs, pair):
+            assert np.abs(out.images - _solo(eager, *job).images).max() <= TOL
+    stats = engine.runner.acceleration_stats()["compile"]
+    assert stats["enabled"] and stats["recompiles_after_warmup"] == 0
+
+
 def test_prompt_cache_keys_on_the_image(tiny_qwen_image_edit_dir):
     engine = DiffusionEngine(EngineConfig(model=str(tiny_qwen_image_edit_dir)))
     first, second = _image(30), _image(31)

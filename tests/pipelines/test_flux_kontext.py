@@ -183,7 +183,7 @@ def test_mixed_references_with_lora_rows_and_teacache(tiny_flux_kontext_dir, tmp
         assert np.abs(out.images - _run(engine, *job).images).max() <= TOL
 
 
-def test_regional_compile_without_recompiles_across_reference_sizes(tmp_path):
+def test_regional_compile_without_recompiles_across_reference_sizes(tmp_path, fresh_dynamo):
     """Compiled blocks warmed up at the default size serve forwards whose references (and
     outputs) differ in size, in different compositions, without recompiling."""
     import json

@@ -169,7 +169,8 @@ def test_mixed_references_under_teacache_equal_solo(tiny_qwen_image_edit_dir):
         assert np.abs(out.images - _solo(engine, *job).images).max() <= TOL
 
 
-def test_regional_compile_without_recompiles_across_reference_sizes(tiny_qwen_image_edit_dir, tmp_path):
+def test_regional_compile_without_recompiles_across_reference_sizes(tiny_qwen_image_edit_dir, tmp_path,
+                                                                  fresh_dynamo):
     """Compiled blocks warmed up at the default size serve forwards whose references (and
     outputs) differ in size, in different compositions, without recompiling. (The prompts make
     the texts, vision tokens included, equally long: the warm-up has no text padding, and a

@@ -40,6 +40,16 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Reset torch.compile's caches before and after the test: a compile test then compiles its
+    own graphs (dynamo reuses code compiled for another engine on the same block classes, so
+    ``graphs_compiled`` would read 0) and leaves none behind for the next one."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory):
     """``tiny_folder(model_id) -> Path``: the folder of a registry model

@@ -173,7 +173,10 @@ def forward_layout(batch: "StepBatch", hidden_states: torch.Tensor) -> tuple:
     size joined or left) cannot reuse them. The largest row keeps its layout when smaller rows
     join or leave (its tokens are laid out in raster order either way), so it keeps its cache.
     Two SD3 batches can pad to one grid with strips of different lengths (8x4 with 4x8 vs
-    8x8): the second half tells them apart."""
+    8x8): the second half tells them apart. Edits (`token_spans.REFERENCE_TOKENS`): the
+    sequence is the padded noisy tokens then the padded reference tokens, and the largest row
+    area fixes the first segment, so the pair also fixes the reference segment's length (a
+    row keeps its cache when it has both the largest output and the largest reference)."""
     sizes = batch.row_data.get(LATENT_SIZE) if batch.row_data else None
     return tuple(hidden_states.shape[1:]), (max(math.prod(s) for s in sizes) if sizes else None)
 

@@ -119,8 +119,9 @@ class PipelineAdapter(ABC):
     #: The denoiser inputs `text.encode` returns, in order (see `text_branch`).
     text_inputs: ClassVar[tuple[str, ...]] = ("encoder_hidden_states",)
     #: A per-branch input of reference latents whose tokens follow the noisy latents' along the
-    #: sequence (edits: Kontext, Qwen-Image-Edit): collation appends them to ``hidden_states``
-    #: and the forward's prediction for them is dropped. None: no reference.
+    #: sequence (edits: Kontext, Qwen-Image-Edit): collation right-pads them with zeros to the
+    #: batch's longest reference (`mixed_sizes`), appends them to ``hidden_states`` and the
+    #: forward's prediction for them is dropped. None: no reference.
     appended_latents: ClassVar[str | None] = None
     #: Components of the model's AR stage (e.g. ``("language_model", "tokenizer")``): a folder
     #: whose pipeline class lists some has an autoregressive stage before the DiT stage. The
@@ -379,10 +380,11 @@ class PipelineAdapter(ABC):
     def batch_key(self, params: SamplingParams, inputs: RequestInputs | None = None) -> Hashable:
         """Requests with equal keys may share one denoise forward: (family, branches, size,
         frames, dtype, the `batch_key_fields`, the input image's encoded size (`image_size`));
-        with `mixed_sizes` the size and frame count are not part of it (rows of different sizes
-        share a forward as data, `token_spans`)."""
-        image = self.image_size(inputs.images[0]) if inputs is not None and inputs.images else None
-        size, frames = (None, None) if self.mixed_sizes else ((params.height, params.width), params.num_frames)
+        with `mixed_sizes` neither size nor the frame count is part of it (rows of different
+        output and reference sizes, and frame counts, share a forward as data, `token_spans`)."""
+        mixed = self.mixed_sizes
+        image = self.image_size(inputs.images[0]) if not mixed and inputs is not None and inputs.images else None
+        size, frames = (None, None) if mixed else ((params.height, params.width), params.num_frames)
         return (self.pipeline_class_name, self.branches(params), size, frames,
                 self.dtype, tuple(getattr(params, f) for f in self.batch_key_fields), image)
 
@@ -485,7 +487,8 @@ class PipelineAdapter(ABC):
         """Gather the requests' rows into one forward, branch-major: rows ``b * N + i`` hold
         branch ``b`` of latent row ``i`` (N = total images). ``batch.inputs`` holds the
         per-branch inputs concatenated (padded where `padded_inputs` says), ``hidden_states``
-        (rows, ...) (the `appended_latents` after the latents' tokens) and ``timestep``
+        (rows, ...) (the `appended_latents`, right-padded to the longest, after the latents'
+        tokens) and ``timestep``
         (rows,), plus the shared inputs of the first request; ``batch.row_data`` the requests'
         per-row data. A batch of the same requests as the previous step reuses all of it but
         latents and timesteps (`step_batch.BatchCache`)."""
@@ -499,7 +502,10 @@ class PipelineAdapter(ABC):
         while len(caches) > _BATCH_CACHES:
             caches.popitem(last=False)
         model_input = _scaled_model_input if self.stepping.scaled_input else None
-        batch = collate_branches(states, model_input, self.padded_inputs, cache)
+        padded = self.padded_inputs
+        if self.appended_latents is not None:  # references of different sizes (mixed): zero tokens after each
+            padded = {**padded, self.appended_latents: (None, 0.0)}
+        batch = collate_branches(states, model_input, padded, cache)
         if self.appended_latents is not None and self.appended_latents in batch.inputs:
             reference = batch.inputs.pop(self.appended_latents)
             batch.inputs["hidden_states"] = torch.cat([batch.inputs["hidden_states"], reference], dim=1)

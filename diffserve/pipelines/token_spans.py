@@ -28,6 +28,13 @@ mask its padded keys (`flux/mixed_sizes.py`, `qwen_image/mixed_sizes.py`); `size
 when a forward needs that, `zero_padded_tokens` zeroes the guided prediction of padded tokens
 (after guidance: a norm-rescaled CFG of zero vectors would divide 0 by 0).
 
+Edits append reference-image tokens after the noisy ones (Flux Kontext, Qwen-Image-Edit): a
+request also says its reference's latent size (``REFERENCE_SIZE``) and token count
+(``REFERENCE_TOKENS``), collation right-pads the reference segment to the batch's longest
+``R_max`` too, so a forward's image sequence is ``[noisy (L_max) | reference (R_max)]`` with each
+row real on the first tokens of each segment; `image_key_mask` marks the real keys of both
+segments and the families' processors give both segments each row's own positions.
+
 When every row of a forward has the same size nothing of this runs (no strip, no mask).
 """
 
@@ -44,6 +51,10 @@ from diffserve.pipelines.row_data import NO_ROW_DATA, RowData, current_rows
 LATENT_SIZE = "latent_size"
 #: Row-data key: the image tokens of a request's rows (its sequence length before context).
 IMAGE_TOKENS = "image_tokens"
+#: Row-data key: an edit's reference-image latent size (h, w) in latent pixels.
+REFERENCE_SIZE = "reference_size"
+#: Row-data key: an edit's reference-image tokens (appended after the noisy image tokens).
+REFERENCE_TOKENS = "reference_tokens"
 
 
 class TokenLayout:
@@ -149,30 +160,61 @@ def is_strip(spatial: tuple[int, int]) -> bool:
 
 
 @torch.compiler.disable  # eager: memoised per layout, no guards on the row data in compiled blocks
-def key_padding_mask(num_image: int, device: torch.device, rows: RowData | None = None) -> torch.Tensor | None:
-    """(rows, num_image) bool mask of the real image tokens (each row's first `IMAGE_TOKENS`)
-    of the forward running now (`row_data.current_rows`, or `rows` when given), or None when
-    no row is padded (every row has `num_image` tokens, or the forward carries no token
-    spans). Memoised per forward layout."""
+def key_padding_mask(num_image: int, device: torch.device, rows: RowData | None = None,
+                     tokens: str = IMAGE_TOKENS) -> torch.Tensor | None:
+    """(rows, num_image) bool mask of the real tokens of one padded segment (each row's first
+    ``rows[tokens]``: `IMAGE_TOKENS` for the noisy image tokens, `REFERENCE_TOKENS` for an edit's
+    reference tokens) of the forward running now (`row_data.current_rows`, or `rows` when given),
+    or None when no row is padded (every row has `num_image` tokens, or the forward carries no
+    such row data). Memoised per forward layout."""
     rows = current_rows() if rows is None else rows
     if rows is NO_ROW_DATA:
         return None
 
     def build() -> torch.Tensor | None:
-        tokens = rows.get(IMAGE_TOKENS)
-        if not tokens or all(t == num_image for t in tokens):
+        counts = rows.get(tokens)
+        if not counts or all(t == num_image for t in counts):
             return None
-        return (torch.arange(num_image)[None, :] < torch.tensor(tokens)[:, None]).to(device)
+        return (torch.arange(num_image)[None, :] < torch.tensor(counts)[:, None]).to(device)
 
-    return rows.derived(("key_mask", num_image, str(device)), build)  # once per forward layout
+    return rows.derived(("key_mask", num_image, str(device), tokens), build)  # once per forward layout
+
+
+@torch.compiler.disable  # eager: memoised per layout, no guards on the row data in compiled blocks
+def image_key_mask(longest: int, reference: int, device: torch.device,
+                   rows: RowData | None = None) -> torch.Tensor | None:
+    """(rows, longest + reference) bool mask of the real image keys of a forward whose image
+    sequence is ``[noisy (longest = L_max) | reference (R_max)]`` (`key_padding_mask` of each
+    segment, True on a segment nobody pads), or None when neither segment is padded. Rows: the
+    forward running now (or `rows`). Memoised per forward layout."""
+    rows = current_rows() if rows is None else rows
+    noisy = key_padding_mask(longest, device, rows)
+    ref = key_padding_mask(reference, device, rows, REFERENCE_TOKENS) if reference else None
+    if ref is None and (noisy is None or not reference):
+        return noisy
+
+    def build() -> torch.Tensor:
+        n = rows.num_rows
+
+        def real(mask: torch.Tensor | None, length: int) -> torch.Tensor:
+            return mask if mask is not None else torch.ones(n, length, dtype=torch.bool, device=device)
+
+        return torch.cat([real(noisy, longest), real(ref, reference)], dim=1)
+
+    return rows.derived(("image_key_mask", longest, reference, str(device)), build)
 
 
 def sizes_differ(rows: RowData) -> bool:
-    """Whether the rows of a forward (its `RowData`) have different `LATENT_SIZE` values: the
-    forward needs per-row positions even when their token counts are equal (e.g. 32x64 and
-    64x32 pack to the same sequence length)."""
-    sizes = rows.get(LATENT_SIZE) if rows else None
-    return bool(sizes) and rows.derived(("sizes_differ",), lambda: any(s != sizes[0] for s in sizes))
+    """Whether the rows of a forward (its `RowData`) have different `LATENT_SIZE` (or, for
+    edits, `REFERENCE_SIZE`) values: the forward needs per-row positions even when their token
+    counts are equal (e.g. 32x64 and 64x32 pack to the same sequence length)."""
+    if not rows:
+        return False
+
+    def differ() -> bool:
+        return any(len(set(rows.get(key) or ())) > 1 for key in (LATENT_SIZE, REFERENCE_SIZE))
+
+    return rows.derived(("sizes_differ",), differ)
 
 
 def latent_rows(rows: RowData, num_latent_rows: int) -> RowData:
@@ -183,44 +225,47 @@ def latent_rows(rows: RowData, num_latent_rows: int) -> RowData:
     return rows.derived(("latent_rows", num_latent_rows), lambda: rows.select(range(num_latent_rows)))
 
 
-def zero_padded_tokens(x: torch.Tensor, longest: int, rows: RowData | None = None) -> torch.Tensor:
-    """`x` (rows, N, ...) with each row's padded image tokens among its first `longest` set to
-    zero (the rest of the sequence, e.g. reference tokens, unchanged), for packed-token
-    families whose image tokens come first in `x`: the prediction of padded tokens (so padded
-    latents stay zero), or a modulated input whose statistics must be each row's own. `x`
-    itself when nothing is padded. Rows: the forward running now (or `rows`; `latent_rows` for
-    a guided prediction)."""
-    mask = key_padding_mask(longest, x.device, rows)
+def zero_padded_tokens(x: torch.Tensor, longest: int, rows: RowData | None = None, reference: int = 0) -> torch.Tensor:
+    """`x` (rows, N, ...) with each row's padded image tokens among its first `longest` (and,
+    with `reference` = R_max, its padded reference tokens among the next `reference`) set to
+    zero (the rest of the sequence unchanged), for packed-token families whose image tokens come
+    first in `x`: the prediction of padded tokens (so padded latents stay zero), or a modulated
+    input whose statistics must be each row's own. `x` itself when nothing is padded. Rows: the
+    forward running now (or `rows`; `latent_rows` for a guided prediction)."""
+    mask = image_key_mask(longest, reference, x.device, rows)
     if mask is None:
         return x
+    span = mask.shape[1]
     mask = mask.reshape(*mask.shape, *([1] * (x.dim() - 2)))
-    head = x[:, :longest].masked_fill(~mask, 0)
-    return head if x.shape[1] == longest else torch.cat([head, x[:, longest:]], dim=1)
+    head = x[:, :span].masked_fill(~mask, 0)
+    return head if x.shape[1] == span else torch.cat([head, x[:, span:]], dim=1)
 
 
 @torch.compiler.disable  # eager: memoised per layout, no guards on the row data in compiled blocks
 def attention_bias(num_image: int, num_keys: int, dtype: torch.dtype, device: torch.device,
-                   fold_count: int | None = None, image_start: int = 0) -> torch.Tensor | None:
+                   fold_count: int | None = None, image_start: int = 0, reference: int = 0) -> torch.Tensor | None:
     """(rows, 1, 1, num_keys) additive attention bias of a joint attention whose keys
     ``image_start : image_start + num_image`` are the padded image tokens (SD3: image first,
-    context after; Flux: text first, ``image_start`` = the text length, reference tokens
-    after): -inf on the padded image keys of the forward running now (`key_padding_mask`),
-    plus ``log(fold_count)`` on the last key when given (`sd3.context_folding`). None when no
-    row is padded. Memoised per forward layout (built once, read by every block)."""
-    mask = key_padding_mask(num_image, device)
+    context after; Flux: text first, ``image_start`` = the text length) and, for edits, the next
+    `reference` keys the padded reference tokens (Kontext): -inf on the padded image and
+    reference keys of the forward running now (`image_key_mask`), plus ``log(fold_count)`` on
+    the last key when given (`sd3.context_folding`). None when no row is padded. Memoised per
+    forward layout (built once, read by every block)."""
+    mask = image_key_mask(num_image, reference, device)
     if mask is None:
         return None
 
     def build() -> torch.Tensor:
         bias = torch.zeros(mask.shape[0], 1, 1, num_keys, dtype=dtype, device=device)
-        bias[:, 0, 0, image_start:image_start + num_image].masked_fill_(~mask, float("-inf"))
+        bias[:, 0, 0, image_start:image_start + mask.shape[1]].masked_fill_(~mask, float("-inf"))
         if fold_count is not None:
             bias[..., -1] += math.log(fold_count)
         return bias
 
-    key = ("bias", num_image, num_keys, dtype, str(device), fold_count, image_start)
+    key = ("bias", num_image, num_keys, dtype, str(device), fold_count, image_start, reference)
     return current_rows().derived(key, build)
 
 
-__all__ = ["IMAGE_TOKENS", "LATENT_SIZE", "TokenLayout", "attention_bias", "is_strip", "key_padding_mask",
-           "latent_rows", "sizes_differ", "strip_layout", "strip_positions", "zero_padded_tokens"]
+__all__ = ["IMAGE_TOKENS", "LATENT_SIZE", "REFERENCE_SIZE", "REFERENCE_TOKENS", "TokenLayout", "attention_bias",
+           "image_key_mask", "is_strip", "key_padding_mask", "latent_rows", "sizes_differ", "strip_layout",
+           "strip_positions", "zero_padded_tokens"]

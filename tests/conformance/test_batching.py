@@ -47,8 +47,9 @@ def test_image_to_image_batches_with_text_to_image(model, served):
 def test_mixed_sizes_share_a_forward(model, served):
     """Requests of different sizes (`TestModel.mixed_sizes`; video: and frame counts), step
     counts and guidance weights, one of them image-to-image where the family takes input
-    images, run in ONE forward and each equals its solo run (`BATCH_TOL`; videos compare
-    latents): every row keeps its own positions and attention span
+    images, edits with references of different sizes (`TestModel.mixed_inputs`), run in ONE
+    forward and each equals its solo run (`BATCH_TOL`; videos compare latents): every row
+    keeps its own positions and attention span
     (`diffserve.pipelines.token_spans`)."""
     jobs = []
     output_type = "latent" if model.video else "np"
@@ -58,6 +59,8 @@ def test_mixed_sizes_share_a_forward(model, served):
         params = model.params(seed=31 + k, num_inference_steps=2 + k % 2, output_type=output_type, **size,
                               **variation)
         image = request_image(model, seed=k)
+        if model.mixed_inputs and image is not None:
+            image = input_image(model, seed=k, size=model.mixed_inputs[k])
         if k == 1 and model.images == "optional":
             image = input_image(model, seed=k, size=(width, height))
             params = model.params(seed=31 + k, num_inference_steps=4, strength=0.5, **size, **variation)

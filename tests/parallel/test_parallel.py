@@ -149,3 +149,32 @@ def test_wan_mixed_sizes_under_cfg_parallel_and_ulysses(tiny_wan_dir):
         for out, ref in zip(outs, reference):
             assert out.ok, out.error
             assert (out.videos[0] - ref.videos[0]).abs().max() <= 1e-4
+
+
+def test_kontext_mixed_references_under_cfg_parallel_and_ulysses(tiny_flux_kontext_dir):
+    """Kontext edits whose references (and outputs) differ in size: CFG parallel keeps them in
+    one forward (each rank's per-row reference tables and masks follow its rows); Ulysses
+    batches them apart (the reference size is in its batch key). Both equal the single-process
+    engine."""
+    from PIL import Image
+
+    prompts = ["make it red", "add a hat"]
+    images = [Image.fromarray(np.random.default_rng(k).integers(0, 256, (h, w, 3), dtype=np.uint8))
+              for k, (w, h) in enumerate(((32, 32), (64, 48)))]
+    # even image-token counts (16 and 20): Kontext under Ulysses fails on odd ones (gloo allgather)
+    params = [SamplingParams(seed=1, num_inference_steps=2, height=48, width=64, true_cfg_scale=2.0,
+                             negative_prompt="x", max_sequence_length=32, output_type="np"),
+              SamplingParams(seed=2, num_inference_steps=3, height=32, width=64, true_cfg_scale=3.0,
+                             negative_prompt="", max_sequence_length=32, output_type="np")]
+    reference = DiffusionEngine(EngineConfig(model=str(tiny_flux_kontext_dir), num_threads=1)).generate(
+        prompts, params, inputs=images)
+    for layout, rows in (({"cfg_parallel_size": 2}, [4, 4]), ({"ulysses_degree": 2}, [2, 2])):
+        engine = DiffusionEngine(EngineConfig(model=str(tiny_flux_kontext_dir), num_threads=1, **layout))
+        try:
+            outs = engine.generate(prompts, params, inputs=images)
+        finally:
+            engine.shutdown()
+        assert [max(o.metrics.batch_sizes) for o in outs] == rows, layout
+        for out, ref in zip(outs, reference):
+            assert out.ok, out.error
+            assert np.abs(out.images - ref.images).max() <= 1e-4

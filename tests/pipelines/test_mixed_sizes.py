@@ -11,7 +11,15 @@ import torch
 
 from diffserve import DiffusionEngine, EngineConfig, SamplingParams
 from diffserve.pipelines.row_data import RowData, forward_rows
-from diffserve.pipelines.token_spans import IMAGE_TOKENS, TokenLayout, attention_bias, key_padding_mask
+from diffserve.pipelines.token_spans import (
+    IMAGE_TOKENS,
+    REFERENCE_TOKENS,
+    TokenLayout,
+    attention_bias,
+    image_key_mask,
+    key_padding_mask,
+    zero_padded_tokens,
+)
 
 PROMPTS = ("a lighthouse at dusk", "a bowl of fruit on a marble kitchen counter", "snow", "a red kite")
 
@@ -48,6 +56,25 @@ def test_attention_bias_masks_only_padded_image_keys():
         assert attention_bias(3, 5, torch.float32, torch.device("cpu"), fold_count=4) is bias  # memoised
     with forward_rows(RowData({IMAGE_TOKENS: (3, 3)}, 2)):
         assert attention_bias(3, 5, torch.float32, torch.device("cpu")) is None  # nothing padded
+
+
+@pytest.mark.parametrize("noisy,reference,expected", [
+    ((3, 1), (2, 2), [[1, 1, 1, 1, 1], [1, 0, 0, 1, 1]]),  # only the noisy segment padded
+    ((3, 3), (2, 1), [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]),  # only the reference segment padded
+    ((2, 3), (1, 2), [[1, 1, 0, 1, 0], [1, 1, 1, 1, 1]]),  # both
+])
+def test_image_key_mask_spans_both_segments(noisy, reference, expected):
+    """An edit's image keys are ``[noisy (L_max) | reference (R_max)]``: once either segment is
+    padded the mask covers both (True on the segment nobody pads), and zero_padded_tokens
+    zeroes exactly the padded tokens of both, keeping what follows."""
+    cpu = torch.device("cpu")
+    with forward_rows(RowData({IMAGE_TOKENS: noisy, REFERENCE_TOKENS: reference}, 2)):
+        mask = image_key_mask(3, 2, cpu)
+        assert mask.int().tolist() == expected
+        x = torch.ones(2, 6, 1)
+        assert zero_padded_tokens(x, 3, reference=2)[..., 0].int().tolist() == [row + [1] for row in expected]
+    with forward_rows(RowData({IMAGE_TOKENS: (3, 3), REFERENCE_TOKENS: (2, 2)}, 2)):
+        assert image_key_mask(3, 2, cpu) is None
 
 
 def _mixed_vs_solo(engine, jobs, tol=1e-4):

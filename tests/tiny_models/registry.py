@@ -76,6 +76,8 @@ class TestModel:
         mixed_sizes: (height, width) sizes, (height, width, num_frames) for video, whose
             requests share one forward (the family's `PipelineAdapter.mixed_sizes`; the first
             is `request`'s); empty: the family batches by size.
+        mixed_inputs: (width, height) of each `mixed_sizes` request's input image (edits whose
+            references of different sizes share the forward too); empty: `input_size`.
     """
 
     id: str
@@ -102,6 +104,7 @@ class TestModel:
     input_size: tuple[int, int] = (64, 48)
     samplers: tuple[str, ...] = ("euler", "dpmpp_2m", "unipc")
     mixed_sizes: tuple[tuple[int, ...], ...] = ()
+    mixed_inputs: tuple[tuple[int, int], ...] = ()
 
     @property
     def images(self) -> str:
@@ -234,7 +237,8 @@ MODELS: tuple[TestModel, ...] = (
         variations=tuple({**v, "guidance_scale": g} for v, g in zip(_TRUE_CFG_VARIATIONS, (3.5, 1.5, 6.0))),
         backends={"teacache": True, "cache_dit": True}, reference="FluxKontextPipeline",
         reference_call=_kontext_call, parity_atol=1e-5, samplers=_NO_DPM_SAMPLERS,  # measured 0
-        mixed_sizes=((48, 64), (32, 48), (64, 64), (64, 32)),  # one reference size (the batch key)
+        mixed_sizes=((48, 64), (32, 48), (64, 64), (64, 32)),
+        mixed_inputs=((64, 48), (50, 37), (32, 32), (80, 48)),  # references 64x48, 48x32, 32x32, 80x48
     ),
     TestModel(
         id="StableDiffusionPipeline", pipeline="StableDiffusionPipeline", build=build_tiny_sd15,
@@ -274,6 +278,8 @@ MODELS: tuple[TestModel, ...] = (
         reference="QwenImageEditPipeline", reference_load=_qwen_edit_processor, patch=qwen_edit_small_area,
         input_size=(56, 40), parity_atol=5e-4, one_step=False, cuts_text=False,  # measured 3.4e-5
         samplers=_NO_DPM_SAMPLERS,
+        mixed_sizes=((64, 48), (32, 64), (64, 64), (48, 32)),
+        mixed_inputs=((56, 40), (40, 56), (64, 64), (96, 32)),  # encoded at (WxH) 160x96, 96x160, 128x128, 224x64
     ),
     TestModel(
         id="WanPipeline-2.1", pipeline="WanPipeline", build=build_tiny_wan,

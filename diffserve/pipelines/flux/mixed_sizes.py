@@ -11,12 +11,15 @@ single-stream blocks); in a forward whose ``joint_attention_kwargs`` hold ``span
 `FluxSpans`, set by the adapter only when the rows' sizes differ) it
 
 - rotates each row's queries and keys by its own table (`RowRotary`: diffusers' `FluxPosEmbed`
-  on the ids ``(0, row, col)`` of its own latent grid, what its solo forward uses, stacked to
-  (rows, S, D); the text and the reference tokens keep the forward's shared table), and
-- masks each row's padded image keys (`token_spans.attention_bias`, the keys after the text).
+  on the ids ``(0, row, col)`` of its own latent grid and, for Kontext, ``(1, row, col)`` of its
+  own reference grid, what its solo forward uses, stacked to (rows, S, D); the text keeps the
+  forward's shared table), and
+- masks each row's padded image and reference keys (`token_spans.attention_bias`, the keys
+  after the text).
 
 The joint sequence is ``[text (N_txt) | noisy image (L_max, row r real on its first n_r) |
-reference (Kontext: N_ref)]`` in both block kinds. Padded queries compute values nobody reads
+reference (Kontext: R_max, row r real on its first m_r)]`` in both block kinds (collation pads
+both segments, `PipelineAdapter.appended_latents`). Padded queries compute values nobody reads
 (the adapter zeroes their guided prediction); no real row attends to them, so every row equals its solo
 forward within float rounding. In a forward without ``spans`` the processor runs diffusers'
 `FluxAttnProcessor` unchanged.
@@ -39,7 +42,14 @@ from diffusers.models.transformers.transformer_flux import (
 )
 
 from diffserve.pipelines.row_data import NO_ROW_DATA, current_rows
-from diffserve.pipelines.token_spans import IMAGE_TOKENS, LATENT_SIZE, attention_bias, sizes_differ
+from diffserve.pipelines.token_spans import (
+    IMAGE_TOKENS,
+    LATENT_SIZE,
+    REFERENCE_SIZE,
+    REFERENCE_TOKENS,
+    attention_bias,
+    sizes_differ,
+)
 
 if TYPE_CHECKING:
     from diffserve.pipelines.request_state import RequestState
@@ -59,11 +69,14 @@ class FluxSpans:
             ``(h_r/2) * (w_r/2)``; row data `token_spans.IMAGE_TOKENS`).
         ids_dtype: the dtype of the position ids diffusers builds (the prompt embeddings'),
             so each row's ids round as in its solo run.
+        reference: R_max, the padded reference token count after the noisy ones (Kontext; row
+            r's real ones are its first `token_spans.REFERENCE_TOKENS`); 0 without a reference.
     """
 
     text: int
     longest: int
     ids_dtype: torch.dtype
+    reference: int = 0
 
 
 class RowRotary:
@@ -82,14 +95,17 @@ class RowRotary:
         self._grids: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 
     def image_table(self, latent_size: tuple[int, int], ids_dtype: torch.dtype,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+                    device: torch.device, first_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each (h/2 * w/2, D) float32: the table of a solo forward's image tokens
-        for latents of `latent_size` (h, w) (ids from diffusers' ``_prepare_latent_image_ids``)."""
-        key = (tuple(latent_size), ids_dtype, str(device))
+        for latents of `latent_size` (h, w) (ids from diffusers' ``_prepare_latent_image_ids``,
+        first coordinate `first_id`: 0 noisy latents, 1 Kontext's reference, as its
+        ``prepare_latents``)."""
+        key = (tuple(latent_size), ids_dtype, str(device), first_id)
         hit = self._grids.get(key)
         if hit is None:
             h, w = latent_size
             ids = FluxPipeline._prepare_latent_image_ids(None, h // PATCH, w // PATCH, device, ids_dtype)
+            ids[..., 0] = first_id
             hit = self._grids[key] = self.pos_embed(ids)
             while len(self._grids) > self.MAX_GRIDS:
                 self._grids.popitem(last=False)
@@ -98,9 +114,10 @@ class RowRotary:
     @torch.compiler.disable  # eager, outside a compiled block: built once per layout, no guards on the memo
     def tables(self, spans: FluxSpans, shared: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each (rows, S, D) float32, for the rows of the forward running now
-        (`row_data.current_rows`): the shared (S, D) table (text, reference) with each row's own
-        image table on its noisy tokens and the identity rotation (cos 1, sin 0) on its padding.
-        Memoised per forward layout (built by the first block, read by the others).
+        (`row_data.current_rows`): the shared (S, D) table (text) with each row's own image table
+        on its noisy tokens, its own reference table on its reference tokens (Kontext), and the
+        identity rotation (cos 1, sin 0) on its padding. Memoised per forward layout (built by
+        the first block, read by the others).
 
         Raises:
             ValueError: the forward carries no per-row `LATENT_SIZE` (only the adapter sets
@@ -113,14 +130,19 @@ class RowRotary:
 
         def build() -> tuple[torch.Tensor, torch.Tensor]:
             n = rows.num_rows
-            start, end = spans.text, spans.text + spans.longest
+            start, ref_start = spans.text, spans.text + spans.longest
             out_cos, out_sin = cos.expand(n, -1, -1).clone(), sin.expand(n, -1, -1).clone()
-            out_cos[:, start:end] = 1.0
-            out_sin[:, start:end] = 0.0
-            for r, size in enumerate(rows[LATENT_SIZE]):
-                row_cos, row_sin = self.image_table(size, spans.ids_dtype, cos.device)
-                out_cos[r, start:start + row_cos.shape[0]] = row_cos
-                out_sin[r, start:start + row_sin.shape[0]] = row_sin
+            references = rows.get(REFERENCE_SIZE) if spans.reference else None
+            segments = [(start, spans.longest, rows[LATENT_SIZE], 0)]
+            if references:
+                segments.append((ref_start, spans.reference, references, 1))
+            for first, length, sizes, first_id in segments:
+                out_cos[:, first:first + length] = 1.0
+                out_sin[:, first:first + length] = 0.0
+                for r, size in enumerate(sizes):
+                    row_cos, row_sin = self.image_table(size, spans.ids_dtype, cos.device, first_id)
+                    out_cos[r, first:first + row_cos.shape[0]] = row_cos
+                    out_sin[r, first:first + row_sin.shape[0]] = row_sin
             return out_cos, out_sin
 
         return rows.derived(("flux_rotary", spans, cos.shape[0], str(cos.device)), build)
@@ -174,7 +196,8 @@ class SpanFluxAttnProcessor(FluxAttnProcessor):
             value = torch.cat([encoder_value, value], dim=1)
         cos, sin = self.rotary.tables(spans, image_rotary_emb)
         query, key = rotate(query, cos, sin), rotate(key, cos, sin)
-        bias = attention_bias(spans.longest, key.shape[1], query.dtype, query.device, image_start=spans.text)
+        bias = attention_bias(spans.longest, key.shape[1], query.dtype, query.device, image_start=spans.text,
+                              reference=spans.reference)
         out = dispatch_attention_fn(query, key, value, attn_mask=bias, backend=self._attention_backend,
                                     parallel_config=self._parallel_config)
         out = out.flatten(2, 3).to(query.dtype)
@@ -198,32 +221,45 @@ def install_token_spans(transformer: torch.nn.Module) -> bool:
     return True
 
 
-def set_token_span(state: "RequestState", vae_scale_factor: int, enabled: bool) -> None:
+def set_token_span(state: "RequestState", vae_scale_factor: int, enabled: bool,
+                   reference: tuple[int, int] | None = None, reference_tokens: int = 0) -> None:
     """When `enabled` (the adapter's `mixed_sizes`): the request's latent size (h, w) in latent
     pixels (what diffusers' ``prepare_latents`` unpacks its ``height`` x ``width`` to) and its
-    image-token count (its packed latents' sequence length) as row data (`token_spans`)."""
+    image-token count (its packed latents' sequence length) as row data (`token_spans`); for
+    Kontext also its `reference` image's size (height, width) in pixels as a latent size and
+    its `reference_tokens` (the packed reference's sequence length)."""
     if enabled:
         p, multiple = state.params, vae_scale_factor * PATCH
         state.row_data[LATENT_SIZE] = (PATCH * (p.height // multiple), PATCH * (p.width // multiple))
         state.row_data[IMAGE_TOKENS] = state.latents.shape[1]
+        if reference is not None:
+            state.row_data[REFERENCE_SIZE] = (PATCH * (reference[0] // multiple), PATCH * (reference[1] // multiple))
+            state.row_data[REFERENCE_TOKENS] = reference_tokens
 
 
 def span_inputs(batch: "StepBatch", inputs: dict[str, Any]) -> dict[str, Any]:
     """The forward's keyword arguments `inputs` for `batch`; when its rows have different latent
-    sizes (`token_spans.sizes_differ`) also ``spans`` (`FluxSpans`) in ``joint_attention_kwargs``
-    and ``img_ids`` padded to the batch's longest sequence L_max (zero ids after the first
-    request's own, before Kontext's reference ids: the processors give each row its own)."""
+    or reference sizes (`token_spans.sizes_differ`) also ``spans`` (`FluxSpans`) in
+    ``joint_attention_kwargs`` and the first request's ``img_ids`` padded to the forward's
+    ``[L_max | R_max]`` image sequence (zero ids after its noisy ids and after Kontext's
+    reference ids: the processors give each row its own)."""
     if not sizes_differ(batch.row_data):
         return inputs
     img_ids = inputs["img_ids"]
-    spans = FluxSpans(text=inputs["txt_ids"].shape[0], longest=batch.latents.shape[1], ids_dtype=img_ids.dtype)
+    longest = batch.latents.shape[1]
+    spans = FluxSpans(text=inputs["txt_ids"].shape[0], longest=longest, ids_dtype=img_ids.dtype,
+                      reference=inputs["hidden_states"].shape[1] - longest)
     first = batch.states[0].row_data[IMAGE_TOKENS]
+    first_reference = img_ids.shape[0] - first
 
     def padded_ids() -> torch.Tensor:
-        pad = img_ids.new_zeros(spans.longest - first, img_ids.shape[1])
-        return torch.cat([img_ids[:first], pad, img_ids[first:]])
+        def pad(n: int) -> torch.Tensor:
+            return img_ids.new_zeros(n, img_ids.shape[1])
 
-    key = ("flux_img_ids", spans.longest, str(img_ids.device))
+        return torch.cat([img_ids[:first], pad(spans.longest - first), img_ids[first:],
+                          pad(spans.reference - first_reference)])
+
+    key = ("flux_img_ids", spans.longest, spans.reference, str(img_ids.device))
     return {**inputs, "img_ids": batch.row_data.derived(key, padded_ids),
             "joint_attention_kwargs": {**(inputs.get("joint_attention_kwargs") or {}), "spans": spans}}
 

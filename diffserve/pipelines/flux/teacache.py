@@ -22,8 +22,8 @@ class FluxTeaCacheSplit:
     Tensors: hidden (rows, N_img, D) (reference-image tokens included for Kontext); context =
     dict(encoder (rows, N_txt, D), temb (rows, D), rotary (cos, sin) of (N_txt + N_img, head_dim),
     joint_attention_kwargs); output (rows, N_img, 4C). In a forward over rows of different sizes
-    the modulated input is zero on each row's padded tokens (`flux.mixed_sizes`), so its
-    relative change is the one its solo run measures.
+    the modulated input is zero on each row's padded (noisy and reference) tokens
+    (`flux.mixed_sizes`), so its relative change is the one its solo run measures.
     """
 
     @staticmethod
@@ -41,7 +41,7 @@ class FluxTeaCacheSplit:
         modulated = model.transformer_blocks[0].norm1(hidden, emb=temb)[0]
         spans = (kwargs.get("joint_attention_kwargs") or {}).get("spans")
         if spans is not None:  # padded tokens add nothing to a row's relative change (as solo)
-            modulated = zero_padded_tokens(modulated, spans.longest)
+            modulated = zero_padded_tokens(modulated, spans.longest, reference=spans.reference)
         context = {"encoder": encoder, "temb": temb, "rotary": rotary,
                    "joint_attention_kwargs": kwargs.get("joint_attention_kwargs")}
         return hidden, context, modulated

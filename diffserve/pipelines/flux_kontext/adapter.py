@@ -20,10 +20,11 @@ Size rule (diffserve's, documented in the README):
   to the closest of Kontext's ~1 MP training resolutions; resize the image yourself (e.g. to
   1024x1024) to get that behaviour.
 
-Requests with references of the same (floored) size share forwards (the reference size is part
-of the batch key: the reference tokens and their ids are concatenated to every row of the
-batch); their output sizes may differ (`FluxAdapter`'s mixed sizes: the noisy tokens are padded
-to the longest, the reference tokens follow them).
+Requests with references and outputs of different sizes share forwards (`FluxAdapter`'s mixed
+sizes, `flux/mixed_sizes.py`): the noisy tokens are right-padded to the batch's longest, the
+reference tokens follow them right-padded to the longest reference, and every row rotates both
+segments by its own ids (``(0, row, col)`` and ``(1, row, col)``) and masks its padded keys. With
+mixing off (``--no-mixed-sizes``, Ulysses) the output and reference sizes are in the batch key.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ class FluxKontextAdapter(FluxAdapter):
 
     Tensors (besides `FluxAdapter`'s): per branch ``image_latents`` (N, (h/16)*(w/16), 4C), the
     packed reference latents of an h x w reference; shared ``img_ids`` (noisy then reference
-    position ids). The forward's ``hidden_states`` are (rows, N_img + N_ref, 4C); its output is cut
-    back to the N_img noisy-latent tokens (`appended_latents`).
+    position ids). The forward's ``hidden_states`` are (rows, N_img + N_ref, 4C) (both padded to
+    the batch's longest when sizes differ); its output is cut back to the N_img noisy-latent
+    tokens (`appended_latents`).
     """
 
     pipeline_class_name = "FluxKontextPipeline"
@@ -57,8 +59,8 @@ class FluxKontextAdapter(FluxAdapter):
 
     def image_size(self, image: Any) -> tuple[int, int]:
         """(height, width) in pixels the reference image is encoded at: its own size floored to
-        multiples of 16 (diffusers with ``_auto_resize=False``); its tokens join every row of
-        the batch, so it is part of the batch key."""
+        multiples of 16 (diffusers with ``_auto_resize=False``); part of the batch key only
+        with mixing off (`mixed_sizes`)."""
         multiple = self.pipe.vae_scale_factor * 2
         height, width = self.pipe.image_processor.get_default_height_width(image)
         return height // multiple * multiple, width // multiple * multiple
@@ -93,4 +95,5 @@ class FluxKontextAdapter(FluxAdapter):
             branch["image_latents"] = image_latents
         state.shared["img_ids"] = torch.cat([latent_ids, image_ids], dim=0)
         self.set_timesteps(state, image_seq_len=latents.shape[1])
-        set_token_span(state, pipe.vae_scale_factor, self.mixed_sizes)
+        set_token_span(state, pipe.vae_scale_factor, self.mixed_sizes, reference=(height, width),
+                       reference_tokens=image_latents.shape[1])

@@ -1,24 +1,27 @@
 """Mixed sizes in one Qwen-Image forward (`diffserve.pipelines.token_spans`): each row its own
-RoPE positions (image and text) and attention span.
+RoPE positions (image and text) and attention span (also Qwen-Image-Edit's transformer, whose
+rows hold a target and a reference image).
 
 Qwen-Image's latents are packed token sequences (N, L, 4C) like Flux's: collation right-pads
 each request's sequence to the batch's longest, ``L_max``. diffusers' `QwenEmbedRope` builds ONE
 pair of tables per forward from the first row's ``img_shapes``: the image table of its latent
-grid and the text table, which starts at ``max(h/2, w/2)`` of that grid (``scale_rope``), so
-BOTH depend on a row's size. `install_token_spans` puts a `SpanQwenAttnProcessor` on every
-joint attention; in a forward whose ``attention_kwargs`` hold ``spans`` (a `QwenSpans`, set by
-the adapter only when the rows' sizes differ) it
+grids (Qwen-Image-Edit: the target's at frame index 0, then the reference's at frame index 1)
+and the text table, which starts at the largest ``max(h/2, w/2)`` of those grids
+(``scale_rope``), so BOTH depend on a row's sizes. `install_token_spans` puts a
+`SpanQwenAttnProcessor` on every joint attention; in a forward whose ``attention_kwargs`` hold
+``spans`` (a `QwenSpans`, set by the adapter only when the rows' sizes differ) it
 
-- rotates each row's image queries/keys by its own grid's table (`QwenEmbedRope`'s own
-  ``_compute_video_freqs``, identity on the padding) and its text queries/keys by the text table
-  at its own offset (`RowRotary`), and
-- masks each row's padded image keys, together with the padded text keys the batch's text
-  padding already masks (``encoder_hidden_states_mask``).
+- rotates each row's image queries/keys by its own tables (`RowRotary`: `QwenEmbedRope.forward`
+  over that row's own ``img_shapes``, target then reference segment, identity on the padding)
+  and its text queries/keys by the text table at its own offset, and
+- masks each row's padded target and reference keys, together with the padded text keys the
+  batch's text padding already masks (``encoder_hidden_states_mask``).
 
-The joint sequence is ``[text (N_txt, padded per row) | image (L_max, row r real on its first
-n_r)]``. Padded queries compute values nobody reads (the adapter zeroes their guided prediction), so
-every row equals its solo forward within float rounding. In a forward without ``spans`` the
-processor runs diffusers' `QwenDoubleStreamAttnProcessor2_0` unchanged.
+The joint sequence is ``[text (N_txt, padded per row) | target (L_max, row r real on its first
+n_r) | reference (edits: R_max, row r real on its first m_r)]``. Padded queries compute values
+nobody reads (the adapter zeroes their guided prediction and drops the reference's), so every
+row equals its solo forward within float rounding. In a forward without ``spans`` the processor
+runs diffusers' `QwenDoubleStreamAttnProcessor2_0` unchanged.
 """
 
 from __future__ import annotations
@@ -31,7 +34,14 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
 from diffserve.pipelines.row_data import NO_ROW_DATA, current_rows
-from diffserve.pipelines.token_spans import IMAGE_TOKENS, LATENT_SIZE, key_padding_mask, sizes_differ
+from diffserve.pipelines.token_spans import (
+    IMAGE_TOKENS,
+    LATENT_SIZE,
+    REFERENCE_SIZE,
+    REFERENCE_TOKENS,
+    image_key_mask,
+    sizes_differ,
+)
 
 if TYPE_CHECKING:
     from diffserve.pipelines.request_state import RequestState
@@ -48,9 +58,12 @@ class QwenSpans:
     Attributes:
         longest: L_max, the padded image-token count (row r's real tokens are its first
             ``(h_r/2) * (w_r/2)``; row data `token_spans.IMAGE_TOKENS`).
+        reference: R_max, the padded reference-token count after them (Qwen-Image-Edit; row
+            r's real ones are its first `token_spans.REFERENCE_TOKENS`); 0 without a reference.
     """
 
     longest: int
+    reference: int = 0
 
 
 class RowRotary:
@@ -64,11 +77,12 @@ class RowRotary:
         self.pos_embed = pos_embed
 
     @torch.compiler.disable  # eager, outside a compiled block: built once per layout, no guards on the memo
-    def tables(self, num_text: int, longest: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(image (rows, L_max, D/2), text (rows, N_txt, D/2)) complex64 tables of the rows of
-        the forward running now: what each row's solo forward uses (`QwenEmbedRope.forward`
-        with its own ``img_shapes``), 1 (no rotation) on padded image tokens. Memoised per
-        forward layout.
+    def tables(self, num_text: int, spans: QwenSpans, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(image (rows, L_max + R_max, D/2), text (rows, N_txt, D/2)) complex64 tables of the
+        rows of the forward running now: what each row's solo forward uses (`QwenEmbedRope.forward`
+        over its own ``img_shapes``: its target grid and, for edits, its reference grid), the
+        target's on its first tokens, the reference's from L_max on, 1 (no rotation) on padded
+        tokens. Memoised per forward layout.
 
         Raises:
             ValueError: the forward carries no per-row `LATENT_SIZE`.
@@ -80,18 +94,22 @@ class RowRotary:
         def build() -> tuple[torch.Tensor, torch.Tensor]:
             embed = self.pos_embed
             pos, _ = embed._get_device_freqs(device)
-            n = rows.num_rows
-            image = torch.ones(n, longest, pos.shape[1], dtype=pos.dtype, device=device)
+            n, longest = rows.num_rows, spans.longest
+            references = rows.get(REFERENCE_SIZE) if spans.reference else None
+            image = torch.ones(n, longest + spans.reference, pos.shape[1], dtype=pos.dtype, device=device)
             text = torch.empty(n, num_text, pos.shape[1], dtype=pos.dtype, device=device)
             for r, (h, w) in enumerate(rows[LATENT_SIZE]):
-                grid_h, grid_w = h // PATCH, w // PATCH
-                freqs = embed._compute_video_freqs(1, grid_h, grid_w, 0, device)
-                image[r, : freqs.shape[0]] = freqs
-                start = max(grid_h // 2, grid_w // 2) if embed.scale_rope else max(grid_h, grid_w)
-                text[r] = pos[start:start + num_text]
+                shapes = [(1, h // PATCH, w // PATCH)]
+                if references:
+                    ref_h, ref_w = references[r]
+                    shapes.append((1, ref_h // PATCH, ref_w // PATCH))
+                freqs, text[r] = embed([shapes], device=device, max_txt_seq_len=num_text)
+                target = shapes[0][1] * shapes[0][2]
+                image[r, :target] = freqs[:target]
+                image[r, longest:longest + freqs.shape[0] - target] = freqs[target:]
             return image, text
 
-        return rows.derived(("qwen_rotary", num_text, longest, str(device)), build)
+        return rows.derived(("qwen_rotary", num_text, spans, str(device)), build)
 
 
 def rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -106,7 +124,8 @@ class SpanQwenAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
     (`QwenSpans`), rotates each row by its own tables (`RowRotary.tables`) and masks each row's
     padded image keys; the stock processor otherwise.
 
-    Tensors: hidden_states (B, L_max, C) image stream, encoder_hidden_states (B, N_txt, C) text
+    Tensors: hidden_states (B, L_max + R_max, C) image stream (target then reference tokens,
+    R_max = 0 without a reference), encoder_hidden_states (B, N_txt, C) text
     stream, encoder_hidden_states_mask (B, N_txt) bool or None; returns (image, text) outputs of
     the same shapes.
 
@@ -143,15 +162,15 @@ class SpanQwenAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
             txt_query = attn.norm_added_q(txt_query)
         if attn.norm_added_k is not None:
             txt_key = attn.norm_added_k(txt_key)
-        img_freqs, txt_freqs = self.rotary.tables(n_txt, spans.longest, hidden_states.device)
+        img_freqs, txt_freqs = self.rotary.tables(n_txt, spans, hidden_states.device)
         img_query, img_key = rotate(img_query, img_freqs), rotate(img_key, img_freqs)
         txt_query, txt_key = rotate(txt_query, txt_freqs), rotate(txt_key, txt_freqs)
-        image_mask = key_padding_mask(spans.longest, hidden_states.device)
+        image_mask = image_key_mask(spans.longest, spans.reference, hidden_states.device)
         mask = None
         if image_mask is not None or encoder_hidden_states_mask is not None:
-            rows = hidden_states.shape[0]
+            rows, num_image = hidden_states.shape[:2]
             if image_mask is None:
-                image_mask = torch.ones(rows, spans.longest, dtype=torch.bool, device=hidden_states.device)
+                image_mask = torch.ones(rows, num_image, dtype=torch.bool, device=hidden_states.device)
             text_mask = (torch.ones(rows, n_txt, dtype=torch.bool, device=hidden_states.device)
                          if encoder_hidden_states_mask is None else encoder_hidden_states_mask.bool())
             mask = torch.cat([text_mask, image_mask], dim=1)[:, None, None, :]
@@ -182,26 +201,33 @@ def install_token_spans(transformer: torch.nn.Module) -> bool:
     return True
 
 
-def set_token_span(state: "RequestState", img_shape: tuple[int, int, int], enabled: bool) -> None:
+def set_token_span(state: "RequestState", img_shape: tuple[int, int, int], enabled: bool,
+                   reference: tuple[int, int, int] | None = None, reference_tokens: int = 0) -> None:
     """When `enabled` (the adapter's `mixed_sizes`): the request's latent size (h, w) in latent
     pixels (its ``img_shapes`` entry ``(1, h/2, w/2)`` in tokens) and its image-token count as
-    row data (`token_spans`)."""
+    row data (`token_spans`); for edits also its `reference` ``img_shapes`` entry as a latent
+    size and its `reference_tokens`."""
     if enabled:
         state.row_data[LATENT_SIZE] = (PATCH * img_shape[1], PATCH * img_shape[2])
         state.row_data[IMAGE_TOKENS] = state.latents.shape[1]
+        if reference is not None:
+            state.row_data[REFERENCE_SIZE] = (PATCH * reference[1], PATCH * reference[2])
+            state.row_data[REFERENCE_TOKENS] = reference_tokens
 
 
 def span_inputs(batch: "StepBatch", inputs: dict[str, Any]) -> dict[str, Any]:
     """The forward's keyword arguments `inputs` for `batch`; when its rows have different latent
-    sizes (`token_spans.sizes_differ`) also ``spans`` (`QwenSpans`) in ``attention_kwargs`` and
-    the first row's ``img_shapes`` for every row (diffusers builds one table from the first row
-    anyway, and warns on a mixed list; the processors give each row its own)."""
+    (or reference) sizes (`token_spans.sizes_differ`) also ``spans`` (`QwenSpans`) in
+    ``attention_kwargs`` and the first row's ``img_shapes`` for every row (diffusers builds one
+    table from the first row anyway, and warns on a mixed list; the processors give each row
+    its own)."""
     if not sizes_differ(batch.row_data):
         return inputs
     shapes = inputs["img_shapes"]
+    longest = batch.latents.shape[1]
+    spans = QwenSpans(longest=longest, reference=inputs["hidden_states"].shape[1] - longest)
     return {**inputs, "img_shapes": [shapes[0]] * len(shapes),
-            "attention_kwargs": {**(inputs.get("attention_kwargs") or {}),
-                                 "spans": QwenSpans(longest=inputs["hidden_states"].shape[1])}}
+            "attention_kwargs": {**(inputs.get("attention_kwargs") or {}), "spans": spans}}
 
 
 __all__ = ["QwenSpans", "RowRotary", "SpanQwenAttnProcessor", "install_token_spans", "rotate", "set_token_span",

@@ -22,7 +22,7 @@ class QwenImageTeaCacheSplit:
     Tensors: hidden (rows, N_img, D); context = dict(encoder (rows, N_txt, D), mask (rows, N_txt)
     bool or None, temb (rows, D), rotary (image and text RoPE, shared by the rows),
     attention_kwargs); output (rows, N_img, patch**2 * C_out) packed. In a forward over rows of
-    different sizes the modulated input is zero on each row's padded tokens
+    different sizes the modulated input is zero on each row's padded (noisy and reference) tokens
     (`qwen_image.mixed_sizes`), so its relative change is the one its solo run measures.
     """
 
@@ -40,7 +40,7 @@ class QwenImageTeaCacheSplit:
         modulated = first._modulate(first.img_norm1(hidden), img_mod1)[0]
         spans = (kwargs.get("attention_kwargs") or {}).get("spans")
         if spans is not None:  # padded tokens add nothing to a row's relative change (as solo)
-            modulated = zero_padded_tokens(modulated, spans.longest)
+            modulated = zero_padded_tokens(modulated, spans.longest, reference=spans.reference)
         context = {"encoder": encoder, "mask": mask, "temb": temb, "rotary": rotary,
                    "attention_kwargs": kwargs.get("attention_kwargs")}
         return hidden, context, modulated

@@ -18,9 +18,14 @@ an unset size from the `ModelSpec` before any adapter sees the image, so an unse
 folder's default (1024x1024, the calculated size of a square input): pass ``height``/``width``
 (e.g. `output_size`) to follow the input's aspect ratio.
 
-Requests with different input aspect ratios have different image-latent token counts, so the
-calculated input size is part of the batch key; text (prompt + vision tokens) is padded with a
-mask as in text-to-image. The prompt-embedding cache key holds a SHA-256 digest of the input
+Requests with different input aspect ratios (different reference token counts) and different
+output sizes share a forward (`mixed_sizes`, `qwen_image/mixed_sizes.py`): the target tokens are
+right-padded to the batch's longest, the reference tokens follow them right-padded to the
+longest reference, and each row gets diffusers' RoPE over its own two ``img_shapes`` (target at
+frame 0, reference at frame 1, text after the larger grid) and masks its padded keys. With
+mixing off (``--no-mixed-sizes``, Ulysses, ``zero_cond_t`` transformers) the output size and the
+calculated input size are in the batch key. Text (prompt + vision tokens) is padded with a mask
+as in text-to-image. The prompt-embedding cache key holds a SHA-256 digest of the input
 image's pixels (the encoding depends on them). ``max_sequence_length`` is refused: diffusers'
 edit pipeline never cuts its text.
 
@@ -45,6 +50,7 @@ from transformers.processing_utils import ProcessorMixin
 from diffserve.core.errors import InvalidRequestError
 from diffserve.pipelines.base import RequestState
 from diffserve.pipelines.qwen_image.adapter import QwenImageAdapter
+from diffserve.pipelines.qwen_image.mixed_sizes import set_token_span
 from diffserve.pipelines.text_encoding import TextEncoder
 
 #: diffusers' QwenImageEditPipeline resizes the input image to this area (pixels).
@@ -120,9 +126,6 @@ class QwenImageEditAdapter(QwenImageAdapter):
     sampling_defaults = {"num_inference_steps": 50, "true_cfg_scale": 4.0}
     image_input = "required"
     appended_latents = "image_latents"
-    #: batches by size: the reference tokens follow the target's and two ``img_shapes`` per row set
-    #: the RoPE (not span-aware yet)
-    mixed_sizes = False
 
     @classmethod
     def component_loaders(cls):
@@ -142,7 +145,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return TextEncoder(self, self._encode_text, [(self.pipe.tokenizer, rope_positions)])
 
     def image_size(self, image) -> tuple[int, int]:
-        """The input image's resized size (its latent token count is part of the batch key)."""
+        """The input image's resized size (part of the batch key only with mixing off)."""
         return input_size(image)
 
     def prompt_is_truncated(self, prompt: str, max_sequence_length: int | None = None) -> bool:
@@ -181,6 +184,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
         state.branches = [{**branch, "img_shapes": [shapes] * n, "image_latents": image_latents}
                           for branch in branches]
         self.set_timesteps(state, image_seq_len=state.latents.shape[1])
+        set_token_span(state, shapes[0], self.mixed_sizes, reference=shapes[1], reference_tokens=image_latents.shape[1])
 
     def _check_text_fits(self, text_len: int, shapes: list[tuple[int, int, int]]) -> None:
         rope_positions = self.pipe.transformer.pos_embed.pos_freqs.shape[0]

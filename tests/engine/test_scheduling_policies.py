@@ -101,6 +101,72 @@ def test_slo_runs_least_slack_first():
     assert [r.seq for r in queues.select_batch()] == [1]
 
 
+def _fitted(a: float, b: float) -> StepCostModel:
+    """A cost model fitted exactly to step seconds = a + b x tokens."""
+    model = StepCostModel(decay=1.0)
+    for tokens in (10, 20, 40, 80):
+        model.observe(tokens, a + b * tokens)
+    return model
+
+
+def test_slo_batch_keeps_within_the_deadline_budget():
+    """Under slo the batch stops growing where the cost model says a member would miss its
+    deadline: U (10 steps, 1.1 s: at most 0.11 s a step, so (0.11 - 0.01) / 0.001 = 100 image
+    tokens a forward) runs with V and W (96 tokens), X waits; once U is done X joins."""
+    queues = RequestQueues(16, 100, policy="slo", cost_model=_fitted(0.01, 0.001))
+    u = _request(0, deadline_s=1.1, steps=10)
+    v, w, x = (_request(k) for k in (1, 2, 3))  # no deadline: after U, in arrival order
+    for r in (u, v, w, x):
+        queues.add(r)
+    _admit_and_denoise(queues)
+    assert queues.select_batch() == [u, v, w]
+    queues.finish(u)
+    assert queues.select_batch() == [v, w, x]
+
+
+def test_slo_budget_protects_the_urgent_from_late_and_less_urgent_requests():
+    """Past the budget neither a request whose deadline has passed nor a less urgent one that
+    is still in time joins: the most urgent member keeps its deadline; both join once it is
+    done."""
+    queues = RequestQueues(16, 100, policy="slo", cost_model=_fitted(0.01, 0.001))
+    u = _request(0, deadline_s=1.1, steps=10)                     # <= 100 tokens a forward
+    v, x, y = (_request(k, deadline_s=50.0 + k) for k in (1, 2, 3))  # in time at any load here
+    late = _request(4, deadline_s=0.5, age_s=1.0)                 # its deadline passed: ranks last
+    for r in (u, v, x, y, late):
+        queues.add(r)
+    _admit_and_denoise(queues)
+    assert queues.select_batch() == [u, v, x]
+    assert queues.rank(late, time.perf_counter())[0] == 2  # after every request still in time
+    queues.finish(u)
+    assert queues.select_batch() == [v, x, y, late]
+
+
+def test_slo_deadline_budget_exemptions():
+    """No budget without a per-token cost (b = 0: rows are free) or under another policy; a
+    request that misses its deadline anyway bounds nothing; an aged request always joins."""
+    for policy, model in (("slo", _fitted(0.1, 0.0)), ("priority", _fitted(0.01, 0.001))):
+        queues = RequestQueues(16, 100, policy=policy, cost_model=model)
+        for k in range(4):
+            queues.add(_request(k, deadline_s=1.1))
+        _admit_and_denoise(queues)
+        assert len(queues.select_batch()) == 4
+    queues = RequestQueues(16, 100, policy="slo", cost_model=_fitted(0.01, 0.001))
+    late = _request(0, deadline_s=0.5, age_s=1.0)  # its deadline passed: a miss whatever runs
+    others = [_request(k) for k in (1, 2, 3, 4)]
+    for r in (late, *others):
+        queues.add(r)
+    _admit_and_denoise(queues)
+    assert len(queues.select_batch()) == 5
+    queues = RequestQueues(16, 100, policy="slo", aging_s=5.0, cost_model=_fitted(0.01, 0.001))
+    head = _request(0, deadline_s=7.1, steps=10, age_s=6.0)  # aged, 1.1 s left: 100 tokens at most
+    aged = [_request(k, age_s=6.0) for k in (1, 2, 3)]
+    young = _request(4)
+    for r in (head, *aged, young):
+        queues.add(r)
+    _admit_and_denoise(queues)
+    assert queues.select_batch() == [head, *aged]  # 128 tokens: the aged join past the budget
+
+
 def test_cost_model_fits_a_line():
     model = StepCostModel(decay=1.0)
     assert model.predict(10) is None

@@ -520,7 +520,7 @@ def padded_share(before: dict, after: dict) -> float:
 
 
 #: Trace-mode arms: (batching of sizes, scheduling policy, max_padding_ratio, admission);
-#: ``mixed_padR`` is mixed sizes under FCFS with the padding cap R (e.g. ``mixed_pad0.25``).
+#: ``mixed_padR`` is mixed sizes under FCFS with the padding cap R (e.g. ``mixed_pad0.25``, ``mixed_padauto``).
 TRACE_ARMS = {"per_size": (False, "fcfs", 1.0, "all"), "mixed": (True, "fcfs", 1.0, "all"),
               "mixed_slo": (True, "slo", 1.0, "all"), "mixed_slo_adm": (True, "slo", 1.0, "slo")}
 
@@ -528,7 +528,8 @@ TRACE_ARMS = {"per_size": (False, "fcfs", 1.0, "all"), "mixed": (True, "fcfs", 1
 def trace_arm(arm: str) -> tuple[bool, str, float, str]:
     """(batching of sizes, policy, max_padding_ratio, admission) of a trace arm name."""
     if arm.startswith("mixed_pad"):
-        return True, "fcfs", float(arm[len("mixed_pad"):]), "all"
+        ratio = arm[len("mixed_pad"):]
+        return True, "fcfs", ratio if ratio == "auto" else float(ratio), "all"
     return TRACE_ARMS[arm]
 
 
@@ -594,7 +595,8 @@ def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
           f"one-size workload at {one[0]}x{one[1]} (height x width)")
     results: dict[str, list[dict]] = {}
     loads = [float(x) for x in args.trace_loads.split(",") if x.strip()]
-    pads = [f"mixed_pad{float(r):g}" for r in args.padding_ratios.split(",") if r.strip()]
+    pads = [f"mixed_pad{r.strip() if r.strip() == 'auto' else format(float(r), 'g')}"
+            for r in args.padding_ratios.split(",") if r.strip()]
     for repeat in range(args.repeats):
         closed = [("closed/per_size", "per_size", jobs), ("closed/mixed", "mixed", jobs),
                   *[(f"closed/{pad}", pad, jobs) for pad in pads], ("closed/one_size", "mixed", one_size)]
@@ -764,7 +766,7 @@ def main() -> None:
                     help="trace mode: loads as fractions of capacity ('' = closed loop only)")
     ap.add_argument("--padding-ratios", default="",
                     help="trace mode: closed-loop arms mixed_padR, mixed sizes under FCFS with --max-padding-ratio "
-                         "R, for each R of this comma-separated list (e.g. 0.25,0.5; default: none)")
+                         "R, for each R of this comma-separated list (e.g. 0.25,0.5,auto; default: none)")
     ap.add_argument("--trace-arms", default="per_size,mixed,mixed_slo",
                     help="trace mode: per_size (batching by size, FCFS: before issue 27), mixed (mixed sizes, "
                          "FCFS), mixed_slo (mixed sizes, --scheduling-policy slo), mixed_slo_adm (mixed_slo with "

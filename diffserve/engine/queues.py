@@ -27,11 +27,16 @@ Scheduling policies (step mode; `policy`):
   step boundary: left out of the step, its state kept in the worker, resumed later exactly
   where it stopped (no recompute).
 - ``slo``: ranked by least slack: ``deadline - now - remaining steps x predicted step time``
-  (`cost_model.StepCostModel`, fitted online on the steps run; before the first step: earliest
-  deadline first); requests without a deadline, and those whose slack is already negative
-  (they miss their deadline whatever runs: serving them first would make others miss theirs
-  too), after those that can still meet theirs, by priority then arrival. Admission and
-  preemption as under ``priority``.
+  of its own rows (`cost_model.StepCostModel`, fitted online on the steps run: what it needs
+  if served first; before the first step: earliest deadline first); requests without a
+  deadline, and those whose slack is already negative (they miss their deadline whatever
+  runs: serving them first would make others miss theirs too), after those that can still
+  meet theirs, by priority then arrival. Admission and preemption as under ``priority``.
+  The step batch keeps a deadline budget: each member in time bounds the forward's image
+  tokens at ``(seconds left / steps left - a) / b`` (the cost model's a + b x tokens), and a
+  later candidate that would exceed the smallest bound waits (exempt: the head and aged
+  requests), so a late, deadline-less or less urgent request never slows a more urgent one
+  past its deadline. With b = 0 (rows cost nothing extra) there is no budget.
 - Aging (both): a request that arrived more than `aging_s` seconds ago ranks before every
   younger one, in arrival order among themselves. So a request waits at most `aging_s` plus
   what FCFS would make it wait behind the requests older than it: nothing starves.
@@ -339,8 +344,11 @@ class RequestQueues:
         requests), so requests that miss their deadline anyway, those without one and less
         urgent ones do not make a more urgent one late. O(len(ordered)), plain arithmetic."""
         key = (ordered[0].batch_key, ordered[0].step_key)
-        cap = self.max_padding_ratio
-        capped = cap < 1.0
+        auto = self.max_padding_ratio == "auto"
+        cap = 1.0 if auto else self.max_padding_ratio
+        capped = auto or cap < 1.0
+        # auto: the cost model's (a, b) over token slots (None before the first step: no bound)
+        fit = self.cost_model.coefficients() if auto else None
         # the previous step's members, while its head leads again (a new head rebuilds the batch)
         previous = set(map(id, self._last)) if capped and self._last and self._last[0] is ordered[0] else ()
         aged_before = now - self.aging_s
@@ -349,7 +357,7 @@ class RequestQueues:
             return (request is ordered[0] or id(request) in previous
                     or (request.ar_end_time or request.arrival_time) < aged_before)
 
-        widest = 0  # the widest row's image tokens, counting the exempt rows that will join
+        widest = 0  # the widest row's image tokens (capped: counting the exempt rows that will join)
         if capped:
             widest = max((r.row_tokens for r in ordered
                           if (r.batch_key, r.step_key) == key and exempt(r)), default=0)
@@ -357,32 +365,35 @@ class RequestQueues:
         batch: list[Request] = []
         rows = tokens = 0
         a, b = cost if cost is not None else (0.0, 0.0)
-        budget = float("inf")  # the most image tokens a forward may hold: every member in time
+        budget = float("inf")  # the most token slots a forward may hold: every member in time
         for request in ordered:
             if (request.batch_key, request.step_key) != key:
                 continue
             if batch and rows + request.rows > self.max_batch_size:
                 continue
+            width = max(widest, request.row_tokens)
+            slots = (rows + request.rows) * width  # the forward's token slots with it
             in_time = False  # it has a deadline that it meets in this batch
             if b > 0:
                 bound = self._token_bound(request, now, a, b)
-                in_time = bound is not None and bound >= tokens + request.tokens
-                if batch and tokens + request.tokens > budget \
-                        and (request.ar_end_time or request.arrival_time) >= aged_before:
+                in_time = bound is not None and bound >= slots
+                if batch and slots > budget and (request.ar_end_time or request.arrival_time) >= aged_before:
                     continue  # it would make a member that is still in time finish too late
-            if capped:
-                width = max(widest, request.row_tokens)
-                slots = (rows + request.rows) * width
-                padded = slots - tokens - request.tokens
+            if capped and batch and not exempt(request):
                 slots_before = rows * widest
-                # passed over: past the cap, and more padded than the batch so far (a row at the
-                # widest size lowers the share: it joins even when exempt rows exceed the cap)
-                raises = padded * slots_before > (slots_before - tokens) * slots if slots_before else padded > 0
-                if batch and padded > cap * slots and raises and not exempt(request):
+                if auto:  # passed over: fewer real tokens per predicted second with it
+                    drops = fit is not None and (tokens + request.tokens) * (fit[0] + fit[1] * slots_before) \
+                        < tokens * (fit[0] + fit[1] * slots)
+                else:  # passed over: past the cap, and more padded than the batch so far (a row at
+                    # the widest size lowers the share: it joins even when exempt rows exceed the cap)
+                    padded = slots - tokens - request.tokens
+                    raises = padded * slots_before > (slots_before - tokens) * slots if slots_before else padded > 0
+                    drops = padded > cap * slots and raises
+                if drops:
                     ages_at = (request.ar_end_time or request.arrival_time) + self.aging_s
                     self._recheck_at = ages_at if self._recheck_at is None else min(self._recheck_at, ages_at)
                     continue
-                widest = width
+            widest = width
             batch.append(request)
             rows += request.rows
             tokens += request.tokens
@@ -392,7 +403,7 @@ class RequestQueues:
 
     @staticmethod
     def _token_bound(request: Request, now: float, a: float, b: float) -> float | None:
-        """The most image tokens a forward may hold for `request` to finish its remaining steps
+        """The most token slots a forward may hold for `request` to finish its remaining steps
         by its deadline, when every step costs ``a + b x tokens`` seconds (b > 0); -inf when its
         deadline has passed, None without a deadline."""
         deadline = request.params.deadline_s if request.params is not None else None

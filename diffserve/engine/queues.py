@@ -27,16 +27,11 @@ Scheduling policies (step mode; `policy`):
   step boundary: left out of the step, its state kept in the worker, resumed later exactly
   where it stopped (no recompute).
 - ``slo``: ranked by least slack: ``deadline - now - remaining steps x predicted step time``
-  of its own rows (`cost_model.StepCostModel`, fitted online on the steps run: what it needs
-  if served first; before the first step: earliest deadline first); requests without a
-  deadline, and those whose slack is already negative (they miss their deadline whatever
-  runs: serving them first would make others miss theirs too), after those that can still
-  meet theirs, by priority then arrival. Admission and preemption as under ``priority``.
-  The step batch keeps a deadline budget: each member in time bounds the forward's image
-  tokens at ``(seconds left / steps left - a) / b`` (the cost model's a + b x tokens), and a
-  later candidate that would exceed the smallest bound waits (exempt: the head and aged
-  requests), so a late, deadline-less or less urgent request never slows a more urgent one
-  past its deadline. With b = 0 (rows cost nothing extra) there is no budget.
+  (`cost_model.StepCostModel`, fitted online on the steps run; before the first step: earliest
+  deadline first); requests without a deadline, and those whose slack is already negative
+  (they miss their deadline whatever runs: serving them first would make others miss theirs
+  too), after those that can still meet theirs, by priority then arrival. Admission and
+  preemption as under ``priority``.
 - Aging (both): a request that arrived more than `aging_s` seconds ago ranks before every
   younger one, in arrival order among themselves. So a request waits at most `aging_s` plus
   what FCFS would make it wait behind the requests older than it: nothing starves.
@@ -56,6 +51,14 @@ with R = 0 rows of different token counts never share a forward (aged requests a
 ``fcfs`` the head advances every step until it finishes, so a passed-over request waits at
 most for the requests older than it (then it is the head); under the ranked policies, aging
 bounds it.
+
+Automatic padding decision (`max_padding_ratio` ``"auto"``): no fixed R; a candidate joins
+only if the step cost model (`cost_model.StepCostModel`, step seconds = a + b x token slots)
+predicts no fewer real image tokens per second for the forward with it than without:
+``(tokens + its tokens) x (a + b x slots) >= tokens x (a + b x slots with it)``. Where rows
+are nearly free (a large against b x slots: host-bound) sizes mix; where a forward costs its
+slots (a small: compute-bound) a narrower row joins only if it fills its slots at least as well
+as the batch does. Same exemptions as the cap; before the first step every request joins.
 
 Request mode (static batching, the baseline): when nothing runs, the head of the queue and
 every waiting request sharing its batch key (up to `max_batch_size` rows) are admitted
@@ -252,12 +255,10 @@ class RequestQueues:
         return admitted
 
     # ------------------------------------------------------------------ ranked policies
-    def rank(self, request: Request, now: float, stepping: bool = False) -> tuple:
+    def rank(self, request: Request, now: float, step_s: float | None, stepping: bool = False) -> tuple:
         """Sort key of `request` under the ranked policies (smaller = served first): aged
-        requests first in arrival order, then by priority (``priority``) or slack (``slo``:
-        ``deadline - now - remaining steps x its own step time``, the cost model's prediction
-        of a step of its rows alone, what it needs if served first; before the first step,
-        earliest deadline first).
+        requests first in arrival order, then by priority (``priority``) or slack (``slo``;
+        `step_s`: the predicted seconds of a step, None = unknown: earliest deadline first).
 
         `stepping` (a member of the previous step's batch) is the hysteresis that keeps a batch
         from thrashing: among equal priorities it ranks first, and under ``slo`` its slack
@@ -272,22 +273,29 @@ class RequestQueues:
         deadline = request.params.deadline_s
         if deadline is None:
             return (2, 0.0, priority, member, request.seq)
-        step = self.cost_model.predict(request.tokens) or 0.0
+        step = step_s or 0.0
         slack = request.arrival_time + deadline - now - max(request.num_steps - request.steps_done, 0) * step
-        if slack < 0:  # it misses its deadline even served first: after those that can still make theirs
+        if slack < 0:  # it will miss its deadline anyway: after those that can still make theirs
             return (2, 0.0, priority, member, request.seq)
         if stepping:
             slack -= PREEMPT_MARGIN_STEPS * step
         return (1, slack, priority, member, request.seq)
+
+    def step_seconds(self) -> float | None:
+        """The cost model's prediction of a step at the current load (the running requests'
+        tokens, at most a batch's worth), or None before the first step."""
+        tokens = sum(r.tokens for r in self.running if r.phase is Phase.DENOISING)
+        return self.cost_model.predict(tokens)
 
     def _admit_ranked(self, take: Callable[[int], Request], loras_fit: Callable[[Request], bool | None]) -> None:
         """Admission under ``priority`` / ``slo``: waiting requests in rank order while their rows
         fit; past `max_batch_size`, one that outranks the worst-ranked running request is still
         admitted (up to `PREEMPT_HEADROOM` x rows): the step batch then preempts that one."""
         now = time.perf_counter()
-        ranked = sorted(self.waiting, key=lambda r: self.rank(r, now))
+        step_s = self.step_seconds() if self.policy == "slo" else None
+        ranked = sorted(self.waiting, key=lambda r: self.rank(r, now, step_s))
         rows, memory = self.running_rows, self.running_memory
-        worst = max((self.rank(r, now) for r in self.running if r.phase is not Phase.DECODING),
+        worst = max((self.rank(r, now, step_s) for r in self.running if r.phase is not Phase.DECODING),
                     default=None)
         for head in ranked:
             fit = loras_fit(head)
@@ -297,7 +305,7 @@ class RequestQueues:
                 if not fit or not self._fits_memory(memory, head):
                     break
                 if rows + head.rows > self.max_batch_size:
-                    outranks = worst is not None and self.rank(head, now) < worst
+                    outranks = worst is not None and self.rank(head, now, step_s) < worst
                     if not outranks or rows + head.rows > PREEMPT_HEADROOM * self.max_batch_size:
                         break
             take(next(i for i, r in enumerate(self.waiting) if r is head))
@@ -313,9 +321,10 @@ class RequestQueues:
             self._contended = False
             return []
         now = time.perf_counter()
+        step_s = self.step_seconds() if self.policy == "slo" else None
         stepping = set(map(id, self._last or ()))
-        denoising.sort(key=lambda r: self.rank(r, now, id(r) in stepping))
-        batch = self._fill(denoising, now, self.cost_model.coefficients() if self.policy == "slo" else None)
+        denoising.sort(key=lambda r: self.rank(r, now, step_s, id(r) in stepping))
+        batch = self._fill(denoising, now)
         self._contended = len(batch) < len(denoising)
         previous = self._last
         if previous is not None and len(previous) == len(batch) and all(a is b for a, b in zip(previous, batch)):
@@ -328,21 +337,14 @@ class RequestQueues:
                     request.metrics.preemptions += 1
         return batch
 
-    def _fill(self, ordered: list[Request], now: float,
-              cost: tuple[float, float] | None = None) -> list[Request]:
+    def _fill(self, ordered: list[Request], now: float) -> list[Request]:
         """The first request of `ordered`, then the next ones with its (batch key, step key), in
         order, while they fit in `max_batch_size` rows (the first always included) and, with
         the padding cap, keep the forward's padded share within `max_padding_ratio` (exempt:
         the first, aged requests, and members of the previous step's batch while its head
-        leads; the module docstring).
-
-        `cost` (``slo``: the step cost model's (a s, b s/token), b > 0) adds the deadline
-        budget: each member that meets its deadline at the batch's predicted step time bounds
-        the forward's image tokens at ``(seconds left / steps left - a) / b`` (at more, its
-        steps would end too late). A later (less urgent) candidate that would push the tokens
-        past the smallest such bound is passed over for this step (exempt: the first and aged
-        requests), so requests that miss their deadline anyway, those without one and less
-        urgent ones do not make a more urgent one late. O(len(ordered)), plain arithmetic."""
+        leads; the module docstring); under ``"auto"``, while the cost model predicts no fewer
+        real image tokens per second with the candidate than without. O(len(ordered)), plain
+        arithmetic."""
         key = (ordered[0].batch_key, ordered[0].step_key)
         auto = self.max_padding_ratio == "auto"
         cap = 1.0 if auto else self.max_padding_ratio
@@ -364,8 +366,6 @@ class RequestQueues:
         self._recheck_at = None
         batch: list[Request] = []
         rows = tokens = 0
-        a, b = cost if cost is not None else (0.0, 0.0)
-        budget = float("inf")  # the most token slots a forward may hold: every member in time
         for request in ordered:
             if (request.batch_key, request.step_key) != key:
                 continue
@@ -373,12 +373,6 @@ class RequestQueues:
                 continue
             width = max(widest, request.row_tokens)
             slots = (rows + request.rows) * width  # the forward's token slots with it
-            in_time = False  # it has a deadline that it meets in this batch
-            if b > 0:
-                bound = self._token_bound(request, now, a, b)
-                in_time = bound is not None and bound >= slots
-                if batch and slots > budget and (request.ar_end_time or request.arrival_time) >= aged_before:
-                    continue  # it would make a member that is still in time finish too late
             if capped and batch and not exempt(request):
                 slots_before = rows * widest
                 if auto:  # passed over: fewer real tokens per predicted second with it
@@ -397,21 +391,7 @@ class RequestQueues:
             batch.append(request)
             rows += request.rows
             tokens += request.tokens
-            if in_time:
-                budget = min(budget, bound)
         return batch
-
-    @staticmethod
-    def _token_bound(request: Request, now: float, a: float, b: float) -> float | None:
-        """The most token slots a forward may hold for `request` to finish its remaining steps
-        by its deadline, when every step costs ``a + b x tokens`` seconds (b > 0); -inf when its
-        deadline has passed, None without a deadline."""
-        deadline = request.params.deadline_s if request.params is not None else None
-        if deadline is None:
-            return None
-        left = request.arrival_time + deadline - now
-        steps = max(request.num_steps - request.steps_done, 1)
-        return (left / steps - a) / b if left > 0 else float("-inf")
 
     def _set_batch(self, batch: list[Request]) -> list[Request]:
         """Remember `batch` as the selected one, with its tokens and token slots."""

@@ -213,6 +213,19 @@ def test_bad_max_padding_ratio_flag_names_the_flag(tmp_path, capsys, flag, fragm
     assert len(err) == 1 and fragment in err[0], err
 
 
+def test_max_padding_ratio_flag_takes_auto():
+    import argparse
+
+    from diffserve.entrypoints.engine_args import add_engine_arguments, check_engine_arguments
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    for flag, value in (("auto", "auto"), ("0.25", 0.25)):
+        args = parser.parse_args(["--max-padding-ratio", flag])
+        check_engine_arguments(args)
+        assert args.max_padding_ratio == value
+
+
 @pytest.mark.parametrize("ratio", [0.0, 1.0, "auto"])
 def test_padding_cap_on_the_built_in_model(ratio, one_torch_thread):
     """Mixed sizes on the digits model: under R = 0 no forward pads a row (each size steps in its

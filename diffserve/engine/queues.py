@@ -105,14 +105,15 @@ class RequestQueues:
         policy: ``"fcfs"``, ``"priority"`` or ``"slo"`` (the module docstring; step mode).
         aging_s: the aging bound of ``priority`` / ``slo`` and of the padding cap, in seconds.
         cost_model: the step-time model ``slo`` ranks with (a fresh one when None).
-        max_padding_ratio: the padding cap R in [0, 1] (the module docstring; 1 = off).
+        max_padding_ratio: the padding cap R in [0, 1] (the module docstring; 1 = off), or
+            ``"auto"``: the automatic padding decision from `cost_model` (the module docstring).
     """
 
     def __init__(self, max_batch_size: int, max_waiting: int, mode: str = "step",
                  memory_limit: int | None = None, max_loras: int | None = None,
                  lora_ready: Callable[[Iterable[str]], bool] | None = None, policy: str = "fcfs",
                  aging_s: float = 60.0, cost_model: StepCostModel | None = None,
-                 max_padding_ratio: float = 1.0):
+                 max_padding_ratio: float | str = 1.0):
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
         self.mode = mode

@@ -79,6 +79,7 @@ from diffserve.runner.loader import load_components
 from diffserve.runner.model_runner import ModelRunner
 from diffserve.pipelines.base import AdapterOptions, RequestState
 from diffserve.core.sampling_params import RequestLimits
+from diffserve.core.errors import DeadlineUnmeetableError
 
 PROMPTS = [
     "a handwritten digit {d}", "the number {w}", "digit {d}", "{d}", "handwritten {w}",
@@ -374,7 +375,8 @@ def engine_overhead(runner: ModelRunner, engine: DiffusionEngine, steps: int, gu
 @dataclass
 class TraceJob:
     """One request of a trace: arrival offset (s; None = drawn at the replayed load), prompt,
-    size, steps, priority and deadline (s from arrival; None = none)."""
+    size, steps, priority, deadline (s from arrival; None = none) and, with `--slo-scales`, its
+    solo latency (s: alone on the engine at its size and steps; None = not measured)."""
 
     arrival_s: float | None
     prompt: str
@@ -383,6 +385,7 @@ class TraceJob:
     steps: int
     priority: int = 0
     deadline_s: float | None = None
+    solo_s: float | None = None
 
 
 def builtin_trace(args, spec, step_s: float) -> list[TraceJob]:
@@ -433,15 +436,20 @@ def _at_rate(jobs: list[TraceJob], rate: float | None, seed: int) -> list[TraceJ
 
 
 def replay(engine: DiffusionEngine, jobs: list[TraceJob], concurrency: int | None, guidance: float | None,
-           seed: int) -> dict:
+           seed: int, scales: list[float] = ()) -> dict:
     """Replay `jobs` on `engine` (open loop at their arrivals, or closed loop at `concurrency`),
     stepping it in this thread. Returns pixels/s, requests/s, mean rows and tokens per forward
     (the engine's counters over the replay), SLO attainment (finished within deadline_s /
-    requests with one), the longest queue wait, latency percentiles and the padded share of the
-    forwards' image token slots."""
+    requests with one; a request the engine refused, ``--admission slo``, counts as a miss),
+    the longest queue wait, latency percentiles, the padded share of the forwards' image token
+    slots and the refusals. For each of `scales` (with the jobs' `solo_s`), also
+    ``attainment_x{scale}`` (finished within scale x solo_s, over all jobs) and
+    ``goodput_x{scale}`` (those requests per second of the replay): a policy that ignores
+    deadlines is judged at every scale from one replay."""
     before = engine.stats()["scheduler"]
     start = time.perf_counter()
     arrival, finish, queue, by_id = {}, {}, {}, {}
+    refused: list[TraceJob] = []
     next_job = done = 0
     while done < len(jobs):
         now = time.perf_counter() - start
@@ -455,11 +463,17 @@ def replay(engine: DiffusionEngine, jobs: list[TraceJob], concurrency: int | Non
             params = SamplingParams(num_inference_steps=job.steps, guidance_scale=guidance, seed=seed + next_job,
                                     height=job.height, width=job.width, output_type="latent",
                                     priority=job.priority, deadline_s=job.deadline_s)
-            rid = engine.add_request(job.prompt, params)
-            arrival[rid], by_id[rid] = (now if concurrency else job.arrival_s), job
             next_job += 1
+            try:
+                rid = engine.add_request(job.prompt, params)
+            except DeadlineUnmeetableError:  # --admission slo: a miss, answered at once
+                refused.append(job)
+                done += 1
+                continue
+            arrival[rid], by_id[rid] = (now if concurrency else job.arrival_s), job
         if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, jobs[next_job].arrival_s - (time.perf_counter() - start)))
+            if next_job < len(jobs) and not concurrency:
+                time.sleep(max(0.0, jobs[next_job].arrival_s - (time.perf_counter() - start)))
             continue
         for event in engine.step():
             if event.type.is_final:
@@ -474,19 +488,25 @@ def replay(engine: DiffusionEngine, jobs: list[TraceJob], concurrency: int | Non
         total = after[key] * after["forwards"] - before[key] * before["forwards"]
         return total / forwards if forwards else 0.0
 
-    makespan = max(finish.values()) - min(arrival.values())
+    makespan = max(finish.values()) - min(arrival.values()) if finish else float("inf")
     latency = {r: finish[r] - arrival[r] for r in finish}
     judged = [r for r in finish if by_id[r].deadline_s is not None]
     met = [r for r in judged if latency[r] <= by_id[r].deadline_s]
+    judged_count = len(judged) + sum(j.deadline_s is not None for j in refused)
+    sweep = {}
+    for scale in scales:
+        within = sum(latency[r] <= scale * by_id[r].solo_s for r in finish if by_id[r].solo_s is not None)
+        sweep[f"attainment_x{scale:g}"] = within / len(jobs)
+        sweep[f"goodput_x{scale:g}"] = within / makespan
     return {"pixels_per_s": sum(by_id[r].height * by_id[r].width for r in finish) / makespan,
             "requests_per_s": len(finish) / makespan,
             "rows_per_forward": per_forward("mean_rows_per_forward"),
             "tokens_per_forward": per_forward("mean_tokens_per_forward"),
-            "slo_attainment": len(met) / len(judged) if judged else None,
-            "max_queue_s": max(queue.values()), "p50_latency_s": _pct(list(latency.values()), 50),
+            "slo_attainment": len(met) / judged_count if judged_count else None,
+            "max_queue_s": max(queue.values(), default=0.0), "p50_latency_s": _pct(list(latency.values()), 50),
             "p99_latency_s": _pct(list(latency.values()), 99),
             "preemptions": after["preemptions"] - before["preemptions"],
-            "padded_token_share": padded_share(before, after)}
+            "padded_token_share": padded_share(before, after), "refused": len(refused), **sweep}
 
 
 def padded_share(before: dict, after: dict) -> float:
@@ -499,31 +519,61 @@ def padded_share(before: dict, after: dict) -> float:
     return 1.0 - (t1 - t0) / (s1 - s0) if s1 > s0 else 0.0
 
 
-#: Trace-mode arms: (batching of sizes, scheduling policy, max_padding_ratio); ``mixed_padR`` is
-#: mixed sizes under FCFS with the padding cap R (e.g. ``mixed_pad0.25``).
-TRACE_ARMS = {"per_size": (False, "fcfs", 1.0), "mixed": (True, "fcfs", 1.0), "mixed_slo": (True, "slo", 1.0)}
+#: Trace-mode arms: (batching of sizes, scheduling policy, max_padding_ratio, admission);
+#: ``mixed_padR`` is mixed sizes under FCFS with the padding cap R (e.g. ``mixed_pad0.25``, ``mixed_padauto``).
+TRACE_ARMS = {"per_size": (False, "fcfs", 1.0, "all"), "mixed": (True, "fcfs", 1.0, "all"),
+              "mixed_slo": (True, "slo", 1.0, "all"), "mixed_slo_adm": (True, "slo", 1.0, "slo")}
 
 
-def trace_arm(arm: str) -> tuple[bool, str, float]:
-    """(batching of sizes, policy, max_padding_ratio) of a trace arm name."""
+def trace_arm(arm: str) -> tuple[bool, str, float, str]:
+    """(batching of sizes, policy, max_padding_ratio, admission) of a trace arm name."""
     if arm.startswith("mixed_pad"):
-        return True, "fcfs", float(arm[len("mixed_pad"):])
+        ratio = arm[len("mixed_pad"):]
+        return True, "fcfs", ratio if ratio == "auto" else float(ratio), "all"
     return TRACE_ARMS[arm]
+
+
+def solo_latencies(engine_for, jobs: list[TraceJob], guidance: float | None, seed: int,
+                   rounds: int = 5) -> dict[tuple[int, int, int], float]:
+    """Solo latency of each (height, width, steps) of `jobs`: the median of `rounds` requests
+    sent alone (closed loop at concurrency 1) to a fresh per-size FCFS engine, in seconds from
+    `add_request` to the final event (output_type latent, as in the replays). The sizes take
+    turns, one request each per round, so a slow spell of a shared machine spreads over all of
+    them instead of inflating one."""
+    keys = sorted({(j.height, j.width, j.steps) for j in jobs})
+    probe = {key: dataclasses.replace(next(j for j in jobs if (j.height, j.width, j.steps) == key),
+                                      arrival_s=0.0, deadline_s=None) for key in keys}
+    times: dict[tuple[int, int, int], list[float]] = {key: [] for key in keys}
+    for _ in range(rounds):
+        for key in keys:
+            times[key].append(replay(engine_for("per_size"), [probe[key]], 1, guidance, seed)["p50_latency_s"])
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
+def with_deadlines(jobs: list[TraceJob], scale: float) -> list[TraceJob]:
+    """`jobs` with deadline_s = `scale` x solo_s (the SLO scale sweep; every class alike)."""
+    return [dataclasses.replace(j, deadline_s=scale * j.solo_s) for j in jobs]
 
 
 def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
     """Trace mode (see the module docstring): a closed-loop part (pixels/s of the mixed-size
     workload vs the same workload at one size, rows per forward per-size vs mixed) and an
     open-loop part (Poisson arrivals at each of `--trace-loads` x the per-size FCFS capacity;
-    arms per_size / mixed / mixed_slo), every part `--repeats` times with its arms interleaved."""
+    arms `--trace-arms`), every part `--repeats` times with its arms interleaved.
+
+    With `--slo-scales`, every request's deadline is scale x its own solo latency (measured
+    first, `solo_latencies`), swept over the scales: the FCFS arms ignore deadlines, so one
+    replay of each is judged at every scale; the slo arms run once per scale
+    (``load{L}/{arm}@x{scale}``)."""
     spec = runner.adapter.spec
     concurrency = args.concurrency or 16
+    scales = [float(x) for x in args.slo_scales.split(",") if x.strip()]
 
     def engine_for(arm: str) -> DiffusionEngine:
-        mixed, policy, ratio = trace_arm(arm)
+        mixed, policy, ratio, admission = trace_arm(arm)
         runner.adapter.mixed_sizes = mixed and runner._mixed_capable  # read by batch_key and prepare
         return DiffusionEngine(dataclasses.replace(config, scheduling_policy=policy, aging_s=args.aging_s,
-                                                   max_padding_ratio=ratio), runner=runner)
+                                                   max_padding_ratio=ratio, admission=admission), runner=runner)
 
     runner._mixed_capable = bool(runner.adapter.mixed_sizes)
     # capacity probe: per-size FCFS, closed loop, on the mix with placeholder deadlines
@@ -536,6 +586,12 @@ def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
     step_s = 1.0 / (capacity * sum(j.steps for j in probe_jobs) / len(probe_jobs) / max(concurrency, 1)) \
         if capacity else 0.0
     jobs = builtin_trace(args, spec, step_s) if not args.trace or args.trace == "builtin" else load_trace(args.trace)
+    if scales:
+        solo = solo_latencies(engine_for, jobs, args.guidance, args.seed)
+        print("solo latency (s) by height x width, steps: " + ", ".join(
+            f"{h}x{w},{n}: {v:.4f}" for (h, w, n), v in solo.items()))
+        jobs = with_deadlines([dataclasses.replace(j, solo_s=solo[(j.height, j.width, j.steps)]) for j in jobs],
+                              scales[0])
     one = one_size_of(jobs, spec)
     one_size = [dataclasses.replace(j, height=one[0], width=one[1]) for j in jobs]
     print(f"trace: {len(jobs)} requests; per-size FCFS capacity {capacity:.2f} req/s at concurrency {concurrency} "
@@ -543,18 +599,26 @@ def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
           f"one-size workload at {one[0]}x{one[1]} (height x width)")
     results: dict[str, list[dict]] = {}
     loads = [float(x) for x in args.trace_loads.split(",") if x.strip()]
-    pads = [f"mixed_pad{float(r):g}" for r in args.padding_ratios.split(",") if r.strip()]
+    pads = [f"mixed_pad{r.strip() if r.strip() == 'auto' else format(float(r), 'g')}"
+            for r in args.padding_ratios.split(",") if r.strip()]
     for repeat in range(args.repeats):
         closed = [("closed/per_size", "per_size", jobs), ("closed/mixed", "mixed", jobs),
                   *[(f"closed/{pad}", pad, jobs) for pad in pads], ("closed/one_size", "mixed", one_size)]
-        opened = [(f"load{load:g}/{arm}", arm, _at_rate(jobs, load * capacity, args.seed + repeat))
-                  for load in loads for arm in args.trace_arms.split(",")]
-        runs = closed + opened
+        opened = []
+        for load in loads:
+            for arm in args.trace_arms.split(","):
+                arrivals = _at_rate(jobs, load * capacity, args.seed + repeat)
+                if scales and trace_arm(arm)[1] != "fcfs":  # deadlines steer it: one replay per scale
+                    opened += [(f"load{load:g}/{arm}@x{scale:g}", arm, with_deadlines(arrivals, scale), [scale])
+                               for scale in scales]
+                else:
+                    opened.append((f"load{load:g}/{arm}", arm, arrivals, scales))
+        runs = [(*c, ()) for c in closed] + opened
         if repeat % 2:
             runs = runs[::-1]
-        for name, arm, arm_jobs in runs:
+        for name, arm, arm_jobs, judge in runs:
             result = replay(engine_for(arm), _at_rate(arm_jobs, None, 0) if name.startswith("closed") else arm_jobs,
-                            concurrency if name.startswith("closed") else None, args.guidance, args.seed)
+                            concurrency if name.startswith("closed") else None, args.guidance, args.seed, judge)
             results.setdefault(name, []).append(result)
             print(f"  repeat {repeat} {name:22s} " + " ".join(
                 f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
@@ -584,11 +648,54 @@ def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
             summary["targets"][f"load{load:g}_slo_points_over_per_size"] = _median_range(
                 [100 * ((s["slo_attainment"] or 0) - (b["slo_attainment"] or 0))
                  for s, b in zip(results[slo], results[base])])
+    if scales:
+        summary["slo_sweep"] = slo_sweep(results, loads, scales, args.trace_arms.split(","))
     print("medians [min, max]:")
     for name, values in summary.items():
+        if name == "slo_sweep":
+            continue
         print(f"  {name}: " + ", ".join(f"{k}={v[0]:.3g} [{v[1]:.3g}, {v[2]:.3g}]" for k, v in values.items()
                                         if v[0] is not None))
-    return {"capacity_req_per_s": capacity, "step_s": step_s, "aging_s": args.aging_s, **summary}
+    if scales:
+        print("SLO attainment by scale x solo latency, median [min, max] of the repeats:")
+        for row in summary["slo_sweep"]:
+            print("  " + " ".join(f"{k}={_fmt(v)}" for k, v in row.items()))
+    return {"capacity_req_per_s": capacity, "step_s": step_s, "aging_s": args.aging_s,
+            "solo_s": {f"{h}x{w},{n}": v for (h, w, n), v in solo.items()} if scales else None, **summary}
+
+
+def slo_sweep(results: dict[str, list[dict]], loads: list[float], scales: list[float], arms: list[str]) -> list[dict]:
+    """One row per (load, scale): each arm's attainment and goodput at that scale (median, min,
+    max over the repeats; an slo arm from its own replay at that scale) and the points of each
+    slo arm over ``per_size`` (paired by repeat)."""
+    rows = []
+    for load in loads:
+        for scale in scales:
+            row: dict = {"load": load, "scale": scale}
+            key = f"x{scale:g}"
+            series = {}
+            for arm in arms:
+                runs = results.get(f"load{load:g}/{arm}@{key}") or results.get(f"load{load:g}/{arm}")
+                if runs:
+                    series[arm] = runs
+                    row[f"{arm}_attainment"] = _median_range([r[f"attainment_{key}"] for r in runs])
+                    row[f"{arm}_goodput"] = _median_range([r[f"goodput_{key}"] for r in runs])
+                    if trace_arm(arm)[3] == "slo":
+                        row[f"{arm}_refused"] = _median_range([r["refused"] for r in runs])
+            for arm in series:
+                if arm != "per_size" and "per_size" in series:
+                    row[f"{arm}_points_over_per_size"] = _median_range(
+                        [100 * (a[f"attainment_{key}"] - b[f"attainment_{key}"])
+                         for a, b in zip(series[arm], series["per_size"])])
+            rows.append(row)
+    return rows
+
+
+def _fmt(value) -> str:
+    """A number or a [median, min, max] list, 3 significant digits."""
+    if isinstance(value, list):
+        return f"{value[0]:.3g} [{value[1]:.3g}, {value[2]:.3g}]" if value[0] is not None else "-"
+    return f"{value:g}"
 
 
 def one_size_of(jobs: list[TraceJob], spec) -> tuple[int, int]:
@@ -663,15 +770,20 @@ def main() -> None:
                     help="trace mode: loads as fractions of capacity ('' = closed loop only)")
     ap.add_argument("--padding-ratios", default="",
                     help="trace mode: closed-loop arms mixed_padR, mixed sizes under FCFS with --max-padding-ratio "
-                         "R, for each R of this comma-separated list (e.g. 0.25,0.5; default: none)")
+                         "R, for each R of this comma-separated list (e.g. 0.25,0.5,auto; default: none)")
     ap.add_argument("--trace-arms", default="per_size,mixed,mixed_slo",
                     help="trace mode: per_size (batching by size, FCFS: before issue 27), mixed (mixed sizes, "
-                         "FCFS), mixed_slo (mixed sizes, --scheduling-policy slo), mixed_padR (mixed sizes, FCFS, "
+                         "FCFS), mixed_slo (mixed sizes, --scheduling-policy slo), mixed_slo_adm (mixed_slo with "
+                         "--admission slo: refusals count as misses), mixed_padR (mixed sizes, FCFS, "
                          "--max-padding-ratio R)")
     ap.add_argument("--slo-tight", type=float, default=3.0,
                     help="trace mode: interactive deadline = this x its steps x a full-batch step")
     ap.add_argument("--slo-loose", type=float, default=12.0,
                     help="trace mode: batch-class deadline = this x its steps x a full-batch step")
+    ap.add_argument("--slo-scales", default="",
+                    help="trace mode: comma list of SLO scales (e.g. 1.5,2,3,5); each request's deadline is "
+                         "scale x its own solo latency at its size and steps (measured first), replacing "
+                         "--slo-tight / --slo-loose; attainment per arm per scale at each load (default: none)")
     ap.add_argument("--aging-s", type=float, default=60.0, help="trace mode: the slo arm's aging bound")
     args = ap.parse_args()
     if args.concurrency is None and args.request_rate is None:

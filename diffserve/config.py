@@ -80,7 +80,10 @@ class EngineConfig:
             token slots: rows x the widest row's tokens) stays within it; the oldest (or
             best-ranked) request, requests older than ``aging_s`` and, while the head is
             unchanged, the members of the previous step are exempt (`diffserve.engine.queues`).
-            0 = rows of different token counts never share a forward; 1 = no cap.
+            0 = rows of different token counts never share a forward; 1 = no cap. ``"auto"``:
+            no fixed cap; a request joins only if the step cost model predicts no fewer real
+            image tokens per second with it (its extra padded slots cost more than its tokens
+            bring otherwise).
         admission: ``"all"`` (queue every valid request) or ``"slo"`` (refuse at arrival, with
             `DeadlineUnmeetableError`, a request whose ``deadline_s`` the cost model predicts it
             cannot meet).
@@ -175,7 +178,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     mixed_sizes: bool = True
     aging_s: float = 60.0
-    max_padding_ratio: float = 1.0
+    max_padding_ratio: float | str = 1.0
     admission: str = "all"
     default_seed: int | None = None
     max_num_inference_steps: int = 200
@@ -236,9 +239,11 @@ class EngineConfig:
         if isinstance(self.aging_s, bool) or not isinstance(self.aging_s, (int, float)) \
                 or not math.isfinite(self.aging_s) or self.aging_s <= 0:
             raise InvalidRequestError("aging_s", self.aging_s, "a positive finite number of seconds")
-        if isinstance(self.max_padding_ratio, bool) or not isinstance(self.max_padding_ratio, (int, float)) \
-                or not 0 <= self.max_padding_ratio <= 1:
-            raise InvalidRequestError("max_padding_ratio", self.max_padding_ratio, "a number in [0, 1] (1 = no cap)")
+        if self.max_padding_ratio != "auto" and (
+                isinstance(self.max_padding_ratio, bool) or not isinstance(self.max_padding_ratio, (int, float))
+                or not 0 <= self.max_padding_ratio <= 1):
+            raise InvalidRequestError("max_padding_ratio", self.max_padding_ratio,
+                                      "a number in [0, 1] (1 = no cap) or 'auto'")
         if self.executor not in EXECUTORS:
             raise InvalidRequestError("executor", self.executor, f"one of {EXECUTORS}")
         if self.executor == "inprocess" and self.world_size > 1:

@@ -1,12 +1,14 @@
 """`StepCostModel`: the request scheduler's online model of a denoising step's duration.
 
 A step's wall time on one device grows with the work in its forward: about linear in the image
-tokens it processes (rows x tokens per row; the attention's quadratic part shows up as a steeper
-slope at larger sizes) plus a fixed cost (host work, the text context, kernel launches). The
-model fits ``seconds = a + b * tokens`` by exponentially weighted least squares over the steps
-the engine runs (forgetting factor `decay` per step, so it follows load changes: other
-processes, a cache backend warming up) and predicts a step's time for a given load. The ``slo``
-scheduling policy and ``--admission slo`` read it (`diffserve.engine.queues`).
+token slots it processes (rows x the widest row's image tokens: a forward of mixed sizes pads
+every row to the widest, `diffserve.engine.queues`; at one size, rows x tokens per row; the
+attention's quadratic part shows up as a steeper slope at larger sizes) plus a fixed cost (host
+work, the text context, kernel launches). The model fits ``seconds = a + b * tokens`` by
+exponentially weighted least squares over the steps the engine runs (forgetting factor `decay`
+per step, so it follows load changes: other processes, a cache backend warming up) and predicts
+a step's time for a given load. The ``slo`` scheduling policy, ``--admission slo`` and the
+automatic padding decision (``--max-padding-ratio auto``) read it (`diffserve.engine.queues`).
 
 Cost: one update is a few float operations per step (no allocation).
 """

@@ -53,6 +53,14 @@ with R = 0 rows of different token counts never share a forward (aged requests a
 most for the requests older than it (then it is the head); under the ranked policies, aging
 bounds it.
 
+Automatic padding decision (`max_padding_ratio` ``"auto"``): no fixed R; a candidate joins
+only if the step cost model (`cost_model.StepCostModel`, step seconds = a + b x token slots)
+predicts no fewer real image tokens per second for the forward with it than without:
+``(tokens + its tokens) x (a + b x slots) >= tokens x (a + b x slots with it)``. Where rows
+are nearly free (a large against b x slots: host-bound) sizes mix; where a forward costs its
+slots (a small: compute-bound) a narrower row joins only if it fills its slots at least as well
+as the batch does. Same exemptions as the cap; before the first step every request joins.
+
 Request mode (static batching, the baseline): when nothing runs, the head of the queue and
 every waiting request sharing its batch key (up to `max_batch_size` rows) are admitted
 together and run to completion before anything else is admitted.
@@ -105,14 +113,15 @@ class RequestQueues:
         policy: ``"fcfs"``, ``"priority"`` or ``"slo"`` (the module docstring; step mode).
         aging_s: the aging bound of ``priority`` / ``slo`` and of the padding cap, in seconds.
         cost_model: the step-time model ``slo`` ranks with (a fresh one when None).
-        max_padding_ratio: the padding cap R in [0, 1] (the module docstring; 1 = off).
+        max_padding_ratio: the padding cap R in [0, 1] (the module docstring; 1 = off), or
+            ``"auto"``: the automatic padding decision from `cost_model` (the module docstring).
     """
 
     def __init__(self, max_batch_size: int, max_waiting: int, mode: str = "step",
                  memory_limit: int | None = None, max_loras: int | None = None,
                  lora_ready: Callable[[Iterable[str]], bool] | None = None, policy: str = "fcfs",
                  aging_s: float = 60.0, cost_model: StepCostModel | None = None,
-                 max_padding_ratio: float = 1.0):
+                 max_padding_ratio: float | str = 1.0):
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
         self.mode = mode
@@ -342,10 +351,15 @@ class RequestQueues:
         order, while they fit in `max_batch_size` rows (the first always included) and, with
         the padding cap, keep the forward's padded share within `max_padding_ratio` (exempt:
         the first, aged requests, and members of the previous step's batch while its head
-        leads; the module docstring). O(len(ordered)), plain integers."""
+        leads; the module docstring); under ``"auto"``, while the cost model predicts no fewer
+        real image tokens per second with the candidate than without. O(len(ordered)), plain
+        arithmetic."""
         key = (ordered[0].batch_key, ordered[0].step_key)
-        cap = self.max_padding_ratio
-        capped = cap < 1.0
+        auto = self.max_padding_ratio == "auto"
+        cap = 1.0 if auto else self.max_padding_ratio
+        capped = auto or cap < 1.0
+        # auto: the cost model's (a, b) over token slots (None before the first step: no bound)
+        fit = self.cost_model.coefficients() if auto else None
         # the previous step's members, while its head leads again (a new head rebuilds the batch)
         previous = set(map(id, self._last)) if capped and self._last and self._last[0] is ordered[0] else ()
         aged_before = now - self.aging_s
@@ -365,19 +379,23 @@ class RequestQueues:
                 continue
             if batch and rows + request.rows > self.max_batch_size:
                 continue
-            if capped:
-                grid = padded_grid((widest, request.row_grid))
-                slots = (rows + request.rows) * math.prod(grid)
-                padded = slots - tokens - request.tokens
+            grid = padded_grid((widest, request.row_grid))
+            if capped and batch and not exempt(request):
+                slots = (rows + request.rows) * math.prod(grid)  # the forward's token slots with it
                 slots_before = rows * math.prod(widest) if widest else 0
-                # passed over: past the cap, and more padded than the batch so far (a row at the
-                # widest size lowers the share: it joins even when exempt rows exceed the cap)
-                raises = padded * slots_before > (slots_before - tokens) * slots if slots_before else padded > 0
-                if batch and padded > cap * slots and raises and not exempt(request):
+                if auto:  # passed over: fewer real tokens per predicted second with it
+                    drops = fit is not None and (tokens + request.tokens) * (fit[0] + fit[1] * slots_before) \
+                        < tokens * (fit[0] + fit[1] * slots)
+                else:  # passed over: past the cap, and more padded than the batch so far (a row at
+                    # the widest size lowers the share: it joins even when exempt rows exceed the cap)
+                    padded = slots - tokens - request.tokens
+                    raises = padded * slots_before > (slots_before - tokens) * slots if slots_before else padded > 0
+                    drops = padded > cap * slots and raises
+                if drops:
                     ages_at = (request.ar_end_time or request.arrival_time) + self.aging_s
                     self._recheck_at = ages_at if self._recheck_at is None else min(self._recheck_at, ages_at)
                     continue
-                widest = grid
+            widest = grid
             batch.append(request)
             rows += request.rows
             tokens += request.tokens

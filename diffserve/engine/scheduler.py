@@ -338,7 +338,8 @@ class RequestScheduler:
         if result.step is not None:
             tokens = self.queues.batch_tokens
             self.counters.forward(result.step.num_rows, tokens, self.queues.batch_slots)
-            self.queues.cost_model.observe(tokens, result.step_end - result.step_start)
+            # token slots: what a padded forward of mixed sizes computes (= tokens at one size)
+            self.queues.cost_model.observe(self.queues.batch_slots, result.step_end - result.step_start)
             self._book_step(out.step_ids, result.step, result.step_end)
         if result.prepared:
             self._on_prepared(result.prepared)

@@ -41,11 +41,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--aging-s", type=float, default=60.0, metavar="SECONDS",
                         help="priority/slo: requests older than this are served in arrival order ahead of younger "
                              "ones (the bound on waiting)")
-    parser.add_argument("--max-padding-ratio", type=float, default=1.0, metavar="R",
+    parser.add_argument("--max-padding-ratio", type=_padding_ratio, default=1.0, metavar="R",
                         help="mixed sizes: most padded share of a forward's image token slots, in [0, 1]; a request "
                              "that would exceed it waits for a later step batch (the oldest, aged requests and "
                              "running ones are exempt); 0 = different token counts never share a forward; "
-                             "1 = no cap (default: 1)")
+                             "1 = no cap (default: 1); auto = a request joins only if the step cost model "
+                             "predicts no fewer real image tokens per second with it")
     parser.add_argument("--admission", default="all", choices=["all", "slo"],
                         help="slo = refuse at arrival (HTTP 429) a request whose deadline_s the cost model "
                              "predicts it cannot meet")
@@ -112,6 +113,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     from diffserve.entrypoints.quantization_options import add_quantization_arguments
 
     add_quantization_arguments(parser)
+
+
+def _padding_ratio(text: str) -> float | str:
+    """``--max-padding-ratio``: ``auto`` or a number (the range is checked by
+    `check_engine_arguments`, naming the field)."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: a number in [0, 1] or 'auto'") from None
 
 
 def add_download_arguments(parser: argparse.ArgumentParser) -> None:
@@ -209,8 +221,9 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
     """
     if args.threads is not None and args.threads < 1:
         raise InvalidRequestError("threads", args.threads, "an integer >= 1")
-    if not 0 <= args.max_padding_ratio <= 1:  # NaN fails too
-        raise InvalidRequestError("max_padding_ratio", args.max_padding_ratio, "a number in [0, 1] (1 = no cap)")
+    if args.max_padding_ratio != "auto" and not 0 <= args.max_padding_ratio <= 1:  # NaN fails too
+        raise InvalidRequestError("max_padding_ratio", args.max_padding_ratio,
+                                  "a number in [0, 1] (1 = no cap) or 'auto'")
     if args.max_batch_size < 1:
         raise InvalidRequestError("max_batch_size", args.max_batch_size, "an integer >= 1")
     if args.prompt_embed_cache_size < 0:

@@ -323,3 +323,42 @@ def test_padding_cap_exempts_aged_and_running_requests():
     assert s.select_batch() == [a, c]
     s.finish(a)  # a new head: the batch is built afresh
     assert s.select_batch() == [l_, c]
+
+
+# ------------------------------------------------------------------ automatic padding decision
+def _fitted(a: float, b: float):
+    """A step cost model fitted exactly to seconds = a + b x token slots."""
+    from diffserve.engine.cost_model import StepCostModel
+
+    model = StepCostModel(decay=1.0)
+    for slots in (100, 200, 400, 800):
+        model.observe(slots, a + b * slots)
+    return model
+
+
+def test_auto_padding_follows_the_cost_model():
+    """``max_padding_ratio="auto"``: a narrow row joins wide ones only if the predicted real
+    tokens per second do not drop. Compute-bound (a = 0): 2 rows of 256 + 2 of 64 would be
+    640 tokens in 1024 slots, 0.625 of the throughput: the narrow one waits, a wide one joins.
+    Host-bound (a = 0.1 s, b = 1e-6 s/slot): the same rows cost 0.1005 s vs 0.1010 s for 1.25x
+    the tokens: it joins. Before the first step (no fit) every request joins."""
+    for model, expected in ((_fitted(0.0, 1e-3), [0, 2]), (_fitted(0.1, 1e-6), [0, 1, 2]), (None, [0, 1, 2])):
+        s = RequestQueues(max_batch_size=8, max_waiting=100, max_padding_ratio="auto", cost_model=model)
+        for r in (_sized(0, 256), _sized(1, 64), _sized(2, 256)):
+            s.add(r)
+        _admit(s)
+        assert [int(r.request_id) for r in s.select_batch()] == expected
+
+
+def test_auto_padding_exempts_aged_requests_and_ends_at_the_head():
+    """A row auto passes over is not starved: once aged it joins; and when the wide rows are
+    done it leads its own batch."""
+    s = RequestQueues(max_batch_size=8, max_waiting=100, aging_s=30.0, max_padding_ratio="auto",
+                      cost_model=_fitted(0.0, 1e-3))
+    wide, narrow, old_narrow = _sized(0, 256), _sized(1, 64), _sized(2, 64, age_s=60.0)
+    for r in (wide, narrow, old_narrow):
+        s.add(r)
+    _admit(s)
+    assert s.select_batch() == [wide, old_narrow]  # fcfs order; `narrow` waits
+    s.finish(wide)
+    assert s.select_batch() == [narrow, old_narrow]  # equal token counts: no padding

@@ -199,7 +199,7 @@ def test_bad_max_padding_ratio_is_refused_naming_the_field(value):
     ("1.5", "argument --max-padding-ratio: invalid value 1.5: must be a number in [0, 1]"),
     ("-0.25", "argument --max-padding-ratio: invalid value -0.25"),
     ("nan", "argument --max-padding-ratio: invalid value nan"),
-    ("half", "argument --max-padding-ratio: invalid float value: 'half'"),
+    ("half", "argument --max-padding-ratio: invalid value 'half': a number in [0, 1] or 'auto'"),
 ])
 def test_bad_max_padding_ratio_flag_names_the_flag(tmp_path, capsys, flag, fragment):
     from diffserve.entrypoints.cli import main
@@ -213,7 +213,20 @@ def test_bad_max_padding_ratio_flag_names_the_flag(tmp_path, capsys, flag, fragm
     assert len(err) == 1 and fragment in err[0], err
 
 
-@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_max_padding_ratio_flag_takes_auto():
+    import argparse
+
+    from diffserve.entrypoints.engine_args import add_engine_arguments, check_engine_arguments
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    for flag, value in (("auto", "auto"), ("0.25", 0.25)):
+        args = parser.parse_args(["--max-padding-ratio", flag])
+        check_engine_arguments(args)
+        assert args.max_padding_ratio == value
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0, "auto"])
 def test_padding_cap_on_the_built_in_model(ratio, one_torch_thread):
     """Mixed sizes on the digits model: under R = 0 no forward pads a row (each size steps in its
     own forwards), under R = 1 they share forwards with padding; every output equals its solo
@@ -231,7 +244,9 @@ def test_padding_cap_on_the_built_in_model(ratio, one_torch_thread):
         engine.shutdown()
     if ratio == 0.0:
         assert stats["padded_token_share"] == 0.0
-    else:
+    elif ratio == 1.0:
         assert stats["padded_token_share"] > 0.0
+    else:  # auto: the cost model was fitted on this run's forwards (over token slots)
+        assert stats["cost_model"]["steps"] == stats["forwards"]
     for out, alone in zip(outs, solo):
         assert out.ok and float(np.abs(out.images - alone.images).max()) <= 1e-4

@@ -12,7 +12,10 @@ setting:
 * judge accuracy (the digit classifier of ``benchmarks/quality.py``; default model only);
 * PSNR (dB, pixels in [0, 1], over all images), the worst single image's PSNR, and max abs
   pixel difference vs the ``none`` image of the same prompt and seed;
-* the run-time guard's error estimate per request (quality levels; mean and max).
+* the run-time guard's error estimate per request (quality levels; mean and max), and whether
+  it singles out the images that break: the Spearman rank correlation between a request's
+  final estimate and its image's error (``-PSNR``), and how many of the worst 5 % of images
+  (by PSNR) are among the 5 % with the highest estimates.
 
 ``--plot PNG`` draws the speed/quality frontier (speedup vs PSNR over all pixels and of the
 worst image, per setting; needs the ``bench`` extra: matplotlib).
@@ -179,6 +182,22 @@ def psnr_per_image(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return 10 * np.log10(1.0 / mse)
 
 
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman rank correlation of two 1-D arrays (ranks by sorting; nan when either is constant)."""
+    ra, rb = (np.argsort(np.argsort(x, kind="stable"), kind="stable").astype(np.float64) for x in (a, b))
+    if ra.std() == 0 or rb.std() == 0 or np.ptp(a) == 0 or np.ptp(b) == 0:
+        return math.nan
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def flagged_worst(estimates: np.ndarray, psnrs: np.ndarray, share: float = 0.05) -> tuple[int, int]:
+    """How many of the `share` worst images (lowest PSNR) are among the `share` with the highest
+    error estimates, and how many that is out of."""
+    k = max(1, round(share * len(psnrs)))
+    worst, flagged = set(np.argsort(psnrs, kind="stable")[:k]), set(np.argsort(-estimates, kind="stable")[:k])
+    return len(worst & flagged), k
+
+
 def _db(x: float) -> str:
     return "inf" if math.isinf(x) else f"{x:.1f}"
 
@@ -300,15 +319,20 @@ def main(argv: list[str] | None = None) -> list[Result]:
     print()
     print("| setting | s/image | speedup | denoise s (spread) | denoise speedup | denoise CPU s (spread) | "
           "denoise CPU speedup | encode s | skipped | judge acc | PSNR vs none | worst image PSNR | "
-          "guard estimate mean / max | max abs diff |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "guard estimate mean / max | estimate vs error: Spearman, worst 5 % flagged | max abs diff |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
     for r in results:
         accuracy = "-"
         if judge is not None:
             accuracy = f"{100 * np.mean(judge_images(judge, r.images) == labels):.1f} %"
         p = psnr(r.images, base_r.images)
-        worst = float(np.min(psnr_per_image(r.images, base_r.images)))
+        per_image = psnr_per_image(r.images, base_r.images)
+        worst = float(np.min(per_image))
+        estimates = np.asarray(r.error_estimates, dtype=np.float64)
+        rho = spearman(estimates, -np.minimum(per_image, 1e3))
+        hits, k = flagged_worst(estimates, per_image)
+        ranking = "-" if math.isnan(rho) else f"{rho:+.2f}, {hits}/{k}"
         speedup = base_r.denoise_s / r.denoise_s
         cpu_speedup = base_r.denoise_cpu_s / r.denoise_cpu_s
         rows.append({"name": r.name, "denoise_speedup": cpu_speedup if args.plot_cpu else speedup, "psnr": p,
@@ -319,7 +343,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
               f"{speedup:.2f}x | {r.denoise_cpu_s:.2f} ({cpu_spread}) | {cpu_speedup:.2f}x | "
               f"{r.encode_s:.3f} | {100 * r.skip_fraction:.1f} % | "
               f"{accuracy} | {_db(p)} dB | {_db(worst)} dB | "
-              f"{np.mean(r.error_estimates):.4f} / {np.max(r.error_estimates):.4f} | "
+              f"{np.mean(r.error_estimates):.4f} / {np.max(r.error_estimates):.4f} | {ranking} | "
               f"{np.abs(r.images - base_r.images).max():.4f} |")
     if args.plot:
         plot_frontier(rows, args.plot, f"{args.model or 'built-in digits'}: {len(prompts)} images, {args.steps} steps, "

@@ -171,6 +171,34 @@ def test_admission_slo_refuses_an_unmeetable_deadline(one_torch_thread):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "slo"])
+def test_admission_slo_counts_only_the_work_ranked_ahead(policy, one_torch_thread):
+    """An urgent request behind a full batch of long low-priority ones: under ``slo`` it preempts
+    them (it runs at once), so ``--admission slo`` must not count their remaining steps against
+    its deadline; under ``fcfs`` it does wait for them, and is refused."""
+    engine = DiffusionEngine(EngineConfig(model="digits", max_batch_size=4, scheduling_policy=policy,
+                                          admission="slo", num_threads=1, max_num_inference_steps=5000))
+    try:
+        for k in range(4):  # 2 running (2 rows each), 2 waiting: ~2000 batch steps of work
+            engine.add_request(f"the digit {k}", SamplingParams(num_inference_steps=2000, seed=k, priority=5),
+                               request_id=f"lo{k}")
+        for _ in range(4):
+            engine.step()  # the cost model learns a step's cost
+        urgent = SamplingParams(num_inference_steps=3, seed=9, priority=-1, deadline_s=10.0, output_type="np")
+        if policy == "fcfs":
+            with pytest.raises(DeadlineUnmeetableError, match="work ahead"):
+                engine.add_request("the digit 9", urgent, request_id="hi")
+            return
+        engine.add_request("the digit 9", urgent, request_id="hi")
+        finished = None
+        while finished is None:
+            finished = next((e for e in engine.step() if e.type.value == "finished"), None)
+        assert finished.request_id == "hi" and finished.output.metrics.deadline_met is True
+        assert engine.stats()["scheduler"]["refused_deadline"] == 0
+    finally:
+        engine.shutdown()
+
+
 def test_queue_delay_counts_a_bounded_number_of_priorities():
     """Clients choose ``priority`` (any 32-bit integer), and each counted priority is a series
     in ``/metrics``: past `MAX_PRIORITY_BUCKETS` distinct ones, the rest share ``"other"``."""

@@ -49,6 +49,15 @@ def test_bad_priority_or_deadline_is_refused_naming_the_field(field, value):
     assert info.value.field == field
 
 
+@pytest.mark.parametrize("field", ["deadline_s", "guidance_scale", "eta"])
+@pytest.mark.parametrize("value", [10**400, -10**400], ids=["1e400", "-1e400"])
+def test_an_integer_too_large_for_a_float_is_refused_naming_the_field(field, value):
+    """float(10**400) raises OverflowError: it must be the field's InvalidRequestError instead."""
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**{field: value}).resolve(SPEC, RequestLimits())
+    assert info.value.field == field
+
+
 def test_deadline_under_fcfs_is_accepted():
     p = SamplingParams(priority=-3, deadline_s=2).resolve(SPEC, RequestLimits())
     assert p.priority == -3 and p.deadline_s == 2.0

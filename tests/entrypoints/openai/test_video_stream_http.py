@@ -112,7 +112,8 @@ def test_stream_takes_priority_and_deadline(base):
     values are 400 naming the field."""
     url, _ = base
     for field, value in (("priority", 1.5), ("priority", "high"), ("priority", 2**31), ("priority", True),
-                         ("deadline_s", 0), ("deadline_s", -1.0), ("deadline_s", "soon"), ("deadline_s", True)):
+                         ("deadline_s", 0), ("deadline_s", -1.0), ("deadline_s", "soon"), ("deadline_s", True),
+                         ("deadline_s", 10**400)):
         assert_openai_error(httpx.post(url + STREAMS, json={**BODY, "num_chunks": 2, field: value}), 400, field)
     before = counters(url)
     body = {**BODY, "num_chunks": 2, "priority": -7, "deadline_s": 600}

@@ -90,7 +90,7 @@ from diffserve.media.video_encoding import VIDEO_FORMATS, encode_video
 from diffserve.core.errors import EngineDeadError, EngineOverloadedError, InteractionRefusedError, InvalidRequestError
 from diffserve.core.outputs import EventType, RequestStatus, StreamEvent
 from diffserve.engine.client import MAX_EVENT_ID_CHARS, MAX_TRANSITION_CHUNKS
-from diffserve.core.sampling_params import MAX_GUIDANCE_SCALE, MAX_SEED, SamplingParams
+from diffserve.core.sampling_params import MAX_GUIDANCE_SCALE, MAX_SEED, SamplingParams, as_float
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class VideoStreamRequest(BaseModel):
     @field_validator("deadline_s", mode="before")
     @classmethod
     def _integer_deadline_is_a_number(cls, value: Any) -> Any:
-        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+        return as_float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 #: An interaction's ``event_id`` over HTTP: printable ASCII (the engine takes any printable text;

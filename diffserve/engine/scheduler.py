@@ -201,8 +201,8 @@ class RequestScheduler:
 
     def _admit_deadline(self, request: Request) -> None:
         """``--admission slo``: refuse a request whose deadline the cost model says it misses.
-        Predicted: its own steps at the load it would join (the running requests' tokens plus
-        its own); when its rows do not fit beside the running ones ahead of it, plus the steps
+        Predicted: its own steps (a stream's: every chunk's, `Request.remaining_steps`) at the
+        load it would join (the running requests' tokens plus its own); when its rows do not fit beside the running ones ahead of it, plus the steps
         of the work ahead of it (their rows x remaining steps, `max_batch_size` rows a step).
         Ahead of it: under ``fcfs`` every running and waiting request; under ``priority`` /
         ``slo`` only those that rank before it (`RequestQueues.rank`, running ones with their
@@ -213,7 +213,7 @@ class RequestScheduler:
             DeadlineUnmeetableError: with the predicted and the asked seconds.
         """
         q = self.queues
-        params, num_steps, rows = request.params, request.num_steps, request.rows
+        params, num_steps, rows = request.params, request.remaining_steps, request.rows
         active = [r for r in q.running if r.phase is not Phase.DECODING]
         step = q.cost_model.predict(sum(r.tokens for r in active) + request.tokens)
         if step is None:
@@ -227,7 +227,7 @@ class RequestScheduler:
             waiting = [r for r in waiting if q.rank(r, now, step_s) < mine]
         ahead = 0.0
         if sum(r.rows for r in running) + rows > q.max_batch_size:
-            work = sum(r.rows * max(r.num_steps - r.steps_done, 0) for r in (*running, *waiting))
+            work = sum(r.rows * r.remaining_steps for r in (*running, *waiting))
             ahead = work / q.max_batch_size
         predicted = step * (num_steps + ahead)
         if predicted > params.deadline_s:

@@ -110,6 +110,39 @@ def test_slo_runs_least_slack_first():
     assert [r.seq for r in queues.select_batch()] == [1]
 
 
+def test_slo_counts_a_streams_chunks_still_to_come():
+    """A stream's ``deadline_s`` covers all its chunks: its slack counts every chunk's steps, not
+    only the current chunk's (`Request.remaining_steps`)."""
+    queues = RequestQueues(8, 100, policy="slo")
+    stream = _request(0, deadline_s=1.2, steps=10)
+    stream.params = SamplingParams(deadline_s=1.2, num_chunks=4)
+    plain = _request(1, deadline_s=1.0, steps=10)
+    assert (stream.remaining_steps, plain.remaining_steps) == (40, 10)
+    stream.chunk_index, stream.steps_done = 2, 3
+    assert stream.remaining_steps == 7 + 10
+    stream.chunk_index, stream.steps_done = 0, 0
+    now = time.perf_counter()
+    # slack: stream 1.2 - 40 x 0.01 = 0.8 < plain 1.0 - 10 x 0.01 = 0.9 (one chunk only: 1.1)
+    assert queues.rank(stream, now, 0.01) < queues.rank(plain, now, 0.01)
+
+
+def test_admission_slo_counts_every_chunk_of_a_stream(one_torch_thread):
+    from diffserve.models.digits_video import DEFAULT_MODEL_PATH
+
+    engine = DiffusionEngine(EngineConfig(model=str(DEFAULT_MODEL_PATH), admission="slo", num_threads=1))
+    try:
+        engine.generate(["a handwritten digit 1 moving left"], [SamplingParams(num_inference_steps=4, seed=1)])
+        one_chunk = SamplingParams(num_inference_steps=20, num_chunks=1, deadline_s=60.0, seed=2)
+        engine.add_request("a handwritten digit 2 moving left", one_chunk, request_id="one")
+        engine.abort("one")
+        # 1000 chunks x 20 steps: far beyond 60 s at any CPU's step time, one chunk far within it
+        with pytest.raises(DeadlineUnmeetableError, match="20000 steps"):
+            engine.add_request("a handwritten digit 3 moving left",
+                               SamplingParams(num_inference_steps=20, num_chunks=1000, deadline_s=60.0, seed=3))
+    finally:
+        engine.shutdown()
+
+
 def test_cost_model_fits_a_line():
     model = StepCostModel(decay=1.0)
     assert model.predict(10) is None

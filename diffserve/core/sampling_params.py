@@ -267,7 +267,7 @@ class SamplingParams:
         for name in ("guidance_scale", "true_cfg_scale", "guidance_scale_2", "strength", "eta", "deadline_s"):
             value = getattr(p, name)
             if isinstance(value, numbers.Real) and not isinstance(value, bool):
-                setattr(p, name, float(value))
+                setattr(p, name, as_float(value))
         if p.height is None:
             p.height = spec.default_height
         if p.width is None:
@@ -486,6 +486,15 @@ def _check_text(field: str, value: object, allowed: str) -> None:
             raise InvalidRequestError(field, value, "text without NUL or control characters (tab, newline "
                                       "and carriage return are allowed)",
                                       detail=f"U+{code:04X} at character {index}")
+
+
+def as_float(value: numbers.Real) -> float:
+    """`value` as a float; an integer too large for one (``float(10**400)`` raises
+    OverflowError) becomes +-inf, which the finite-range checks then refuse naming the field."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def _as_int(value: object) -> object:

@@ -27,6 +27,7 @@ Scheduling policies (step mode; `policy`):
   step boundary: left out of the step, its state kept in the worker, resumed later exactly
   where it stopped (no recompute).
 - ``slo``: ranked by least slack: ``deadline - now - remaining steps x predicted step time``
+  (a stream's remaining steps count its chunks still to come, `Request.remaining_steps`)
   (`cost_model.StepCostModel`, fitted online on the steps run; before the first step: earliest
   deadline first); requests without a deadline, and those whose slack is already negative
   (they miss their deadline whatever runs: serving them first would make others miss theirs
@@ -283,7 +284,7 @@ class RequestQueues:
         if deadline is None:
             return (2, 0.0, priority, member, request.seq)
         step = step_s or 0.0
-        slack = request.arrival_time + deadline - now - max(request.num_steps - request.steps_done, 0) * step
+        slack = request.arrival_time + deadline - now - request.remaining_steps * step
         if slack < 0:  # it will miss its deadline anyway: after those that can still make theirs
             return (2, 0.0, priority, member, request.seq)
         if stepping:

@@ -115,6 +115,16 @@ class Request:
         return tuple(loras) if loras else ()
 
     @property
+    def remaining_steps(self) -> int:
+        """Denoising steps it has left: those of the current chunk (`num_steps` - `steps_done`)
+        and, for a stream, `num_steps` for each chunk after it (its ``deadline_s`` covers the
+        whole stream); what the ``slo`` policy's slack and ``--admission slo`` count."""
+        left = max(self.num_steps - self.steps_done, 0)
+        if self.params is not None and self.params.num_chunks is not None:
+            left += max(self.params.num_chunks - self.chunk_index - 1, 0) * self.num_steps
+        return left
+
+    @property
     def streaming(self) -> bool:
         """A stream of video chunks (``params.num_chunks`` set)."""
         return self.params.num_chunks is not None

@@ -147,13 +147,13 @@ class RequestScheduler:
             raise InvalidRequestError("request_id", request_id, "unique among live requests")
         plan = processed.plan
         tokens = plan.rows * self._tokens_per_row(processed.params)
-        if self.admission == "slo" and processed.params.deadline_s is not None:
-            self._admit_deadline(processed.params, plan.num_steps, plan.rows, tokens)
         request = Request(request_id=request_id, prompt=processed.prompt, params=processed.params,
                           inputs=processed.inputs, batch_key=plan.batch_key, rows=plan.rows, seq=next(self._seq),
                           arrival_time=time.perf_counter(), preview_steps=frozenset(int(s) for s in preview_steps),
                           listener=listener, progress=bool(progress), memory_bytes=processed.memory_bytes,
                           num_steps=plan.num_steps, tokens=tokens, grid=self._row_grid(processed.params))
+        if self.admission == "slo" and processed.params.deadline_s is not None:
+            self._admit_deadline(request)
         request.metrics.arrival_time = time.time()
         if self.ar_stage is None:
             self.queues.add(request)
@@ -199,24 +199,35 @@ class RequestScheduler:
         height, width = params.height or spec.default_height, params.width or spec.default_width
         return max((height // f) * (width // f), 1)
 
-    def _admit_deadline(self, params, num_steps: int, rows: int, tokens: int) -> None:
+    def _admit_deadline(self, request: Request) -> None:
         """``--admission slo``: refuse a request whose deadline the cost model says it misses.
-        Predicted: its own steps at the load it would join (the running requests' tokens plus
-        its own); when its rows do not fit beside the running ones, plus the steps of the work
-        ahead of it (running and waiting rows x remaining steps, `max_batch_size` rows a step).
-        Nothing is refused before the first step is measured.
+        Predicted: its own steps (a stream's: every chunk's, `Request.remaining_steps`) at the
+        load it would join (the running requests' tokens plus its own); when its rows do not fit beside the running ones ahead of it, plus the steps
+        of the work ahead of it (their rows x remaining steps, `max_batch_size` rows a step).
+        Ahead of it: under ``fcfs`` every running and waiting request; under ``priority`` /
+        ``slo`` only those that rank before it (`RequestQueues.rank`, running ones with their
+        hysteresis), since it is admitted past and preempts the others. Nothing is refused
+        before the first step is measured.
 
         Raises:
             DeadlineUnmeetableError: with the predicted and the asked seconds.
         """
         q = self.queues
+        params, num_steps, rows = request.params, request.remaining_steps, request.rows
         active = [r for r in q.running if r.phase is not Phase.DECODING]
-        step = q.cost_model.predict(sum(r.tokens for r in active) + tokens)
+        step = q.cost_model.predict(sum(r.tokens for r in active) + request.tokens)
         if step is None:
             return
+        running, waiting = active, list(q.waiting)
+        if q.policy != "fcfs":
+            now = time.perf_counter()
+            step_s = q.step_seconds() if q.policy == "slo" else None
+            mine = q.rank(request, now, step_s)
+            running = [r for r in active if q.rank(r, now, step_s, stepping=True) < mine]
+            waiting = [r for r in waiting if q.rank(r, now, step_s) < mine]
         ahead = 0.0
-        if q.running_rows + rows > q.max_batch_size:
-            work = sum(r.rows * max(r.num_steps - r.steps_done, 0) for r in (*active, *q.waiting))
+        if sum(r.rows for r in running) + rows > q.max_batch_size:
+            work = sum(r.rows * r.remaining_steps for r in (*running, *waiting))
             ahead = work / q.max_batch_size
         predicted = step * (num_steps + ahead)
         if predicted > params.deadline_s:

@@ -49,6 +49,15 @@ def test_bad_priority_or_deadline_is_refused_naming_the_field(field, value):
     assert info.value.field == field
 
 
+@pytest.mark.parametrize("field", ["deadline_s", "guidance_scale", "eta"])
+@pytest.mark.parametrize("value", [10**400, -10**400], ids=["1e400", "-1e400"])
+def test_an_integer_too_large_for_a_float_is_refused_naming_the_field(field, value):
+    """float(10**400) raises OverflowError: it must be the field's InvalidRequestError instead."""
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**{field: value}).resolve(SPEC, RequestLimits())
+    assert info.value.field == field
+
+
 def test_deadline_under_fcfs_is_accepted():
     p = SamplingParams(priority=-3, deadline_s=2).resolve(SPEC, RequestLimits())
     assert p.priority == -3 and p.deadline_s == 2.0
@@ -99,6 +108,39 @@ def test_slo_runs_least_slack_first():
     queues.add(_request(2, steps=1))                     # no deadline: after those with one
     _admit_and_denoise(queues)
     assert [r.seq for r in queues.select_batch()] == [1]
+
+
+def test_slo_counts_a_streams_chunks_still_to_come():
+    """A stream's ``deadline_s`` covers all its chunks: its slack counts every chunk's steps, not
+    only the current chunk's (`Request.remaining_steps`)."""
+    queues = RequestQueues(8, 100, policy="slo")
+    stream = _request(0, deadline_s=1.2, steps=10)
+    stream.params = SamplingParams(deadline_s=1.2, num_chunks=4)
+    plain = _request(1, deadline_s=1.0, steps=10)
+    assert (stream.remaining_steps, plain.remaining_steps) == (40, 10)
+    stream.chunk_index, stream.steps_done = 2, 3
+    assert stream.remaining_steps == 7 + 10
+    stream.chunk_index, stream.steps_done = 0, 0
+    now = time.perf_counter()
+    # slack: stream 1.2 - 40 x 0.01 = 0.8 < plain 1.0 - 10 x 0.01 = 0.9 (one chunk only: 1.1)
+    assert queues.rank(stream, now, 0.01) < queues.rank(plain, now, 0.01)
+
+
+def test_admission_slo_counts_every_chunk_of_a_stream(one_torch_thread):
+    from diffserve.models.digits_video import DEFAULT_MODEL_PATH
+
+    engine = DiffusionEngine(EngineConfig(model=str(DEFAULT_MODEL_PATH), admission="slo", num_threads=1))
+    try:
+        engine.generate(["a handwritten digit 1 moving left"], [SamplingParams(num_inference_steps=4, seed=1)])
+        one_chunk = SamplingParams(num_inference_steps=20, num_chunks=1, deadline_s=60.0, seed=2)
+        engine.add_request("a handwritten digit 2 moving left", one_chunk, request_id="one")
+        engine.abort("one")
+        # 1000 chunks x 20 steps: far beyond 60 s at any CPU's step time, one chunk far within it
+        with pytest.raises(DeadlineUnmeetableError, match="20000 steps"):
+            engine.add_request("a handwritten digit 3 moving left",
+                               SamplingParams(num_inference_steps=20, num_chunks=1000, deadline_s=60.0, seed=3))
+    finally:
+        engine.shutdown()
 
 
 def test_cost_model_fits_a_line():
@@ -167,6 +209,34 @@ def test_admission_slo_refuses_an_unmeetable_deadline(one_torch_thread):
         [out] = engine.generate(["the digit 3"], [SamplingParams(num_inference_steps=2, deadline_s=600.0)])
         assert out.ok and out.metrics.deadline_met is True
         assert engine.stats()["scheduler"]["refused_deadline"] == 1
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "slo"])
+def test_admission_slo_counts_only_the_work_ranked_ahead(policy, one_torch_thread):
+    """An urgent request behind a full batch of long low-priority ones: under ``slo`` it preempts
+    them (it runs at once), so ``--admission slo`` must not count their remaining steps against
+    its deadline; under ``fcfs`` it does wait for them, and is refused."""
+    engine = DiffusionEngine(EngineConfig(model="digits", max_batch_size=4, scheduling_policy=policy,
+                                          admission="slo", num_threads=1, max_num_inference_steps=5000))
+    try:
+        for k in range(4):  # 2 running (2 rows each), 2 waiting: ~2000 batch steps of work
+            engine.add_request(f"the digit {k}", SamplingParams(num_inference_steps=2000, seed=k, priority=5),
+                               request_id=f"lo{k}")
+        for _ in range(4):
+            engine.step()  # the cost model learns a step's cost
+        urgent = SamplingParams(num_inference_steps=3, seed=9, priority=-1, deadline_s=10.0, output_type="np")
+        if policy == "fcfs":
+            with pytest.raises(DeadlineUnmeetableError, match="work ahead"):
+                engine.add_request("the digit 9", urgent, request_id="hi")
+            return
+        engine.add_request("the digit 9", urgent, request_id="hi")
+        finished = None
+        while finished is None:
+            finished = next((e for e in engine.step() if e.type.value == "finished"), None)
+        assert finished.request_id == "hi" and finished.output.metrics.deadline_met is True
+        assert engine.stats()["scheduler"]["refused_deadline"] == 0
     finally:
         engine.shutdown()
 

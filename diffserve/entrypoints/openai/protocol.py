@@ -42,6 +42,7 @@ from diffserve.core.sampling_params import (
     MAX_LORA_SCALE,
     MAX_SEED,
     SAMPLER_NAMES,
+    as_float,
 )
 
 if TYPE_CHECKING:
@@ -252,7 +253,7 @@ class _ImageRequest(_StrictRequest):
     @field_validator("deadline_s", mode="before")
     @classmethod
     def _integer_deadline_is_a_number(cls, value: Any) -> Any:
-        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+        return as_float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
     @field_validator("n", "output_compression", "partial_images", "num_inference_steps", "seed", "clip_skip",
                      "priority", mode="before")
@@ -673,7 +674,7 @@ class VideoCreateRequest(_StrictRequest):
     @field_validator("deadline_s", mode="before")
     @classmethod
     def _integer_deadline_is_a_number(cls, value: Any) -> Any:
-        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+        return as_float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
     @field_validator("num_frames", "fps", "num_inference_steps", "seed", "priority", mode="before")
     @classmethod

@@ -23,7 +23,9 @@ def engine():
 
 
 @pytest.mark.parametrize("field,value", [("priority", "high"), ("priority", 1.5), ("priority", 2**31),
-                                         ("deadline_s", 0), ("deadline_s", -2.5), ("deadline_s", "soon")])
+                                         ("deadline_s", 0), ("deadline_s", -2.5), ("deadline_s", "soon"),
+                                         pytest.param("deadline_s", 10**400, id="deadline_s-1e400"),
+                                         pytest.param("deadline_s", -10**400, id="deadline_s--1e400")])
 def test_bad_priority_or_deadline_is_400_naming_the_field(engine, field, value):
     with serve(create_app(engine, "m")) as base:
         resp = httpx.post(f"{base}/v1/images/generations", json={"prompt": "a 7", field: value, **FAST}, timeout=30)

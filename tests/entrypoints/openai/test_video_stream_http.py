@@ -106,6 +106,26 @@ def test_stream_validation_errors(base):
     assert response.status_code == 415
 
 
+def test_stream_takes_priority_and_deadline(base):
+    """README: the bodies of images, edits, videos and video streams take ``priority`` and
+    ``deadline_s``; a stream's reach the engine (queue delay by priority, SLO counted) and bad
+    values are 400 naming the field."""
+    url, _ = base
+    for field, value in (("priority", 1.5), ("priority", "high"), ("priority", 2**31), ("priority", True),
+                         ("deadline_s", 0), ("deadline_s", -1.0), ("deadline_s", "soon"), ("deadline_s", True),
+                         ("deadline_s", 10**400)):
+        assert_openai_error(httpx.post(url + STREAMS, json={**BODY, "num_chunks": 2, field: value}), 400, field)
+    before = counters(url)
+    body = {**BODY, "num_chunks": 2, "priority": -7, "deadline_s": 600}
+    with httpx.stream("POST", url + STREAMS, json=body, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        names = [name for name, _ in sse_events(response)]
+    assert names[-1] == "video.stream.completed"
+    after = counters(url)
+    assert ("diffserve_queue_delay_seconds_mean", (("priority", "-7"),)) in after
+    assert delta(before, after, "diffserve_deadline_requests_total", met="true") == 1
+
+
 def test_interaction_errors(base):
     url, engine = base
     assert_openai_error(httpx.post(f"{url}{STREAMS}/vstream-nope/interactions", json={"prompt": "a dog"}),

@@ -115,6 +115,8 @@ def test_json_body_and_errors_name_the_field(server):
         ({"n": 2}, 400, "n"),
         ({"model": "sora-2"}, 404, "model"),
         ({"prompt": "  "}, 400, "prompt"),
+        ({"deadline_s": 10**400}, 400, "deadline_s"),  # too large for a float: not a 500
+        ({"priority": 2.5}, 400, "priority"),
     ]
     for fields, status, param in cases:
         resp = httpx.post(url, json={"prompt": "a bird", "size": "48x32", "num_inference_steps": 1, **fields})

@@ -62,6 +62,9 @@ from diffserve.entrypoints.openai.errors import (CLIENT_CLOSED_REQUEST, APIError
 from diffserve.media.image_encoding import to_base64
 from diffserve.entrypoints.openai.protocol import (
     CACHE_QUALITY_DESCRIPTION,
+    DEADLINE_DESCRIPTION,
+    PRIORITY_BOUND,
+    PRIORITY_DESCRIPTION,
     scheduling_fields,
     LORAS_DESCRIPTION,
     CacheQuality,
@@ -87,7 +90,7 @@ from diffserve.media.video_encoding import VIDEO_FORMATS, encode_video
 from diffserve.core.errors import EngineDeadError, EngineOverloadedError, InteractionRefusedError, InvalidRequestError
 from diffserve.core.outputs import EventType, RequestStatus, StreamEvent
 from diffserve.engine.client import MAX_EVENT_ID_CHARS, MAX_TRANSITION_CHUNKS
-from diffserve.core.sampling_params import MAX_GUIDANCE_SCALE, MAX_SEED, SamplingParams
+from diffserve.core.sampling_params import MAX_GUIDANCE_SCALE, MAX_SEED, SamplingParams, as_float
 
 logger = logging.getLogger(__name__)
 
@@ -135,13 +138,20 @@ class VideoStreamRequest(BaseModel):
     cache_quality: CacheQuality | None = Field(None, description=CACHE_QUALITY_DESCRIPTION)
     scheduler: SamplerName | None = Field(
         None, description="sampler (README 'Samplers'); null = the model folder's own scheduler")
+    priority: int | None = Field(None, ge=-PRIORITY_BOUND, lt=PRIORITY_BOUND, description=PRIORITY_DESCRIPTION)
+    deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False, description=DEADLINE_DESCRIPTION)
 
-    @field_validator("num_chunks", "num_frames", "fps", "num_inference_steps", "seed", mode="before")
+    @field_validator("num_chunks", "num_frames", "fps", "num_inference_steps", "seed", "priority", mode="before")
     @classmethod
     def _integral_numbers_are_integers(cls, value: Any) -> Any:
         if isinstance(value, float) and value.is_integer():
             return int(value)  # JSON Schema's "integer" is any number without a fraction
         return value
+
+    @field_validator("deadline_s", mode="before")
+    @classmethod
+    def _integer_deadline_is_a_number(cls, value: Any) -> Any:
+        return as_float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 #: An interaction's ``event_id`` over HTTP: printable ASCII (the engine takes any printable text;

@@ -115,13 +115,18 @@ class RequestQueues:
         cost_model: the step-time model ``slo`` ranks with (a fresh one when None).
         max_padding_ratio: the padding cap R in [0, 1] (the module docstring; 1 = off), or
             ``"auto"``: the automatic padding decision from `cost_model` (the module docstring).
+        clock: returns the current time in seconds, on the clock of `Request.arrival_time`
+            (default `time.perf_counter`, the engine's; a discrete-event simulation passes its
+            virtual clock, `benchmarks/slo_simulation.py`). Read for aging, slack and the
+            padding cap's re-check.
     """
 
     def __init__(self, max_batch_size: int, max_waiting: int, mode: str = "step",
                  memory_limit: int | None = None, max_loras: int | None = None,
                  lora_ready: Callable[[Iterable[str]], bool] | None = None, policy: str = "fcfs",
                  aging_s: float = 60.0, cost_model: StepCostModel | None = None,
-                 max_padding_ratio: float | str = 1.0):
+                 max_padding_ratio: float | str = 1.0, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
         self.mode = mode
@@ -296,11 +301,32 @@ class RequestQueues:
         tokens = sum(r.tokens for r in self.running if r.phase is Phase.DENOISING)
         return self.cost_model.predict(tokens)
 
+    def predict_latency(self, num_steps: int, rows: int, tokens: int) -> tuple[float, float, float] | None:
+        """``--admission slo``'s prediction for a request arriving now with `num_steps` steps,
+        `rows` rows and `tokens` image tokens: its own steps at the load it would join (the
+        running requests' tokens plus its own); when its rows do not fit beside the running
+        ones, plus the steps of the work ahead of it (running and waiting rows x remaining
+        steps, `max_batch_size` rows a step).
+
+        Returns:
+            (predicted seconds, predicted seconds of one step, steps of work ahead), or None
+            before the cost model has seen a step.
+        """
+        active = [r for r in self.running if r.phase is not Phase.DECODING]
+        step = self.cost_model.predict(sum(r.tokens for r in active) + tokens)
+        if step is None:
+            return None
+        ahead = 0.0
+        if self.running_rows + rows > self.max_batch_size:
+            work = sum(r.rows * max(r.num_steps - r.steps_done, 0) for r in (*active, *self.waiting))
+            ahead = work / self.max_batch_size
+        return step * (num_steps + ahead), step, ahead
+
     def _admit_ranked(self, take: Callable[[int], Request], loras_fit: Callable[[Request], bool | None]) -> None:
         """Admission under ``priority`` / ``slo``: waiting requests in rank order while their rows
         fit; past `max_batch_size`, one that outranks the worst-ranked running request is still
         admitted (up to `PREEMPT_HEADROOM` x rows): the step batch then preempts that one."""
-        now = time.perf_counter()
+        now = self.clock()
         step_s = self.step_seconds() if self.policy == "slo" else None
         ranked = sorted(self.waiting, key=lambda r: self.rank(r, now, step_s))
         rows, memory = self.running_rows, self.running_memory
@@ -329,7 +355,7 @@ class RequestQueues:
         if not denoising:
             self._contended = False
             return []
-        now = time.perf_counter()
+        now = self.clock()
         step_s = self.step_seconds() if self.policy == "slo" else None
         stepping = set(map(id, self._last or ()))
         denoising.sort(key=lambda r: self.rank(r, now, step_s, id(r) in stepping))
@@ -419,7 +445,7 @@ class RequestQueues:
         again, as is (the same object: callers must not modify it), so a step of an unchanged
         batch costs no per-request work here."""
         if self._batch is not None and not self._contended and (
-                self._recheck_at is None or time.perf_counter() < self._recheck_at):
+                self._recheck_at is None or self.clock() < self._recheck_at):
             return self._batch
         if self.policy != "fcfs":
             return self._set_batch(self._select_ranked())
@@ -427,7 +453,7 @@ class RequestQueues:
         if not ordered:
             self._recheck_at = None
             return []
-        return self._set_batch(self._fill(ordered, time.perf_counter()))
+        return self._set_batch(self._fill(ordered, self.clock()))
 
     def finish(self, request: Request) -> None:
         """Remove a request from `running` (finished, failed or aborted)."""

@@ -209,16 +209,10 @@ class RequestScheduler:
         Raises:
             DeadlineUnmeetableError: with the predicted and the asked seconds.
         """
-        q = self.queues
-        active = [r for r in q.running if r.phase is not Phase.DECODING]
-        step = q.cost_model.predict(sum(r.tokens for r in active) + tokens)
-        if step is None:
+        prediction = self.queues.predict_latency(num_steps, rows, tokens)
+        if prediction is None:
             return
-        ahead = 0.0
-        if q.running_rows + rows > q.max_batch_size:
-            work = sum(r.rows * max(r.num_steps - r.steps_done, 0) for r in (*active, *q.waiting))
-            ahead = work / q.max_batch_size
-        predicted = step * (num_steps + ahead)
+        predicted, step, ahead = prediction
         if predicted > params.deadline_s:
             self.counters.refused += 1
             raise DeadlineUnmeetableError(

@@ -242,25 +242,33 @@ def _mmm(values: list[float], fmt: str) -> str:
 
 
 def table(rows: list[dict], arms: list[str]) -> str:
-    """Markdown table: per load and scale, each arm's attainment %, then goodput, preemptions,
-    longest wait and points over per_size (paired by seed) of the non-baseline arms."""
+    """Two markdown tables, per load and scale: each arm's attainment % and its points over the
+    first arm (paired by seed); then goodput (requests/s), preemptions and the longest queue wait
+    of each arm. Cells: median [min, max] over the seeds."""
     base = arms[0]
-    head = ["load", "scale"] + [f"{a} %" for a in arms] + [f"{a} - {base}" for a in arms[1:]] + \
-        [f"goodput {a} (req/s)" for a in arms] + [f"preemptions {a}" for a in arms if "_priority" in a or "_slo" in a] + \
-        [f"max wait {a} (s)" for a in arms]
-    out = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for load in sorted({r["load"] for r in rows}):
-        for scale in sorted({r["scale"] for r in rows}):
-            cell = {a: sorted((r for r in rows if r["load"] == load and r["scale"] == scale and r["arm"] == a),
-                              key=lambda r: r["seed"]) for a in arms}
-            line = [f"{load:.0%}", f"{scale:g}"]
-            line += [_mmm([100 * r["attainment"] for r in cell[a]], "{:.0f}") for a in arms]
-            line += [_mmm([100 * (r["attainment"] - q["attainment"]) for r, q in zip(cell[a], cell[base])], "{:+.0f}")
-                     for a in arms[1:]]
-            line += [_mmm([r["goodput"] for r in cell[a]], "{:.1f}") for a in arms]
-            line += [_mmm([r["preemptions"] for r in cell[a]], "{:.0f}") for a in arms if "_priority" in a or "_slo" in a]
-            line += [_mmm([r["max_wait_s"] for r in cell[a]], "{:.2f}") for a in arms]
-            out.append("| " + " | ".join(line) + " |")
+    loads, scales = sorted({r["load"] for r in rows}), sorted({r["scale"] for r in rows})
+
+    def cells(load: float, scale: float) -> dict[str, list[dict]]:
+        return {a: sorted((r for r in rows if r["load"] == load and r["scale"] == scale and r["arm"] == a),
+                          key=lambda r: r["seed"]) for a in arms}
+
+    def render(head: list[str], lines: list[list[str]]) -> list[str]:
+        return ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)] + ["| " + " | ".join(x) + " |" for x in lines]
+
+    first, second = [], []
+    for load in loads:
+        for scale in scales:
+            cell = cells(load, scale)
+            key = [f"{load:.0%}", f"{scale:g}"]
+            first.append(key + [_mmm([100 * r["attainment"] for r in cell[a]], "{:.0f}") for a in arms]
+                         + [_mmm([100 * (r["attainment"] - q["attainment"]) for r, q in zip(cell[a], cell[base])],
+                                 "{:+.0f}") for a in arms[1:]])
+            second.append(key + [f"{_mmm([r['goodput'] for r in cell[a]], '{:.1f}')}; "
+                                 f"{_mmm([r['preemptions'] for r in cell[a]], '{:.0f}')}; "
+                                 f"{_mmm([r['max_wait_s'] for r in cell[a]], '{:.2f}')}" for a in arms])
+    out = render(["load", "scale"] + arms + [f"{a} - {base}" for a in arms[1:]], first)
+    out += ["", "goodput (req/s); preemptions; longest queue wait (s):", ""]
+    out += render(["load", "scale"] + arms, second)
     return "\n".join(out)
 
 

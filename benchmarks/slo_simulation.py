@@ -20,11 +20,12 @@ engine does) and finishes requests whose steps are done. ``--admission slo`` ref
 with the engine's own prediction (`RequestQueues.predict_latency`); a refusal is a miss.
 
 Capacity: the per-size FCFS arm's closed-loop throughput at `--concurrency` on the same trace in
-the same simulation (per trace seed). Deadlines: scale x each request's solo latency (the same
+the same simulation (per trace seed; `--capacity-arm mixed`: mixed-size FCFS's, a higher load at
+which the policies have more requests than rows to choose from). Deadlines: scale x each request's solo latency (the same
 loop with the request alone), for each of `--scales`. Reported per load, scale and arm over
 `--seeds` trace seeds: SLO attainment (%, median [min, max]), goodput (requests within their
-deadline per second), preemptions and the longest queue wait; plus each arm's points over
-`per_size`, paired by seed.
+deadline per second), preemptions and the longest queue wait; plus each arm's points over the
+first of `--arms` (default `per_size`), paired by seed.
 
 Cost model: ``--cost a,b`` (seconds, seconds per token slot), or measured by a short real run in
 the same command: the built-in model's engine replays the trace closed loop (per-size and mixed
@@ -197,9 +198,10 @@ def solo_latencies(jobs: list[TraceJob], cost: tuple[float, float], **kwargs) ->
     return solo
 
 
-def capacity(jobs: list[TraceJob], cost: tuple[float, float], concurrency: int, **kwargs) -> float:
-    """Requests per virtual second of per-size FCFS, closed loop at `concurrency`."""
-    outcomes, _ = simulate(jobs, parse_arm("per_size"), cost, concurrency=concurrency, **kwargs)
+def capacity(jobs: list[TraceJob], cost: tuple[float, float], concurrency: int, arm: str = "per_size",
+             **kwargs) -> float:
+    """Requests per virtual second of `arm` (default per-size FCFS), closed loop at `concurrency`."""
+    outcomes, _ = simulate(jobs, parse_arm(arm), cost, concurrency=concurrency, **kwargs)
     return len(outcomes) / max(o.finish for o in outcomes)
 
 
@@ -225,7 +227,7 @@ def sweep(args, cost: tuple[float, float]) -> list[dict]:
         jobs = builtin_trace(trace_args, BUILTIN, 1.0)
         solo = solo_latencies(jobs, cost, **common)
         jobs = [dataclasses.replace(j, solo_s=solo[(j.height, j.width, j.steps)]) for j in jobs]
-        cap = capacity(_at_rate(jobs, None, seed), cost, args.concurrency, **common)
+        cap = capacity(_at_rate(jobs, None, seed), cost, args.concurrency, args.capacity_arm, **common)
         for load in args.loads:
             timed = _at_rate(jobs, load * cap, seed)
             for scale in args.scales:
@@ -317,15 +319,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8, help="closed loop of the capacity run")
+    parser.add_argument("--capacity-arm", default="per_size",
+                        help="the arm whose closed-loop throughput is 100%% load (default per_size: today's)")
     parser.add_argument("--aging-s", type=float, default=60.0)
     parser.add_argument("--measure-requests", type=int, default=48, help="requests of each measuring replay")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of every row")
     args = parser.parse_args()
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    for name in args.arms:
+    for name in (*args.arms, args.capacity_arm):
         parse_arm(name)
-    if args.arms[0] != "per_size":
-        parser.error("--arms: the first arm is the baseline and must be per_size")
     args.loads = [float(x) for x in args.loads.split(",")]
     args.scales = [float(x) for x in args.scales.split(",")]
     if args.cost:
@@ -339,7 +341,7 @@ def main() -> None:
     rows = sweep(args, cost)
     caps = sorted({r["capacity"] for r in rows})
     print(f"cost a = {cost[0] * 1000:.3f} ms, b = {cost[1] * 1e6:.2f} us/slot; {args.seeds} trace seeds x "
-          f"{args.num_requests} requests; per-size FCFS capacity {caps[0]:.1f}-{caps[-1]:.1f} req/s "
+          f"{args.num_requests} requests; {args.capacity_arm} capacity {caps[0]:.1f}-{caps[-1]:.1f} req/s "
           f"(concurrency {args.concurrency}); attainment % median [min, max] over seeds")
     print(table(rows, args.arms))
     if args.json:

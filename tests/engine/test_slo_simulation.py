@@ -18,7 +18,7 @@ def _args(**overrides):
 
     args = argparse.Namespace(arms=["per_size", "mixed", "mixed_priority", "mixed_slo", "mixed_slo_adm"],
                               loads=[1.0], scales=[2.0, 5.0], seeds=2, seed=0, num_requests=32, steps=8,
-                              max_batch_size=16, concurrency=8, aging_s=60.0)
+                              max_batch_size=16, concurrency=8, aging_s=60.0, capacity_arm="per_size")
     vars(args).update(overrides)
     return args
 

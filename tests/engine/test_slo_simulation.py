@@ -5,6 +5,8 @@ policies order requests in virtual time as they do on the engine's wall clock.""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 import slo_simulation as sim  # benchmarks/slo_simulation.py (tests/conftest.py puts benchmarks/ on sys.path)
@@ -14,8 +16,6 @@ COST = (0.004, 7.4e-5)
 
 
 def _args(**overrides):
-    import argparse
-
     args = argparse.Namespace(arms=["per_size", "mixed", "mixed_priority", "mixed_slo", "mixed_slo_adm"],
                               loads=[1.0], scales=[2.0, 5.0], seeds=2, seed=0, num_requests=32, steps=8,
                               max_batch_size=16, concurrency=8, aging_s=60.0, capacity_arm="per_size")

@@ -116,13 +116,18 @@ class RequestQueues:
         cost_model: the step-time model ``slo`` ranks with (a fresh one when None).
         max_padding_ratio: the padding cap R in [0, 1] (the module docstring; 1 = off), or
             ``"auto"``: the automatic padding decision from `cost_model` (the module docstring).
+        clock: returns the current time in seconds, on the clock of `Request.arrival_time`
+            (default `time.perf_counter`, the engine's; a discrete-event simulation passes its
+            virtual clock, `benchmarks/slo_simulation.py`). Read for aging, slack and the
+            padding cap's re-check.
     """
 
     def __init__(self, max_batch_size: int, max_waiting: int, mode: str = "step",
                  memory_limit: int | None = None, max_loras: int | None = None,
                  lora_ready: Callable[[Iterable[str]], bool] | None = None, policy: str = "fcfs",
                  aging_s: float = 60.0, cost_model: StepCostModel | None = None,
-                 max_padding_ratio: float | str = 1.0):
+                 max_padding_ratio: float | str = 1.0, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
         self.mode = mode
@@ -297,11 +302,42 @@ class RequestQueues:
         tokens = sum(r.tokens for r in self.running if r.phase is Phase.DENOISING)
         return self.cost_model.predict(tokens)
 
+    def predict_latency(self, request: Request) -> tuple[float, float, float] | None:
+        """``--admission slo``'s prediction for `request` arriving now (not yet added): its own
+        steps (a stream's: every chunk's, `Request.remaining_steps`) at the load it would join
+        (the running requests' tokens plus its own); when its rows do not fit beside the
+        running ones ahead of it, plus the steps of the work ahead of it (their rows x
+        remaining steps, `max_batch_size` rows a step). Ahead of it: under ``fcfs`` every
+        running and waiting request; under ``priority`` / ``slo`` only those that rank before
+        it (`rank`, running ones with their hysteresis), since it is admitted past and
+        preempts the others.
+
+        Returns:
+            (predicted seconds, predicted seconds of one step, steps of work ahead), or None
+            before the cost model has seen a step.
+        """
+        active = [r for r in self.running if r.phase is not Phase.DECODING]
+        step = self.cost_model.predict(sum(r.tokens for r in active) + request.tokens)
+        if step is None:
+            return None
+        running, waiting = active, list(self.waiting)
+        if self.policy != "fcfs":
+            now = self.clock()
+            step_s = self.step_seconds() if self.policy == "slo" else None
+            mine = self.rank(request, now, step_s)
+            running = [r for r in active if self.rank(r, now, step_s, stepping=True) < mine]
+            waiting = [r for r in waiting if self.rank(r, now, step_s) < mine]
+        ahead = 0.0
+        if sum(r.rows for r in running) + request.rows > self.max_batch_size:
+            work = sum(r.rows * r.remaining_steps for r in (*running, *waiting))
+            ahead = work / self.max_batch_size
+        return step * (request.remaining_steps + ahead), step, ahead
+
     def _admit_ranked(self, take: Callable[[int], Request], loras_fit: Callable[[Request], bool | None]) -> None:
         """Admission under ``priority`` / ``slo``: waiting requests in rank order while their rows
         fit; past `max_batch_size`, one that outranks the worst-ranked running request is still
         admitted (up to `PREEMPT_HEADROOM` x rows): the step batch then preempts that one."""
-        now = time.perf_counter()
+        now = self.clock()
         step_s = self.step_seconds() if self.policy == "slo" else None
         ranked = sorted(self.waiting, key=lambda r: self.rank(r, now, step_s))
         rows, memory = self.running_rows, self.running_memory
@@ -330,7 +366,7 @@ class RequestQueues:
         if not denoising:
             self._contended = False
             return []
-        now = time.perf_counter()
+        now = self.clock()
         step_s = self.step_seconds() if self.policy == "slo" else None
         stepping = set(map(id, self._last or ()))
         denoising.sort(key=lambda r: self.rank(r, now, step_s, id(r) in stepping))
@@ -420,7 +456,7 @@ class RequestQueues:
         again, as is (the same object: callers must not modify it), so a step of an unchanged
         batch costs no per-request work here."""
         if self._batch is not None and not self._contended and (
-                self._recheck_at is None or time.perf_counter() < self._recheck_at):
+                self._recheck_at is None or self.clock() < self._recheck_at):
             return self._batch
         if self.policy != "fcfs":
             return self._set_batch(self._select_ranked())
@@ -428,7 +464,7 @@ class RequestQueues:
         if not ordered:
             self._recheck_at = None
             return []
-        return self._set_batch(self._fill(ordered, time.perf_counter()))
+        return self._set_batch(self._fill(ordered, self.clock()))
 
     def finish(self, request: Request) -> None:
         """Remove a request from `running` (finished, failed or aborted)."""

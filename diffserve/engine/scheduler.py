@@ -200,41 +200,24 @@ class RequestScheduler:
         return max((height // f) * (width // f), 1)
 
     def _admit_deadline(self, request: Request) -> None:
-        """``--admission slo``: refuse a request whose deadline the cost model says it misses.
-        Predicted: its own steps (a stream's: every chunk's, `Request.remaining_steps`) at the
-        load it would join (the running requests' tokens plus its own); when its rows do not fit beside the running ones ahead of it, plus the steps
-        of the work ahead of it (their rows x remaining steps, `max_batch_size` rows a step).
-        Ahead of it: under ``fcfs`` every running and waiting request; under ``priority`` /
-        ``slo`` only those that rank before it (`RequestQueues.rank`, running ones with their
-        hysteresis), since it is admitted past and preempts the others. Nothing is refused
-        before the first step is measured.
+        """``--admission slo``: refuse a request whose deadline the cost model says it misses
+        (`RequestQueues.predict_latency`: its own steps, a stream's every chunk's, at the load
+        it would join, plus the work of the requests ranked ahead of it when its rows do not
+        fit). Nothing is refused before the first step is measured.
 
         Raises:
             DeadlineUnmeetableError: with the predicted and the asked seconds.
         """
-        q = self.queues
-        params, num_steps, rows = request.params, request.remaining_steps, request.rows
-        active = [r for r in q.running if r.phase is not Phase.DECODING]
-        step = q.cost_model.predict(sum(r.tokens for r in active) + request.tokens)
-        if step is None:
+        prediction = self.queues.predict_latency(request)
+        if prediction is None:
             return
-        running, waiting = active, list(q.waiting)
-        if q.policy != "fcfs":
-            now = time.perf_counter()
-            step_s = q.step_seconds() if q.policy == "slo" else None
-            mine = q.rank(request, now, step_s)
-            running = [r for r in active if q.rank(r, now, step_s, stepping=True) < mine]
-            waiting = [r for r in waiting if q.rank(r, now, step_s) < mine]
-        ahead = 0.0
-        if sum(r.rows for r in running) + rows > q.max_batch_size:
-            work = sum(r.rows * r.remaining_steps for r in (*running, *waiting))
-            ahead = work / q.max_batch_size
-        predicted = step * (num_steps + ahead)
-        if predicted > params.deadline_s:
+        predicted, step, ahead = prediction
+        deadline_s = request.params.deadline_s
+        if predicted > deadline_s:
             self.counters.refused += 1
             raise DeadlineUnmeetableError(
-                f"deadline_s {params.deadline_s:g} s cannot be met at the current load: predicted {predicted:.3g} s "
-                f"({num_steps} steps + {ahead:.3g} steps of work ahead, {step * 1000:.3g} ms a step); retry later "
+                f"deadline_s {deadline_s:g} s cannot be met at the current load: predicted {predicted:.3g} s "
+                f"({request.remaining_steps} steps + {ahead:.3g} steps of work ahead, {step * 1000:.3g} ms a step); retry later "
                 "or ask for a longer deadline")
 
     def abort(self, request_id: str) -> bool:

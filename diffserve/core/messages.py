@@ -13,6 +13,7 @@ process.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -275,6 +276,16 @@ class MemoryProfile:
         per_row = max(self.row_bytes_base + self.row_bytes_per_pixel * pixels,
                       self.row_floor_base + self.row_floor_per_pixel * pixels, 0.0)
         return int(max(rows * per_row, images * self.decode_bytes_per_pixel * pixels))
+
+    def token_bytes(self, height: int, width: int, rows: int, frames: int | None = None) -> int:
+        """The part of `request_bytes`' row activations that grows with the rows' image
+        tokens: rows x the steeper per-pixel slope (measured or floor) x pixels, rounded up.
+        Divided by the request's image tokens it is the bytes of one token slot, what a row
+        padded to a wider one in a mixed-size forward costs per slot of padding
+        (`diffserve.engine.queues`); an upper bound, as ``max`` of two lines grows no faster
+        than the steeper one."""
+        pixels = height * width * (frames or self.frames)
+        return int(math.ceil(rows * max(self.row_bytes_per_pixel, self.row_floor_per_pixel, 0.0) * pixels))
 
 
 @dataclass(slots=True)

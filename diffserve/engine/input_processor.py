@@ -59,6 +59,9 @@ class ProcessedRequest:
         plan: the workers' `RequestPlan` (rows, batch key, denoising steps it will run).
         memory_bytes: its estimated bytes while running (memory-aware admission; 0 without
             ``max_memory``).
+        token_bytes: the part of `memory_bytes` proportional to its image tokens (what
+            padding its rows in a mixed-size forward costs per token slot; 0 without
+            ``max_memory``).
     """
 
     prompt: str
@@ -66,6 +69,7 @@ class ProcessedRequest:
     inputs: RequestInputs | None
     plan: RequestPlan
     memory_bytes: int = 0
+    token_bytes: int = 0
 
     @property
     def seed(self) -> int:
@@ -146,8 +150,11 @@ class InputProcessor:
         for i in range(n):
             resolved = first if i == 0 else dataclasses.replace(first, seed=(first.seed + i) % (MAX_SEED + 1))
             plan = self._plan(resolved, inputs)  # each its own: a whole-request model keys each request apart
-            memory = self._memory_budget.check(resolved, plan.rows) if self._memory_budget is not None else 0
-            requests.append(ProcessedRequest(prompt, resolved, inputs, plan, memory))
+            memory = token_bytes = 0
+            if self._memory_budget is not None:
+                memory = self._memory_budget.check(resolved, plan.rows)
+                token_bytes = self._memory_budget.token_bytes(resolved, plan.rows)
+            requests.append(ProcessedRequest(prompt, resolved, inputs, plan, memory, token_bytes))
         return requests
 
     def process_interaction(self, interaction: Mapping[str, Any]) -> Interaction:

@@ -9,7 +9,9 @@ limit into:
                + available  (what running requests may use)
 
 Each request costs `MemoryProfile.request_bytes` (its denoiser rows' activations at its
-resolution, or its VAE decode if larger). The request scheduler admits a waiting request only
+resolution, or its VAE decode if larger), of which `MemoryProfile.token_bytes` grows with its
+image tokens: per token slot, what a row padded to a wider one costs more in a mixed-size
+forward (the step batch counts that padding within the same limit, `diffserve.engine.queues`). The request scheduler admits a waiting request only
 while the running requests' costs plus its own stay within ``available`` (FIFO: a request
 that does not fit yet waits, and nobody overtakes it); a request whose cost alone exceeds
 ``available`` can never run and is refused when added (`InvalidRequestError`, HTTP 400) naming
@@ -73,6 +75,11 @@ class MemoryBudget:
         """Estimated bytes of a request with resolved `params` and `rows` denoiser rows."""
         return self.profile.request_bytes(params.height, params.width, rows, params.num_images_per_prompt,
                                           params.num_frames)
+
+    def token_bytes(self, params: SamplingParams, rows: int) -> int:
+        """The part of `request_bytes` proportional to the request's image tokens
+        (`MemoryProfile.token_bytes`): per token slot, what padding its rows costs."""
+        return self.profile.token_bytes(params.height, params.width, rows, params.num_frames)
 
     def check(self, params: SamplingParams, rows: int) -> int:
         """The request's cost in bytes, if it can ever run.

@@ -68,8 +68,19 @@ together and run to completion before anything else is admitted.
 
 Memory (with a `memory_limit`, see `diffserve.engine.memory_budget`): in both modes a request
 is admitted only while the estimated bytes (`Request.memory_bytes`) of the running requests
-(decoding ones included) plus its own stay within the limit; like rows, a request that does
-not fit waits at the head of the queue.
+(decoding ones included), plus the padding of the last step batch, plus its own stay within
+the limit; like rows, a request that does not fit waits at the head of the queue.
+Padding: each request counts its rows at its own size, but a row padded to a wider one in a
+mixed-size forward holds the wider one's activations. Per padded token slot that costs
+`Request.slot_bytes` (the size-proportional part of its estimate, `Request.token_bytes`, per
+image token), so a step batch's padding costs ``slot bytes x (token slots - image tokens)``
+(the largest slot bytes of its members; plain integers). When a step batch is filled, a
+candidate joins only while the running requests' estimates plus that padding of the forward
+with it stay within the limit; otherwise it is passed over for this batch (kept admitted, it
+runs in a later one). Exempt, so nothing starves: the head of the order and, while the
+previous step's head still leads, the members of that step (admission counted their padding);
+the exempt rows count at their widest from the start. A passed-over request waits at most
+until it is the head (fcfs: the requests older than it finish; ranked: aging bounds it).
 """
 
 from __future__ import annotations
@@ -146,6 +157,8 @@ class RequestQueues:
         self.batch_tokens = 0
         #: token slots of the last selected batch: its rows x its widest row's image tokens
         self.batch_slots = 0
+        #: estimated bytes the padding of the last selected batch adds (memory budget; 0 without)
+        self.padding_bytes = 0
         #: fcfs with the padding cap: when a request the cap passed over ages (re-select then)
         self._recheck_at: float | None = None
         #: requests left out of a step they were running in (priority / slo)
@@ -250,7 +263,7 @@ class RequestQueues:
         elif self.waiting and self.policy != "fcfs":
             self._admit_ranked(take, loras_fit)
         elif self.waiting:
-            rows, memory = self.running_rows, self.running_memory
+            rows, memory = self.running_rows, self.running_memory + self.padding_bytes
             i = 0
             while i < len(self.waiting):
                 head = self.waiting[i]
@@ -340,7 +353,7 @@ class RequestQueues:
         now = self.clock()
         step_s = self.step_seconds() if self.policy == "slo" else None
         ranked = sorted(self.waiting, key=lambda r: self.rank(r, now, step_s))
-        rows, memory = self.running_rows, self.running_memory
+        rows, memory = self.running_rows, self.running_memory + self.padding_bytes
         worst = max((self.rank(r, now, step_s) for r in self.running if r.phase is not Phase.DECODING),
                     default=None)
         for head in ranked:
@@ -389,8 +402,10 @@ class RequestQueues:
         the padding cap, keep the forward's padded share within `max_padding_ratio` (exempt:
         the first, aged requests, and members of the previous step's batch while its head
         leads; the module docstring); under ``"auto"``, while the cost model predicts no fewer
-        real image tokens per second with the candidate than without. O(len(ordered)), plain
-        arithmetic."""
+        real image tokens per second with the candidate than without; with a `memory_limit`,
+        while the running requests' estimates plus the forward's padding bytes stay within it
+        (exempt: the first and the previous step's members while its head leads; the module
+        docstring). O(len(ordered)), plain arithmetic."""
         key = (ordered[0].batch_key, ordered[0].step_key)
         auto = self.max_padding_ratio == "auto"
         cap = 1.0 if auto else self.max_padding_ratio
@@ -408,6 +423,16 @@ class RequestQueues:
         widest: tuple[int, ...] = ()  # the padded row's grid, counting the exempt rows that will join
         if capped:
             widest = padded_grid(r.row_grid for r in ordered if (r.batch_key, r.step_key) == key and exempt(r))
+        # memory: the padding bytes the forward may add beside the running requests' estimates
+        keyed = [r for r in ordered if (r.batch_key, r.step_key) == key] if self.memory_limit is not None else []
+        slot_bytes = max((r.slot_bytes for r in keyed), default=0)
+        if slot_bytes:
+            spare = self.memory_limit - self.running_memory
+            held = set(map(id, self._last)) if self._last and self._last[0] is ordered[0] else ()
+            fixed = [r for r in keyed if r is ordered[0] or id(r) in held]  # join whatever it costs
+            fixed_ids = set(map(id, fixed))
+            mem_grid = padded_grid(r.row_grid for r in fixed)  # the fixed rows and those joined so far
+            mem_rows, mem_tokens = sum(r.rows for r in fixed), sum(r.tokens for r in fixed)
         self._recheck_at = None
         batch: list[Request] = []
         rows = tokens = 0
@@ -432,6 +457,12 @@ class RequestQueues:
                     ages_at = (request.ar_end_time or request.arrival_time) + self.aging_s
                     self._recheck_at = ages_at if self._recheck_at is None else min(self._recheck_at, ages_at)
                     continue
+            if slot_bytes and id(request) not in fixed_ids:
+                joined_grid = padded_grid((mem_grid, request.row_grid))
+                slots = (mem_rows + request.rows) * math.prod(joined_grid)
+                if slot_bytes * (slots - mem_tokens - request.tokens) > spare:
+                    continue  # its padding would take the forward past the memory limit
+                mem_grid, mem_rows, mem_tokens = joined_grid, mem_rows + request.rows, mem_tokens + request.tokens
             widest = grid
             batch.append(request)
             rows += request.rows
@@ -444,6 +475,7 @@ class RequestQueues:
         self.batch_tokens = sum(r.tokens for r in batch)
         grid = padded_grid(r.row_grid for r in batch)
         self.batch_slots = sum(r.rows for r in batch) * math.prod(grid) if grid else 0
+        self.padding_bytes = max((r.slot_bytes for r in batch), default=0) * (self.batch_slots - self.batch_tokens)
         return batch
 
     def select_batch(self) -> list[Request]:
@@ -463,6 +495,7 @@ class RequestQueues:
         ordered = sorted((r for r in self.running if r.phase is Phase.DENOISING), key=lambda r: r.seq)
         if not ordered:
             self._recheck_at = None
+            self.padding_bytes = 0
             return []
         return self._set_batch(self._fill(ordered, self.clock()))
 
@@ -471,3 +504,5 @@ class RequestQueues:
         if request in self.running:
             self.running.remove(request)
             self._batch = None
+            if not self.running:
+                self.padding_bytes = 0

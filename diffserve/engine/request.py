@@ -44,6 +44,8 @@ class Request:
         preview_steps: steps after which a decoded preview is streamed (partial events).
         memory_bytes: estimated bytes the request needs while running (memory-aware
             admission, `diffserve.engine.memory_budget`; 0 without a memory budget).
+        token_bytes: the part of `memory_bytes` proportional to its image tokens
+            (`slot_bytes` per token slot; 0 without a memory budget).
         listener: called with each of the request's events on the stepping thread (instead of
             returning them from `DiffusionEngine.step`); how `generate` and the async engine
             receive their events whichever thread steps.
@@ -86,6 +88,7 @@ class Request:
     listener: Callable[[StreamEvent], None] | None = None
     progress: bool = True
     memory_bytes: int = 0
+    token_bytes: int = 0
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     step_key: Hashable = None
     chunk_index: int = 0
@@ -107,6 +110,13 @@ class Request:
         padding cap of `diffserve.engine.queues`): `grid`, or ``(row_tokens,)`` (one axis: a
         sequence padded to the longest)."""
         return self.grid or (self.row_tokens,)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Estimated activation bytes of one image-token slot of its rows (`token_bytes` /
+        `tokens`, rounded up; 0 without either): what each slot of padding costs when a
+        mixed-size forward pads its rows to a wider one."""
+        return -(-self.token_bytes // self.tokens) if self.tokens > 0 else 0
 
     @property
     def lora_names(self) -> tuple[str, ...]:

@@ -151,6 +151,7 @@ class RequestScheduler:
                           inputs=processed.inputs, batch_key=plan.batch_key, rows=plan.rows, seq=next(self._seq),
                           arrival_time=time.perf_counter(), preview_steps=frozenset(int(s) for s in preview_steps),
                           listener=listener, progress=bool(progress), memory_bytes=processed.memory_bytes,
+                          token_bytes=processed.token_bytes,
                           num_steps=plan.num_steps, tokens=tokens, grid=self._row_grid(processed.params))
         if self.admission == "slo" and processed.params.deadline_s is not None:
             self._admit_deadline(request)

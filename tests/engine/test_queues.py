@@ -362,3 +362,107 @@ def test_auto_padding_exempts_aged_requests_and_ends_at_the_head():
     assert s.select_batch() == [wide, old_narrow]  # fcfs order; `narrow` waits
     s.finish(wide)
     assert s.select_batch() == [narrow, old_narrow]  # equal token counts: no padding
+
+
+# ------------------------------------------------------------------ memory budget sees padding
+SLOT = 10  # estimated activation bytes per image-token slot in the tests below
+FIXED = 1000  # each request's part of its estimate that does not grow with tokens
+
+
+def _budgeted(seq, row_tokens, rows=2, age_s=0.0):
+    """`_sized` with a memory estimate: FIXED + SLOT bytes per image token."""
+    r = _sized(seq, row_tokens, rows, age_s)
+    r.token_bytes = SLOT * r.tokens
+    r.memory_bytes = FIXED + r.token_bytes
+    return r
+
+
+def _padding(batch):
+    """Bytes the padding of `batch` costs (every member at SLOT bytes a slot)."""
+    widest = max(r.row_tokens for r in batch)
+    return SLOT * (sum(r.rows for r in batch) * widest - sum(r.tokens for r in batch))
+
+
+def test_slot_bytes_round_up():
+    r = _budgeted(0, 64)
+    assert r.slot_bytes == SLOT
+    r.token_bytes += 1
+    assert r.slot_bytes == SLOT + 1
+    assert _sized(1, 0).slot_bytes == 0
+
+
+def test_memory_limit_keeps_a_small_request_out_of_a_large_forward():
+    """Both requests fit by their own estimates; with the small one's rows padded to the large
+    one's they do not: it runs after the large one (no starvation) and never beside it. With
+    room for the padding they share the forward, as without a memory limit."""
+    large, small = _budgeted(0, 256), _budgeted(1, 64)
+    own = large.memory_bytes + small.memory_bytes
+    pad = _padding([large, small])
+    assert pad == SLOT * 2 * (256 - 64)
+    for limit, together in ((own + pad - 1, False), (own + pad, True), (None, True)):
+        s = RequestQueues(max_batch_size=8, max_waiting=10, memory_limit=limit)
+        large, small = _budgeted(0, 256), _budgeted(1, 64)
+        s.add(large)
+        s.add(small)
+        batches = _drain(s, steps=3)
+        if together:
+            assert batches == [[large, small]] * 3
+        else:  # both admitted at once (each at its own size); the small one waits for the forward
+            assert batches == [[large]] * 3 + [[small]] * 3
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "slo"])
+@pytest.mark.parametrize("cap", [1.0, 0.5])
+def test_memory_limit_holds_with_padding_and_nothing_starves(policy, cap):
+    """Mixed sizes arriving over time under a tight limit (about three requests' worth): every
+    forward's estimate (the running requests' plus its padding) stays within the limit, sizes
+    still mix where they fit, and every request finishes."""
+    limit = 3 * (FIXED + SLOT * 2 * 256)
+    s = RequestQueues(max_batch_size=8, max_waiting=100, memory_limit=limit, policy=policy, max_padding_ratio=cap)
+    arrivals = {0: [_budgeted(i, t) for i, t in enumerate(MIX[:6])],
+                4: [_budgeted(10 + i, t) for i, t in enumerate(MIX[6:])]}
+    for r in (*arrivals[0], *arrivals[4]):
+        r.params = SamplingParams()
+        r.num_steps = 3
+    seen, peaks, mixed = set(), [], False
+    left = {}
+    for step in range(500):
+        for r in arrivals.pop(step, ()):
+            s.add(r)
+        for r in _admit(s):
+            left[r.request_id] = 3
+        batch = list(s.select_batch())
+        if not batch and not s.waiting and not arrivals:
+            break
+        assert s.padding_bytes == (_padding(batch) if batch else 0)
+        peaks.append(s.running_memory + s.padding_bytes)
+        mixed |= len({r.row_tokens for r in batch}) > 1
+        for r in batch:
+            r.steps_done += 1
+            left[r.request_id] -= 1
+            if left[r.request_id] == 0:
+                seen.add(r.request_id)
+                s.finish(r)
+    assert len(seen) == len(MIX)
+    assert max(peaks) <= limit
+    assert mixed  # 128-token rows beside 256-token ones fit the limit
+
+
+def test_admission_counts_the_running_forward_padding():
+    """A waiting request that fits beside the running requests' own estimates but not beside
+    their forward's padding waits until that forward's padding is gone."""
+    large, small = _budgeted(0, 256), _budgeted(1, 64)
+    pad = _padding([large, small])
+    newcomer = _budgeted(2, 64)
+    limit = large.memory_bytes + small.memory_bytes + pad + newcomer.memory_bytes - 1
+    s = RequestQueues(max_batch_size=8, max_waiting=10, memory_limit=limit)
+    s.add(large)
+    s.add(small)
+    _admit(s)
+    assert s.select_batch() == [large, small] and s.padding_bytes == pad
+    s.add(newcomer)
+    assert _admit(s) == []  # its own bytes fit beside the estimates, not beside the padding
+    s.finish(large)
+    assert s.select_batch() == [small] and s.padding_bytes == 0
+    assert _admit(s) == [newcomer]
+    assert s.select_batch() == [small, newcomer]

@@ -270,7 +270,8 @@ class DiffusionEngine:
         stats["scheduler"] = self.scheduler.stats()
         stats["quantization"] = self.model_info.quantization
         if self.memory_budget is not None:
-            stats["memory_budget"] = self.memory_budget.stats(self.scheduler.queues.running_memory)
+            queues = self.scheduler.queues
+            stats["memory_budget"] = self.memory_budget.stats(queues.running_memory, queues.padding_bytes)
         stats["sleep_level"] = self.sleep_mode.level
         if self.ar_stage is not None:
             stats["ar_stage"] = self.ar_stage.stats()

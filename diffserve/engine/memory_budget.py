@@ -103,9 +103,11 @@ class MemoryBudget:
             raise InvalidRequestError("num_images_per_prompt", images, f"at most {fit} at this size to fit {why}")
         raise InvalidRequestError("size", f"{params.width}x{params.height}", f"a smaller size to fit {why}")
 
-    def stats(self, in_use: int) -> dict[str, Any]:
-        """``max_memory``, ``weight_bytes``, ``reserve_bytes``, ``available`` and ``in_use``
-        (estimated bytes of the running requests), all bytes, plus the profile's ``method``."""
+    def stats(self, in_use: int, padding: int = 0) -> dict[str, Any]:
+        """``max_memory``, ``weight_bytes``, ``reserve_bytes``, ``available``, ``in_use``
+        (estimated bytes of the running requests) and ``padding_bytes`` (what padding the rows
+        of the last step batch to its widest adds, `RequestQueues.padding_bytes`), all bytes,
+        plus the profile's ``method``."""
         return {"max_memory": self.limit, "weight_bytes": self.profile.weight_bytes,
                 "reserve_bytes": self.profile.reserve_bytes, "available": self.available, "in_use": in_use,
-                "method": self.profile.method}
+                "padding_bytes": padding, "method": self.profile.method}

@@ -290,8 +290,38 @@ def test_admission_queues_by_memory(profiled, tiny_sd3_dir, engine):
     for got, ref in zip(images, want):
         assert np.abs(got - ref).max() <= 1e-4
     stats = budgeted.stats()["memory_budget"]
-    assert set(stats) == {"max_memory", "weight_bytes", "reserve_bytes", "available", "in_use", "method"}
+    assert set(stats) == {"max_memory", "weight_bytes", "reserve_bytes", "available", "in_use", "padding_bytes",
+                          "method"}
     assert stats["in_use"] == 0
+
+
+def test_memory_budget_counts_the_padding_of_mixed_sizes(profiled, tiny_sd3_dir, engine):
+    """SD3 mixes sizes in one forward (rows padded to the widest). A 32x32 request beside a
+    128x128 one: with room for both at their own sizes but not for the small one's rows padded
+    to 128x128, they never share a forward (each step has one request's 2 rows) and both
+    finish; with room for the padding too they share it (4 rows). Images equal solo runs."""
+    budget, spec, limits = profiled.memory_budget, profiled.spec, profiled.config.limits
+    jobs = [("a red fox", SamplingParams(seed=1, num_inference_steps=3, output_type="np", height=128, width=128)),
+            ("a blue bird", SamplingParams(seed=2, num_inference_steps=3, output_type="np", height=32, width=32))]
+    resolved = [p.resolve(spec, limits, 0) for _, p in jobs]
+    f = spec.resolution_factor
+    tokens = [2 * (p.height // f) * (p.width // f) for p in resolved]  # 2 rows each (CFG)
+    slot = max(-(-budget.token_bytes(p, 2) // t) for p, t in zip(resolved, tokens))
+    pad = slot * (2 * 2 * (128 // f) ** 2 - sum(tokens))
+    own = sum(budget.request_bytes(p, 2) for p in resolved)
+    assert pad > 0
+    solo = [_images(engine, [job])[0][0] for job in jobs]
+    for extra, shared in ((pad - 1, False), (pad, True)):
+        limit = budget.profile.weight_bytes + budget.profile.reserve_bytes + own + extra
+        budgeted = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), max_memory=limit, overlap_stages=False),
+                                   runner=profiled.runner)
+        rows = []
+        budgeted.add_step_listener(lambda n, k, s: rows.append(n))
+        images, _ = _images(budgeted, jobs)
+        assert (max(rows) == 4) is shared, rows
+        for got, ref in zip(images, solo):
+            assert np.abs(got - ref).max() <= 1e-4
+        assert budgeted.stats()["memory_budget"]["in_use"] == 0
 
 
 def test_oversized_request_is_refused_naming_the_limit(profiled, tiny_sd3_dir):

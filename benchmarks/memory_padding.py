@@ -100,7 +100,9 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--arm", arm, "--model", args.model, "--large", str(args.large),
                        "--small", str(args.small), "--steps", str(args.steps), "--threads", str(args.threads),
                        "--pad-share", str(args.pad_share)]
-                done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode:
+                    raise SystemExit(f"{arm} trial failed:\n{done.stderr[-3000:]}")
                 results[arm].append(json.loads(done.stdout.strip().splitlines()[-1]))
     summary = {}
     for arm, trials in results.items():

@@ -370,10 +370,13 @@ class RequestQueues:
         step_s = self.step_seconds() if self.policy == "slo" else None
         stepping = set(map(id, self._last or ()))
         denoising.sort(key=lambda r: self.rank(r, now, step_s, id(r) in stepping))
-        batch = self._fill(denoising, now)
+        batch = full = self._fill(denoising, now)
         if self.policy == "slo" and len(batch) > 1:
             batch = self._deadline_prefix(batch, now, stepping)
-        self._contended = len(batch) < len(denoising)
+        # re-select every tick while someone is left out, or while the batch size is the
+        # deadline rule's choice (time passes: the best prefix can change without any event)
+        self._contended = len(batch) < len(denoising) or (
+            self.policy == "slo" and len(full) > 1 and any(r.params.deadline_s is not None for r in full))
         previous = self._last
         if previous is not None and len(previous) == len(batch) and all(a is b for a, b in zip(previous, batch)):
             return previous

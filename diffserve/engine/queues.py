@@ -32,7 +32,14 @@ Scheduling policies (step mode; `policy`):
   deadline first); requests without a deadline, and those whose slack is already negative
   (they miss their deadline whatever runs: serving them first would make others miss theirs
   too), after those that can still meet theirs, by priority then arrival. Admission and
-  preemption as under ``priority``.
+  preemption as under ``priority``. Deadline-aware batch size: once the cost model has seen a
+  step, the batch is not always filled to `max_batch_size`: of the filled batch (least-slack
+  order) it runs the prefix predicted to let the most requests meet their deadlines (a member
+  at the prefix's step time, one left out after the prefix's last member, at the full batch's;
+  ties to the larger prefix), keeping the previous step's members unless dropping them meets
+  strictly more deadlines (`RequestQueues._deadline_prefix`). So on a compute-bound device
+  (a step costing its token slots) an urgent request runs in a smaller, faster batch. While a
+  batch holds a request with a deadline it is re-selected every step.
 - Aging (both): a request that arrived more than `aging_s` seconds ago ranks before every
   younger one, in arrival order among themselves. So a request waits at most `aging_s` plus
   what FCFS would make it wait behind the requests older than it: nothing starves.

@@ -32,7 +32,14 @@ Scheduling policies (step mode; `policy`):
   deadline first); requests without a deadline, and those whose slack is already negative
   (they miss their deadline whatever runs: serving them first would make others miss theirs
   too), after those that can still meet theirs, by priority then arrival. Admission and
-  preemption as under ``priority``.
+  preemption as under ``priority``. Deadline-aware batch size: once the cost model has seen a
+  step, the batch is not always filled to `max_batch_size`: of the filled batch (least-slack
+  order) it runs the prefix predicted to let the most requests meet their deadlines (a member
+  at the prefix's step time, one left out after the prefix's last member, at the full batch's;
+  ties to the larger prefix), keeping the previous step's members unless dropping them meets
+  strictly more deadlines (`RequestQueues._deadline_prefix`). So on a compute-bound device
+  (a step costing its token slots) an urgent request runs in a smaller, faster batch. While a
+  batch holds a request with a deadline it is re-selected every step.
 - Aging (both): a request that arrived more than `aging_s` seconds ago ranks before every
   younger one, in arrival order among themselves. So a request waits at most `aging_s` plus
   what FCFS would make it wait behind the requests older than it: nothing starves.
@@ -383,8 +390,13 @@ class RequestQueues:
         step_s = self.step_seconds() if self.policy == "slo" else None
         stepping = set(map(id, self._last or ()))
         denoising.sort(key=lambda r: self.rank(r, now, step_s, id(r) in stepping))
-        batch = self._fill(denoising, now)
-        self._contended = len(batch) < len(denoising)
+        batch = full = self._fill(denoising, now)
+        if self.policy == "slo" and len(batch) > 1:
+            batch = self._deadline_prefix(batch, now, stepping)
+        # re-select every tick while someone is left out, or while the batch size is the
+        # deadline rule's choice (time passes: the best prefix can change without any event)
+        self._contended = len(batch) < len(denoising) or (
+            self.policy == "slo" and len(full) > 1 and any(r.params.deadline_s is not None for r in full))
         previous = self._last
         if previous is not None and len(previous) == len(batch) and all(a is b for a, b in zip(previous, batch)):
             return previous
@@ -395,6 +407,54 @@ class RequestQueues:
                     self.preemptions += 1
                     request.metrics.preemptions += 1
         return batch
+
+    def _deadline_prefix(self, batch: list[Request], now: float, stepping: set[int]) -> list[Request]:
+        """``slo``'s deadline-aware batch size: the prefix of `batch` (a filled step batch in
+        least-slack order) predicted to let the most requests meet their deadlines.
+
+        For each prefix length k (the head always runs), with the cost model's (a, b) and the
+        prefix's token slots (rows x its widest row's tokens): a member finishes at ``now +
+        its remaining steps x (a + b x slots_k)``; a candidate left out waits until the
+        prefix's last member finishes, then runs at the full batch's step time. A candidate
+        with a deadline counts when it finishes by it; one already hopeless (it misses even
+        alone: remaining steps x its solo step time beyond its deadline) and one without a
+        deadline count for no k. Ties go to the larger k (throughput). Hysteresis: a prefix
+        that leaves out a member of the previous step is chosen only when it meets strictly
+        more deadlines than every prefix keeping them all. Unchanged before the cost model's
+        first step. O(len(batch)^2) plain arithmetic (len(batch) <= `max_batch_size`)."""
+        fit = self.cost_model.coefficients()
+        if fit is None:
+            return batch
+        a, b = fit
+        n = len(batch)
+        step = []  # predicted seconds of a step of each prefix (index k - 1)
+        rows, widest = 0, ()
+        for request in batch:
+            rows += request.rows
+            widest = padded_grid((widest, request.row_grid))
+            step.append(a + b * rows * math.prod(widest))
+        left: list[float | None] = []  # seconds to its deadline; None: no deadline, or hopeless
+        for request in batch:
+            deadline = request.params.deadline_s
+            due = None if deadline is None else request.arrival_time + deadline - now
+            solo = request.remaining_steps * (a + b * request.rows * math.prod(request.row_grid))
+            left.append(due if due is not None and due >= solo else None)
+        if not any(x is not None for x in left):
+            return batch
+        met = [0] * (n + 1)  # met[k]: deadlines met with the prefix of length k
+        for k in range(1, n + 1):
+            wait = max(r.remaining_steps for r in batch[:k]) * step[k - 1]
+            for i, (request, due) in enumerate(zip(batch, left)):
+                if due is None:
+                    continue
+                finish = request.remaining_steps * step[k - 1] if i < k \
+                    else wait + request.remaining_steps * step[n - 1]
+                met[k] += finish <= due
+        keep = 1 + max((i for i, r in enumerate(batch) if id(r) in stepping), default=0)
+        best = max(range(1, n + 1), key=lambda k: (met[k], k))
+        kept = max(range(keep, n + 1), key=lambda k: (met[k], k))
+        k = best if met[best] > met[kept] else kept
+        return batch if k == n else batch[:k]
 
     def _fill(self, ordered: list[Request], now: float) -> list[Request]:
         """The first request of `ordered`, then the next ones with its (batch key, step key), in

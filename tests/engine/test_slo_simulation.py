@@ -54,3 +54,19 @@ def test_parse_arm_rejects_unknown_names():
     assert sim.parse_arm("per_size_padauto").max_padding_ratio == "auto"
     with pytest.raises(ValueError, match="mixed_edf"):
         sim.parse_arm("mixed_edf")
+
+
+def test_slo_runs_a_smaller_batch_for_an_urgent_request_on_a_compute_bound_device():
+    """Compute-bound (a = 1 ms, b = 40 us): the urgent 16x16 request arriving beside seven long
+    8x8 ones misses its deadline in the full padded batch (FCFS: 4 steps of 1024 slots, 168 ms),
+    and meets it under ``slo``, which runs it in a smaller, faster batch once the cost model has
+    seen the first (full) step; the long ones still meet theirs."""
+    cost = (0.001, 4e-5)
+    jobs = [TraceJob(0.0, f"long {i}", 8, 8, 8, priority=1, deadline_s=10.0) for i in range(7)]
+    jobs.append(TraceJob(0.0, "urgent", 16, 16, 4, priority=0, deadline_s=0.12))
+    met = {}
+    for arm in ("mixed", "mixed_slo"):
+        outcomes, _ = sim.simulate(jobs, sim.parse_arm(arm), cost, max_batch_size=16)
+        met[arm] = [o.latency <= o.job.deadline_s for o in outcomes]
+    assert met["mixed"] == [True] * 7 + [False]
+    assert met["mixed_slo"] == [True] * 8

@@ -142,8 +142,11 @@ class Accelerator:
         """Denoiser forwards at 1, 2 and ``max_batch_size`` rows where the family's requests
         can form them (the default request, and a guidance-free one, repeated; default
         resolution; a gray input image for models that take images), with `mixed_sizes` one
-        forward of the default request beside one of half its height (the token-span path), and
-        one decode, so compiled graphs exist before the first request."""
+        forward of the default request beside one of half its height (the token-span path), with
+        a masked `PipelineAdapter.padded_inputs` (Qwen-Image's text mask) the 2-row and larger
+        forwards and the mixed one again with one row's prompt longer (the padded path: the mask
+        is a graph input that is None or a tensor), and one decode, so compiled graphs exist before the first
+        request."""
         from PIL import Image
 
         from diffserve.core.inputs import RequestInputs
@@ -164,14 +167,18 @@ class Accelerator:
         mixed = adapter.mixed_sizes and smaller != spec.default_height  # the token-span path compiles too
         if mixed:
             variants.append(SamplingParams(seed=0, num_inference_steps=2, output_type="np", height=smaller))
-        states = []
+        # a masked padded input: each variant again with a longer prompt, batched beside the short one
+        masked = any(mask is not None for mask, _ in adapter.padded_inputs.values())
+        prompts = ("warm-up", "a longer warm-up prompt, padded beside the short one") if masked else ("warm-up",)
+        states, twins = [], []
         adapter.prompt_embed_cache = None  # warm-up prompts are not traffic
         try:
             with torch.inference_mode(), self._stage("encode"):
                 for params in variants:
-                    state = RequestState("warm-up", "warm-up", params.resolve(spec, config.limits, 0), inputs=inputs)
-                    adapter.prepare(state)
-                    states.append(state)
+                    for prompt, into in zip(prompts, (states, twins)):
+                        state = RequestState("warm-up", prompt, params.resolve(spec, config.limits, 0), inputs=inputs)
+                        adapter.prepare(state)
+                        into.append(state)
         finally:
             adapter.prompt_embed_cache = self.prompt_cache
 
@@ -179,15 +186,17 @@ class Accelerator:
             with torch.inference_mode(), self._stage("denoise"):
                 adapter.denoise(adapter.collate([state] * copies))
 
-        def mixed_forward(pair):
+        def forward_rows(batch):  # requests of different sizes / text lengths in one forward
             with torch.inference_mode(), self._stage("denoise"):
-                adapter.denoise(adapter.collate(pair))
+                adapter.denoise(adapter.collate(batch))
 
         def decode_once():
             with torch.inference_mode(), self._stage("decode"):
                 adapter.decode(states[0])
 
         mixed_pair = [states.pop(), states[0]] if mixed else None
+        if mixed and twins:
+            twins.pop()
         plans = {}
         for target in (1, 2, config.max_batch_size):
             for i, state in enumerate(states):
@@ -196,9 +205,14 @@ class Accelerator:
                     plans[target // rows * rows] = (i, target // rows)
         calls = [lambda i=i, copies=copies, context=context: _within(context, forward, states[i], copies)
                  for context in self._warmup_contexts for _, (i, copies) in sorted(plans.items())]
+        calls += [lambda i=i, copies=copies, context=context: _within(context, forward_rows,
+                                                                      [states[i]] * (copies - 1) + [twins[i]])
+                  for context in self._warmup_contexts for _, (i, copies) in sorted(plans.items())
+                  if twins and copies >= 2]
         if mixed_pair is not None and adapter.rows(mixed_pair[0].params) * 2 <= config.max_batch_size:
-            calls += [lambda context=context: _within(context, mixed_forward, mixed_pair)
-                      for context in self._warmup_contexts]
+            pairs = [mixed_pair] + ([[mixed_pair[0], twins[0]]] if twins else [])  # also sizes and texts
+            calls += [lambda pair=pair, context=context: _within(context, forward_rows, pair)
+                      for context in self._warmup_contexts for pair in pairs]
         if decode:
             calls.append(decode_once)
         return calls

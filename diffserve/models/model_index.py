@@ -138,15 +138,36 @@ def stated_limits(model_dir: Path | None) -> dict[str, int]:
 
 def with_stated_limits(spec: ModelSpec, model_dir: Path | None) -> ModelSpec:
     """`spec` with its largest height, width and frame count narrowed to the model's
-    `stated_limits` (each the smaller of the architecture's and the stated one)."""
+    `stated_limits` (each the smaller of the architecture's and the stated one), then its
+    default size and frame count fitted within them (`fit_defaults`)."""
     limits = stated_limits(model_dir)
-    if not limits:
-        return spec
     narrowed = {}
     for key, value in limits.items():
         own = getattr(spec, key)
         narrowed[key] = value if own is None else min(own, value)
-    return dataclasses.replace(spec, **narrowed)
+    return fit_defaults(dataclasses.replace(spec, **narrowed) if narrowed else spec)
+
+
+def fit_defaults(spec: ModelSpec) -> ModelSpec:
+    """`spec` with a default size / frame count the model accepts: a family default beyond
+    ``max_height`` / ``max_width`` (e.g. Wan's 480x832 on a folder whose RoPE grid stops at
+    512 pixels and that ships no ``generation_config.json``) is scaled down, keeping its aspect
+    ratio, to multiples of ``resolution_factor`` (at least one); a ``default_num_frames`` beyond
+    ``max_num_frames`` becomes the largest ``frame_factor * m + 1`` within it. Requests without
+    a size and the compile warm-up (`diffserve.acceleration.accelerator`) then use a valid one.
+    Defaults within the limits are kept as they are."""
+    f = spec.resolution_factor
+    height, width = spec.default_height, spec.default_width
+    scale = min([1.0, *(limit / value for limit, value in ((spec.max_height, height), (spec.max_width, width))
+                        if limit is not None and value)])
+    changes = {}
+    if scale < 1.0:
+        changes["default_height"] = max(f, int(height * scale) // f * f)
+        changes["default_width"] = max(f, int(width * scale) // f * f)
+    frames, top = spec.default_num_frames, spec.max_num_frames
+    if frames is not None and top is not None and frames > top:
+        changes["default_num_frames"] = (top - 1) // spec.frame_factor * spec.frame_factor + 1
+    return dataclasses.replace(spec, **changes) if changes else spec
 
 
 def check_stated_limits(model_dir: Path | None, params: SamplingParams) -> None:

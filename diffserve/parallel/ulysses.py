@@ -8,7 +8,9 @@ output head gathers the sequence (as in xDiT / yunchang). diffusers implements t
 that declare a context-parallel plan (``_cp_plan``: where to split and gather) and route
 attention through ``dispatch_attention_fn`` (Flux, Qwen-Image, Wan); an adapter supplies the
 plan and processors for families without one (SD3, `diffserve.pipelines.sd3.context_parallel`).
-Arbitrary sequence lengths and head counts are allowed (diffusers' "Ulysses anything" mode).
+Arbitrary sequence lengths and head counts are allowed (diffusers' "Ulysses anything" mode);
+the output gather of shards of unequal length (odd token counts) is `uneven_gather`'s, which
+gloo accepts too.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from diffserve.core.errors import InvalidRequestError
+from diffserve.parallel.uneven_gather import install_uneven_gather
 
 if TYPE_CHECKING:
     from diffserve.parallel.state import ParallelState
@@ -60,3 +63,4 @@ def enable_ulysses(adapter: "PipelineAdapter", state: "ParallelState") -> None:
                                    ulysses_anything=True)
     with _cpu_device_count():
         denoiser.enable_parallelism(config=config, cp_plan=plan)
+    install_uneven_gather(denoiser, plan)

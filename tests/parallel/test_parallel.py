@@ -161,7 +161,6 @@ def test_kontext_mixed_references_under_cfg_parallel_and_ulysses(tiny_flux_konte
     prompts = ["make it red", "add a hat"]
     images = [Image.fromarray(np.random.default_rng(k).integers(0, 256, (h, w, 3), dtype=np.uint8))
               for k, (w, h) in enumerate(((32, 32), (64, 48)))]
-    # even image-token counts (16 and 20): Kontext under Ulysses fails on odd ones (gloo allgather)
     params = [SamplingParams(seed=1, num_inference_steps=2, height=48, width=64, true_cfg_scale=2.0,
                              negative_prompt="x", max_sequence_length=32, output_type="np"),
               SamplingParams(seed=2, num_inference_steps=3, height=32, width=64, true_cfg_scale=3.0,
@@ -178,3 +177,26 @@ def test_kontext_mixed_references_under_cfg_parallel_and_ulysses(tiny_flux_konte
         for out, ref in zip(outs, reference):
             assert out.ok, out.error
             assert np.abs(out.images - ref.images).max() <= 1e-4
+
+
+@pytest.mark.parametrize("folder", ["tiny_flux_kontext_dir", "tiny_flux_dev_dir"])
+def test_ulysses_odd_token_count_equals_single_process(folder, request):
+    """An odd image-token count (48x48 output: 9 tokens; Kontext with a 32x32 reference: 9 + 4)
+    leaves the two Ulysses ranks shards of 5 and 4 (7 and 6) tokens; the output gather pads them
+    to one length for gloo (`diffserve.parallel.uneven_gather`) and equals the single process."""
+    from PIL import Image
+
+    model = str(request.getfixturevalue(folder))
+    kontext = folder == "tiny_flux_kontext_dir"
+    inputs = [Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8))] \
+        if kontext else None
+    params = [SamplingParams(seed=1, num_inference_steps=2, height=48, width=48, max_sequence_length=32,
+                             output_type="np")]
+    [ref] = DiffusionEngine(EngineConfig(model=model, num_threads=1)).generate(["a cat"], params, inputs=inputs)
+    engine = DiffusionEngine(EngineConfig(model=model, num_threads=1, ulysses_degree=2))
+    try:
+        [out] = engine.generate(["a cat"], params, inputs=inputs)
+    finally:
+        engine.shutdown()
+    assert out.ok, out.error
+    assert np.abs(out.images - ref.images).max() <= 1e-4

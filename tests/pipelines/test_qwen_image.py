@@ -126,18 +126,23 @@ def test_mixed_sizes_under_teacache_equal_solo(tiny_qwen_image_dir):
 
 
 def test_regional_compile_without_recompiles_after_warm_up(tiny_qwen_image_dir, tmp_path):
-    """One row per forward (one graph to compile): the warm-up prompt's text length and another
-    length reuse the warmed-up graph (text length is a dynamic dimension)."""
+    """Text lengths other than the warm-up prompt's reuse the warmed-up graphs (text length is a
+    dynamic dimension), alone and batched beside a prompt of another length (text padding: the
+    warm-up ran a padded pair too, so the mask input being a tensor compiles nothing new)."""
     folder = tmp_path / "model"
     shutil.copytree(tiny_qwen_image_dir, folder)
     (folder / "generation_config.json").write_text(json.dumps({"height": 64, "width": 64}))  # warm-up size
-    engine = DiffusionEngine(EngineConfig(model=str(folder), compile=True, max_batch_size=1))
+    engine = DiffusionEngine(EngineConfig(model=str(folder), compile=True, max_batch_size=2))
     eager = DiffusionEngine(EngineConfig(model=str(folder)))
-    for prompt in ("warm-up", "a much longer prompt than the warm-up one"):
-        params = _p(1, height=64, width=64)
-        assert np.abs(_solo(engine, prompt, params).images - _solo(eager, prompt, params).images).max() <= TOL
+    prompts = ["cat", "a much longer prompt than the warm-up one"]
+    params = [_p(1, height=64, width=64), _p(2, height=64, width=64)]
+    together = engine.generate(prompts, params)
+    assert [max(o.metrics.batch_sizes) for o in together] == [2, 2]  # one text-padded forward
+    for out, prompt, p in zip(together, prompts, params):
+        assert np.abs(out.images - _solo(eager, prompt, p).images).max() <= TOL
+        assert np.abs(_solo(engine, prompt, p).images - _solo(eager, prompt, p).images).max() <= TOL
     stats = engine.runner.acceleration_stats()["compile"]
-    assert stats["enabled"] and stats["recompiles_after_warmup"] == 0
+    assert stats["enabled"] and stats["recompiles_after_warmup"] == 0, stats
 
 
 # ------------------------------------------------------------------------------------ CLI

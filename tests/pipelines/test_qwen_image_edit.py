@@ -172,9 +172,8 @@ def test_mixed_references_under_teacache_equal_solo(tiny_qwen_image_edit_dir):
 def test_regional_compile_without_recompiles_across_reference_sizes(tiny_qwen_image_edit_dir, tmp_path,
                                                                   fresh_dynamo):
     """Compiled blocks warmed up at the default size serve forwards whose references (and
-    outputs) differ in size, in different compositions, without recompiling. (The prompts make
-    the texts, vision tokens included, equally long: the warm-up has no text padding, and a
-    text-padded batch compiles a graph of its own, as in text-to-image.)"""
+    outputs) and texts (vision tokens included) differ in size, in different compositions,
+    without recompiling (the warm-up also runs a text-padded pair, as in text-to-image)."""
     import json
     import shutil
 
@@ -183,10 +182,9 @@ def test_regional_compile_without_recompiles_across_reference_sizes(tiny_qwen_im
     (folder / "generation_config.json").write_text(json.dumps({"height": 64, "width": 64}))  # warm-up size
     engine = DiffusionEngine(EngineConfig(model=str(folder), compile=True, max_batch_size=2))
     eager = DiffusionEngine(EngineConfig(model=str(folder)))
-    seven = "a a a a a a a"  # 24 text tokens with a 192x96 input, as "a" with a 128x128 one
     jobs = [("a", _p(1, height=64, width=64), _image(50, width=48, height=48)),  # reference 128x128
-            (seven, _p(2, height=64, width=64), _image(51, width=64, height=32)),  # 192x96: more tokens
-            (seven, _p(3, height=32, width=64), _image(52, width=32, height=64))]  # 96x192: as many, other grid
+            ("a cat", _p(2, height=64, width=64), _image(51, width=64, height=32)),  # 192x96: more tokens
+            ("a red fox in the snow", _p(3, height=32, width=64), _image(52, width=32, height=64))]  # 96x192
     for pair in (jobs[:2], jobs[1:]):
         outs = engine.generate([j[0] for j in pair], [j[1] for j in pair], inputs=[j[2] for j in pair])
         assert [max(o.metrics.batch_sizes) for o in outs] == [2, 2]

@@ -221,6 +221,21 @@ def test_regional_compile_covers_both_experts_without_recompiles(tiny_wan22_dir,
     assert stats["enabled"] and stats["recompiles_after_warmup"] == 0, stats
 
 
+def test_compile_without_generation_config_fits_the_default_size(tiny_wan_dir):
+    """A folder without ``generation_config.json`` whose RoPE grid stops at 512 pixels: the
+    family default 480x832 is fitted within it (aspect kept, multiples of 16: 288x512), so the
+    compile warm-up (which runs the default request) loads and a request without a size runs."""
+    assert not (tiny_wan_dir / "generation_config.json").exists()
+    engine = _engine(tiny_wan_dir, compile=True, max_batch_size=1)
+    spec = engine.runner.adapter.spec
+    assert (spec.default_height, spec.default_width, spec.default_num_frames) == (288, 512, 81)
+    assert spec.default_width <= spec.max_width == 512
+    [out] = engine.generate("a", SamplingParams(seed=1, num_inference_steps=1, guidance_scale=1.0,
+                                                 output_type="latent"))
+    assert out.ok, out.error
+    assert engine.runner.acceleration_stats()["compile"]["recompiles_after_warmup"] == 0
+
+
 # ---------------------------------------------------------------- context folding
 @pytest.mark.parametrize("folder", ["tiny_wan_dir", "tiny_wan22_dir"], ids=["wan21", "wan22"])
 def test_context_folding_matches_the_full_context(folder, request):

@@ -45,7 +45,11 @@ def base(tiny_wan_dir):
 
 def test_stream_sends_chunks_as_mp4_and_takes_an_interaction(base):
     url, engine = base
-    body = {**BODY, "num_chunks": 4, "num_inference_steps": 30}  # chunks long enough to interact during
+    # chunks long enough to interact during: the interaction is posted when chunk 0 arrives and
+    # must reach the engine before chunk 3 starts; 30 steps a chunk (~0.3 s here) was too short
+    # a window on a loaded machine (the stream ended first: 409 stream_ended)
+    steps = 150
+    body = {**BODY, "num_chunks": 4, "num_inference_steps": steps}
     got, answers = [], []
     before = counters(url)
     with httpx.stream("POST", url + STREAMS, json=body, timeout=60) as response:
@@ -73,8 +77,9 @@ def test_stream_sends_chunks_as_mp4_and_takes_an_interaction(base):
         frames, fps = decode_mp4(base64.b64decode(c["b64_data"]))
         assert frames.shape == (c["num_frames"], 32, 48, 3) and fps == created["fps"]
     progress = [d for n, d in got if n == "video.stream.progress"]
-    assert len(progress) == 4 * 30 and progress[-1] == {"type": "video.stream.progress", "id": stream_id,
-                                                         "chunk_index": 3, "step": 30, "num_inference_steps": 30}
+    assert len(progress) == 4 * steps and progress[-1] == {"type": "video.stream.progress", "id": stream_id,
+                                                            "chunk_index": 3, "step": steps,
+                                                            "num_inference_steps": steps}
     done = got[-1][1]
     video, _ = decode_mp4(base64.b64decode(done["b64_data"]))
     assert video.shape == (33, 32, 48, 3) and done["num_frames"] == 33 and done["seed"] == 3

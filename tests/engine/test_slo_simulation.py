@@ -70,3 +70,22 @@ def test_slo_runs_a_smaller_batch_for_an_urgent_request_on_a_compute_bound_devic
         met[arm] = [o.latency <= o.job.deadline_s for o in outcomes]
     assert met["mixed"] == [True] * 7 + [False]
     assert met["mixed_slo"] == [True] * 8
+
+
+@pytest.mark.parametrize("flag, value", [("--arms", "mixed_edf"), ("--capacity-arm", "bogus"), ("--loads", "x"),
+                                         ("--loads", "0"), ("--loads", "-1"), ("--scales", "0"), ("--scales", "nan"),
+                                         ("--seeds", "0"), ("--num-requests", "0"), ("--steps", "0"),
+                                         ("--max-batch-size", "0"), ("--concurrency", "0"), ("--aging-s", "0"),
+                                         ("--measure-requests", "0"), ("--cost", "1"), ("--cost", "nan,1")])
+def test_bad_flag_values_are_usage_errors_naming_the_flag(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        sim.parse_args([f"{flag}={value}"])
+    assert exit_info.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_parse_args_reads_the_lists():
+    args = sim.parse_args(["--arms", "mixed, mixed_slo_padauto", "--loads", "0.8,1.2", "--scales", "2", "--cost",
+                           "0.001,4e-5"])
+    assert args.arms == ["mixed", "mixed_slo_padauto"] and args.loads == [0.8, 1.2] and args.scales == [2.0]
+    assert args.cost == (0.001, 4e-5)

@@ -61,6 +61,7 @@ import dataclasses
 import inspect
 import itertools
 import json
+import math
 import random
 import statistics
 import time
@@ -533,6 +534,37 @@ def trace_arm(arm: str) -> tuple[bool, str, float, str]:
     return TRACE_ARMS[arm]
 
 
+def check_trace_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with a usage error naming the flag (``parser.error``, exit status 2) when a trace
+    flag holds a bad value: ``--trace-loads`` / ``--slo-scales`` not comma-separated positive
+    finite numbers, ``--padding-ratios`` not numbers in [0, 1] or ``auto``, or a
+    ``--trace-arms`` name that `trace_arm` does not know."""
+    for flag, text in (("--trace-loads", args.trace_loads), ("--slo-scales", args.slo_scales)):
+        for item in (x.strip() for x in text.split(",") if x.strip()):
+            try:
+                value = float(item)
+            except ValueError:
+                value = math.nan
+            if not (math.isfinite(value) and value > 0):
+                parser.error(f"argument {flag}: invalid value {item!r}: must be a positive finite number")
+    for item in (x.strip() for x in args.padding_ratios.split(",") if x.strip()):
+        try:
+            ok = item == "auto" or 0.0 <= float(item) <= 1.0
+        except ValueError:
+            ok = False
+        if not ok:
+            parser.error(f"argument --padding-ratios: invalid value {item!r}: must be a number in [0, 1] or 'auto'")
+    for arm in args.trace_arms.split(","):
+        try:
+            ratio = trace_arm(arm)[2]
+            ok = ratio == "auto" or 0.0 <= ratio <= 1.0
+        except (KeyError, ValueError):
+            ok = False
+        if not ok:
+            parser.error(f"argument --trace-arms: invalid arm {arm!r}: choose from {', '.join(TRACE_ARMS)} "
+                         "or mixed_padR (R in [0, 1] or auto)")
+
+
 def solo_latencies(engine_for, jobs: list[TraceJob], guidance: float | None, seed: int,
                    rounds: int = 5) -> dict[tuple[int, int, int], float]:
     """Solo latency of each (height, width, steps) of `jobs`: the median of `rounds` requests
@@ -786,6 +818,7 @@ def main() -> None:
                          "--slo-tight / --slo-loose; attainment per arm per scale at each load (default: none)")
     ap.add_argument("--aging-s", type=float, default=60.0, help="trace mode: the slo arm's aging bound")
     args = ap.parse_args()
+    check_trace_args(ap, args)
     if args.concurrency is None and args.request_rate is None:
         args.concurrency = 16
     torch.set_num_threads(args.threads)

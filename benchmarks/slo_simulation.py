@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 import statistics
 from types import SimpleNamespace
@@ -306,38 +307,98 @@ def measure_cost(args) -> tuple[float, float]:
     return a, b
 
 
-def main() -> None:
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: must be an integer >= 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    """An argparse type: a positive finite number."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: must be a positive finite number")
+    return value
+
+
+def _positive_floats(text: str) -> list[float]:
+    """An argparse type: comma-separated positive finite numbers (``--loads``, ``--scales``)."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected comma-separated positive numbers")
+    return [_positive_float(x) for x in items]
+
+
+def _arm_names(text: str) -> list[str]:
+    """An argparse type: comma-separated arm names, each checked by `parse_arm`."""
+    names = [a.strip() for a in text.split(",") if a.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected comma-separated arm names")
+    for name in names:
+        try:
+            parse_arm(name)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return names
+
+
+def _arm_name(text: str) -> str:
+    """An argparse type: one arm name (``--capacity-arm``)."""
+    names = _arm_names(text)
+    if len(names) != 1:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected one arm name")
+    return names[0]
+
+
+def _cost(text: str) -> tuple[float, float]:
+    """An argparse type: ``a,b``, two non-negative finite numbers (seconds, seconds per slot)."""
+    try:
+        cost = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        cost = ()
+    if len(cost) != 2 or not all(math.isfinite(x) and x >= 0 for x in cost):
+        raise argparse.ArgumentTypeError(
+            f"invalid value {text!r}: expected a,b (two non-negative numbers: seconds, seconds per slot)")
+    return cost
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; a bad value exits 2 with a usage error naming its flag.
+
+    ``arms`` is a list of arm names, ``capacity_arm`` one, ``loads`` / ``scales`` lists of
+    floats, ``cost`` ``(a, b)`` or None (measure it on the built-in model)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cost", help="a,b: step seconds = a + b x token slots (default: measure)")
-    parser.add_argument("--arms", default="per_size,mixed,mixed_priority,mixed_slo,mixed_slo_adm")
-    parser.add_argument("--loads", default="0.8,1.0")
-    parser.add_argument("--scales", default="1.5,2,3,5,8")
-    parser.add_argument("--seeds", type=int, default=5, help="trace seeds (from --seed)")
+    parser.add_argument("--cost", type=_cost, help="a,b: step seconds = a + b x token slots (default: measure)")
+    parser.add_argument("--arms", type=_arm_names, default="per_size,mixed,mixed_priority,mixed_slo,mixed_slo_adm")
+    parser.add_argument("--loads", type=_positive_floats, default="0.8,1.0")
+    parser.add_argument("--scales", type=_positive_floats, default="1.5,2,3,5,8")
+    parser.add_argument("--seeds", type=_positive_int, default=5, help="trace seeds (from --seed)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-requests", type=int, default=96)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--max-batch-size", type=int, default=16)
-    parser.add_argument("--concurrency", type=int, default=8, help="closed loop of the capacity run")
-    parser.add_argument("--capacity-arm", default="per_size",
+    parser.add_argument("--num-requests", type=_positive_int, default=96)
+    parser.add_argument("--steps", type=_positive_int, default=8)
+    parser.add_argument("--max-batch-size", type=_positive_int, default=16)
+    parser.add_argument("--concurrency", type=_positive_int, default=8, help="closed loop of the capacity run")
+    parser.add_argument("--capacity-arm", type=_arm_name, default="per_size",
                         help="the arm whose closed-loop throughput is 100%% load (default per_size: today's)")
-    parser.add_argument("--aging-s", type=float, default=60.0)
-    parser.add_argument("--measure-requests", type=int, default=48, help="requests of each measuring replay")
+    parser.add_argument("--aging-s", type=_positive_float, default=60.0)
+    parser.add_argument("--measure-requests", type=_positive_int, default=48,
+                        help="requests of each measuring replay")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of every row")
-    args = parser.parse_args()
-    args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    for name in (*args.arms, args.capacity_arm):
-        parse_arm(name)
-    args.loads = [float(x) for x in args.loads.split(",")]
-    args.scales = [float(x) for x in args.scales.split(",")]
-    if args.cost:
-        try:
-            cost = tuple(float(x) for x in args.cost.split(","))
-            assert len(cost) == 2 and min(cost) >= 0
-        except (ValueError, AssertionError):
-            parser.error(f"--cost {args.cost!r}: expected a,b (two non-negative numbers: seconds, seconds per slot)")
-    else:
-        cost = measure_cost(args)
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    cost = args.cost if args.cost is not None else measure_cost(args)
     rows = sweep(args, cost)
     caps = sorted({r["capacity"] for r in rows})
     print(f"cost a = {cost[0] * 1000:.3f} ms, b = {cost[1] * 1e6:.2f} us/slot; {args.seeds} trace seeds x "

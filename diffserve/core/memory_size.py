@@ -3,6 +3,7 @@ them; torch-free, so the CLI checks ``--max-memory`` before any heavy import."""
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -18,14 +19,15 @@ def parse_memory(value: Any) -> int | str | None:
     """``EngineConfig.max_memory`` as bytes, ``"auto"`` or None.
 
     Raises:
-        InvalidRequestError: not a positive size (field ``max_memory``).
+        InvalidRequestError: not a positive finite size (field ``max_memory``), e.g. ``0``,
+            ``"12XB"`` or ``"1e400"`` (overflows a float).
     """
     if value is None:
         return None
     if isinstance(value, bool):
         raise InvalidRequestError("max_memory", value, _ALLOWED)
     if isinstance(value, (int, float)):
-        if value >= 1:
+        if math.isfinite(value) and value >= 1:
             return int(value)
         raise InvalidRequestError("max_memory", value, _ALLOWED)
     if isinstance(value, str):
@@ -34,9 +36,9 @@ def parse_memory(value: Any) -> int | str | None:
             return "auto"
         match = _SIZE.match(text)
         if match and match.group(2) in _UNITS:
-            nbytes = int(float(match.group(1)) * _UNITS[match.group(2)])
-            if nbytes >= 1:
-                return nbytes
+            scaled = float(match.group(1)) * _UNITS[match.group(2)]
+            if math.isfinite(scaled) and scaled >= 1:
+                return int(scaled)
     raise InvalidRequestError("max_memory", value, _ALLOWED)
 
 

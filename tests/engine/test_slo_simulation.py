@@ -10,7 +10,8 @@ import argparse
 import pytest
 
 import slo_simulation as sim  # benchmarks/slo_simulation.py (tests/conftest.py puts benchmarks/ on sys.path)
-from serving import TraceJob  # benchmarks/serving.py
+import serving  # benchmarks/serving.py
+from serving import TraceJob
 
 COST = (0.004, 7.4e-5)
 
@@ -70,3 +71,49 @@ def test_slo_runs_a_smaller_batch_for_an_urgent_request_on_a_compute_bound_devic
         met[arm] = [o.latency <= o.job.deadline_s for o in outcomes]
     assert met["mixed"] == [True] * 7 + [False]
     assert met["mixed_slo"] == [True] * 8
+
+
+@pytest.mark.parametrize("flag, value", [("--arms", "mixed_edf"), ("--capacity-arm", "bogus"), ("--loads", "x"),
+                                         ("--loads", "0"), ("--loads", "-1"), ("--scales", "0"), ("--scales", "nan"),
+                                         ("--seeds", "0"), ("--num-requests", "0"), ("--steps", "0"),
+                                         ("--max-batch-size", "0"), ("--concurrency", "0"), ("--aging-s", "0"),
+                                         ("--measure-requests", "0"), ("--cost", "1"), ("--cost", "nan,1")])
+def test_bad_flag_values_are_usage_errors_naming_the_flag(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        sim.parse_args([f"{flag}={value}"])
+    assert exit_info.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_parse_args_reads_the_lists():
+    args = sim.parse_args(["--arms", "mixed, mixed_slo_padauto", "--loads", "0.8,1.2", "--scales", "2", "--cost",
+                           "0.001,4e-5"])
+    assert args.arms == ["mixed", "mixed_slo_padauto"] and args.loads == [0.8, 1.2] and args.scales == [2.0]
+    assert args.cost == (0.001, 4e-5)
+
+
+def _trace_args(**overrides):
+    args = argparse.Namespace(trace_loads="0.8,1.0", slo_scales="", padding_ratios="",
+                              trace_arms="per_size,mixed,mixed_slo")
+    vars(args).update(overrides)
+    return args
+
+
+@pytest.mark.parametrize("flag, value", [("--trace-loads", "x"), ("--trace-loads", "0"), ("--slo-scales", "0"),
+                                         ("--slo-scales", "inf"), ("--padding-ratios", "2"),
+                                         ("--padding-ratios", "x"), ("--trace-arms", "bogus"),
+                                         ("--trace-arms", "mixed_pad1.5")])
+def test_serving_trace_flags_are_usage_errors_naming_the_flag(flag, value, capsys):
+    """benchmarks/serving.py's trace flags: a bad value exits 2 naming the flag (it raised
+    ValueError / InvalidRequestError mid-run, or ignored an unknown arm without an open loop)."""
+    parser = argparse.ArgumentParser(prog="serving.py")
+    with pytest.raises(SystemExit) as exit_info:
+        serving.check_trace_args(parser, _trace_args(**{flag[2:].replace("-", "_"): value}))
+    assert exit_info.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_serving_trace_flags_accept_good_values():
+    serving.check_trace_args(argparse.ArgumentParser(), _trace_args(
+        trace_loads="", slo_scales="1.5,2", padding_ratios="0,0.25,auto",
+        trace_arms="per_size,mixed_slo_adm,mixed_pad0.5,mixed_padauto"))

@@ -357,7 +357,7 @@ def test_parse_memory(value, nbytes):
     assert parse_memory(value) == nbytes
 
 
-@pytest.mark.parametrize("value", ["lots", "-1GB", 0, True, "12XB"])
+@pytest.mark.parametrize("value", ["lots", "-1GB", 0, True, "12XB", "1e400", "1e400GiB", float("inf"), float("nan")])
 def test_bad_max_memory_names_the_field(value):
     with pytest.raises(InvalidRequestError, match="max_memory"):
         EngineConfig(max_memory=value)

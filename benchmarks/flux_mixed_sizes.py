@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 from diffusers import FluxPipeline, FluxTransformer2DModel
@@ -32,6 +30,7 @@ from diffusers import FluxPipeline, FluxTransformer2DModel
 from diffserve.pipelines.flux.mixed_sizes import FluxSpans, install_token_spans
 from diffserve.pipelines.row_data import RowData, forward_rows
 from diffserve.pipelines.token_spans import IMAGE_TOKENS, LATENT_SIZE
+from interleaved_arms import summarize, time_arms  # benchmarks/interleaved_arms.py (same folder)
 
 VAE_FACTOR = 8
 
@@ -128,20 +127,9 @@ def main() -> None:
             for kw in groups:
                 model(**kw)
 
-    names = ["mixed", "uniform", "per_size"]
-    for name in names:  # warm-up (and the per-row tables, built once per batch composition)
-        arm(name)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(args.repeats):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            sync()
-            start = time.perf_counter()
-            for _ in range(args.iters):
-                arm(name)
-            sync()
-            times[name].append((time.perf_counter() - start) / args.iters * 1000)
-    result = {n: (statistics.median(v), min(v), max(v)) for n, v in times.items()}
-    ratios = {f"mixed/{n}": statistics.median(m / o for m, o in zip(times["mixed"], times[n])) for n in names[1:]}
+    # the warm-up call of each arm also builds the per-row tables, built once per batch composition
+    times = time_arms(arm, ["mixed", "uniform", "per_size"], args.repeats, args.iters, sync)
+    result, ratios = summarize(times, "mixed")
     tokens = {"real": sum(rows[IMAGE_TOKENS]), "padded": spans.longest * len(sizes)}
     print(f"rows {len(sizes)} ({args.mix}); image tokens real {tokens['real']}, padded {tokens['padded']}; "
           f"text {args.text}; {args.device} {args.dtype}, {args.threads} thread(s)")

@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +33,7 @@ from diffusers import WanTransformer3DModel
 from diffserve.pipelines.row_data import RowData, forward_rows
 from diffserve.pipelines.token_spans import LATENT_SIZE
 from diffserve.pipelines.wan.mixed_sizes import install_token_spans
+from interleaved_arms import summarize, time_arms  # benchmarks/interleaved_arms.py (same folder)
 
 SPATIAL, TEMPORAL = 8, 4
 
@@ -127,20 +126,9 @@ def main() -> None:
             for kw in groups:
                 model(**kw)
 
-    names = ["mixed", "uniform", "per_size"]
-    for name in names:  # warm-up (and the key mask, built once per batch composition)
-        arm(name)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(args.repeats):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            sync()
-            start = time.perf_counter()
-            for _ in range(args.iters):
-                arm(name)
-            sync()
-            times[name].append((time.perf_counter() - start) / args.iters * 1000)
-    result = {n: (statistics.median(v), min(v), max(v)) for n, v in times.items()}
-    ratios = {f"mixed/{n}": statistics.median(m / o for m, o in zip(times["mixed"], times[n])) for n in names[1:]}
+    # the warm-up call of each arm also builds the key mask, built once per batch composition
+    times = time_arms(arm, ["mixed", "uniform", "per_size"], args.repeats, args.iters, sync)
+    result, ratios = summarize(times, "mixed")
     patch = model.config.patch_size
     tokens = {"real": sum(math.prod(d // p for d, p in zip(latent_size(s), patch)) for s in sizes),
               "padded": len(sizes) * math.prod(d // p for d, p in zip(grid, patch))}

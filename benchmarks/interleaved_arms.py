@@ -1,0 +1,39 @@
+"""Timing arms of a benchmark interleaved in one run (the house rule for speed numbers: arms
+alternate order every repeat, so a noisy machine's slow spells fall on all of them; report the
+median with [min, max], and ratios paired by repeat)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+
+def time_arms(arm: Callable[[str], None], names: Sequence[str], repeats: int, iters: int,
+              sync: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
+    """Milliseconds per call of `arm(name)` for each of `names`: one warm-up call each, then
+    `repeats` rounds (forward order on even rounds, reversed on odd ones) of `iters` calls per
+    arm, timed between `sync()` calls (e.g. ``torch.cuda.synchronize``). Returns {name: [ms per
+    call, one per repeat]}."""
+    for name in names:
+        arm(name)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for name in (names if r % 2 == 0 else list(names)[::-1]):
+            sync()
+            start = time.perf_counter()
+            for _ in range(iters):
+                arm(name)
+            sync()
+            times[name].append((time.perf_counter() - start) / iters * 1000)
+    return times
+
+
+def summarize(times: dict[str, list[float]], subject: str) -> tuple[dict[str, tuple[float, float, float]],
+                                                                    dict[str, float]]:
+    """(median, min, max) ms per arm, and `subject`'s time over each other arm's as the median
+    of the per-repeat ratios (keys ``"subject/other"``)."""
+    result = {n: (statistics.median(v), min(v), max(v)) for n, v in times.items()}
+    ratios = {f"{subject}/{n}": statistics.median(m / o for m, o in zip(times[subject], v))
+              for n, v in times.items() if n != subject}
+    return result, ratios

@@ -115,6 +115,7 @@ def padded_grid(grids: Iterable[tuple[int, ...]]) -> tuple[int, ...]:
     grids = [g for g in grids if g]
     return tuple(max(axis) for axis in zip(*grids)) if grids else ()
 
+
 class RequestQueues:
     """Waiting/running queues, admission and the per-step batch choice (the fairness rule of
     the module docstring).
@@ -501,7 +502,7 @@ class RequestQueues:
                 continue
             if batch and rows + request.rows > self.max_batch_size:
                 continue
-            grid = padded_grid((widest, request.row_grid))
+            grid = padded_grid((widest, request.row_grid)) if capped else widest  # no cap: unused
             if capped and batch and not exempt(request):
                 slots = (rows + request.rows) * math.prod(grid)  # the forward's token slots with it
                 slots_before = rows * math.prod(widest) if widest else 0

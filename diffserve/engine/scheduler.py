@@ -178,6 +178,14 @@ class RequestScheduler:
                 raise
         return request_id
 
+    def _latent_cells(self, params) -> tuple[int, int]:
+        """A row's (height / f, width / f) token cells, f the model's resolution factor (the
+        model's default size where the request has none)."""
+        spec = self.model_info.spec
+        f = max(spec.resolution_factor, 1)
+        height, width = params.height or spec.default_height, params.width or spec.default_width
+        return max(height // f, 1), max(width // f, 1)
+
     def _row_grid(self, params) -> tuple[int, ...]:
         """A row's token grid (latent frames, height / f, width / f) for video, whose forwards
         pad each axis to the batch's largest (`Request.grid`); () for images (sequences
@@ -185,20 +193,12 @@ class RequestScheduler:
         spec = self.model_info.spec
         if spec.default_num_frames is None:
             return ()
-        f = max(spec.resolution_factor, 1)
-        height, width = params.height or spec.default_height, params.width or spec.default_width
         frames = 1 if not params.num_frames else (params.num_frames - 1) // max(spec.frame_factor, 1) + 1
-        return frames, max(height // f, 1), max(width // f, 1)
+        return (frames, *self._latent_cells(params))
 
     def _tokens_per_row(self, params) -> int:
         """Image tokens of one row of a request (`Request.tokens`)."""
-        grid = self._row_grid(params)
-        if grid:
-            return math.prod(grid)
-        spec = self.model_info.spec
-        f = max(spec.resolution_factor, 1)
-        height, width = params.height or spec.default_height, params.width or spec.default_width
-        return max((height // f) * (width // f), 1)
+        return math.prod(self._row_grid(params) or self._latent_cells(params))
 
     def _admit_deadline(self, request: Request) -> None:
         """``--admission slo``: refuse a request whose deadline the cost model says it misses

@@ -63,17 +63,25 @@ def key_mask(grid: tuple[int, int, int], patch: tuple[int, int, int], device: to
         return None
 
     def build() -> torch.Tensor:
-        tokens = [g // p for g, p in zip(grid, patch)]
-        axes = [torch.arange(n) for n in tokens]
-        masks = []
         for size in sizes:
             if any(s > g for s, g in zip(size, grid)):
                 raise ValueError(f"a row of latent size {tuple(size)} in a forward over a {grid} grid")
-            real = [a < (s // p) for a, s, p in zip(axes, size, patch)]
-            masks.append((real[0][:, None, None] & real[1][None, :, None] & real[2][None, None, :]).reshape(-1))
-        return torch.stack(masks)[:, None, None, :].to(device)
+        region = _regions(grid, sizes, patch)
+        return region.reshape(region.shape[0], -1)[:, None, None, :].to(device)
 
     return rows.derived(("wan_key_mask", grid, tuple(patch), str(device)), build)
+
+
+def _regions(grid: tuple[int, int, int], sizes, patch: tuple[int, int, int]) -> torch.Tensor:
+    """(rows, F/p_t, H/p_h, W/p_w) bool on CPU: True where a cell of `grid` (F, H, W latent
+    pixels, in cells of `patch`) lies inside the row's own size (f, h, w) at the start of each
+    axis (`sizes`: one per row)."""
+    axes = [torch.arange(g // p) for g, p in zip(grid, patch)]
+    masks = []
+    for size in sizes:
+        real = [a < (s // p) for a, s, p in zip(axes, size, patch)]
+        masks.append(real[0][:, None, None] & real[1][None, :, None] & real[2][None, None, :])
+    return torch.stack(masks)
 
 
 class SpanSelfAttnProcessor(WanAttnProcessor):
@@ -139,10 +147,7 @@ def zero_outside(guided: torch.Tensor, rows: RowData) -> torch.Tensor:
         return guided
 
     def build() -> torch.Tensor:
-        axes = [torch.arange(g) for g in grid]
-        masks = [(axes[0][:, None, None] < f) & (axes[1][None, :, None] < h) & (axes[2][None, None, :] < w)
-                 for f, h, w in sizes]
-        return torch.stack(masks)[:, None].to(guided.device)
+        return _regions(grid, sizes, (1, 1, 1))[:, None].to(guided.device)
 
     mask = rows.derived(("wan_region", grid, str(guided.device)), build)
     return guided.masked_fill(~mask, 0)

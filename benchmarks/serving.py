@@ -527,7 +527,10 @@ TRACE_ARMS = {"per_size": (False, "fcfs", 1.0, "all"), "mixed": (True, "fcfs", 1
 
 
 def trace_arm(arm: str) -> tuple[bool, str, float, str]:
-    """(batching of sizes, policy, max_padding_ratio, admission) of a trace arm name."""
+    """(batching of sizes, policy, max_padding_ratio, admission) of a trace arm name
+    (``mixed_padded``: ``mixed`` with its forwards over the padded rows, no length groups)."""
+    if arm == "mixed_padded":
+        return TRACE_ARMS["mixed"]
     if arm.startswith("mixed_pad"):
         ratio = arm[len("mixed_pad"):]
         return True, "fcfs", ratio if ratio == "auto" else float(ratio), "all"
@@ -604,10 +607,12 @@ def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
     def engine_for(arm: str) -> DiffusionEngine:
         mixed, policy, ratio, admission = trace_arm(arm)
         runner.adapter.mixed_sizes = mixed and runner._mixed_capable  # read by batch_key and prepare
+        runner.adapter.length_groups = runner._groups_capable and arm != "mixed_padded"  # read per forward
         return DiffusionEngine(dataclasses.replace(config, scheduling_policy=policy, aging_s=args.aging_s,
                                                    max_padding_ratio=ratio, admission=admission), runner=runner)
 
     runner._mixed_capable = bool(runner.adapter.mixed_sizes)
+    runner._groups_capable = bool(runner.adapter.length_groups)
     # capacity probe: per-size FCFS, closed loop, on the mix with placeholder deadlines
     probe_jobs = _at_rate(builtin_trace(args, spec, 1.0) if not args.trace or args.trace == "builtin"
                           else load_trace(args.trace), None, args.seed)
@@ -635,7 +640,8 @@ def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
             for r in args.padding_ratios.split(",") if r.strip()]
     for repeat in range(args.repeats):
         closed = [("closed/per_size", "per_size", jobs), ("closed/mixed", "mixed", jobs),
-                  *[(f"closed/{pad}", pad, jobs) for pad in pads], ("closed/one_size", "mixed", one_size)]
+                  *[(f"closed/{pad}", pad, jobs) for pad in pads], ("closed/one_size", "mixed", one_size),
+                  *([("closed/mixed_padded", "mixed_padded", jobs)] if runner._groups_capable else [])]
         opened = []
         for load in loads:
             for arm in args.trace_arms.split(","):
@@ -655,6 +661,7 @@ def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
             print(f"  repeat {repeat} {name:22s} " + " ".join(
                 f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
     runner.adapter.mixed_sizes = runner._mixed_capable
+    runner.adapter.length_groups = runner._groups_capable
     summary = {name: {k: _median_range([r[k] for r in runs]) for k in runs[0]} for name, runs in results.items()}
 
     def ratio(a: str, b: str, key: str) -> list:
@@ -665,6 +672,11 @@ def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
         "mixed_vs_per_size_rows_per_forward": ratio("closed/mixed", "closed/per_size", "rows_per_forward"),
         "per_size_vs_one_size_pixels_per_s": ratio("closed/per_size", "closed/one_size", "pixels_per_s"),
     }
+    if runner._groups_capable:
+        summary["targets"]["mixed_vs_mixed_padded_pixels_per_s"] = ratio("closed/mixed", "closed/mixed_padded",
+                                                                         "pixels_per_s")
+        summary["targets"]["mixed_padded_vs_one_size_pixels_per_s"] = ratio("closed/mixed_padded",
+                                                                            "closed/one_size", "pixels_per_s")
     for pad in pads:
         summary["targets"][f"{pad}_vs_one_size_pixels_per_s"] = ratio(f"closed/{pad}", "closed/one_size",
                                                                       "pixels_per_s")

@@ -72,6 +72,12 @@ class EngineConfig:
             that can (`PipelineAdapter.mixed_sizes`: SD3 and the built-in digits model, Flux,
             Flux Kontext, Qwen-Image, Wan (also different frame counts); not under Ulysses
             sequence parallelism); False batches by size as before (the benchmark's baseline arm).
+        length_groups: in an eager mixed-size forward, run the family's repeated blocks once
+            per row size on each size's real tokens only (`diffserve.pipelines.length_groups`;
+            SD3 and the built-in digits model); False runs them once over the padded rows with
+            masks (one call per block: fewer, larger kernels, which can win where per-call
+            overhead dominates, e.g. small models on a GPU). Compiled blocks always take the
+            padded path.
         aging_s: under ``priority`` / ``slo``, a request that arrived more than this many
             seconds ago is served in arrival order ahead of every younger one (the bound on
             waiting: nothing starves); past it, the padding cap no longer holds a request back.
@@ -177,6 +183,7 @@ class EngineConfig:
     execution_mode: str = "step"
     scheduling_policy: str = "fcfs"
     mixed_sizes: bool = True
+    length_groups: bool = True
     aging_s: float = 60.0
     max_padding_ratio: float | str = 1.0
     admission: str = "all"
@@ -273,7 +280,7 @@ class EngineConfig:
         nbytes = self.prompt_embed_cache_bytes
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1:
             raise InvalidRequestError("prompt_embed_cache_bytes", nbytes, "an integer >= 1 (bytes)")
-        for name in ("compile", "compile_vae", "context_folding", "mixed_sizes", "overlap_stages", "cuda_graphs",
+        for name in ("compile", "compile_vae", "context_folding", "mixed_sizes", "length_groups", "overlap_stages", "cuda_graphs",
                      "cpu_offload",
                      "layerwise_offload", "enable_sleep_mode"):
             if not isinstance(getattr(self, name), bool):

@@ -65,6 +65,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="batch requests by size, as before issue 27 (default: SD3-family, Flux, Flux "
                              "Kontext, Qwen-Image and Wan requests of different sizes (Wan: and frame counts) "
                              "share a forward, each row with its own positions and span)")
+    parser.add_argument("--no-length-groups", dest="length_groups", action="store_false",
+                        help="run a mixed-size forward's blocks once over the padded rows with masks instead of "
+                             "once per row size on real tokens only (default: grouped, in eager SD3-family "
+                             "forwards; compiled blocks always take the padded path)")
     parser.add_argument("--prompt-embed-cache-size", type=int, default=256, metavar="N",
                         help="entries of the prompt-embedding LRU cache (0 = off)")
     parser.add_argument("--cache-backend", default="none", choices=["none", "teacache", "cache_dit"],
@@ -166,6 +170,7 @@ def engine_config_from_args(args: argparse.Namespace):
         prompt_embed_cache_size=args.prompt_embed_cache_size,
         context_folding=args.context_folding,
         mixed_sizes=args.mixed_sizes,
+        length_groups=args.length_groups,
         cache_backend=args.cache_backend,
         cache_config=_cache_config(args),
         compile=args.compile,

@@ -113,6 +113,11 @@ class PipelineAdapter(ABC):
     #: family's forward gives each row its own positions and attention span. UNet families
     #: keep batching by size (README, "Mixed sizes"). `setup` may turn it off for a folder.
     mixed_sizes: bool = False
+    #: Whether an eager mixed-size forward runs its repeated blocks once per row size on real
+    #: tokens only (`diffserve.pipelines.length_groups`) instead of once over the padded rows
+    #: with masks; set by families that implement it (SD3), cleared by
+    #: ``EngineConfig.length_groups = False``.
+    length_groups: bool = False
     #: Input images: ``"none"`` (text-to-X), ``"optional"`` (image-to-image) or ``"required"``
     #: (edits); at most one image, never a mask.
     image_input: ClassVar[str] = "none"

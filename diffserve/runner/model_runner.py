@@ -74,6 +74,8 @@ class ModelRunner(Runner):
                                                transformer_file=config.transformer_file)
         if not config.mixed_sizes:  # batch by size (the adapter's span plug-ins stay inert)
             self.adapter.mixed_sizes = False
+        if not config.length_groups:  # mixed-size forwards over the padded rows, with masks
+            self.adapter.length_groups = False
         # quantized weights: after load, before Ulysses, offload placement, sleep pool and compile
         self.quantization = quantize_adapter(self.adapter, config)
         if parallel is not None and parallel.world_size > 1 and config.cache_backend != "none":

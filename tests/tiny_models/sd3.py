@@ -30,11 +30,15 @@ def build_tiny_sd3(
     seed: int = 0,
     num_layers: int = 2,
     sample_size: int = 8,
+    num_attention_heads: int = 4,
+    attention_head_dim: int = 8,
 ) -> Path:
     """Build a tiny random-weight `StableDiffusion3Pipeline` and `save_pretrained` it to `out`.
 
     Latent factor is the real SD3 one: VAE 8x (4 levels) times patch 2 = 16 pixels.
-    Default resolution = sample_size * 8 pixels (64 px by default).
+    Default resolution = sample_size * 8 pixels (64 px by default). The transformer's width is
+    ``num_attention_heads * attention_head_dim`` (32 by default; benchmarks widen it so a forward
+    is compute-bound rather than per-op-overhead-bound).
     """
     torch.manual_seed(seed)
     transformer = SD3Transformer2DModel(
@@ -42,10 +46,10 @@ def build_tiny_sd3(
         patch_size=2,
         in_channels=4,
         num_layers=num_layers,
-        attention_head_dim=8,
-        num_attention_heads=4,
+        attention_head_dim=attention_head_dim,
+        num_attention_heads=num_attention_heads,
         joint_attention_dim=32,
-        caption_projection_dim=32,
+        caption_projection_dim=num_attention_heads * attention_head_dim,
         pooled_projection_dim=64,
         out_channels=4,
         pos_embed_max_size=32,

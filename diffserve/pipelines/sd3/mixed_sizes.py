@@ -15,16 +15,25 @@ whose rows all have the latents' size (every forward outside diffserve's step ba
 
 The rest of the forward (time/text embedding, adaLN modulation, MLPs, norm_out, proj_out,
 unpatchify) is per row or per token, so it runs on the strip as it is.
+
+In an eager forward the joint blocks go one step further (`diffserve.pipelines.length_groups`):
+each block runs once per row size on that size's real tokens only (stock block, no mask, no
+padded token computed), and the strip between blocks keeps the padded layout; a compiled block
+or a CUDA graph capture keeps the masked padded path above.
 """
 
 from __future__ import annotations
 
+import functools
 import types
+from collections.abc import Callable
 
 import torch
 from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0
 
 from diffserve.pipelines.joint_attention import joint_output, joint_qkv
+from diffserve.pipelines.length_groups import gather_rows, length_groups, scatter_rows
+from diffserve.pipelines.row_data import narrowed_rows
 from diffserve.pipelines.token_spans import attention_bias, is_strip, strip_positions
 
 
@@ -77,14 +86,48 @@ def _solo_positions(self, height: int, width: int) -> torch.Tensor:
                                    output_type="pt").float().unsqueeze(0)
 
 
-def install_token_spans(transformer: torch.nn.Module, folded: bool) -> None:
+def _grouped_block_forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                           temb: torch.Tensor, joint_attention_kwargs: dict | None = None, *,
+                           grouped: Callable[[], bool]):
+    """`JointTransformerBlock.forward` that, in an eager forward over a strip of rows of
+    different sizes (``spans`` set, `length_groups.length_groups` of the strip not None), runs
+    the stock block once per row size on hidden_states ``[rows, :n]`` (B, L_max, D) ->
+    (g, n, D), encoder_hidden_states and temb ``[rows]``, without ``spans`` (nothing padded
+    inside a group) and with the forward context narrowed to the group; returns
+    ``(encoder_hidden_states, hidden_states)`` like the stock block (None context for a
+    ``context_pre_only`` block), hidden_states zero on padded tokens. `grouped()` False (the
+    adapter's `PipelineAdapter.length_groups`): the stock block over the padded rows."""
+    stock = type(self).forward
+    groups = length_groups(hidden_states.shape[1], hidden_states.device) \
+        if joint_attention_kwargs and joint_attention_kwargs.get("spans") and grouped() else None
+    if groups is None:
+        return stock(self, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs)
+    kwargs = {k: v for k, v in joint_attention_kwargs.items() if k != "spans"} or None
+    out_hidden = hidden_states.new_zeros(hidden_states.shape)
+    out_context = None
+    for group in groups:
+        with narrowed_rows(group.members):
+            context, hidden = stock(self, gather_rows(hidden_states, group, group.tokens),
+                                    gather_rows(encoder_hidden_states, group), gather_rows(temb, group), kwargs)
+        scatter_rows(out_hidden, group, hidden)
+        if context is not None:
+            if out_context is None:
+                out_context = context.new_empty(encoder_hidden_states.shape[0], *context.shape[1:])
+            scatter_rows(out_context, group, context)
+    return out_context, out_hidden
+
+
+def install_token_spans(transformer: torch.nn.Module, folded: bool, grouped: Callable[[], bool] = lambda: True) -> None:
     """Make an `SD3Transformer2DModel` run rows of different sizes in one forward (see the
     module docstring): its ``pos_embed`` forward (an instance attribute: weights and state dict
-    unchanged) and, unless context folding installed its own span-aware processor
+    unchanged), every joint block's forward (`_grouped_block_forward`: per row size in eager
+    mixed forwards while `grouped()` says so) and, unless context folding installed its own span-aware processor
     (`folded`), a `SpanJointAttnProcessor` on every joint attention."""
     embed = transformer.pos_embed
     embed.forward = types.MethodType(_span_patch_embed, embed)
     embed._solo_positions = types.MethodType(_solo_positions, embed)
+    for block in transformer.transformer_blocks:
+        block.forward = types.MethodType(functools.partial(_grouped_block_forward, grouped=grouped), block)
     if folded:
         return
     for module in transformer.modules():

@@ -1,0 +1,119 @@
+"""Length groups: a mixed-size forward's transformer blocks run once per row size, each on its
+rows' real tokens only.
+
+A forward over rows of different sizes (`token_spans`) pads every row's image tokens to the
+longest, ``L_max``, and masks the padded keys. That is exact but not cheap when the forward is
+compute-bound: every token-wise layer (q/k/v and output projections, MLPs, norms) computes the
+padded tokens too, and attention is quadratic in the padded length, so a 64-token row padded to
+256 pays (256 + N_ctx)^2 instead of (64 + N_ctx)^2; a masked SDPA also cannot take CPU's fused
+mask-free kernel. On the tiny SD3 folder at 256 px (compute-bound on a CPU) that made a mixed
+forward cost about as much as every row at the largest size (README, "Mixed sizes").
+
+Length grouping removes the waste and keeps one forward: the rows' layout between blocks stays
+the padded one (the strip, each row's real tokens first), but each repeated block runs once per
+distinct token count, on ``hidden_states[rows, :n]`` and the same rows of every other per-row
+input, with the forward context narrowed to those rows (`row_data.narrowed_rows`, so LoRA
+indices, folding counts and every other per-row value line up), and its outputs are scattered
+back. Inside a group nothing is padded, so the stock block runs its stock, mask-free code: each
+row computes exactly what its solo forward computes. The embeddings, ``norm_out``/``proj_out``
+and the scheduler step still run once over the whole padded batch. It is the varlen idea
+(FlashAttention's ``cu_seqlens``, Dao 2023, arXiv:2307.08691: one launch over rows of different
+lengths) at block granularity, with the kernels every device has: k sizes cost k block calls.
+
+Not used where it cannot run: inside a ``torch.compile`` trace (a regionally compiled block keeps
+the masked padded path, so it sees no new guard or shape) and while a CUDA graph is captured
+(`grouping_enabled`); there the padded, masked forward runs as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from diffserve.pipelines.row_data import NO_ROW_DATA, current_rows
+from diffserve.pipelines.token_spans import IMAGE_TOKENS
+
+
+@dataclass(frozen=True)
+class LengthGroup:
+    """The rows of one token count in a padded mixed-size forward.
+
+    Attributes:
+        members: the forward rows of this count (ascending), for `row_data.narrowed_rows`.
+        rows: the same as a (g,) long tensor on the forward's device.
+        tokens: n, the real token count of every member (its first n of ``L_max``).
+    """
+
+    members: tuple[int, ...]
+    rows: torch.Tensor
+    tokens: int
+
+
+def grouping_enabled() -> bool:
+    """Whether blocks may run per length group now: eager execution, no CUDA graph capture."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def length_groups(longest: int, device: torch.device, tokens_key: str = IMAGE_TOKENS) -> tuple[LengthGroup, ...] | None:
+    """The rows of the forward running now grouped by their real token count.
+
+    Args:
+        longest: L_max, the padded token count of the tensors the groups index.
+        device: where the row index tensors go.
+        tokens_key: the row-data key holding each row's real count (default
+            `token_spans.IMAGE_TOKENS`).
+
+    Returns:
+        One `LengthGroup` per distinct count (ascending count), or None when grouping does not
+        apply: no row data, every row is ``longest`` long, or `grouping_enabled` is False.
+
+    Raises:
+        ValueError: a row's count exceeds `longest` (the row data is not this forward's).
+    """
+    if not grouping_enabled():
+        return None
+    rows = current_rows()
+    if rows is NO_ROW_DATA:
+        return None
+    counts = rows.get(tokens_key)
+    if not counts or all(c == longest for c in counts):
+        return None
+
+    def build() -> tuple[LengthGroup, ...]:
+        if max(counts) > longest:
+            raise ValueError(f"a row of {max(counts)} tokens in a forward padded to {longest}")
+        groups = []
+        for n in sorted(set(counts)):
+            members = tuple(r for r, c in enumerate(counts) if c == n)
+            groups.append(LengthGroup(members, torch.tensor(members, dtype=torch.long, device=device), n))
+        return tuple(groups)
+
+    return rows.derived(("length_groups", longest, tokens_key, str(device)), build)
+
+
+def scatter_rows(out: torch.Tensor, group: LengthGroup, value: torch.Tensor) -> None:
+    """Write a group's result back in place: ``out[group.rows, :value.shape[1]] = value``.
+
+    Args:
+        out: (B, L, ...) the padded output.
+        group: the group `value` was computed for.
+        value: (g, n, ...) with n <= L (a group's real tokens) or n == L (a per-row tensor).
+    """
+    if value.shape[1] == out.shape[1]:
+        out.index_copy_(0, group.rows, value)
+    else:
+        out[:, : value.shape[1]].index_copy_(0, group.rows, value)
+
+
+def gather_rows(x: torch.Tensor, group: LengthGroup, tokens: int | None = None) -> torch.Tensor:
+    """``x[group.rows]`` (and its first `tokens` along dim 1 when given): a group's share of a
+    per-row tensor (B, ...) or of a padded token tensor (B, L_max, ...)."""
+    picked = x.index_select(0, group.rows)
+    return picked if tokens is None else picked[:, :tokens]
+
+
+__all__ = ["LengthGroup", "gather_rows", "grouping_enabled", "length_groups", "scatter_rows"]
+

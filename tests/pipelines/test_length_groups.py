@@ -1,0 +1,120 @@
+"""Length groups (`diffserve.pipelines.length_groups`): an eager mixed-size SD3 forward runs each
+joint block once per row size on real tokens only, equal to the padded masked forward and to
+each row's solo forward; compiled blocks and the config switch keep the padded path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from diffserve import DiffusionEngine, EngineConfig, SamplingParams
+from diffserve.pipelines import length_groups as lg
+from diffserve.pipelines.row_data import RowData, current_rows, forward_rows
+from diffserve.pipelines.token_spans import IMAGE_TOKENS, LATENT_SIZE, TokenLayout
+
+CPU = torch.device("cpu")
+
+
+def test_groups_by_token_count_memoised_and_inert_when_uniform(monkeypatch):
+    with forward_rows(RowData({IMAGE_TOKENS: (4, 2, 4, 1, 2)}, 5)):
+        groups = lg.length_groups(4, CPU)
+        assert [(g.tokens, g.members, g.rows.tolist()) for g in groups] == [
+            (1, (3,), [3]), (2, (1, 4), [1, 4]), (4, (0, 2), [0, 2])]
+        assert lg.length_groups(4, CPU) is groups  # once per forward layout
+        with pytest.raises(ValueError, match="5 tokens in a forward padded to 4"):
+            with forward_rows(RowData({IMAGE_TOKENS: (5, 2)}, 2)):
+                lg.length_groups(4, CPU)
+    assert lg.length_groups(4, CPU) is None  # outside a forward
+    with forward_rows(RowData({IMAGE_TOKENS: (4, 4)}, 2)):
+        assert lg.length_groups(4, CPU) is None  # nothing padded
+    with forward_rows(RowData({IMAGE_TOKENS: (4, 2)}, 2)):
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert lg.length_groups(4, CPU) is None  # a traced block keeps the padded path
+
+
+def test_gather_and_scatter_rows():
+    x = torch.arange(24.0).reshape(3, 4, 2)
+    group = lg.LengthGroup((0, 2), torch.tensor([0, 2]), 3)
+    picked = lg.gather_rows(x, group, group.tokens)
+    assert torch.equal(picked, x[[0, 2], :3])
+    out = torch.zeros_like(x)
+    lg.scatter_rows(out, group, picked)
+    assert torch.equal(out[[0, 2], :3], x[[0, 2], :3]) and not out[1].any() and not out[:, 3].any()
+
+
+def _tiny_transformer(grouped):
+    from diffusers import SD3Transformer2DModel
+
+    from diffserve.pipelines.sd3.mixed_sizes import install_token_spans
+
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
+                                  num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=32,
+                                  pooled_projection_dim=64, out_channels=4, pos_embed_max_size=16).eval()
+    install_token_spans(model, folded=False, grouped=grouped)
+    return model
+
+
+def test_sd3_blocks_run_per_size_and_equal_padded_and_solo():
+    """Four rows of three sizes: each block runs once per size (on g rows x n tokens, with the
+    forward context narrowed to them), the output equals the padded masked forward (switch
+    off) on every row's region and each row's solo forward."""
+    switch = {"on": True}
+    model = _tiny_transformer(lambda: switch["on"])
+    sizes, grid = [(8, 8), (4, 8), (8, 4), (4, 4)], (8, 8)
+    torch.manual_seed(2)
+    latents = torch.zeros(4, 4, *grid)
+    for r, (h, w) in enumerate(sizes):
+        latents[r, :, :h, :w] = torch.randn(4, h, w)
+    ctx, pooled, t = torch.randn(4, 7, 32), torch.randn(4, 64), torch.tensor([900.0, 500.0, 100.0, 700.0])
+    layout = TokenLayout(sizes, grid, patch=2)
+    rows = RowData({LATENT_SIZE: tuple(sizes), IMAGE_TOKENS: tuple(layout.tokens)}, 4)
+    seen = []
+    block = model.transformer_blocks[0]
+    hook = block.attn.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append((kwargs["hidden_states"].shape[:2], current_rows().num_rows)),
+        with_kwargs=True)
+
+    def forward():
+        with torch.no_grad(), forward_rows(rows):
+            out = model(hidden_states=layout.to_strip(latents), encoder_hidden_states=ctx, pooled_projections=pooled,
+                        timestep=t, joint_attention_kwargs={"spans": True}).sample
+        return layout.from_strip(out)
+
+    grouped = forward()
+    assert seen == [((1, 4), 1), ((2, 8), 2), ((1, 16), 1)]  # 4x4 | 4x8 + 8x4 | 8x8, real tokens only
+    switch["on"] = False
+    seen.clear()
+    padded = forward()
+    assert seen == [((4, 16), 4)]  # one call over the padded strip
+    hook.remove()
+    torch.testing.assert_close(grouped, padded, atol=1e-5, rtol=1e-4)
+    for r, (h, w) in enumerate(sizes):
+        with torch.no_grad():
+            solo = model(hidden_states=latents[r:r + 1, :, :h, :w], encoder_hidden_states=ctx[r:r + 1],
+                         pooled_projections=pooled[r:r + 1], timestep=t[r:r + 1]).sample
+        torch.testing.assert_close(grouped[r:r + 1, :, :h, :w], solo, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("length_groups", [True, False])
+def test_engine_mixed_batch_equals_solo_either_way(tiny_sd3_dir, one_torch_thread, length_groups):
+    """Through the engine (CFG rows, context folding): requests of three sizes in one step batch
+    each equal their solo run, with and without `EngineConfig.length_groups`."""
+    engine = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), max_batch_size=8, length_groups=length_groups))
+    assert engine.runner.adapter.length_groups is length_groups
+    prompts = ["a red kite", "snow", "a lighthouse at dusk"]
+    params = [SamplingParams(num_inference_steps=3, seed=10 + i, height=h, width=w, output_type="np")
+              for i, (h, w) in enumerate([(64, 64), (32, 64), (64, 32)])]
+    calls = []
+    attn = engine.runner.adapter.pipe.transformer.transformer_blocks[0].attn
+    hook = attn.register_forward_pre_hook(lambda module, args, kwargs: calls.append(1), with_kwargs=True)
+    batched = engine.generate(prompts, params)
+    hook.remove()
+    stats = engine.stats()["scheduler"]
+    assert stats["mean_rows_per_forward"] == 6  # three sizes x CFG in every forward
+    assert len(calls) == stats["forwards"] * (2 if length_groups else 1)  # 16 tokens | 8 (32x64 and 64x32)
+    for prompt, p, out in zip(prompts, params, batched):
+        assert out.ok, out.error
+        [solo] = engine.generate([prompt], [p])
+        assert float(np.abs(out.images - solo.images).max()) <= 1e-4

@@ -226,6 +226,10 @@ class ModelInfo:
             nothing is quantized.
         ar_stage: whether the model has an autoregressive stage before its DiT stage (its
             requests go through the AR stage first and reach the runner with their payloads).
+        padding_free: whether a mixed-size forward computes each row's real tokens only
+            (length groups in eager forwards, `diffserve.pipelines.length_groups`): padding then
+            costs memory but no compute, so the request scheduler's step cost model counts real
+            tokens instead of token slots.
     """
 
     spec: ModelSpec
@@ -234,6 +238,7 @@ class ModelInfo:
     chunk_streaming: bool = False
     quantization: dict | None = None
     ar_stage: bool = False
+    padding_free: bool = False
 
 
 @dataclass(frozen=True)

@@ -111,7 +111,8 @@ class DiffusionEngine:
                                memory_limit=self.memory_budget.available if self.memory_budget is not None else None,
                                max_loras=self.config.max_loras, lora_ready=self.loras.ready,
                                policy=self.config.scheduling_policy, aging_s=self.config.aging_s,
-                               max_padding_ratio=self.config.max_padding_ratio)
+                               max_padding_ratio=self.config.max_padding_ratio,
+                               padding_free=self.model_info.padding_free)
         #: multi-stage models: the AR stage client (None for single-stage models)
         self.ar_stage = build_ar_stage(self.config, executor) if self.model_info.ar_stage else None
         self.scheduler = RequestScheduler(queues, self.model_info, executor.peak_memory_bytes,

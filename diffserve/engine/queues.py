@@ -68,6 +68,9 @@ predicts no fewer real image tokens per second for the forward with it than with
 are nearly free (a large against b x slots: host-bound) sizes mix; where a forward costs its
 slots (a small: compute-bound) a narrower row joins only if it fills its slots at least as well
 as the batch does. Same exemptions as the cap; before the first step every request joins.
+Where the model's mixed-size forwards compute real tokens only (``padding_free``: length
+groups in eager forwards) padding costs no compute, the cost model counts real tokens and
+``"auto"`` passes nobody over for padding (the memory budget still counts it).
 
 Request mode (static batching, the baseline): when nothing runs, the head of the queue and
 every waiting request sharing its batch key (up to `max_batch_size` rows) are admitted
@@ -139,13 +142,17 @@ class RequestQueues:
             (default `time.perf_counter`, the engine's; a discrete-event simulation passes its
             virtual clock, `benchmarks/slo_simulation.py`). Read for aging, slack and the
             padding cap's re-check.
+        padding_free: whether the model's mixed-size forwards compute real tokens only
+            (`ModelInfo.padding_free`): the cost model then fits step time on real tokens
+            (`cost_tokens`) and ``"auto"`` never passes a request over for its padding.
     """
 
     def __init__(self, max_batch_size: int, max_waiting: int, mode: str = "step",
                  memory_limit: int | None = None, max_loras: int | None = None,
                  lora_ready: Callable[[Iterable[str]], bool] | None = None, policy: str = "fcfs",
                  aging_s: float = 60.0, cost_model: StepCostModel | None = None,
-                 max_padding_ratio: float | str = 1.0, clock: Callable[[], float] = time.perf_counter):
+                 max_padding_ratio: float | str = 1.0, clock: Callable[[], float] = time.perf_counter,
+                 padding_free: bool = False):
         self.clock = clock
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
@@ -161,6 +168,7 @@ class RequestQueues:
         self.aging_s = aging_s
         self.cost_model = cost_model or StepCostModel()
         self.max_padding_ratio = max_padding_ratio
+        self.padding_free = padding_free
         #: image tokens of the last selected batch (`Request.tokens` summed)
         self.batch_tokens = 0
         #: token slots of the last selected batch: its rows x its widest row's image tokens
@@ -506,7 +514,9 @@ class RequestQueues:
             if capped and batch and not exempt(request):
                 slots = (rows + request.rows) * math.prod(grid)  # the forward's token slots with it
                 slots_before = rows * math.prod(widest) if widest else 0
-                if auto:  # passed over: fewer real tokens per predicted second with it
+                if auto and self.padding_free:  # padding costs no compute: never passed over for it
+                    drops = False
+                elif auto:  # passed over: fewer real tokens per predicted second with it
                     drops = fit is not None and (tokens + request.tokens) * (fit[0] + fit[1] * slots_before) \
                         < tokens * (fit[0] + fit[1] * slots)
                 else:  # passed over: past the cap, and more padded than the batch so far (a row at
@@ -538,6 +548,13 @@ class RequestQueues:
         self.batch_slots = sum(r.rows for r in batch) * math.prod(grid) if grid else 0
         self.padding_bytes = max((r.slot_bytes for r in batch), default=0) * (self.batch_slots - self.batch_tokens)
         return batch
+
+    @property
+    def cost_tokens(self) -> int:
+        """The load of the last selected batch as the step cost model counts it: its token
+        slots (a padded forward computes them all), or its real tokens when the model's
+        forwards are `padding_free`."""
+        return self.batch_tokens if self.padding_free else self.batch_slots
 
     def select_batch(self) -> list[Request]:
         """Requests for the next denoising step: the oldest denoising request's (batch key,

@@ -333,8 +333,9 @@ class RequestScheduler:
         if result.step is not None:
             tokens = self.queues.batch_tokens
             self.counters.forward(result.step.num_rows, tokens, self.queues.batch_slots)
-            # token slots: what a padded forward of mixed sizes computes (= tokens at one size)
-            self.queues.cost_model.observe(self.queues.batch_slots, result.step_end - result.step_start)
+            # token slots: what a padded forward of mixed sizes computes (= tokens at one size;
+            # real tokens where the model's forwards skip the padding)
+            self.queues.cost_model.observe(self.queues.cost_tokens, result.step_end - result.step_start)
             self._book_step(out.step_ids, result.step, result.step_end)
         if result.prepared:
             self._on_prepared(result.prepared)

@@ -120,7 +120,10 @@ class ModelRunner(Runner):
         return ModelInfo(spec=self.adapter.spec, pipeline=self.adapter.pipeline_class_name,
                          chunk_streaming=self.adapter.chunk_streaming,
                          ar_stage=bool(self.adapter.ar_stage_components),
-                         quantization=self.quantization.summary())
+                         quantization=self.quantization.summary(),
+                         # compiled blocks and CUDA graphs take the padded path
+                         padding_free=bool(self.adapter.mixed_sizes and self.adapter.length_groups
+                                           and not self.config.compile and not self.config.cuda_graphs))
 
     def prefetch(self, request_id: str, handle, params: SamplingParams) -> None:
         """Start fetching an admitted request's AR-stage payloads (the branches its DiT stage

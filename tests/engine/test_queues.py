@@ -350,6 +350,24 @@ def test_auto_padding_follows_the_cost_model():
         assert [int(r.request_id) for r in s.select_batch()] == expected
 
 
+def test_auto_padding_on_a_padding_free_model_counts_real_tokens():
+    """Length groups (``padding_free``): padding costs no compute, so ``auto`` passes nobody over
+    even on a compute-bound fit, and the cost model is fed real tokens, not slots."""
+    s = RequestQueues(max_batch_size=8, max_waiting=100, max_padding_ratio="auto", cost_model=_fitted(0.0, 1e-3),
+                      padding_free=True)
+    for r in (_sized(0, 256), _sized(1, 64), _sized(2, 256)):
+        s.add(r)
+    _admit(s)
+    assert [int(r.request_id) for r in s.select_batch()] == [0, 1, 2]
+    assert (s.batch_tokens, s.batch_slots, s.cost_tokens) == (576 * 2, 768 * 2, 576 * 2)  # 2 CFG rows each
+    padded = RequestQueues(max_batch_size=8, max_waiting=100)
+    for r in (_sized(0, 256), _sized(1, 64)):
+        padded.add(r)
+    _admit(padded)
+    padded.select_batch()
+    assert padded.cost_tokens == padded.batch_slots == 256 * 4
+
+
 def test_auto_padding_exempts_aged_requests_and_ends_at_the_head():
     """A row auto passes over is not starved: once aged it joins; and when the wide rows are
     done it leads its own batch."""

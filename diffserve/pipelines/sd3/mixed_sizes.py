@@ -1,7 +1,7 @@
 """Mixed sizes in one SD3 forward (`diffserve.pipelines.token_spans`): each row its own
 positions and attention span.
 
-`install_token_spans` changes two things of an `SD3Transformer2DModel`, both inert in a forward
+`install_token_spans` changes three things of an `SD3Transformer2DModel`, all inert in a forward
 whose rows all have the latents' size (every forward outside diffserve's step batches):
 
 - its ``pos_embed`` (`PatchEmbed`) takes a `TokenLayout` strip: the same patch projection, then
@@ -11,15 +11,14 @@ whose rows all have the latents' size (every forward outside diffserve's step ba
   computation with an additive bias; with context folding, `FoldedContextAttnProcessor` adds
   the same mask to its fold bias), in forwards whose ``joint_attention_kwargs`` say ``spans``
   (the adapter sets it only for a strip): a forward of one size runs exactly the code it ran
-  before, so regionally compiled blocks see no new guard.
+  before, so regionally compiled blocks see no new guard;
+- in an eager forward its joint blocks run once per row size on that size's real tokens only
+  (`_grouped_block_forward`, `diffserve.pipelines.length_groups`: the stock block, no mask, no
+  padded token computed); the strip between blocks keeps the padded layout. A compiled block or
+  a CUDA graph capture keeps the masked padded path above.
 
-The rest of the forward (time/text embedding, adaLN modulation, MLPs, norm_out, proj_out,
-unpatchify) is per row or per token, so it runs on the strip as it is.
-
-In an eager forward the joint blocks go one step further (`diffserve.pipelines.length_groups`):
-each block runs once per row size on that size's real tokens only (stock block, no mask, no
-padded token computed), and the strip between blocks keeps the padded layout; a compiled block
-or a CUDA graph capture keeps the masked padded path above.
+The rest of the forward (time/text embedding, norm_out, proj_out, unpatchify) is per row or per
+token, so it runs on the strip as it is.
 """
 
 from __future__ import annotations

@@ -591,8 +591,10 @@ def with_deadlines(jobs: list[TraceJob], scale: float) -> list[TraceJob]:
 
 
 def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
-    """Trace mode (see the module docstring): a closed-loop part (pixels/s of the mixed-size
-    workload vs the same workload at one size, rows per forward per-size vs mixed) and an
+    """Trace mode (issue 27): a closed-loop part (pixels/s of the mixed-size workload vs the same
+    workload at one size, rows per forward per-size vs mixed; where the model runs mixed
+    forwards per length group, also ``closed/mixed_padded``: the same mixed batches with every
+    forward over the padded rows, `PipelineAdapter.length_groups` off) and an
     open-loop part (Poisson arrivals at each of `--trace-loads` x the per-size FCFS capacity;
     arms `--trace-arms`), every part `--repeats` times with its arms interleaved.
 

@@ -20,6 +20,8 @@ the family's plug-ins give each row its own positions (its solo run's position e
 (`key_padding_mask`). `TokenLayout.from_strip` scatters the prediction back to the padded
 latent layout (zeros outside each row's region). Padded query rows compute values nobody
 reads; no real row attends to them, so each row equals its solo forward within float rounding.
+In eager SD3-family forwards the blocks then skip the padding altogether: each runs once per
+row token count on real tokens only (`length_groups`); the strip stays the layout between them.
 
 Families whose latents are packed token sequences (Flux, Qwen-Image: one token per 2x2 latent
 patch, raster order) need no strip: collation right-pads each request's sequence to the longest

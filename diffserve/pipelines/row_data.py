@@ -172,12 +172,15 @@ def current_rows() -> RowData:
 @contextmanager
 def narrowed_rows(index: Sequence[int] | torch.Tensor) -> Iterator[RowData]:
     """Within the block, the forward context holds only rows `index` of the current one (a
-    forward over some of the batch's rows, e.g. TeaCache's computing requests)."""
+    forward over some of the batch's rows, e.g. TeaCache's computing requests, a length
+    group). The narrowed `RowData` is memoised on the current one, so what plug-ins derive from
+    it (masks, LoRA indices) is built once per batch composition, not once per block."""
     rows = current_rows()
     if not rows:
         yield rows
         return
-    with forward_rows(rows.select(index)) as narrowed:
+    index = tuple(index.tolist() if isinstance(index, torch.Tensor) else index)
+    with forward_rows(rows.derived(("narrowed", index), lambda: rows.select(index))) as narrowed:
         yield narrowed
 
 

@@ -172,12 +172,16 @@ def current_rows() -> RowData:
 @contextmanager
 def narrowed_rows(index: Sequence[int] | torch.Tensor) -> Iterator[RowData]:
     """Within the block, the forward context holds only rows `index` of the current one (a
-    forward over some of the batch's rows, e.g. TeaCache's computing requests)."""
+    forward over some of the batch's rows, e.g. TeaCache's computing requests). A tuple `index`
+    (a length group's members, narrowed once per block) gets the same `RowData` every time, so
+    what plug-ins derive from it (`RowData.derived`) is built once per batch composition."""
     rows = current_rows()
     if not rows:
         yield rows
         return
-    with forward_rows(rows.select(index)) as narrowed:
+    narrowed = rows.derived(("narrowed", index), lambda: rows.select(index)) if isinstance(index, tuple) \
+        else rows.select(index)
+    with forward_rows(narrowed):
         yield narrowed
 
 

@@ -250,6 +250,7 @@ def test_flux_engine_mixed_batch_equals_solo_either_way(tiny_flux_dev_dir, one_t
     engine = DiffusionEngine(EngineConfig(model=str(tiny_flux_dev_dir), max_batch_size=8,
                                           length_groups=length_groups))
     assert engine.runner.adapter.length_groups is length_groups
+    assert engine.model_info.padding_free is length_groups  # the scheduler counts real tokens
     prompts = ["a red kite", "snow", "a lighthouse at dusk"]
     params = [SamplingParams(num_inference_steps=3, seed=10 + i, height=h, width=w, output_type="np",
                              max_sequence_length=32, true_cfg_scale=2.0, negative_prompt="blur")

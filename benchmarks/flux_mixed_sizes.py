@@ -1,8 +1,11 @@
 """One Flux transformer forward over rows of different sizes (`diffserve.pipelines.flux.mixed_sizes`)
 vs the alternatives, on the same rows, interleaved per repeat:
 
+- ``grouped``: one forward, each row's packed tokens right-padded to the longest between blocks,
+  every block run once per row size on real tokens only (`diffserve.pipelines.length_groups`:
+  what diffserve runs in eager forwards);
 - ``mixed``: one forward, each row's packed tokens right-padded to the longest, per-row RoPE
-  tables and padded keys masked (``joint_attention_kwargs={"spans": ...}``: what diffserve runs);
+  tables and padded keys masked in every block (``--no-length-groups``, and compiled blocks);
 - ``uniform``: one forward of the same number of rows, all at the largest size, stock
   processors (the padded shape's floor: ``mixed / uniform`` is what per-row RoPE + masks cost);
 - ``per_size``: one stock forward per size (what batching by size runs for these rows).
@@ -16,7 +19,8 @@ Usage::
     python benchmarks/flux_mixed_sizes.py                       # built-in mix, 1 thread
     python benchmarks/flux_mixed_sizes.py --mix 1024x1024:2,512x1024:2,512x512:4 --device cuda --dtype bf16
 
-Prints, per arm, the median and [min, max] ms per forward and the ratios.
+Prints, per arm, the median and [min, max] ms per forward and the ratios (median of the
+per-repeat ratios) of ``grouped`` and of ``mixed`` to the other arms.
 """
 
 from __future__ import annotations
@@ -45,6 +49,10 @@ def parse_mix(text: str) -> list[tuple[int, int]]:
     return rows
 
 
+#: whether the blocks run per row size (read by the grouped block forwards per call)
+GROUPED = {"on": True}
+
+
 def build(args) -> FluxTransformer2DModel:
     if args.model:
         model = FluxTransformer2DModel.from_pretrained(args.model, subfolder="transformer")
@@ -58,7 +66,7 @@ def build(args) -> FluxTransformer2DModel:
                                        pooled_projection_dim=args.text_dim, guidance_embeds=True, axes_dims_rope=rope)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     model = model.to(args.device, dtype).eval()
-    install_token_spans(model)
+    install_token_spans(model, grouped=lambda: GROUPED["on"])
     return model
 
 
@@ -118,7 +126,8 @@ def main() -> None:
 
     @torch.inference_mode()
     def arm(name: str) -> None:
-        if name == "mixed":
+        if name in ("grouped", "mixed"):
+            GROUPED["on"] = name == "grouped"
             with forward_rows(rows):
                 model(**mixed_kw, joint_attention_kwargs={"spans": spans})
         elif name == "uniform":
@@ -128,8 +137,9 @@ def main() -> None:
                 model(**kw)
 
     # the warm-up call of each arm also builds the per-row tables, built once per batch composition
-    times = time_arms(arm, ["mixed", "uniform", "per_size"], args.repeats, args.iters, sync)
-    result, ratios = summarize(times, "mixed")
+    times = time_arms(arm, ["grouped", "mixed", "uniform", "per_size"], args.repeats, args.iters, sync)
+    result, ratios = summarize(times, "grouped")
+    ratios.update({k: v for k, v in summarize(times, "mixed")[1].items() if k != "mixed/grouped"})
     tokens = {"real": sum(rows[IMAGE_TOKENS]), "padded": spans.longest * len(sizes)}
     print(f"rows {len(sizes)} ({args.mix}); image tokens real {tokens['real']}, padded {tokens['padded']}; "
           f"text {args.text}; {args.device} {args.dtype}, {args.threads} thread(s)")

@@ -74,7 +74,8 @@ class EngineConfig:
             sequence parallelism); False batches by size as before (the benchmark's baseline arm).
         length_groups: in an eager mixed-size forward, run the family's repeated blocks once
             per row size on each size's real tokens only (`diffserve.pipelines.length_groups`;
-            SD3 and the built-in digits model); False runs them once over the padded rows with
+            SD3 and the built-in digits model, Flux, Flux Kontext); False runs them once over
+            the padded rows with
             masks (one call per block: fewer, larger kernels, which can win where per-call
             overhead dominates, e.g. small models on a GPU). Compiled blocks always take the
             padded path.

@@ -20,6 +20,11 @@ and the scheduler step still run once over the whole padded batch. It is the var
 (FlashAttention's ``cu_seqlens``, Dao 2023, arXiv:2307.08691: one launch over rows of different
 lengths) at block granularity, with the kernels every device has: k sizes cost k block calls.
 
+Edits append a second padded segment (Flux Kontext: ``[noisy L_max | reference R_max]``, each
+row real on the first tokens of each): `length_groups` then groups rows by the pair of real
+counts (``reference=R_max``), and a group's tokens are its noisy ones followed by its reference
+ones, nothing padded in either.
+
 Not used where it cannot run: inside a ``torch.compile`` trace (a regionally compiled block keeps
 the masked padded path, so it sees no new guard or shape) and while a CUDA graph is captured
 (`grouping_enabled`); there the padded, masked forward runs as before.
@@ -32,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from diffserve.pipelines.row_data import NO_ROW_DATA, current_rows
-from diffserve.pipelines.token_spans import IMAGE_TOKENS
+from diffserve.pipelines.token_spans import IMAGE_TOKENS, REFERENCE_TOKENS
 
 
 @dataclass(frozen=True)
@@ -43,11 +48,14 @@ class LengthGroup:
         members: the forward rows of this count (ascending), for `row_data.narrowed_rows`.
         rows: the same as a (g,) long tensor on the forward's device.
         tokens: n, the real token count of every member (its first n of ``L_max``).
+        reference: m, the real count of every member's second segment (its first m of
+            ``R_max``: an edit's reference tokens, `token_spans.REFERENCE_TOKENS`); 0 without one.
     """
 
     members: tuple[int, ...]
     rows: torch.Tensor
     tokens: int
+    reference: int = 0
 
 
 def grouping_enabled() -> bool:
@@ -57,21 +65,28 @@ def grouping_enabled() -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def length_groups(longest: int, device: torch.device, tokens_key: str = IMAGE_TOKENS) -> tuple[LengthGroup, ...] | None:
-    """The rows of the forward running now grouped by their real token count.
+def length_groups(longest: int, device: torch.device, tokens_key: str = IMAGE_TOKENS,
+                  reference: int = 0) -> tuple[LengthGroup, ...] | None:
+    """The rows of the forward running now grouped by their real token count (and, with a
+    second padded segment, by the pair of counts).
 
     Args:
         longest: L_max, the padded token count of the tensors the groups index.
         device: where the row index tensors go.
         tokens_key: the row-data key holding each row's real count (default
             `token_spans.IMAGE_TOKENS`).
+        reference: R_max, the padded length of a second segment after the first ``longest``
+            tokens (Kontext's reference tokens; each row's real count in row data
+            `token_spans.REFERENCE_TOKENS`); 0 (default) without one.
 
     Returns:
-        One `LengthGroup` per distinct count (ascending count), or None when grouping does not
-        apply: no row data, every row is ``longest`` long, or `grouping_enabled` is False.
+        One `LengthGroup` per distinct count (per distinct (count, reference count) pair;
+        ascending), or None when grouping does not apply: no row data, every row is ``longest``
+        (and ``reference``) long, or `grouping_enabled` is False.
 
     Raises:
-        ValueError: a row's count exceeds `longest` (the row data is not this forward's).
+        ValueError: a row's count exceeds `longest` or its reference count `reference` (the row
+            data is not this forward's).
     """
     if not grouping_enabled():
         return None
@@ -79,19 +94,23 @@ def length_groups(longest: int, device: torch.device, tokens_key: str = IMAGE_TO
     if rows is NO_ROW_DATA:
         return None
     counts = rows.get(tokens_key)
-    if not counts or all(c == longest for c in counts):
+    if not counts:
+        return None
+    refs = (rows.get(REFERENCE_TOKENS) or (0,) * len(counts)) if reference else (0,) * len(counts)
+    if all(c == longest for c in counts) and all(m == reference for m in refs):
         return None
 
     def build() -> tuple[LengthGroup, ...]:
-        if max(counts) > longest:
-            raise ValueError(f"a row of {max(counts)} tokens in a forward padded to {longest}")
+        for real, padded, what in ((counts, longest, "tokens"), (refs, reference, "reference tokens")):
+            if max(real) > padded:
+                raise ValueError(f"a row of {max(real)} {what} in a forward padded to {padded}")
         groups = []
-        for n in sorted(set(counts)):
-            members = tuple(r for r, c in enumerate(counts) if c == n)
-            groups.append(LengthGroup(members, torch.tensor(members, dtype=torch.long, device=device), n))
+        for n, m in sorted(set(zip(counts, refs))):
+            members = tuple(r for r, pair in enumerate(zip(counts, refs)) if pair == (n, m))
+            groups.append(LengthGroup(members, torch.tensor(members, dtype=torch.long, device=device), n, m))
         return tuple(groups)
 
-    return rows.derived(("length_groups", longest, tokens_key, str(device)), build)
+    return rows.derived(("length_groups", longest, tokens_key, reference, str(device)), build)
 
 
 def scatter_rows(out: torch.Tensor, group: LengthGroup, value: torch.Tensor) -> None:

@@ -1,6 +1,7 @@
-"""Length groups (`diffserve.pipelines.length_groups`): an eager mixed-size SD3 forward runs each
-joint block once per row size on real tokens only, equal to the padded masked forward and to
-each row's solo forward; compiled blocks and the config switch keep the padded path."""
+"""Length groups (`diffserve.pipelines.length_groups`): an eager mixed-size SD3 or Flux (also
+Kontext) forward runs each repeated block once per row size on real tokens only, equal to the
+padded masked forward and to each row's solo forward; compiled blocks and the config switch keep
+the padded path."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 
 from diffserve import DiffusionEngine, EngineConfig, SamplingParams
 from diffserve.pipelines import length_groups as lg
-from diffserve.pipelines.row_data import RowData, current_rows, forward_rows
-from diffserve.pipelines.token_spans import IMAGE_TOKENS, LATENT_SIZE, TokenLayout
+from diffserve.pipelines.row_data import RowData, current_rows, forward_rows, narrowed_rows
+from diffserve.pipelines.token_spans import (IMAGE_TOKENS, LATENT_SIZE, REFERENCE_SIZE, REFERENCE_TOKENS,
+                                             TokenLayout)
 
 CPU = torch.device("cpu")
 
@@ -31,6 +33,25 @@ def test_groups_by_token_count_memoised_and_inert_when_uniform(monkeypatch):
     with forward_rows(RowData({IMAGE_TOKENS: (4, 2)}, 2)):
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
         assert lg.length_groups(4, CPU) is None  # a traced block keeps the padded path
+
+
+def test_groups_by_token_and_reference_count_pairs():
+    """With a second padded segment (Kontext's references) rows group by (n, m); nothing to do
+    only when both segments are full on every row."""
+    rows = RowData({IMAGE_TOKENS: (4, 4, 2, 4), REFERENCE_TOKENS: (3, 1, 3, 3)}, 4)
+    with forward_rows(rows):
+        groups = lg.length_groups(4, CPU, reference=3)
+        assert [(g.tokens, g.reference, g.members) for g in groups] == [(2, 3, (2,)), (4, 1, (1,)), (4, 3, (0, 3))]
+        assert [g.members for g in lg.length_groups(4, CPU)] == [(2,), (0, 1, 3)]  # without: by n only
+        with pytest.raises(ValueError, match="3 reference tokens in a forward padded to 2"):
+            lg.length_groups(4, CPU, reference=2)
+        with narrowed_rows((0, 3)) as first:
+            assert first[REFERENCE_TOKENS] == (3, 3)
+        with narrowed_rows((0, 3)) as again:
+            assert again is first  # one RowData per group and batch composition: derived values reused
+    with forward_rows(RowData({IMAGE_TOKENS: (4, 4), REFERENCE_TOKENS: (3, 3)}, 2)):
+        assert lg.length_groups(4, CPU, reference=3) is None
+        assert lg.length_groups(4, CPU, reference=5) is not None  # both rows' references padded
 
 
 def test_gather_and_scatter_rows():
@@ -137,3 +158,112 @@ def test_compiled_blocks_keep_the_padded_path(tmp_path_factory, one_torch_thread
         assert float(np.abs(a.images - b.images).max()) <= 1e-4
     assert compiled.runner.acceleration_stats()["compile"]["recompiles_after_warmup"] == 0
     assert not compiled.model_info.padding_free and eager.model_info.padding_free
+
+
+def _tiny_flux(grouped):
+    from diffusers import FluxTransformer2DModel
+
+    from diffserve.pipelines.flux.mixed_sizes import install_token_spans
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                   pooled_projection_dim=32, axes_dims_rope=[4, 6, 6]).eval()
+    install_token_spans(model, grouped=grouped)
+    return model
+
+
+def _flux_ids(latent_size, first_id=0):
+    from diffusers import FluxPipeline
+
+    ids = FluxPipeline._prepare_latent_image_ids(None, latent_size[0] // 2, latent_size[1] // 2, CPU, torch.float32)
+    ids[:, 0] = first_id
+    return ids
+
+
+@pytest.mark.parametrize("kontext", [False, True])
+def test_flux_blocks_run_per_size_and_equal_padded_and_solo(kontext):
+    """Four rows of three token counts (two of them 4x8 and 8x4 latents: one count, own RoPE
+    ids), Kontext with references of three sizes after them: both block kinds run once per
+    (noisy, reference) count on real tokens only, with the forward context narrowed; every
+    row's noisy tokens equal the padded masked forward (switch off) and its solo forward."""
+    from diffserve.pipelines.flux.mixed_sizes import FluxSpans
+
+    switch = {"on": True}
+    model = _tiny_flux(lambda: switch["on"])
+    sizes = [(8, 8), (4, 8), (8, 4), (4, 4)]  # latent pixels; 2x2 patches per token
+    refs = [(4, 4), (4, 4), (4, 4), (8, 4)] if kontext else [None] * 4
+    tokens = [h * w // 4 for h, w in sizes]
+    ref_tokens = [h * w // 4 if kontext else 0 for h, w in refs] if kontext else [0] * 4
+    longest, reference, text = max(tokens), max(ref_tokens), 5
+    g = torch.Generator().manual_seed(1)
+    noisy = [torch.randn(n, 16, generator=g) for n in tokens]
+    ref = [torch.randn(m, 16, generator=g) for m in ref_tokens]
+    hidden = torch.zeros(4, longest + reference, 16)
+    for r in range(4):
+        hidden[r, :tokens[r]] = noisy[r]
+        hidden[r, longest:longest + ref_tokens[r]] = ref[r]
+    ctx, pooled = torch.randn(4, text, 32, generator=g), torch.randn(4, 32, generator=g)
+    t, txt_ids = torch.tensor([0.9, 0.5, 0.1, 0.7]), torch.zeros(text, 3)
+    img_ids = torch.zeros(longest + reference, 3)  # the processors give each row its own
+    data = {LATENT_SIZE: tuple(sizes), IMAGE_TOKENS: tuple(tokens)}
+    if kontext:
+        data.update({REFERENCE_SIZE: tuple(refs), REFERENCE_TOKENS: tuple(ref_tokens)})
+    rows = RowData(data, 4)
+    spans = FluxSpans(text, longest, torch.float32, reference)
+    seen = []
+    for block in (model.transformer_blocks[0], model.single_transformer_blocks[0]):
+        block.attn.register_forward_pre_hook(
+            lambda module, args, kwargs: seen.append((tuple(kwargs["hidden_states"].shape[:2]),
+                                                      current_rows().num_rows)), with_kwargs=True)
+
+    def forward():
+        with torch.no_grad(), forward_rows(rows):
+            return model(hidden_states=hidden, encoder_hidden_states=ctx, pooled_projections=pooled, timestep=t,
+                         img_ids=img_ids, txt_ids=txt_ids, joint_attention_kwargs={"spans": spans}).sample
+
+    grouped = forward()
+    if kontext:  # (n, m) = (4, 8) | (8, 4) x2 | (16, 4): noisy + reference tokens (+ 5 text in single blocks)
+        double = [((1, 12), 1), ((2, 12), 2), ((1, 20), 1)]
+    else:  # n = 4 | 8 (4x8 and 8x4) | 16
+        double = [((1, 4), 1), ((2, 8), 2), ((1, 16), 1)]
+    assert seen == double + [((g_, n + text), rows_) for (g_, n), rows_ in double]
+    switch["on"] = False
+    seen.clear()
+    padded = forward()
+    assert seen == [((4, longest + reference), 4), ((4, text + longest + reference), 4)]  # padded, masked
+    for r, (size, n, m) in enumerate(zip(sizes, tokens, ref_tokens)):
+        torch.testing.assert_close(grouped[r, :n], padded[r, :n], atol=1e-5, rtol=1e-4)
+        solo_ids = torch.cat([_flux_ids(size), _flux_ids(refs[r], 1)]) if kontext else _flux_ids(size)
+        with torch.no_grad():
+            solo = model(hidden_states=torch.cat([noisy[r], ref[r]])[None], encoder_hidden_states=ctx[r:r + 1],
+                         pooled_projections=pooled[r:r + 1], timestep=t[r:r + 1], img_ids=solo_ids,
+                         txt_ids=txt_ids).sample
+        torch.testing.assert_close(grouped[r, :n], solo[0, :n], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("length_groups", [True, False])
+def test_flux_engine_mixed_batch_equals_solo_either_way(tiny_flux_dev_dir, one_torch_thread, length_groups):
+    """Through the engine (true CFG rows): Flux requests of three sizes in one step batch each
+    equal their solo run, with and without `EngineConfig.length_groups`; the double block's
+    attention runs once per token count (32x64 and 64x32 share one) or once over the padded rows."""
+    engine = DiffusionEngine(EngineConfig(model=str(tiny_flux_dev_dir), max_batch_size=8,
+                                          length_groups=length_groups))
+    assert engine.runner.adapter.length_groups is length_groups
+    assert engine.model_info.padding_free is length_groups  # the scheduler counts real tokens
+    prompts = ["a red kite", "snow", "a lighthouse at dusk"]
+    params = [SamplingParams(num_inference_steps=3, seed=10 + i, height=h, width=w, output_type="np",
+                             max_sequence_length=32, true_cfg_scale=2.0, negative_prompt="blur")
+              for i, (h, w) in enumerate([(64, 64), (32, 64), (64, 32)])]
+    calls = []
+    attn = engine.runner.adapter.pipe.transformer.transformer_blocks[0].attn
+    hook = attn.register_forward_pre_hook(lambda module, args, kwargs: calls.append(1), with_kwargs=True)
+    batched = engine.generate(prompts, params)
+    hook.remove()
+    stats = engine.stats()["scheduler"]
+    assert stats["mean_rows_per_forward"] == 6  # three sizes x true CFG in every forward
+    assert len(calls) == stats["forwards"] * (2 if length_groups else 1)  # 16 tokens | 8 (32x64 and 64x32)
+    for prompt, p, out in zip(prompts, params, batched):
+        assert out.ok, out.error
+        [solo] = engine.generate([prompt], [p])
+        assert float(np.abs(out.images - solo.images).max()) <= 1e-4

@@ -20,7 +20,8 @@ Guidance, as diffusers' ``FluxPipeline.__call__`` means it:
 
 Requests of different sizes share a forward (`mixed_sizes`, `diffserve.pipelines.token_spans`,
 `flux/mixed_sizes.py`): each request's packed sequence is right-padded to the batch's longest,
-and every row keeps its own RoPE positions and attention span.
+and every row keeps its own RoPE positions and attention span; in eager forwards each block
+runs once per row size on real tokens only (`length_groups`).
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ class FluxAdapter(PipelineAdapter):
         self.capabilities = Capabilities(
             teacache=TEACACHE, cache_dit=CacheDiTSupport(blocks=("transformer_blocks", "single_transformer_blocks"),
                                                          patterns=("Pattern_1", "Pattern_1")))
-        self.mixed_sizes = self.mixed_sizes and install_token_spans(pipe.transformer)
+        self.mixed_sizes = self.mixed_sizes and install_token_spans(pipe.transformer,
+                                                                    grouped=lambda: self.length_groups)
+        self.length_groups = self.mixed_sizes  # eager mixed forwards: blocks per row size
         # VAE down-sampling x 2x2 packing; diffusers' check_inputs refuses more than 512 T5 tokens
         return {"resolution_factor": pipe.vae_scale_factor * 2, "max_sequence_length_limit": 512,
                 "max_prompt_tokens": pipe.tokenizer_max_length}

@@ -23,11 +23,22 @@ both segments, `PipelineAdapter.appended_latents`). Padded queries compute value
 (the adapter zeroes their guided prediction); no real row attends to them, so every row equals its solo
 forward within float rounding. In a forward without ``spans`` the processor runs diffusers'
 `FluxAttnProcessor` unchanged.
+
+In an eager forward both block kinds go one step further (`diffserve.pipelines.length_groups`,
+`_grouped_block_forward`): each block runs once per row size, on that size's real tokens only
+(Kontext: per pair of noisy and reference token counts, the group's noisy then reference
+tokens), with a `FluxSpans` of the group's own lengths, so the processor builds each row's
+tables at that length and no mask (nothing is padded inside a group); the layout between blocks
+stays the padded one. A compiled block or a CUDA graph capture keeps the masked padded path.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import types
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +52,8 @@ from diffusers.models.transformers.transformer_flux import (
     _get_qkv_projections,
 )
 
-from diffserve.pipelines.row_data import NO_ROW_DATA, current_rows
+from diffserve.pipelines.length_groups import gather_rows, length_groups, scatter_rows
+from diffserve.pipelines.row_data import NO_ROW_DATA, current_rows, narrowed_rows
 from diffserve.pipelines.token_spans import (
     IMAGE_TOKENS,
     LATENT_SIZE,
@@ -209,15 +221,63 @@ class SpanFluxAttnProcessor(FluxAttnProcessor):
         return out, attn.to_add_out(encoder_out.contiguous())
 
 
-def install_token_spans(transformer: torch.nn.Module) -> bool:
+def _grouped_block_forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                           temb: torch.Tensor, image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           joint_attention_kwargs: dict[str, Any] | None = None, *, grouped: Callable[[], bool]):
+    """`FluxTransformerBlock.forward` / `FluxSingleTransformerBlock.forward` (diffusers 0.42:
+    both take these arguments and return ``(encoder_hidden_states, hidden_states)``) that, in an
+    eager forward over rows of different sizes (``spans`` set, `length_groups.length_groups`
+    not None), runs the stock block once per row size on the group's real tokens only.
+
+    Per group (g rows of n noisy and, for Kontext, m reference tokens): hidden_states
+    ``cat([rows, :n], [rows, L_max : L_max + m])`` of (B, L_max + R_max, D) -> (g, n + m, D),
+    encoder_hidden_states (B, N_txt, D) and temb (B, D) ``[rows]``, image_rotary_emb the
+    shared table's first ``N_txt + n + m`` entries (the processor replaces every entry after the
+    text by each row's own, `RowRotary.tables`) and ``spans`` with ``longest=n, reference=m``
+    (no row padded: no mask), with the forward context narrowed to the group. Returns
+    ``(encoder_hidden_states, hidden_states)`` of the input shapes, hidden_states zero on padded
+    tokens. `grouped()` False (the adapter's `PipelineAdapter.length_groups`), no ``spans``,
+    or a compiled block: the stock block over the padded rows."""
+    stock = type(self).forward
+    spans = joint_attention_kwargs.get("spans") if joint_attention_kwargs else None
+    groups = length_groups(spans.longest, hidden_states.device, reference=spans.reference) \
+        if spans is not None and image_rotary_emb is not None and grouped() else None
+    if groups is None:
+        return stock(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs)
+    longest = spans.longest
+    cos, sin = image_rotary_emb
+    out_hidden = hidden_states.new_zeros(hidden_states.shape)
+    out_context = encoder_hidden_states.new_empty(encoder_hidden_states.shape)
+    for group in groups:
+        n, m = group.tokens, group.reference
+        hidden = gather_rows(hidden_states, group, n)
+        if m:
+            hidden = torch.cat([hidden, gather_rows(hidden_states[:, longest:], group, m)], dim=1)
+        size = spans.text + n + m
+        kwargs = {**joint_attention_kwargs, "spans": dataclasses.replace(spans, longest=n, reference=m)}
+        with narrowed_rows(group.members):
+            context, hidden = stock(self, hidden, gather_rows(encoder_hidden_states, group), gather_rows(temb, group),
+                                    (cos[:size], sin[:size]), kwargs)
+        scatter_rows(out_context, group, context)
+        scatter_rows(out_hidden, group, hidden[:, :n])
+        if m:
+            scatter_rows(out_hidden[:, longest:], group, hidden[:, n:])
+    return out_context, out_hidden
+
+
+def install_token_spans(transformer: torch.nn.Module, grouped: Callable[[], bool] = lambda: True) -> bool:
     """Put a `SpanFluxAttnProcessor` (sharing one `RowRotary`) on every attention of a
-    `FluxTransformer2DModel` (weights and state dict unchanged; stock behaviour outside
-    forwards with ``spans``). Returns True (the transformer can mix sizes)."""
+    `FluxTransformer2DModel` and `_grouped_block_forward` on every double- and single-stream
+    block (instance attributes: weights and state dict unchanged; stock behaviour outside
+    forwards with ``spans``; per row size in eager mixed forwards while `grouped()` says so).
+    Returns True (the transformer can mix sizes)."""
     embed = transformer.pos_embed
     rotary = RowRotary(embed.theta, tuple(embed.axes_dim))
     for module in transformer.modules():
         if isinstance(module, FluxAttention):
             module.set_processor(SpanFluxAttnProcessor(rotary))
+    for block in (*transformer.transformer_blocks, *transformer.single_transformer_blocks):
+        block.forward = types.MethodType(functools.partial(_grouped_block_forward, grouped=grouped), block)
     return True
 
 

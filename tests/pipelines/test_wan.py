@@ -205,7 +205,8 @@ def test_spec_defaults_and_size_limits(wan, wan22):
 def test_regional_compile_covers_both_experts_without_recompiles(tiny_wan22_dir, tmp_path):
     """Both experts compile (1, 2 and 4 rows, and the warm-up's mixed forward of the default
     request beside one of half its height); a later mixed forward of other sizes and frame
-    counts compiles nothing new."""
+    counts compiles nothing new (a compiled block keeps the padded masked path, not length
+    groups) and equals the eager, grouped run."""
     folder = tmp_path / "wan22"
     shutil.copytree(tiny_wan22_dir, folder)
     (folder / "generation_config.json").write_text(json.dumps(SIZE))
@@ -219,6 +220,8 @@ def test_regional_compile_covers_both_experts_without_recompiles(tiny_wan22_dir,
         assert np.abs(out.videos[0].astype(int) - _solo(eager, *job).videos[0]).max() <= 1
     stats = engine.runner.acceleration_stats()["compile"]
     assert stats["enabled"] and stats["recompiles_after_warmup"] == 0, stats
+    # compiled blocks take the padded masked path; eager forwards run length groups
+    assert not engine.model_info.padding_free and eager.model_info.padding_free
 
 
 def test_compile_without_generation_config_fits_the_default_size(tiny_wan_dir):

@@ -2,10 +2,13 @@
 (`diffserve.pipelines.wan.mixed_sizes`) vs the alternatives, on the same rows, interleaved per
 repeat:
 
-- ``mixed``: one forward, each row's latents zero-padded at the end of frames, height and width
-  to the largest grid, padded keys masked in self-attention (what diffserve runs);
+- ``grouped``: one forward, each row's latents zero-padded at the end of frames, height and
+  width to the largest grid, every block run once per (size, frames) on its real tokens only
+  (length groups: what diffserve runs in eager forwards);
+- ``padded``: the same forward with every block over the padded grid, padded keys masked in
+  self-attention (``--no-length-groups``, and what compiled blocks / CUDA graphs run);
 - ``uniform``: one stock forward of the same number of rows at that padded grid (the padded
-  shape's floor: ``mixed / uniform`` is what the mask costs);
+  shape's floor: ``padded / uniform`` is what the mask costs);
 - ``per_size``: one stock forward per (size, frames) (what batching by size runs).
 
 A random-weight `WanTransformer3DModel` (no download): ``--layers`` blocks of width ``--heads`` x
@@ -54,7 +57,8 @@ def latent_size(size: tuple[int, int, int]) -> tuple[int, int, int]:
     return (f - 1) // TEMPORAL + 1, h // SPATIAL, w // SPATIAL
 
 
-def build(args) -> WanTransformer3DModel:
+def build(args, grouped) -> WanTransformer3DModel:
+    """The transformer with diffserve's mixed-size plug-ins, length groups while `grouped()`."""
     if args.model:
         model = WanTransformer3DModel.from_pretrained(args.model, subfolder="transformer")
     else:
@@ -65,7 +69,7 @@ def build(args) -> WanTransformer3DModel:
                                       text_dim=args.text_dim, ffn_dim=4 * width, num_layers=args.layers)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     model = model.to(args.device, dtype).eval()
-    install_token_spans(model)
+    install_token_spans(model, grouped)
     return model
 
 
@@ -102,7 +106,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = build(args)
+    switch = {"grouped": True}
+    model = build(args, lambda: switch["grouped"])
     dtype = next(model.parameters()).dtype
     sizes = parse_mix(args.mix)
     rows = RowData({LATENT_SIZE: tuple(latent_size(s) for s in sizes)}, len(sizes))
@@ -117,7 +122,8 @@ def main() -> None:
 
     @torch.inference_mode()
     def arm(name: str) -> None:
-        if name == "mixed":
+        if name in ("grouped", "padded"):
+            switch["grouped"] = name == "grouped"
             with forward_rows(rows):
                 model(**mixed_kw)
         elif name == "uniform":
@@ -126,9 +132,11 @@ def main() -> None:
             for kw in groups:
                 model(**kw)
 
-    # the warm-up call of each arm also builds the key mask, built once per batch composition
-    times = time_arms(arm, ["mixed", "uniform", "per_size"], args.repeats, args.iters, sync)
-    result, ratios = summarize(times, "mixed")
+    # the warm-up call of each arm also builds the key mask and the size groups, built once per
+    # batch composition
+    times = time_arms(arm, ["grouped", "padded", "uniform", "per_size"], args.repeats, args.iters, sync)
+    result, ratios = summarize(times, "grouped")
+    ratios["padded/uniform"] = summarize(times, "padded")[1]["padded/uniform"]
     patch = model.config.patch_size
     tokens = {"real": sum(math.prod(d // p for d, p in zip(latent_size(s), patch)) for s in sizes),
               "padded": len(sizes) * math.prod(d // p for d, p in zip(grid, patch))}

@@ -205,7 +205,8 @@ def test_spec_defaults_and_size_limits(wan, wan22):
 def test_regional_compile_covers_both_experts_without_recompiles(tiny_wan22_dir, tmp_path):
     """Both experts compile (1, 2 and 4 rows, and the warm-up's mixed forward of the default
     request beside one of half its height); a later mixed forward of other sizes and frame
-    counts compiles nothing new."""
+    counts compiles nothing new (a compiled block keeps the padded masked path, not length
+    groups) and equals the eager, grouped run."""
     folder = tmp_path / "wan22"
     shutil.copytree(tiny_wan22_dir, folder)
     (folder / "generation_config.json").write_text(json.dumps(SIZE))
@@ -219,6 +220,8 @@ def test_regional_compile_covers_both_experts_without_recompiles(tiny_wan22_dir,
         assert np.abs(out.videos[0].astype(int) - _solo(eager, *job).videos[0]).max() <= 1
     stats = engine.runner.acceleration_stats()["compile"]
     assert stats["enabled"] and stats["recompiles_after_warmup"] == 0, stats
+    # compiled blocks take the padded masked path; eager forwards run length groups
+    assert not engine.model_info.padding_free and eager.model_info.padding_free
 
 
 def test_compile_without_generation_config_fits_the_default_size(tiny_wan_dir):
@@ -370,6 +373,95 @@ def test_mixed_sizes_under_teacache_follow_the_computed_rows(tiny_wan_dir, monke
     assert subsets and all(len(rows) == 2 for rows in subsets)  # one request's two CFG rows computed alone
     for t, job in zip(together, [("a cat", small), ("a dog", large)]):
         assert (t.videos[0] - _solo(engine, *job).videos[0]).abs().max() <= TOL
+
+
+# ------------------------------------------------------------------ length groups
+def _grid_rows(sizes, grid, seed):
+    """(B, 4, *grid) latents, each row's own (F, h, w) region random and the rest zero."""
+    torch.manual_seed(seed)
+    latents = torch.zeros(len(sizes), 4, *grid)
+    for r, (f, h, w) in enumerate(sizes):
+        latents[r, :, :f, :h, :w] = torch.randn(4, f, h, w)
+    return latents
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["timestep", "per_token_timesteps"])
+def test_blocks_run_per_size_on_real_tokens_and_equal_padded_and_solo(per_token):
+    """Four rows of three sizes and frame counts: each block runs once per size on that size's
+    real tokens, a 3-D box of the padded grid (`wan.mixed_sizes.size_groups`), and the output
+    equals the padded masked forward (switch off) on every row's region and each row's solo
+    forward; also with per-token timesteps (Wan 2.2 TI2V: temb (B, N, 6, D) gathered per
+    token)."""
+    from diffusers import WanTransformer3DModel
+
+    from diffserve.pipelines.row_data import RowData, current_rows, forward_rows
+    from diffserve.pipelines.token_spans import LATENT_SIZE
+    from diffserve.pipelines.wan.mixed_sizes import install_token_spans
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+                                  out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2,
+                                  rope_max_seq_len=16).eval()
+    switch = {"on": True}
+    install_token_spans(model, lambda: switch["on"])
+    sizes, grid = [(3, 6, 4), (2, 4, 6), (3, 6, 4), (1, 2, 2)], (3, 6, 6)  # every axis padded somewhere
+    latents = _grid_rows(sizes, grid, seed=1)
+    ctx = torch.randn(4, 5, 16)
+    if per_token:  # a timestep per patch token of the padded grid (3 x 3 x 3)
+        timestep = (torch.rand(4, 3, 3, 3) * 1000).round()
+        solo_t = [timestep[r:r + 1, :f, :h // 2, :w // 2].reshape(1, -1) for r, (f, h, w) in enumerate(sizes)]
+        timestep = timestep.reshape(4, -1)
+    else:
+        timestep = torch.tensor([900.0, 500.0, 100.0, 700.0])
+        solo_t = [timestep[r:r + 1] for r in range(4)]
+    rows = RowData({LATENT_SIZE: tuple(sizes)}, 4)
+    seen = []
+    hook = model.blocks[0].attn1.register_forward_pre_hook(
+        lambda module, args: seen.append((tuple(args[0].shape[:2]), current_rows().num_rows)))
+
+    def forward():
+        with torch.no_grad(), forward_rows(rows):
+            return model(hidden_states=latents, timestep=timestep, encoder_hidden_states=ctx).sample
+
+    grouped = forward()
+    assert seen == [((2, 18), 2), ((1, 12), 1), ((1, 1), 1)]  # (3, 6, 4) x2 | (2, 4, 6) | (1, 2, 2)
+    switch["on"] = False
+    seen.clear()
+    padded = forward()
+    assert seen == [((4, 27), 4)]  # one call over the padded grid, with the key mask
+    hook.remove()
+    for r, (f, h, w) in enumerate(sizes):
+        region = (slice(r, r + 1), slice(None), slice(0, f), slice(0, h), slice(0, w))
+        torch.testing.assert_close(grouped[region], padded[region], atol=1e-5, rtol=1e-4)
+        with torch.no_grad():
+            solo = model(hidden_states=latents[region], timestep=solo_t[r], encoder_hidden_states=ctx[r:r + 1]).sample
+        torch.testing.assert_close(grouped[region], solo, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("length_groups", [True, False])
+def test_engine_length_groups_switch(tiny_wan_dir, length_groups):
+    """Through the engine (CFG rows, context folding): requests of three sizes and frame counts
+    share forwards and equal their runs alone either way; with `EngineConfig.length_groups`
+    every self-attention sees one size's real tokens only and `ModelInfo.padding_free` says
+    so, without it the mixed forwards run over the padded grid."""
+    engine = _engine(tiny_wan_dir, overlap_stages=False, length_groups=length_groups)
+    adapter = engine.runner.adapter
+    assert adapter.length_groups is length_groups
+    assert engine.model_info.padding_free is length_groups
+    seen = []
+    hook = adapter.pipe.transformer.blocks[0].attn1.register_forward_pre_hook(
+        lambda module, args: seen.append(tuple(args[0].shape[:2])))
+    together = engine.generate([j[0] for j in MIXED], [j[1] for j in MIXED])
+    hook.remove()
+    assert max(together[0].metrics.batch_sizes) == 6  # 3 requests x 2 CFG rows
+    for t, job in zip(together, MIXED):
+        assert (t.videos[0] - _solo(engine, *job).videos[0]).abs().max() <= TOL
+    # real tokens: (2, 4, 6) latents -> 2 x 2 x 3 patches, (3, 6, 4) -> 18, (1, 2, 2) -> 1; the
+    # padded grid (3, 6, 6) -> 27
+    if length_groups:  # each size's two CFG rows on its real tokens, never the padded grid
+        assert {(2, 12), (2, 18), (2, 1)} <= set(seen) and all(n != 27 for _, n in seen), seen
+    else:
+        assert (6, 27) in seen and (2, 18) not in seen, seen
 
 
 @pytest.mark.parametrize("model", ["tiny", "digits-video"])

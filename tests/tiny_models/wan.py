@@ -89,32 +89,33 @@ WAN21_SCHEDULER = dict(
 WAN22_BOUNDARY_RATIO = 0.875
 
 
-def _transformer() -> WanTransformer3DModel:
+def _transformer(num_layers: int = 2, num_attention_heads: int = 2, attention_head_dim: int = 12,
+                 ffn_dim: int = 32) -> WanTransformer3DModel:
     return WanTransformer3DModel(
         patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=12,
+        num_attention_heads=num_attention_heads,
+        attention_head_dim=attention_head_dim,
         in_channels=16,
         out_channels=16,
         text_dim=32,  # = UMT5 d_model
         freq_dim=256,
-        ffn_dim=32,
-        num_layers=2,
+        ffn_dim=ffn_dim,
+        num_layers=num_layers,
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
         rope_max_seq_len=32,
     )
 
 
-def _wan_pipeline(*, two_experts: bool, boundary_ratio: float, seed: int) -> WanPipeline:
+def _wan_pipeline(*, two_experts: bool, boundary_ratio: float, seed: int, **shape) -> WanPipeline:
     torch.manual_seed(seed)
     tokenizer = t5_tokenizer()
     text_encoder = umt5_encoder(len(tokenizer), d_model=32)
     vae = AutoencoderKLWan(
         base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
     )
-    transformer = _transformer()
-    transformer_2 = _transformer() if two_experts else None
+    transformer = _transformer(**shape)
+    transformer_2 = _transformer(**shape) if two_experts else None
     return WanPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
@@ -126,18 +127,20 @@ def _wan_pipeline(*, two_experts: bool, boundary_ratio: float, seed: int) -> Wan
     )
 
 
-def build_tiny_wan(out: Path, *, seed: int = 0) -> Path:
+def build_tiny_wan(out: Path, *, seed: int = 0, **shape) -> Path:
     """Build a tiny random-weight Wan 2.1 T2V ``WanPipeline`` and ``save_pretrained`` it to ``out``.
 
     Args:
         out: folder to write (created if missing).
         seed: ``torch.manual_seed`` for the random weights.
+        shape: ``num_layers`` (2), ``num_attention_heads`` (2), ``attention_head_dim``
+            (12), ``ffn_dim`` (32) of the transformer (benchmarks widen it).
 
     Returns:
         ``out`` as a ``Path`` (~1 MB). Always pass ``height``/``width`` (multiples of 16) and
         ``num_frames`` (4k + 1); the pipeline's defaults are 480x832, 81 frames.
     """
-    pipe = _wan_pipeline(two_experts=False, boundary_ratio=0.0, seed=seed)
+    pipe = _wan_pipeline(two_experts=False, boundary_ratio=0.0, seed=seed, **shape)
     out = Path(out)
     pipe.save_pretrained(out)
     return out

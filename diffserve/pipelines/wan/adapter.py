@@ -26,7 +26,9 @@ branch's UMT5 states.
 Requests of different sizes AND frame counts share a forward (`mixed_sizes`,
 `diffserve.pipelines.token_spans`, `wan/mixed_sizes.py`): collation pads each request's latents
 at the end of each axis to the batch's largest grid; Wan's per-axis rotary keeps every real
-token at its solo position, and a self-attention key mask hides each row's padded tokens.
+token at its solo position, and a self-attention key mask hides each row's padded tokens. In
+eager forwards each block runs once per row size on real tokens only (length groups,
+``EngineConfig.length_groups``).
 """
 
 from __future__ import annotations
@@ -121,7 +123,14 @@ class WanAdapter(PipelineAdapter):
             cache_dit=CacheDiTSupport(blocks=("blocks",), patterns=("Pattern_2",), has_encoder_residual=False)
             if plain else None,
             repeated_blocks=("WanTransformerBlock",))
-        self.mixed_sizes = self.mixed_sizes and all(install_token_spans(e) for e in self.experts)
+        # length groups: eager mixed forwards run each block per row size on real tokens only
+        # (read at run time: EngineConfig.length_groups clears it after setup; Ulysses clears
+        # mixed_sizes and batches by size)
+        def grouped() -> bool:
+            return self.length_groups and self.mixed_sizes
+
+        self.mixed_sizes = self.mixed_sizes and all(install_token_spans(e, grouped) for e in self.experts)
+        self.length_groups = self.mixed_sizes
         p_t, p_h, _ = transformer.config.patch_size
         spatial, temporal = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
         rope = transformer.config.rope_max_seq_len  # RoPE positions per axis, in patches

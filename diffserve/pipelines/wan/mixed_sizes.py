@@ -30,14 +30,31 @@ Euler step.
 With ``expand_timesteps`` (Wan 2.2 TI2V) the adapter builds the per-token timesteps on the
 padded grid: tokens are frame-major, so a row's clean first frames are the first tokens either
 way. Wan 2.2's two experts mix as one: the expert is the step key, the hook sits on both.
+
+Length groups (`diffserve.pipelines.length_groups`): in an EAGER forward with padded rows every
+block runs once per row `LATENT_SIZE` on that size's real tokens only (`_grouped_block_forward`):
+a row's real tokens are a 3-D box at the start of the padded grid, so NOT a prefix of the
+flattened sequence; each size group gathers them (`size_groups`: the positions where its key
+mask is True, in raster order) from hidden_states, the rotary tables and, with per-token
+timesteps, from ``temb``, runs the stock `WanTransformerBlock.forward` with the plain
+``(cos, sin)`` (nothing padded, no mask: the solo forward's computation) and scatters the result
+back; padded tokens leave every block zero. A compiled block or a CUDA graph capture keeps the
+masked padded path above (`length_groups.grouping_enabled`).
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
-from diffserve.pipelines.row_data import NO_ROW_DATA, RowData, current_rows
+from diffserve.pipelines.length_groups import grouping_enabled
+from diffserve.pipelines.row_data import NO_ROW_DATA, RowData, current_rows, forward_rows
 from diffserve.pipelines.token_spans import LATENT_SIZE
 
 
@@ -117,16 +134,125 @@ def _rope_hook(module: torch.nn.Module, args: tuple, output: tuple[torch.Tensor,
     return (*output, mask)
 
 
-def install_token_spans(transformer: torch.nn.Module) -> bool:
+@dataclass(frozen=True)
+class SizeGroup:
+    """The rows of one `LATENT_SIZE` in a padded Wan forward and where their real tokens lie.
+
+    Attributes:
+        members: the forward rows of this size (ascending).
+        rows: the same as a (g,) long tensor on the forward's device.
+        positions: (n,) long, the indices of the size's n real tokens in the padded sequence of
+            N tokens, ascending (raster order: the solo forward's token order).
+        flat: (g * n,) long, ``rows[:, None] * N + positions[None, :]`` flattened: the group's
+            real tokens in a (B * N, ...) view of a per-token tensor.
+        row_data: the forward's row data narrowed to `members` (`RowData.select`), made once
+            per batch composition so the plug-ins' memos inside the group are reused by every
+            block.
+    """
+
+    members: tuple[int, ...]
+    rows: torch.Tensor
+    positions: torch.Tensor
+    flat: torch.Tensor
+    row_data: RowData
+
+
+def size_groups(mask: torch.Tensor, patch: tuple[int, int, int]) -> tuple[SizeGroup, ...] | None:
+    """The rows of the forward running now (`row_data.current_rows`) grouped by their
+    `LATENT_SIZE` (F, h, w), with each size's real token positions.
+
+    Args:
+        mask: (B, 1, 1, N) bool key mask of this forward (`key_mask`, narrowed like the rows),
+            True on each row's real tokens.
+        patch: the transformer's (p_t, p_h, p_w), to count a size's tokens.
+
+    Returns:
+        One `SizeGroup` per distinct size (in order of first appearance), memoised per row
+        data; None when the forward carries no sizes or `grouping_enabled` is False.
+
+    Raises:
+        ValueError: the row data does not have the mask's row count.
+    """
+    if not grouping_enabled():
+        return None
+    rows = current_rows()
+    sizes = rows.get(LATENT_SIZE) if rows is not NO_ROW_DATA else None
+    if not sizes:
+        return None
+    if len(sizes) != mask.shape[0]:
+        raise ValueError(f"the forward's row data has {len(sizes)} rows, its key mask {mask.shape[0]}")
+    n_tokens = mask.shape[-1]
+
+    def build() -> tuple[SizeGroup, ...]:
+        groups = []
+        for size in dict.fromkeys(tuple(s) for s in sizes):
+            members = tuple(r for r, s in enumerate(sizes) if tuple(s) == size)
+            real = math.prod(d // p for d, p in zip(size, patch))
+            # the row's True positions in order, without a host sync (a stable sort of ~mask)
+            positions = torch.argsort((~mask[members[0], 0, 0]).to(torch.uint8), stable=True)[:real]
+            index = torch.tensor(members, dtype=torch.long, device=mask.device)
+            flat = (index[:, None] * n_tokens + positions[None, :]).reshape(-1)
+            groups.append(SizeGroup(members, index, positions, flat, rows.select(members)))
+        return tuple(groups)
+
+    return rows.derived(("wan_size_groups", n_tokens, tuple(patch), str(mask.device)), build)
+
+
+def _grouped_block_forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                           temb: torch.Tensor, rotary_emb: tuple | None, *, patch: tuple[int, int, int],
+                           grouped: Callable[[], bool]) -> torch.Tensor:
+    """`WanTransformerBlock.forward` (diffusers 0.42) that, in an eager forward with padded rows
+    (a key mask on the rotary tuple, `size_groups` not None) while `grouped()` says so, runs
+    the stock block once per row size on that size's real tokens only and scatters them back.
+
+    Tensors: hidden_states (B, N, D); encoder_hidden_states (B, L, D); temb (B, 6, D), or per
+    token (B, N, 6, D) (Wan 2.2 TI2V); rotary_emb ``(cos, sin)`` each (1, N, 1, head_dim),
+    plus the (B, 1, 1, N) key mask. A group of g rows with n real tokens runs the stock block
+    on (g, n, D), (g, L, D), (g, 6, D) or (g, n, 6, D) and ``(cos, sin)`` (1, n, 1, head_dim)
+    at its tokens' positions, with the forward context narrowed to its rows. Returns
+    (B, N, D), zero on padded tokens; otherwise the stock block (masked over the padded rows).
+    """
+    stock = type(self).forward
+    groups = None
+    if rotary_emb is not None and len(rotary_emb) == 3 and grouping_enabled() and grouped():
+        groups = size_groups(rotary_emb[2], patch)
+    if groups is None:
+        return stock(self, hidden_states, encoder_hidden_states, temb, rotary_emb)
+    cos, sin, _ = rotary_emb
+    batch, n_tokens, width = hidden_states.shape
+    tokens = hidden_states.reshape(batch * n_tokens, width)
+    per_token = temb.ndim == 4
+    if per_token:
+        temb_tokens = temb.reshape(batch * n_tokens, *temb.shape[2:])
+    out = hidden_states.new_zeros(batch * n_tokens, width)
+    for group in groups:
+        g, n = len(group.members), group.positions.shape[0]
+        if per_token:
+            group_temb = temb_tokens.index_select(0, group.flat).view(g, n, *temb.shape[2:])
+        else:
+            group_temb = temb.index_select(0, group.rows)
+        with forward_rows(group.row_data):
+            value = stock(self, tokens.index_select(0, group.flat).view(g, n, width),
+                          encoder_hidden_states.index_select(0, group.rows), group_temb,
+                          (cos.index_select(1, group.positions), sin.index_select(1, group.positions)))
+        out.index_copy_(0, group.flat, value.reshape(g * n, width))
+    return out.view(batch, n_tokens, width)
+
+
+def install_token_spans(transformer: torch.nn.Module, grouped: Callable[[], bool] = lambda: True) -> bool:
     """Let a `WanTransformer3DModel` run rows of different sizes and frame counts: the key-mask
-    hook on its ``rope`` and a `SpanSelfAttnProcessor` on every block's ``attn1`` (weights and
-    state dict unchanged; stock behaviour in forwards without padded rows). Idempotent.
-    Returns True."""
+    hook on its ``rope``, a `SpanSelfAttnProcessor` on every block's ``attn1`` and every block's
+    forward `_grouped_block_forward` (an instance attribute: per row size in eager forwards
+    with padded rows while `grouped()` says so; weights and state dict unchanged; stock
+    behaviour in forwards without padded rows). Idempotent. Returns True."""
     if not getattr(transformer.rope, "_diffserve_token_spans", False):
         transformer.rope.register_forward_hook(_rope_hook)
         transformer.rope._diffserve_token_spans = True
+    patch = tuple(transformer.config.patch_size)
     for block in transformer.blocks:
         block.attn1.set_processor(SpanSelfAttnProcessor())
+        block.forward = types.MethodType(functools.partial(_grouped_block_forward, patch=patch, grouped=grouped),
+                                         block)
     return True
 
 
@@ -153,4 +279,5 @@ def zero_outside(guided: torch.Tensor, rows: RowData) -> torch.Tensor:
     return guided.masked_fill(~mask, 0)
 
 
-__all__ = ["SpanSelfAttnProcessor", "install_token_spans", "key_mask", "select_rotary", "zero_outside"]
+__all__ = ["SizeGroup", "SpanSelfAttnProcessor", "install_token_spans", "key_mask", "select_rotary", "size_groups",
+           "zero_outside"]

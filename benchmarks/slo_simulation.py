@@ -15,7 +15,8 @@ mixed arms by nothing) to a real `RequestQueues` whose clock is the simulation's
 boundary it adds the requests that arrived, calls `admit` and `select_batch` (admitted requests
 denoise at once: encoding and decoding take no time here), advances the clock by the step's
 cost ``a + b x token slots`` (`RequestQueues.batch_slots`: rows x the widest row's tokens, what
-a padded mixed forward computes), feeds that duration to the queues' online cost model (as the
+a padded mixed forward computes; with ``--padding-free``, ``a + b x real tokens``: what a forward
+run per length group computes), feeds that duration to the queues' online cost model (as the
 engine does) and finishes requests whose steps are done. ``--admission slo`` refuses at arrival
 with the engine's own prediction (`RequestQueues.predict_latency`); a refusal is a miss.
 
@@ -110,7 +111,7 @@ class Outcome:
 
 def simulate(jobs: list[TraceJob], arm: Arm, cost: tuple[float, float], max_batch_size: int = 16,
              concurrency: int | None = None, aging_s: float = 60.0, factor: int = 2,
-             rows: int = ROWS) -> tuple[list[Outcome], RequestQueues]:
+             rows: int = ROWS, padding_free: bool = False) -> tuple[list[Outcome], RequestQueues]:
     """Run `jobs` through a real `RequestQueues` in virtual time (the module docstring).
 
     Args:
@@ -121,6 +122,8 @@ def simulate(jobs: list[TraceJob], arm: Arm, cost: tuple[float, float], max_batc
             jobs' arrivals).
         factor: pixels per latent token side (tokens of a row: height / factor x width / factor).
         rows: denoiser rows per request.
+        padding_free: a step costs its real tokens instead of its token slots (length groups:
+            `RequestQueues.cost_tokens`), and the queues know it (``auto`` padding, cost model).
 
     Returns:
         (one `Outcome` per job, in job order; the queues, for `preemptions`).
@@ -129,7 +132,7 @@ def simulate(jobs: list[TraceJob], arm: Arm, cost: tuple[float, float], max_batc
     now = [0.0]
     queues = RequestQueues(max_batch_size, max_waiting=len(jobs) + 1, policy=arm.policy, aging_s=aging_s,
                            cost_model=StepCostModel(), max_padding_ratio=arm.max_padding_ratio,
-                           clock=lambda: now[0])
+                           clock=lambda: now[0], padding_free=padding_free)
     outcomes: list[Outcome | None] = [None] * len(jobs)
     requests: dict[int, Request] = {}
     next_job = done = 0
@@ -174,8 +177,8 @@ def simulate(jobs: list[TraceJob], arm: Arm, cost: tuple[float, float], max_batc
             if done < len(jobs) and (queues.running or queues.waiting):
                 raise RuntimeError(f"simulation stalled at {now[0]:.3f} s: requests held but no batch")
             continue
-        seconds = a + b * queues.batch_slots
-        queues.cost_model.observe(queues.batch_slots, seconds)  # as the engine's scheduler does
+        seconds = a + b * queues.cost_tokens
+        queues.cost_model.observe(queues.cost_tokens, seconds)  # as the engine's scheduler does
         now[0] += seconds
         for request in batch:
             request.steps_done += 1
@@ -220,7 +223,7 @@ def score(outcomes: list[Outcome], queues: RequestQueues) -> dict:
 def sweep(args, cost: tuple[float, float]) -> list[dict]:
     """One row per (load, scale, arm, seed): `score` plus the capacity."""
     arms = [parse_arm(a) for a in args.arms]
-    common = {"max_batch_size": args.max_batch_size, "aging_s": args.aging_s}
+    common = {"max_batch_size": args.max_batch_size, "aging_s": args.aging_s, "padding_free": args.padding_free}
     rows = []
     for seed in range(args.seed, args.seed + args.seeds):
         trace_args = SimpleNamespace(seed=seed, size=None, num_requests=args.num_requests, steps=args.steps,
@@ -390,6 +393,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--capacity-arm", type=_arm_name, default="per_size",
                         help="the arm whose closed-loop throughput is 100%% load (default per_size: today's)")
     parser.add_argument("--aging-s", type=_positive_float, default=60.0)
+    parser.add_argument("--padding-free", action="store_true",
+                        help="steps cost their real tokens, not their token slots (length groups)")
     parser.add_argument("--measure-requests", type=_positive_int, default=48,
                         help="requests of each measuring replay")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of every row")

@@ -19,7 +19,8 @@ COST = (0.004, 7.4e-5)
 def _args(**overrides):
     args = argparse.Namespace(arms=["per_size", "mixed", "mixed_priority", "mixed_slo", "mixed_slo_adm"],
                               loads=[1.0], scales=[2.0, 5.0], seeds=2, seed=0, num_requests=32, steps=8,
-                              max_batch_size=16, concurrency=8, aging_s=60.0, capacity_arm="per_size")
+                              max_batch_size=16, concurrency=8, aging_s=60.0, capacity_arm="per_size",
+                              padding_free=False)
     vars(args).update(overrides)
     return args
 
@@ -71,6 +72,22 @@ def test_slo_runs_a_smaller_batch_for_an_urgent_request_on_a_compute_bound_devic
         met[arm] = [o.latency <= o.job.deadline_s for o in outcomes]
     assert met["mixed"] == [True] * 7 + [False]
     assert met["mixed_slo"] == [True] * 8
+
+
+def test_padding_free_steps_cost_their_real_tokens():
+    """``padding_free`` (length groups): a mixed step of a 16x16 and a 8x8 request costs its real
+    tokens (2 x (64 + 16) with CFG rows), not its slots (4 x 64), so both finish sooner than
+    padded; per-size batching has no padding, so it is unchanged."""
+    jobs = [TraceJob(0.0, "big", 16, 16, 4), TraceJob(0.0, "small", 8, 8, 4)]
+    finish = {}
+    for arm in ("mixed", "per_size"):
+        for free in (False, True):
+            outcomes, _ = sim.simulate(jobs, sim.parse_arm(arm), COST, padding_free=free)
+            finish[arm, free] = max(o.finish for o in outcomes)
+    a, b = COST
+    assert finish["mixed", False] == pytest.approx(4 * (a + b * 4 * 64))
+    assert finish["mixed", True] == pytest.approx(4 * (a + b * 2 * (64 + 16)))
+    assert finish["per_size", True] == finish["per_size", False]
 
 
 @pytest.mark.parametrize("flag, value", [("--arms", "mixed_edf"), ("--capacity-arm", "bogus"), ("--loads", "x"),

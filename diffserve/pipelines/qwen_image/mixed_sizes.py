@@ -22,10 +22,26 @@ n_r) | reference (edits: R_max, row r real on its first m_r)]``. Padded queries 
 nobody reads (the adapter zeroes their guided prediction and drops the reference's), so every
 row equals its solo forward within float rounding. In a forward without ``spans`` the processor
 runs diffusers' `QwenDoubleStreamAttnProcessor2_0` unchanged.
+
+In an eager forward every `QwenImageTransformerBlock` goes one step further
+(`diffserve.pipelines.length_groups`, `_grouped_block_forward`): it runs once per row size on
+that size's real tokens only (edits: per pair of target and reference token counts, the group's
+target then reference tokens), with a `QwenSpans` of the group's own lengths, so the processor
+builds each row's tables at that length and masks no image key; the layout between blocks stays
+the padded one. The text stays as collated: a group holds rows of any text lengths, with their
+rows of ``encoder_hidden_states_mask`` (a group whose texts are padded still attends with that
+text mask; none is built when the batch's texts are equally long). A compiled block or a CUDA
+graph capture keeps the masked padded path. Transformers with ``zero_cond_t`` (per-token
+``modulate_index``, Qwen-Image-Edit-2511) or ``use_additional_t_cond`` never mix sizes (see
+`install_token_spans`), so they never group either.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +49,8 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
-from diffserve.pipelines.row_data import NO_ROW_DATA, current_rows
+from diffserve.pipelines.length_groups import gather_rows, length_groups, scatter_rows
+from diffserve.pipelines.row_data import NO_ROW_DATA, current_rows, narrowed_rows
 from diffserve.pipelines.token_spans import (
     IMAGE_TOKENS,
     LATENT_SIZE,
@@ -186,18 +203,69 @@ class SpanQwenAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
         return img_out, attn.to_add_out(txt_out.contiguous())
 
 
-def install_token_spans(transformer: torch.nn.Module) -> bool:
+def _grouped_block_forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                           encoder_hidden_states_mask: torch.Tensor | None, temb: torch.Tensor,
+                           image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           joint_attention_kwargs: dict[str, Any] | None = None,
+                           modulate_index: list[int] | None = None, *, grouped: Callable[[], bool]):
+    """`QwenImageTransformerBlock.forward` (diffusers 0.42.1: these arguments, returns
+    ``(encoder_hidden_states, hidden_states)``) that, in an eager forward over rows of different
+    sizes (``spans`` set, `length_groups.length_groups` not None), runs the stock block once per
+    row size on the group's real tokens only.
+
+    Per group (g rows of n target and, for edits, m reference tokens): hidden_states
+    ``cat([rows, :n], [rows, L_max : L_max + m])`` of (B, L_max + R_max, D) -> (g, n + m, D),
+    encoder_hidden_states (B, N_txt, D), encoder_hidden_states_mask (B, N_txt) bool (or None)
+    and temb (B, D) ``[rows]`` (the text keeps its collated length N_txt: rows of different
+    text lengths share a group, each masking its own padded text keys), image_rotary_emb as
+    given (the processor replaces it by each row's own tables, `RowRotary.tables`) and ``spans``
+    with ``longest=n, reference=m`` (no image key masked), with the forward context narrowed to
+    the group. Returns ``(encoder_hidden_states, hidden_states)`` of the input shapes,
+    hidden_states zero on padded image tokens. `grouped()` False (the adapter's
+    `PipelineAdapter.length_groups`), no ``spans``, a ``modulate_index`` (``zero_cond_t``: never
+    with ``spans``, `install_token_spans`) or a compiled block: the stock block over the padded
+    rows."""
+    stock = type(self).forward
+    spans = joint_attention_kwargs.get("spans") if joint_attention_kwargs else None
+    groups = length_groups(spans.longest, hidden_states.device, reference=spans.reference) \
+        if spans is not None and modulate_index is None and grouped() else None
+    if groups is None:
+        return stock(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb, image_rotary_emb,
+                     joint_attention_kwargs, modulate_index)
+    longest = spans.longest
+    out_hidden = hidden_states.new_zeros(hidden_states.shape)
+    out_context = encoder_hidden_states.new_empty(encoder_hidden_states.shape)
+    for group in groups:
+        n, m = group.tokens, group.reference
+        hidden = gather_rows(hidden_states, group, n)
+        if m:
+            hidden = torch.cat([hidden, gather_rows(hidden_states[:, longest:], group, m)], dim=1)
+        mask = None if encoder_hidden_states_mask is None else gather_rows(encoder_hidden_states_mask, group)
+        kwargs = {**joint_attention_kwargs, "spans": dataclasses.replace(spans, longest=n, reference=m)}
+        with narrowed_rows(group.members):
+            context, hidden = stock(self, hidden, gather_rows(encoder_hidden_states, group), mask,
+                                    gather_rows(temb, group), image_rotary_emb, kwargs)
+        scatter_rows(out_context, group, context)
+        scatter_rows(out_hidden, group, hidden[:, :n])
+        if m:
+            scatter_rows(out_hidden[:, longest:], group, hidden[:, n:])
+    return out_context, out_hidden
+
+
+def install_token_spans(transformer: torch.nn.Module, grouped: Callable[[], bool] = lambda: True) -> bool:
     """Put a `SpanQwenAttnProcessor` (sharing one `RowRotary`) on every joint attention of a
-    `QwenImageTransformer2DModel` (weights unchanged; stock behaviour outside forwards with
-    ``spans``). Returns whether it did: not for transformers with ``zero_cond_t`` or
-    ``use_additional_t_cond``, whose time modulation indexes tokens by the first row's
-    ``img_shapes`` (they batch by size)."""
+    `QwenImageTransformer2DModel` and `_grouped_block_forward` on every block (instance
+    attributes: weights and state dict unchanged; stock behaviour outside forwards with
+    ``spans``; per row size in eager mixed forwards while `grouped()` says so). Returns whether
+    it did: not for transformers with ``zero_cond_t`` or ``use_additional_t_cond``, whose time
+    modulation indexes tokens by the first row's ``img_shapes`` (they batch by size)."""
     config = transformer.config
     if config.get("zero_cond_t") or config.get("use_additional_t_cond"):
         return False
     rotary = RowRotary(transformer.pos_embed)
     for block in transformer.transformer_blocks:
         block.attn.set_processor(SpanQwenAttnProcessor(rotary))
+        block.forward = types.MethodType(functools.partial(_grouped_block_forward, grouped=grouped), block)
     return True
 
 

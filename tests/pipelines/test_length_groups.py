@@ -284,32 +284,33 @@ def _tiny_qwen(grouped):
 
 @pytest.mark.parametrize("edit", [False, True])
 def test_qwen_blocks_run_per_size_and_equal_padded_and_solo(edit):
-    """Four Qwen-Image rows of three token counts (4x8 and 8x4 latents: one count, own image
-    RoPE and own text offset) with texts of three lengths (padded, masked per row), edits with
-    references of two sizes after them: every block runs once per (target, reference) count on
-    real tokens only, with the forward context narrowed; every row's target tokens equal the
-    padded masked forward (switch off) and its solo forward (own text length, no mask)."""
+    """Five Qwen-Image rows of three token counts (4x8 and 8x4 latents: one count, own image
+    RoPE and own text offset) with texts of three lengths (right-padded, masked), edits with
+    references of two sizes after them: every block runs once per (target, reference, text)
+    count on real tokens only, no mask, with the forward context narrowed; every row's target
+    tokens equal the padded masked forward (switch off) and its solo forward (own text length,
+    no mask)."""
     from diffserve.pipelines.qwen_image.mixed_sizes import PATCH, QwenSpans
 
     switch = {"on": True}
     model = _tiny_qwen(lambda: switch["on"])
-    sizes = [(8, 8), (4, 8), (8, 4), (4, 4)]  # latent pixels; 2x2 patches per token
-    refs = [(4, 4), (8, 4), (4, 4), (4, 4)] if edit else [None] * 4
-    texts = [5, 3, 5, 4]
+    sizes = [(8, 8), (4, 8), (8, 4), (4, 4), (4, 8)]  # latent pixels; 2x2 patches per token
+    refs = [(4, 4), (8, 4), (4, 4), (4, 4), (8, 4)] if edit else [None] * 5
+    texts = [5, 3, 3, 4, 5]
     tokens = [h * w // PATCH ** 2 for h, w in sizes]
-    ref_tokens = [h * w // PATCH ** 2 for h, w in refs] if edit else [0] * 4
+    ref_tokens = [h * w // PATCH ** 2 for h, w in refs] if edit else [0] * 5
     longest, reference, text = max(tokens), max(ref_tokens), max(texts)
     g = torch.Generator().manual_seed(1)
     target = [torch.randn(n, 16, generator=g) for n in tokens]
     ref = [torch.randn(m, 16, generator=g) for m in ref_tokens]
-    hidden = torch.zeros(4, longest + reference, 16)
-    ctx, mask = torch.zeros(4, text, 32), torch.zeros(4, text, dtype=torch.bool)
-    for r in range(4):
+    hidden = torch.zeros(5, longest + reference, 16)
+    ctx, mask = torch.zeros(5, text, 32), torch.zeros(5, text, dtype=torch.bool)
+    for r in range(5):
         hidden[r, :tokens[r]] = target[r]
         hidden[r, longest:longest + ref_tokens[r]] = ref[r]
         ctx[r, :texts[r]] = torch.randn(texts[r], 32, generator=g)
         mask[r, :texts[r]] = True
-    t = torch.tensor([0.9, 0.5, 0.1, 0.7])
+    t = torch.tensor([0.9, 0.5, 0.1, 0.7, 0.3])
 
     def shapes(r):
         grids = [(1, sizes[r][0] // PATCH, sizes[r][1] // PATCH)]
@@ -318,29 +319,31 @@ def test_qwen_blocks_run_per_size_and_equal_padded_and_solo(edit):
     data = {LATENT_SIZE: tuple(sizes), IMAGE_TOKENS: tuple(tokens)}
     if edit:
         data.update({REFERENCE_SIZE: tuple(refs), REFERENCE_TOKENS: tuple(ref_tokens)})
-    rows = RowData(data, 4)
+    rows = RowData(data, 5)
     spans = QwenSpans(longest, reference)
     seen = []
     model.transformer_blocks[1].attn.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append((tuple(kwargs["hidden_states"].shape[:2]), current_rows().num_rows,
-                                                  tuple(getattr(kwargs["encoder_hidden_states_mask"], "shape", ())))),
+                                                  kwargs["encoder_hidden_states"].shape[1],
+                                                  kwargs["encoder_hidden_states_mask"] is not None)),
         with_kwargs=True)
 
     def forward():
         with torch.no_grad(), forward_rows(rows):
             return model(hidden_states=hidden, encoder_hidden_states=ctx, encoder_hidden_states_mask=mask,
-                         timestep=t, img_shapes=[shapes(0)] * 4, attention_kwargs={"spans": spans}).sample
+                         timestep=t, img_shapes=[shapes(0)] * 5, attention_kwargs={"spans": spans}).sample
 
     grouped = forward()
-    if edit:  # (n, m) = (4, 4) | (8, 4) + (8, 8) | (16, 4): target + reference tokens
-        assert seen == [((1, 8), 1, (1, text)), ((1, 12), 1, (1, text)), ((1, 16), 1, (1, text)),
-                        ((1, 20), 1, (1, text))]
-    else:  # n = 4 | 8 (4x8 and 8x4, texts of 3 and 5 tokens in one group) | 16
-        assert seen == [((1, 4), 1, (1, text)), ((2, 8), 2, (2, text)), ((1, 16), 1, (1, text))]
+    if edit:  # (n + m, text) = (4 + 4, 4) | (8 + 4, 3) | (8 + 8, 3) | (8 + 8, 5) | (16 + 4, 5)
+        assert seen == [((1, 8), 1, 4, False), ((1, 12), 1, 3, False), ((1, 16), 1, 3, False),
+                        ((1, 16), 1, 5, False), ((1, 20), 1, 5, False)]
+    else:  # (n, text) = (4, 4) | (8, 3): 4x8 and 8x4 | (8, 5) | (16, 5)
+        assert seen == [((1, 4), 1, 4, False), ((2, 8), 2, 3, False), ((1, 8), 1, 5, False),
+                        ((1, 16), 1, 5, False)]
     switch["on"] = False
     seen.clear()
     padded = forward()
-    assert seen == [((4, longest + reference), 4, (4, text))]  # one call over the padded rows, masked
+    assert seen == [((5, longest + reference), 5, text, True)]  # one call over the padded rows, masked
     for r, n in enumerate(tokens):
         torch.testing.assert_close(grouped[r, :n], padded[r, :n], atol=1e-5, rtol=1e-4)
         with torch.no_grad():
@@ -349,12 +352,27 @@ def test_qwen_blocks_run_per_size_and_equal_padded_and_solo(edit):
         torch.testing.assert_close(grouped[r, :n], solo[0, :n], atol=1e-5, rtol=1e-4)
 
 
+def test_qwen_text_groups_need_prefix_masks():
+    """A text mask with a real token after a padded one (never from collation) keeps the
+    image-count groups and the mask; prefix masks split groups by text length."""
+    from diffserve.pipelines.qwen_image.mixed_sizes import text_groups
+
+    with forward_rows(RowData({IMAGE_TOKENS: (4, 2, 2)}, 3)):
+        groups = lg.length_groups(4, CPU)
+        prefix = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+        assert [(g.members, t) for g, t in text_groups(groups, prefix, 3)] == [((2,), 2), ((1,), 3), ((0,), 2)]
+        assert [(g.members, t) for g, t in text_groups(groups, None, 3)] == [((1, 2), 3), ((0,), 3)]
+    with forward_rows(RowData({IMAGE_TOKENS: (4, 2, 2)}, 3)):
+        holes = torch.tensor([[1, 0, 1], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+        assert text_groups(lg.length_groups(4, CPU), holes, 3) is None
+
+
 @pytest.mark.parametrize("length_groups", [True, False])
 def test_qwen_engine_mixed_batch_equals_solo_either_way(tiny_qwen_image_dir, one_torch_thread, length_groups):
     """Through the engine (true CFG rows, texts of different lengths): Qwen-Image requests of
     three sizes in one step batch each equal their solo run, with and without
-    `EngineConfig.length_groups`; a block's attention runs once per token count (32x64 and
-    64x32 share one) or once over the padded rows."""
+    `EngineConfig.length_groups`; a block's attention runs per (token count, text length) on
+    real tokens without a mask, or once over the padded rows with one."""
     engine = DiffusionEngine(EngineConfig(model=str(tiny_qwen_image_dir), max_batch_size=8,
                                           length_groups=length_groups))
     assert engine.runner.adapter.length_groups is length_groups
@@ -366,13 +384,18 @@ def test_qwen_engine_mixed_batch_equals_solo_either_way(tiny_qwen_image_dir, one
     calls = []
     attn = engine.runner.adapter.pipe.transformer.transformer_blocks[0].attn
     hook = attn.register_forward_pre_hook(
-        lambda module, args, kwargs: calls.append(tuple(kwargs["hidden_states"].shape[:2])), with_kwargs=True)
+        lambda module, args, kwargs: calls.append((*kwargs["hidden_states"].shape[:2],
+                                                   kwargs["encoder_hidden_states_mask"] is not None)),
+        with_kwargs=True)
     batched = engine.generate(prompts, params)
     hook.remove()
     stats = engine.stats()["scheduler"]
     assert stats["mean_rows_per_forward"] == 6  # three sizes x true CFG in every forward
-    per_forward = [(2, 16), (4, 8)] if length_groups else [(6, 16)]  # 64x64 | 32x64 + 64x32, x CFG
-    assert sorted(calls) == sorted(per_forward * stats["forwards"])
+    if length_groups:  # 64x64 | 32x64 + 64x32 (the negatives share a length), real tokens only
+        assert {n for _, n, _ in calls} == {8, 16} and not any(masked for *_, masked in calls)
+        assert sum(g for g, _, _ in calls) == 6 * stats["forwards"]
+    else:
+        assert calls == [(6, 16, True)] * stats["forwards"]
     for prompt, p, out in zip(prompts, params, batched):
         assert out.ok, out.error
         [solo] = engine.generate([prompt], [p])

@@ -1,7 +1,7 @@
 """Length groups (`diffserve.pipelines.length_groups`): an eager mixed-size SD3, Flux (also
-Kontext) or Qwen-Image (also Qwen-Image-Edit) forward runs each repeated block once per row size on real tokens only, equal to the
-padded masked forward and to each row's solo forward; compiled blocks and the config switch keep
-the padded path."""
+Kontext) or Qwen-Image (also Qwen-Image-Edit) forward runs each repeated block once per row size
+on real tokens only, equal to the padded masked forward and to each row's solo forward; compiled
+blocks and the config switch keep the padded path."""
 
 from __future__ import annotations
 
@@ -347,8 +347,8 @@ def test_qwen_blocks_run_per_size_and_equal_padded_and_solo(edit):
     for r, n in enumerate(tokens):
         torch.testing.assert_close(grouped[r, :n], padded[r, :n], atol=1e-5, rtol=1e-4)
         with torch.no_grad():
-            solo = model(hidden_states=torch.cat([target[r], ref[r]])[None], encoder_hidden_states=ctx[r:r + 1, :texts[r]],
-                         timestep=t[r:r + 1], img_shapes=[shapes(r)]).sample
+            solo = model(hidden_states=torch.cat([target[r], ref[r]])[None], timestep=t[r:r + 1],
+                         encoder_hidden_states=ctx[r:r + 1, :texts[r]], img_shapes=[shapes(r)]).sample
         torch.testing.assert_close(grouped[r, :n], solo[0, :n], atol=1e-5, rtol=1e-4)
 
 

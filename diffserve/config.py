@@ -74,10 +74,10 @@ class EngineConfig:
             sequence parallelism); False batches by size as before (the benchmark's baseline arm).
         length_groups: in an eager mixed-size forward, run the family's repeated blocks once
             per row size on each size's real tokens only (`diffserve.pipelines.length_groups`;
-            SD3 and the built-in digits models, Flux, Flux Kontext, Wan); False runs them once
-            over the padded rows with masks (one call per block: fewer, larger kernels, which
-            can win where per-call overhead dominates, e.g. small models on a GPU). Compiled
-            blocks always take the padded path.
+            SD3 and the built-in digits models, Flux, Flux Kontext, Qwen-Image, Qwen-Image-Edit,
+            Wan); False runs them once over the padded rows with masks (one call per block:
+            fewer, larger kernels, which can win where per-call overhead dominates, e.g. small
+            models on a GPU). Compiled blocks always take the padded path.
         aging_s: under ``priority`` / ``slo``, a request that arrived more than this many
             seconds ago is served in arrival order ahead of every younger one (the bound on
             waiting: nothing starves); past it, the padding cap no longer holds a request back.

@@ -68,7 +68,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-length-groups", dest="length_groups", action="store_false",
                         help="run a mixed-size forward's blocks once over the padded rows with masks instead of "
                              "once per row size on real tokens only (default: grouped, in eager SD3-family, Flux, "
-                             "Flux Kontext and Wan forwards; compiled blocks always take the padded path)")
+                             "Flux Kontext, Qwen-Image(-Edit) and Wan forwards; compiled blocks always take "
+                             "the padded path)")
     parser.add_argument("--prompt-embed-cache-size", type=int, default=256, metavar="N",
                         help="entries of the prompt-embedding LRU cache (0 = off)")
     parser.add_argument("--cache-backend", default="none", choices=["none", "teacache", "cache_dit"],

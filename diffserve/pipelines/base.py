@@ -115,8 +115,8 @@ class PipelineAdapter(ABC):
     mixed_sizes: bool = False
     #: Whether an eager mixed-size forward runs its repeated blocks once per row size on real
     #: tokens only (`diffserve.pipelines.length_groups`) instead of once over the padded rows
-    #: with masks; set by families that implement it (SD3, Flux, Flux Kontext, Wan), cleared by
-    #: ``EngineConfig.length_groups = False``.
+    #: with masks; set by families that implement it (SD3, Flux, Flux Kontext, Qwen-Image,
+    #: Qwen-Image-Edit, Wan), cleared by ``EngineConfig.length_groups = False``.
     length_groups: bool = False
     #: Input images: ``"none"`` (text-to-X), ``"optional"`` (image-to-image) or ``"required"``
     #: (edits); at most one image, never a mask.

@@ -20,10 +20,12 @@ and the scheduler step still run once over the whole padded batch. It is the var
 (FlashAttention's ``cu_seqlens``, Dao 2023, arXiv:2307.08691: one launch over rows of different
 lengths) at block granularity, with the kernels every device has: k sizes cost k block calls.
 
-Edits append a second padded segment (Flux Kontext: ``[noisy L_max | reference R_max]``, each
-row real on the first tokens of each): `length_groups` then groups rows by the pair of real
-counts (``reference=R_max``), and a group's tokens are its noisy ones followed by its reference
-ones, nothing padded in either.
+Edits append a second padded segment (Flux Kontext, Qwen-Image-Edit: ``[noisy L_max |
+reference R_max]``, each row real on the first tokens of each): `length_groups` then groups rows
+by the pair of real counts (``reference=R_max``), and a group's tokens are its noisy ones
+followed by its reference ones, nothing padded in either. Qwen-Image also splits each group by
+its rows' text lengths (`qwen_image.mixed_sizes.text_groups`), so its texts are not padded
+inside a group either.
 
 Not used where it cannot run: inside a ``torch.compile`` trace (a regionally compiled block keeps
 the masked padded path, so it sees no new guard or shape) and while a CUDA graph is captured

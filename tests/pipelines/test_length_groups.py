@@ -1,7 +1,7 @@
-"""Length groups (`diffserve.pipelines.length_groups`): an eager mixed-size SD3 or Flux (also
-Kontext) forward runs each repeated block once per row size on real tokens only, equal to the
-padded masked forward and to each row's solo forward; compiled blocks and the config switch keep
-the padded path."""
+"""Length groups (`diffserve.pipelines.length_groups`): an eager mixed-size SD3, Flux (also
+Kontext) or Qwen-Image (also Qwen-Image-Edit) forward runs each repeated block once per row size
+on real tokens only, equal to the padded masked forward and to each row's solo forward; compiled
+blocks and the config switch keep the padded path."""
 
 from __future__ import annotations
 
@@ -266,4 +266,162 @@ def test_flux_engine_mixed_batch_equals_solo_either_way(tiny_flux_dev_dir, one_t
     for prompt, p, out in zip(prompts, params, batched):
         assert out.ok, out.error
         [solo] = engine.generate([prompt], [p])
+        assert float(np.abs(out.images - solo.images).max()) <= 1e-4
+
+
+def _tiny_qwen(grouped):
+    from diffusers import QwenImageTransformer2DModel
+
+    from diffserve.pipelines.qwen_image.mixed_sizes import install_token_spans
+
+    torch.manual_seed(0)
+    model = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                        axes_dims_rope=(4, 6, 6)).eval()
+    assert install_token_spans(model, grouped=grouped)
+    return model
+
+
+@pytest.mark.parametrize("edit", [False, True])
+def test_qwen_blocks_run_per_size_and_equal_padded_and_solo(edit):
+    """Five Qwen-Image rows of three token counts (4x8 and 8x4 latents: one count, own image
+    RoPE and own text offset) with texts of three lengths (right-padded, masked), edits with
+    references of two sizes after them: every block runs once per (target, reference, text)
+    count on real tokens only, no mask, with the forward context narrowed; every row's target
+    tokens equal the padded masked forward (switch off) and its solo forward (own text length,
+    no mask)."""
+    from diffserve.pipelines.qwen_image.mixed_sizes import PATCH, QwenSpans
+
+    switch = {"on": True}
+    model = _tiny_qwen(lambda: switch["on"])
+    sizes = [(8, 8), (4, 8), (8, 4), (4, 4), (4, 8)]  # latent pixels; 2x2 patches per token
+    refs = [(4, 4), (8, 4), (4, 4), (4, 4), (8, 4)] if edit else [None] * 5
+    texts = [5, 3, 3, 4, 5]
+    tokens = [h * w // PATCH ** 2 for h, w in sizes]
+    ref_tokens = [h * w // PATCH ** 2 for h, w in refs] if edit else [0] * 5
+    longest, reference, text = max(tokens), max(ref_tokens), max(texts)
+    g = torch.Generator().manual_seed(1)
+    target = [torch.randn(n, 16, generator=g) for n in tokens]
+    ref = [torch.randn(m, 16, generator=g) for m in ref_tokens]
+    hidden = torch.zeros(5, longest + reference, 16)
+    ctx, mask = torch.zeros(5, text, 32), torch.zeros(5, text, dtype=torch.bool)
+    for r in range(5):
+        hidden[r, :tokens[r]] = target[r]
+        hidden[r, longest:longest + ref_tokens[r]] = ref[r]
+        ctx[r, :texts[r]] = torch.randn(texts[r], 32, generator=g)
+        mask[r, :texts[r]] = True
+    t = torch.tensor([0.9, 0.5, 0.1, 0.7, 0.3])
+
+    def shapes(r):
+        grids = [(1, sizes[r][0] // PATCH, sizes[r][1] // PATCH)]
+        return grids + [(1, refs[r][0] // PATCH, refs[r][1] // PATCH)] if edit else grids
+
+    data = {LATENT_SIZE: tuple(sizes), IMAGE_TOKENS: tuple(tokens)}
+    if edit:
+        data.update({REFERENCE_SIZE: tuple(refs), REFERENCE_TOKENS: tuple(ref_tokens)})
+    rows = RowData(data, 5)
+    spans = QwenSpans(longest, reference)
+    seen = []
+    model.transformer_blocks[1].attn.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append((tuple(kwargs["hidden_states"].shape[:2]), current_rows().num_rows,
+                                                  kwargs["encoder_hidden_states"].shape[1],
+                                                  kwargs["encoder_hidden_states_mask"] is not None)),
+        with_kwargs=True)
+
+    def forward():
+        with torch.no_grad(), forward_rows(rows):
+            return model(hidden_states=hidden, encoder_hidden_states=ctx, encoder_hidden_states_mask=mask,
+                         timestep=t, img_shapes=[shapes(0)] * 5, attention_kwargs={"spans": spans}).sample
+
+    grouped = forward()
+    if edit:  # (n + m, text) = (4 + 4, 4) | (8 + 4, 3) | (8 + 8, 3) | (8 + 8, 5) | (16 + 4, 5)
+        assert seen == [((1, 8), 1, 4, False), ((1, 12), 1, 3, False), ((1, 16), 1, 3, False),
+                        ((1, 16), 1, 5, False), ((1, 20), 1, 5, False)]
+    else:  # (n, text) = (4, 4) | (8, 3): 4x8 and 8x4 | (8, 5) | (16, 5)
+        assert seen == [((1, 4), 1, 4, False), ((2, 8), 2, 3, False), ((1, 8), 1, 5, False),
+                        ((1, 16), 1, 5, False)]
+    switch["on"] = False
+    seen.clear()
+    padded = forward()
+    assert seen == [((5, longest + reference), 5, text, True)]  # one call over the padded rows, masked
+    for r, n in enumerate(tokens):
+        torch.testing.assert_close(grouped[r, :n], padded[r, :n], atol=1e-5, rtol=1e-4)
+        with torch.no_grad():
+            solo = model(hidden_states=torch.cat([target[r], ref[r]])[None], timestep=t[r:r + 1],
+                         encoder_hidden_states=ctx[r:r + 1, :texts[r]], img_shapes=[shapes(r)]).sample
+        torch.testing.assert_close(grouped[r, :n], solo[0, :n], atol=1e-5, rtol=1e-4)
+
+
+def test_qwen_text_groups_need_prefix_masks():
+    """A text mask with a real token after a padded one (never from collation) keeps the
+    image-count groups and the mask; prefix masks split groups by text length."""
+    from diffserve.pipelines.qwen_image.mixed_sizes import text_groups
+
+    with forward_rows(RowData({IMAGE_TOKENS: (4, 2, 2)}, 3)):
+        groups = lg.length_groups(4, CPU)
+        prefix = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+        assert [(g.members, t) for g, t in text_groups(groups, prefix, 3)] == [((2,), 2), ((1,), 3), ((0,), 2)]
+        assert [(g.members, t) for g, t in text_groups(groups, None, 3)] == [((1, 2), 3), ((0,), 3)]
+    with forward_rows(RowData({IMAGE_TOKENS: (4, 2, 2)}, 3)):
+        holes = torch.tensor([[1, 0, 1], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+        assert text_groups(lg.length_groups(4, CPU), holes, 3) is None
+
+
+@pytest.mark.parametrize("length_groups", [True, False])
+def test_qwen_engine_mixed_batch_equals_solo_either_way(tiny_qwen_image_dir, one_torch_thread, length_groups):
+    """Through the engine (true CFG rows, texts of different lengths): Qwen-Image requests of
+    three sizes in one step batch each equal their solo run, with and without
+    `EngineConfig.length_groups`; a block's attention runs per (token count, text length) on
+    real tokens without a mask, or once over the padded rows with one."""
+    engine = DiffusionEngine(EngineConfig(model=str(tiny_qwen_image_dir), max_batch_size=8,
+                                          length_groups=length_groups))
+    assert engine.runner.adapter.length_groups is length_groups
+    assert engine.model_info.padding_free is length_groups  # the scheduler counts real tokens
+    prompts = ["a red kite", "snow", "a blue boat on a quiet lake"]
+    params = [SamplingParams(num_inference_steps=3, seed=10 + i, height=h, width=w, output_type="np",
+                             true_cfg_scale=2.0, negative_prompt="blur")
+              for i, (h, w) in enumerate([(64, 64), (32, 64), (64, 32)])]
+    calls = []
+    attn = engine.runner.adapter.pipe.transformer.transformer_blocks[0].attn
+    hook = attn.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append((*kwargs["hidden_states"].shape[:2],
+                                                   kwargs["encoder_hidden_states_mask"] is not None)),
+        with_kwargs=True)
+    batched = engine.generate(prompts, params)
+    hook.remove()
+    stats = engine.stats()["scheduler"]
+    assert stats["mean_rows_per_forward"] == 6  # three sizes x true CFG in every forward
+    if length_groups:  # 64x64 | 32x64 + 64x32 (the negatives share a length), real tokens only
+        assert {n for _, n, _ in calls} == {8, 16} and not any(masked for *_, masked in calls)
+        assert sum(g for g, _, _ in calls) == 6 * stats["forwards"]
+    else:
+        assert calls == [(6, 16, True)] * stats["forwards"]
+    for prompt, p, out in zip(prompts, params, batched):
+        assert out.ok, out.error
+        [solo] = engine.generate([prompt], [p])
+        assert float(np.abs(out.images - solo.images).max()) <= 1e-4
+
+
+def test_qwen_edit_engine_groups_by_target_and_reference(tiny_qwen_image_edit_dir, one_torch_thread):
+    """Qwen-Image-Edit through the engine: inputs of two aspect ratios (reference token counts)
+    and two output sizes in one forward run each block per (target, reference) pair, and each
+    request equals its solo run."""
+    from PIL import Image
+
+    engine = DiffusionEngine(EngineConfig(model=str(tiny_qwen_image_edit_dir), max_batch_size=4))
+    assert engine.model_info.padding_free
+    images = [Image.new("RGB", (64, 32), (200, 30, 30)), Image.new("RGB", (48, 48), (30, 200, 30))]
+    params = [SamplingParams(num_inference_steps=2, seed=i, height=h, width=w, output_type="np")
+              for i, (h, w) in enumerate([(64, 64), (32, 64)])]
+    calls = []
+    attn = engine.runner.adapter.pipe.transformer.transformer_blocks[0].attn
+    hook = attn.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(kwargs["hidden_states"].shape[0]), with_kwargs=True)
+    batched = engine.generate(["make it blue", "add snow"], params, inputs=images)
+    hook.remove()
+    assert [max(o.metrics.batch_sizes) for o in batched] == [2, 2]
+    assert calls and set(calls) == {1}  # one row per (target, reference) pair: never the padded pair
+    for prompt, p, image, out in zip(["make it blue", "add snow"], params, images, batched):
+        assert out.ok, out.error
+        [solo] = engine.generate([prompt], [p], inputs=[image])
         assert float(np.abs(out.images - solo.images).max()) <= 1e-4

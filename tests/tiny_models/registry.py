@@ -78,6 +78,9 @@ class TestModel:
             is `request`'s); empty: the family batches by size.
         mixed_inputs: (width, height) of each `mixed_sizes` request's input image (edits whose
             references of different sizes share the forward too); empty: `input_size`.
+        mixed_atol: largest |mixed - alone| pixel difference of the `mixed_sizes` check; None:
+            the harness's ``BATCH_TOL``. Looser only where the tiny folder's random VAE is
+            measured to amplify float noise in the latents past it (the value's comment).
     """
 
     id: str
@@ -105,6 +108,7 @@ class TestModel:
     samplers: tuple[str, ...] = ("euler", "dpmpp_2m", "unipc")
     mixed_sizes: tuple[tuple[int, ...], ...] = ()
     mixed_inputs: tuple[tuple[int, int], ...] = ()
+    mixed_atol: float | None = None
 
     @property
     def images(self) -> str:
@@ -268,6 +272,9 @@ MODELS: tuple[TestModel, ...] = (
         reference="QwenImagePipeline", parity_atol=5e-4, one_step=False,  # measured 4.3e-5
         samplers=_NO_DPM_SAMPLERS,
         mixed_sizes=((64, 48), (32, 64), (64, 64), (48, 32)),
+        # latents equal alone within 1.3e-6 (length groups on and off); the random VAE turns
+        # that into up to 1.3e-4 in pixels (and 1.04e-4 without length groups at seeds + 300)
+        mixed_atol=5e-4,
     ),
     TestModel(
         id="QwenImageEditPipeline", pipeline="QwenImageEditPipeline", build=build_tiny_qwen_image_edit,
@@ -280,6 +287,7 @@ MODELS: tuple[TestModel, ...] = (
         samplers=_NO_DPM_SAMPLERS,
         mixed_sizes=((64, 48), (32, 64), (64, 64), (48, 32)),
         mixed_inputs=((56, 40), (40, 56), (64, 64), (96, 32)),  # encoded at (WxH) 160x96, 96x160, 128x128, 224x64
+        mixed_atol=5e-4,  # measured 1.1e-4 (length groups), 8.1e-5 (without): the tiny VAE, as Qwen-Image
     ),
     TestModel(
         id="WanPipeline-2.1", pipeline="WanPipeline", build=build_tiny_wan,

@@ -26,7 +26,8 @@ What differs from SD3 and how it maps onto the step contract:
 - Requests of different sizes share a forward (`mixed_sizes`, `diffserve.pipelines.token_spans`,
   `qwen_image/mixed_sizes.py`; transformers with a plain time embedding): each request's packed
   sequence is right-padded to the batch's longest, and every row keeps its own image and text
-  RoPE positions and attention span.
+  RoPE positions and attention span; in eager forwards each block runs once per row size on
+  real tokens only (`length_groups`, ``EngineConfig.length_groups``).
 """
 
 from __future__ import annotations
@@ -94,7 +95,9 @@ class QwenImageAdapter(PipelineAdapter):
                                       has_encoder_residual=True),
             repeated_blocks=("QwenImageTransformerBlock",),
         )
-        self.mixed_sizes = self.mixed_sizes and install_token_spans(pipe.transformer)
+        self.mixed_sizes = self.mixed_sizes and install_token_spans(pipe.transformer,
+                                                                    grouped=lambda: self.length_groups)
+        self.length_groups = self.mixed_sizes  # eager mixed forwards: blocks per row size
         factor = pipe.vae_scale_factor * 2
         # RoPE rows: text positions start after max(h, w) / 2 of the latent grid (scale_rope)
         max_side = (pipe.transformer.pos_embed.pos_freqs.shape[0] - MAX_SEQUENCE_LENGTH_LIMIT) * 2 * factor

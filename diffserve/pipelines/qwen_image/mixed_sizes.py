@@ -22,10 +22,28 @@ n_r) | reference (edits: R_max, row r real on its first m_r)]``. Padded queries 
 nobody reads (the adapter zeroes their guided prediction and drops the reference's), so every
 row equals its solo forward within float rounding. In a forward without ``spans`` the processor
 runs diffusers' `QwenDoubleStreamAttnProcessor2_0` unchanged.
+
+In an eager forward every `QwenImageTransformerBlock` goes one step further
+(`diffserve.pipelines.length_groups`, `_grouped_block_forward`): it runs once per row size on
+that size's real tokens only (edits: per pair of target and reference token counts, the group's
+target then reference tokens), with a `QwenSpans` of the group's own lengths, so the processor
+builds each row's tables at that length and masks no image key; the layout between blocks stays
+the padded one. Texts are right-padded per row too (``encoder_hidden_states_mask``), so a group
+is the rows of one (target, reference, text) token count triple (`text_groups`) and gets its
+text cut to that length and no mask: each group computes exactly its rows' solo forward (rows of
+equal image size but different text lengths run apart; with one text length, e.g. one negative
+prompt, they share). A compiled block or a CUDA
+graph capture keeps the masked padded path. Transformers with ``zero_cond_t`` (per-token
+``modulate_index``, Qwen-Image-Edit-2511) or ``use_additional_t_cond`` never mix sizes (see
+`install_token_spans`), so they never group either.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +51,8 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
-from diffserve.pipelines.row_data import NO_ROW_DATA, current_rows
+from diffserve.pipelines.length_groups import LengthGroup, gather_rows, length_groups, scatter_rows
+from diffserve.pipelines.row_data import NO_ROW_DATA, current_rows, narrowed_rows
 from diffserve.pipelines.token_spans import (
     IMAGE_TOKENS,
     LATENT_SIZE,
@@ -186,18 +205,113 @@ class SpanQwenAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
         return img_out, attn.to_add_out(txt_out.contiguous())
 
 
-def install_token_spans(transformer: torch.nn.Module) -> bool:
+def text_groups(groups: tuple[LengthGroup, ...], text_mask: torch.Tensor | None,
+                num_text: int) -> tuple[tuple[LengthGroup, int], ...] | None:
+    """`groups` (of the forward running now) split by each row's real text token count.
+
+    Args:
+        groups: the forward's `length_groups.length_groups`.
+        text_mask: (B, N_txt) bool ``encoder_hidden_states_mask`` (True on real text tokens,
+            collation right-pads: `step_batch.padding_mask`), or None (no text padded).
+        num_text: N_txt.
+
+    Returns:
+        ``(group, t)`` pairs: the rows of one group with t real text tokens each (their first t),
+        ascending by (tokens, reference, t); every row's t is N_txt without a mask. None when a
+        row's mask is not a prefix (real tokens after a padded one): the caller keeps the mask.
+        Memoised per forward layout (`RowData.derived`: one host read of the mask per batch
+        composition, which also fixes the texts).
+    """
+    if text_mask is None:
+        return tuple((group, num_text) for group in groups)
+    rows = current_rows()
+
+    def build() -> tuple[tuple[LengthGroup, int], ...] | None:
+        mask = text_mask.bool().cpu()
+        lengths = mask.sum(dim=1).tolist()
+        if not all(bool(mask[r, :t].all()) for r, t in enumerate(lengths)):
+            return None
+        split = []
+        for group in groups:
+            for t in sorted({lengths[r] for r in group.members}):
+                members = tuple(r for r in group.members if lengths[r] == t)
+                index = group.rows if members == group.members else torch.tensor(members, dtype=torch.long,
+                                                                                   device=group.rows.device)
+                split.append((LengthGroup(members, index, group.tokens, group.reference), t))
+        return tuple(split)
+
+    layout = tuple((group.tokens, group.reference, group.members) for group in groups)
+    return rows.derived(("qwen_text_groups", layout, num_text, str(text_mask.device)), build)
+
+
+def _grouped_block_forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                           encoder_hidden_states_mask: torch.Tensor | None, temb: torch.Tensor,
+                           image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           joint_attention_kwargs: dict[str, Any] | None = None,
+                           modulate_index: list[int] | None = None, *, grouped: Callable[[], bool]):
+    """`QwenImageTransformerBlock.forward` (diffusers 0.42.1: these arguments, returns
+    ``(encoder_hidden_states, hidden_states)``) that, in an eager forward over rows of different
+    sizes (``spans`` set, `length_groups.length_groups` not None), runs the stock block once per
+    row size on the group's real tokens only.
+
+    Per group (g rows of n target, for edits m reference and t real text tokens,
+    `text_groups`): hidden_states ``cat([rows, :n], [rows, L_max : L_max + m])`` of
+    (B, L_max + R_max, D) -> (g, n + m, D), encoder_hidden_states (B, N_txt, D) ``[rows, :t]``,
+    temb (B, D) ``[rows]``, no text mask, image_rotary_emb as given (the processor replaces it
+    by each row's own tables at these lengths, `RowRotary.tables`) and ``spans`` with
+    ``longest=n, reference=m`` (no image key masked), with the forward context narrowed to the
+    group: the stock computation of each row's solo forward. Returns ``(encoder_hidden_states,
+    hidden_states)`` of the input shapes, zero on padded image and text tokens. `grouped()`
+    False (the adapter's `PipelineAdapter.length_groups`), no ``spans``, a ``modulate_index``
+    (``zero_cond_t``: never with ``spans``, `install_token_spans`) or a compiled block: the
+    stock block over the padded rows. A text mask that is not a prefix per row (never from
+    collation): groups by image counts only, each with its rows' full mask."""
+    stock = type(self).forward
+    spans = joint_attention_kwargs.get("spans") if joint_attention_kwargs else None
+    groups = length_groups(spans.longest, hidden_states.device, reference=spans.reference) \
+        if spans is not None and modulate_index is None and grouped() else None
+    if groups is None:
+        return stock(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb, image_rotary_emb,
+                     joint_attention_kwargs, modulate_index)
+    num_text = encoder_hidden_states.shape[1]
+    split = text_groups(groups, encoder_hidden_states_mask, num_text)
+    masked = split is None
+    if masked:
+        split = tuple((group, num_text) for group in groups)
+    longest = spans.longest
+    out_hidden = hidden_states.new_zeros(hidden_states.shape)
+    out_context = encoder_hidden_states.new_zeros(encoder_hidden_states.shape)
+    for group, t in split:
+        n, m = group.tokens, group.reference
+        hidden = gather_rows(hidden_states, group, n)
+        if m:
+            hidden = torch.cat([hidden, gather_rows(hidden_states[:, longest:], group, m)], dim=1)
+        mask = gather_rows(encoder_hidden_states_mask, group) if masked else None
+        kwargs = {**joint_attention_kwargs, "spans": dataclasses.replace(spans, longest=n, reference=m)}
+        with narrowed_rows(group.members):
+            context, hidden = stock(self, hidden, gather_rows(encoder_hidden_states, group, t), mask,
+                                    gather_rows(temb, group), image_rotary_emb, kwargs)
+        scatter_rows(out_context, group, context)
+        scatter_rows(out_hidden, group, hidden[:, :n])
+        if m:
+            scatter_rows(out_hidden[:, longest:], group, hidden[:, n:])
+    return out_context, out_hidden
+
+
+def install_token_spans(transformer: torch.nn.Module, grouped: Callable[[], bool] = lambda: True) -> bool:
     """Put a `SpanQwenAttnProcessor` (sharing one `RowRotary`) on every joint attention of a
-    `QwenImageTransformer2DModel` (weights unchanged; stock behaviour outside forwards with
-    ``spans``). Returns whether it did: not for transformers with ``zero_cond_t`` or
-    ``use_additional_t_cond``, whose time modulation indexes tokens by the first row's
-    ``img_shapes`` (they batch by size)."""
+    `QwenImageTransformer2DModel` and `_grouped_block_forward` on every block (instance
+    attributes: weights and state dict unchanged; stock behaviour outside forwards with
+    ``spans``; per row size in eager mixed forwards while `grouped()` says so). Returns whether
+    it did: not for transformers with ``zero_cond_t`` or ``use_additional_t_cond``, whose time
+    modulation indexes tokens by the first row's ``img_shapes`` (they batch by size)."""
     config = transformer.config
     if config.get("zero_cond_t") or config.get("use_additional_t_cond"):
         return False
     rotary = RowRotary(transformer.pos_embed)
     for block in transformer.transformer_blocks:
         block.attn.set_processor(SpanQwenAttnProcessor(rotary))
+        block.forward = types.MethodType(functools.partial(_grouped_block_forward, grouped=grouped), block)
     return True
 
 
@@ -231,4 +345,4 @@ def span_inputs(batch: "StepBatch", inputs: dict[str, Any]) -> dict[str, Any]:
 
 
 __all__ = ["QwenSpans", "RowRotary", "SpanQwenAttnProcessor", "install_token_spans", "rotate", "set_token_span",
-           "span_inputs"]
+           "span_inputs", "text_groups"]

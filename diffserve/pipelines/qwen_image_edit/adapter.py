@@ -22,9 +22,11 @@ Requests with different input aspect ratios (different reference token counts) a
 output sizes share a forward (`mixed_sizes`, `qwen_image/mixed_sizes.py`): the target tokens are
 right-padded to the batch's longest, the reference tokens follow them right-padded to the
 longest reference, and each row gets diffusers' RoPE over its own two ``img_shapes`` (target at
-frame 0, reference at frame 1, text after the larger grid) and masks its padded keys. With
-mixing off (``--no-mixed-sizes``, Ulysses, ``zero_cond_t`` transformers) the output size and the
-calculated input size are in the batch key. Text (prompt + vision tokens) is padded with a mask
+frame 0, reference at frame 1, text after the larger grid) and masks its padded keys; in eager
+forwards each block runs once per (target, reference, text) token count on real tokens only
+(`length_groups`, `QwenImageAdapter.setup`). With mixing off (``--no-mixed-sizes``, Ulysses,
+``zero_cond_t`` transformers) the output size and the calculated input size are in the batch
+key. Text (prompt + vision tokens) is padded with a mask
 as in text-to-image. The prompt-embedding cache key holds a SHA-256 digest of the input
 image's pixels (the encoding depends on them). ``max_sequence_length`` is refused: diffusers'
 edit pipeline never cuts its text.

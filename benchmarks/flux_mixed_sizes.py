@@ -26,7 +26,6 @@ per-repeat ratios) of ``grouped`` and of ``mixed`` to the other arms.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 from diffusers import FluxPipeline, FluxTransformer2DModel
@@ -34,7 +33,7 @@ from diffusers import FluxPipeline, FluxTransformer2DModel
 from diffserve.pipelines.flux.mixed_sizes import FluxSpans, install_token_spans
 from diffserve.pipelines.row_data import RowData, forward_rows
 from diffserve.pipelines.token_spans import IMAGE_TOKENS, LATENT_SIZE
-from interleaved_arms import summarize, time_arms  # benchmarks/interleaved_arms.py (same folder)
+from interleaved_arms import device_sync, print_summary, summarize, time_arms  # benchmarks/interleaved_arms.py (same folder)
 
 VAE_FACTOR = 8
 
@@ -120,9 +119,7 @@ def main() -> None:
     uniform_kw = inputs(model, [largest] * len(sizes), args.text, args.device, dtype)
     groups = [inputs(model, [s] * sizes.count(s), args.text, args.device, dtype) for s in dict.fromkeys(sizes)]
 
-    def sync():
-        if args.device.startswith("cuda"):
-            torch.cuda.synchronize()
+    sync = device_sync(args.device)
 
     @torch.inference_mode()
     def arm(name: str) -> None:
@@ -141,13 +138,9 @@ def main() -> None:
     result, ratios = summarize(times, "grouped")
     ratios.update({k: v for k, v in summarize(times, "mixed")[1].items() if k != "mixed/grouped"})
     tokens = {"real": sum(rows[IMAGE_TOKENS]), "padded": spans.longest * len(sizes)}
-    print(f"rows {len(sizes)} ({args.mix}); image tokens real {tokens['real']}, padded {tokens['padded']}; "
-          f"text {args.text}; {args.device} {args.dtype}, {args.threads} thread(s)")
-    for n, (med, lo, hi) in result.items():
-        print(f"  {n:9s} {med:8.2f} ms [{lo:.2f}, {hi:.2f}]")
-    print("  " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
-    if args.json:
-        print(json.dumps({"ms": result, "ratios": ratios, "tokens": tokens}))
+    header = (f"rows {len(sizes)} ({args.mix}); image tokens real {tokens['real']}, padded {tokens['padded']}; "
+              f"text {args.text}; {args.device} {args.dtype}, {args.threads} thread(s)")
+    print_summary(result, ratios, header, {"tokens": tokens}, args.json)
 
 
 if __name__ == "__main__":

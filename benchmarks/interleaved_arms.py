@@ -9,6 +9,16 @@ import time
 from collections.abc import Callable, Sequence
 
 
+def device_sync(device: str) -> Callable[[], None]:
+    """The `time_arms` ``sync`` for a device name: ``torch.cuda.synchronize`` on CUDA, nothing
+    elsewhere."""
+    if not device.startswith("cuda"):
+        return lambda: None
+    import torch
+
+    return torch.cuda.synchronize
+
+
 def time_arms(arm: Callable[[str], None], names: Sequence[str], repeats: int, iters: int,
               sync: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
     """Milliseconds per call of `arm(name)` for each of `names`: one warm-up call each, then
@@ -27,6 +37,20 @@ def time_arms(arm: Callable[[str], None], names: Sequence[str], repeats: int, it
             sync()
             times[name].append((time.perf_counter() - start) / iters * 1000)
     return times
+
+
+def print_summary(result: dict[str, tuple[float, float, float]], ratios: dict[str, float], header: str,
+                  extra: dict | None = None, as_json: bool = False) -> None:
+    """Print `header`, each arm's median [min, max] ms, the ratios, and with `as_json` one JSON
+    line ``{"ms", "ratios", **extra}``."""
+    import json
+
+    print(header)
+    for name, (med, lo, hi) in result.items():
+        print(f"  {name:9s} {med:8.2f} ms [{lo:.2f}, {hi:.2f}]")
+    print("  " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+    if as_json:
+        print(json.dumps({"ms": result, "ratios": ratios, **(extra or {})}))
 
 
 def summarize(times: dict[str, list[float]], subject: str) -> tuple[dict[str, tuple[float, float, float]],

@@ -24,7 +24,6 @@ the per-repeat ratios) to the other arms.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 from diffusers import QwenImageTransformer2DModel
@@ -33,7 +32,7 @@ from diffserve.pipelines.qwen_image.mixed_sizes import PATCH, QwenSpans, install
 from diffserve.pipelines.row_data import RowData, forward_rows
 from diffserve.pipelines.token_spans import IMAGE_TOKENS, LATENT_SIZE
 from flux_mixed_sizes import parse_mix  # benchmarks/flux_mixed_sizes.py (same folder)
-from interleaved_arms import summarize, time_arms  # benchmarks/interleaved_arms.py (same folder)
+from interleaved_arms import device_sync, print_summary, summarize, time_arms  # benchmarks/interleaved_arms.py (same folder)
 
 VAE_FACTOR = 8
 
@@ -99,9 +98,7 @@ def main() -> None:
                              timestep=timestep[members].to(device, dtype),
                              img_shapes=[[(1, *key[0])]] * len(members)))
 
-    def sync():
-        if args.device.startswith("cuda"):
-            torch.cuda.synchronize()
+    sync = device_sync(args.device)
 
     @torch.inference_mode()
     def arm(name: str) -> None:
@@ -117,13 +114,9 @@ def main() -> None:
     times = time_arms(arm, ["grouped", "mixed", "per_size"], args.repeats, args.iters, sync)
     result, ratios = summarize(times, "grouped")
     counts = {"real": sum(tokens), "padded": longest * len(sizes)}
-    print(f"rows {len(sizes)} ({args.mix}); image tokens real {counts['real']}, padded {counts['padded']}; "
-          f"texts {texts}; {args.device} {args.dtype}, {args.threads} thread(s)")
-    for n, (med, lo, hi) in result.items():
-        print(f"  {n:9s} {med:8.2f} ms [{lo:.2f}, {hi:.2f}]")
-    print("  " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
-    if args.json:
-        print(json.dumps({"ms": result, "ratios": ratios, "tokens": counts}))
+    header = (f"rows {len(sizes)} ({args.mix}); image tokens real {counts['real']}, padded {counts['padded']}; "
+              f"texts {texts}; {args.device} {args.dtype}, {args.threads} thread(s)")
+    print_summary(result, ratios, header, {"tokens": counts}, args.json)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ Prints, per arm, the median and [min, max] ms per forward and the ratios.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 
 import torch
@@ -36,7 +35,7 @@ from diffusers import WanTransformer3DModel
 from diffserve.pipelines.row_data import RowData, forward_rows
 from diffserve.pipelines.token_spans import LATENT_SIZE
 from diffserve.pipelines.wan.mixed_sizes import install_token_spans
-from interleaved_arms import summarize, time_arms  # benchmarks/interleaved_arms.py (same folder)
+from interleaved_arms import device_sync, print_summary, summarize, time_arms  # benchmarks/interleaved_arms.py (same folder)
 
 SPATIAL, TEMPORAL = 8, 4
 
@@ -116,9 +115,7 @@ def main() -> None:
     uniform_kw = inputs(model, [sizes[0]] * len(sizes), args.text, args.device, dtype, grid=grid)
     groups = [inputs(model, [s] * sizes.count(s), args.text, args.device, dtype) for s in dict.fromkeys(sizes)]
 
-    def sync():
-        if args.device.startswith("cuda"):
-            torch.cuda.synchronize()
+    sync = device_sync(args.device)
 
     @torch.inference_mode()
     def arm(name: str) -> None:
@@ -140,13 +137,9 @@ def main() -> None:
     patch = model.config.patch_size
     tokens = {"real": sum(math.prod(d // p for d, p in zip(latent_size(s), patch)) for s in sizes),
               "padded": len(sizes) * math.prod(d // p for d, p in zip(grid, patch))}
-    print(f"rows {len(sizes)} ({args.mix}); tokens real {tokens['real']}, padded {tokens['padded']}; "
-          f"text {args.text}; {args.device} {args.dtype}, {args.threads} thread(s)")
-    for n, (med, lo, hi) in result.items():
-        print(f"  {n:9s} {med:8.2f} ms [{lo:.2f}, {hi:.2f}]")
-    print("  " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
-    if args.json:
-        print(json.dumps({"ms": result, "ratios": ratios, "tokens": tokens}))
+    header = (f"rows {len(sizes)} ({args.mix}); tokens real {tokens['real']}, padded {tokens['padded']}; "
+              f"text {args.text}; {args.device} {args.dtype}, {args.threads} thread(s)")
+    print_summary(result, ratios, header, {"tokens": tokens}, args.json)
 
 
 if __name__ == "__main__":

@@ -136,5 +136,24 @@ def gather_rows(x: torch.Tensor, group: LengthGroup, tokens: int | None = None) 
     return picked if tokens is None else picked[:, :tokens]
 
 
-__all__ = ["LengthGroup", "gather_rows", "grouping_enabled", "length_groups", "scatter_rows"]
+def gather_segments(x: torch.Tensor, group: LengthGroup, longest: int) -> torch.Tensor:
+    """A group's real image tokens of a padded ``[noisy (L_max) | reference (R_max)]`` sequence:
+    x (B, L_max + R_max, D) -> (g, n + m, D), its rows' first n noisy then first m reference
+    tokens (just the first n without a reference segment)."""
+    picked = gather_rows(x, group, group.tokens)
+    if not group.reference:
+        return picked
+    return torch.cat([picked, gather_rows(x[:, longest:], group, group.reference)], dim=1)
+
+
+def scatter_segments(out: torch.Tensor, group: LengthGroup, value: torch.Tensor, longest: int) -> None:
+    """Write `gather_segments`' layout back in place: value (g, n + m, D) into the rows' first n
+    noisy and first m reference tokens of out (B, L_max + R_max, D)."""
+    scatter_rows(out, group, value[:, : group.tokens])
+    if group.reference:
+        scatter_rows(out[:, longest:], group, value[:, group.tokens:])
+
+
+__all__ = ["LengthGroup", "gather_rows", "gather_segments", "grouping_enabled", "length_groups", "scatter_rows",
+           "scatter_segments"]
 

@@ -122,11 +122,19 @@ def test_sd3_blocks_run_per_size_and_equal_padded_and_solo():
 def test_engine_mixed_batch_equals_solo_either_way(tiny_sd3_dir, one_torch_thread, length_groups):
     """Through the engine (CFG rows, context folding): requests of three sizes in one step batch
     each equal their solo run, with and without `EngineConfig.length_groups`."""
-    engine = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), max_batch_size=8, length_groups=length_groups))
+    _mixed_engine_batch_equals_solo(tiny_sd3_dir, length_groups)
+
+
+def _mixed_engine_batch_equals_solo(folder, length_groups: bool, **params) -> None:
+    """Three requests (64x64, 32x64, 64x32, guided: two rows each) in every forward of an engine
+    on `folder`: the switch reaches the adapter and `padding_free`; block 0's attention runs
+    once per token count (16 tokens | 8: 32x64 and 64x32 share one) with length groups, once
+    over the padded rows without; each image equals its solo run within 1e-4."""
+    engine = DiffusionEngine(EngineConfig(model=str(folder), max_batch_size=8, length_groups=length_groups))
     assert engine.runner.adapter.length_groups is length_groups
     assert engine.model_info.padding_free is length_groups  # the request scheduler's cost model counts real tokens
     prompts = ["a red kite", "snow", "a lighthouse at dusk"]
-    params = [SamplingParams(num_inference_steps=3, seed=10 + i, height=h, width=w, output_type="np")
+    params = [SamplingParams(num_inference_steps=3, seed=10 + i, height=h, width=w, output_type="np", **params)
               for i, (h, w) in enumerate([(64, 64), (32, 64), (64, 32)])]
     calls = []
     attn = engine.runner.adapter.pipe.transformer.transformer_blocks[0].attn
@@ -134,8 +142,8 @@ def test_engine_mixed_batch_equals_solo_either_way(tiny_sd3_dir, one_torch_threa
     batched = engine.generate(prompts, params)
     hook.remove()
     stats = engine.stats()["scheduler"]
-    assert stats["mean_rows_per_forward"] == 6  # three sizes x CFG in every forward
-    assert len(calls) == stats["forwards"] * (2 if length_groups else 1)  # 16 tokens | 8 (32x64 and 64x32)
+    assert stats["mean_rows_per_forward"] == 6  # three sizes x two guidance rows in every forward
+    assert len(calls) == stats["forwards"] * (2 if length_groups else 1)
     for prompt, p, out in zip(prompts, params, batched):
         assert out.ok, out.error
         [solo] = engine.generate([prompt], [p])
@@ -247,26 +255,8 @@ def test_flux_engine_mixed_batch_equals_solo_either_way(tiny_flux_dev_dir, one_t
     """Through the engine (true CFG rows): Flux requests of three sizes in one step batch each
     equal their solo run, with and without `EngineConfig.length_groups`; the double block's
     attention runs once per token count (32x64 and 64x32 share one) or once over the padded rows."""
-    engine = DiffusionEngine(EngineConfig(model=str(tiny_flux_dev_dir), max_batch_size=8,
-                                          length_groups=length_groups))
-    assert engine.runner.adapter.length_groups is length_groups
-    assert engine.model_info.padding_free is length_groups  # the scheduler counts real tokens
-    prompts = ["a red kite", "snow", "a lighthouse at dusk"]
-    params = [SamplingParams(num_inference_steps=3, seed=10 + i, height=h, width=w, output_type="np",
-                             max_sequence_length=32, true_cfg_scale=2.0, negative_prompt="blur")
-              for i, (h, w) in enumerate([(64, 64), (32, 64), (64, 32)])]
-    calls = []
-    attn = engine.runner.adapter.pipe.transformer.transformer_blocks[0].attn
-    hook = attn.register_forward_pre_hook(lambda module, args, kwargs: calls.append(1), with_kwargs=True)
-    batched = engine.generate(prompts, params)
-    hook.remove()
-    stats = engine.stats()["scheduler"]
-    assert stats["mean_rows_per_forward"] == 6  # three sizes x true CFG in every forward
-    assert len(calls) == stats["forwards"] * (2 if length_groups else 1)  # 16 tokens | 8 (32x64 and 64x32)
-    for prompt, p, out in zip(prompts, params, batched):
-        assert out.ok, out.error
-        [solo] = engine.generate([prompt], [p])
-        assert float(np.abs(out.images - solo.images).max()) <= 1e-4
+    _mixed_engine_batch_equals_solo(tiny_flux_dev_dir, length_groups, max_sequence_length=32, true_cfg_scale=2.0,
+                                    negative_prompt="blur")
 
 
 def _tiny_qwen(grouped):

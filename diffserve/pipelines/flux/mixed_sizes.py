@@ -52,7 +52,13 @@ from diffusers.models.transformers.transformer_flux import (
     _get_qkv_projections,
 )
 
-from diffserve.pipelines.length_groups import gather_rows, length_groups, scatter_rows
+from diffserve.pipelines.length_groups import (
+    gather_rows,
+    gather_segments,
+    length_groups,
+    scatter_rows,
+    scatter_segments,
+)
 from diffserve.pipelines.row_data import NO_ROW_DATA, current_rows, narrowed_rows
 from diffserve.pipelines.token_spans import (
     IMAGE_TOKENS,
@@ -250,18 +256,14 @@ def _grouped_block_forward(self, hidden_states: torch.Tensor, encoder_hidden_sta
     out_context = encoder_hidden_states.new_empty(encoder_hidden_states.shape)
     for group in groups:
         n, m = group.tokens, group.reference
-        hidden = gather_rows(hidden_states, group, n)
-        if m:
-            hidden = torch.cat([hidden, gather_rows(hidden_states[:, longest:], group, m)], dim=1)
+        hidden = gather_segments(hidden_states, group, longest)
         size = spans.text + n + m
         kwargs = {**joint_attention_kwargs, "spans": dataclasses.replace(spans, longest=n, reference=m)}
         with narrowed_rows(group.members):
             context, hidden = stock(self, hidden, gather_rows(encoder_hidden_states, group), gather_rows(temb, group),
                                     (cos[:size], sin[:size]), kwargs)
         scatter_rows(out_context, group, context)
-        scatter_rows(out_hidden, group, hidden[:, :n])
-        if m:
-            scatter_rows(out_hidden[:, longest:], group, hidden[:, n:])
+        scatter_segments(out_hidden, group, hidden, longest)
     return out_context, out_hidden
 
 

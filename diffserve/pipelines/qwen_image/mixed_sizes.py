@@ -51,7 +51,14 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
-from diffserve.pipelines.length_groups import LengthGroup, gather_rows, length_groups, scatter_rows
+from diffserve.pipelines.length_groups import (
+    LengthGroup,
+    gather_rows,
+    gather_segments,
+    length_groups,
+    scatter_rows,
+    scatter_segments,
+)
 from diffserve.pipelines.row_data import NO_ROW_DATA, current_rows, narrowed_rows
 from diffserve.pipelines.token_spans import (
     IMAGE_TOKENS,
@@ -283,18 +290,14 @@ def _grouped_block_forward(self, hidden_states: torch.Tensor, encoder_hidden_sta
     out_context = encoder_hidden_states.new_zeros(encoder_hidden_states.shape)
     for group, t in split:
         n, m = group.tokens, group.reference
-        hidden = gather_rows(hidden_states, group, n)
-        if m:
-            hidden = torch.cat([hidden, gather_rows(hidden_states[:, longest:], group, m)], dim=1)
+        hidden = gather_segments(hidden_states, group, longest)
         mask = gather_rows(encoder_hidden_states_mask, group) if masked else None
         kwargs = {**joint_attention_kwargs, "spans": dataclasses.replace(spans, longest=n, reference=m)}
         with narrowed_rows(group.members):
             context, hidden = stock(self, hidden, gather_rows(encoder_hidden_states, group, t), mask,
                                     gather_rows(temb, group), image_rotary_emb, kwargs)
         scatter_rows(out_context, group, context)
-        scatter_rows(out_hidden, group, hidden[:, :n])
-        if m:
-            scatter_rows(out_hidden[:, longest:], group, hidden[:, n:])
+        scatter_segments(out_hidden, group, hidden, longest)
     return out_context, out_hidden
 
 

@@ -614,7 +614,7 @@ def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
                                                    max_padding_ratio=ratio, admission=admission), runner=runner)
 
     runner._mixed_capable = bool(runner.adapter.mixed_sizes)
-    runner._groups_capable = bool(runner.adapter.length_groups)
+    runner._groups_capable = runner.adapter.grouping()
     # capacity probe: per-size FCFS, closed loop, on the mix with placeholder deadlines
     probe_jobs = _at_rate(builtin_trace(args, spec, 1.0) if not args.trace or args.trace == "builtin"
                           else load_trace(args.trace), None, args.seed)

@@ -115,9 +115,11 @@ class PipelineAdapter(ABC):
     mixed_sizes: bool = False
     #: Whether an eager mixed-size forward runs its repeated blocks once per row size on real
     #: tokens only (`diffserve.pipelines.length_groups`) instead of once over the padded rows
-    #: with masks; set by families that implement it (SD3, Flux, Flux Kontext, Qwen-Image,
-    #: Qwen-Image-Edit, Wan), cleared by ``EngineConfig.length_groups = False``.
-    length_groups: bool = False
+    #: with masks; cleared by ``EngineConfig.length_groups = False``. Every family that mixes
+    #: sizes installs a grouped block forward gated by `grouping` (SD3, Flux, Flux Kontext,
+    #: Qwen-Image, Qwen-Image-Edit, Wan): a new mixed family must too, since the request
+    #: scheduler then treats padding as compute-free (`ModelInfo.padding_free`).
+    length_groups: bool = True
     #: Input images: ``"none"`` (text-to-X), ``"optional"`` (image-to-image) or ``"required"``
     #: (edits); at most one image, never a mask.
     image_input: ClassVar[str] = "none"
@@ -182,6 +184,12 @@ class PipelineAdapter(ABC):
                   **read_cache_calibration(options.model_dir).get("teacache", {})}
         if preset and self.capabilities.teacache is not None:
             self.capabilities = replace(self.capabilities, teacache=self.capabilities.teacache.with_preset(preset))
+
+    def grouping(self) -> bool:
+        """Whether eager mixed-size forwards run per length group now (`length_groups` and
+        `mixed_sizes`: Ulysses or ``--no-mixed-sizes`` batch by size); read by the families'
+        grouped block forwards at every forward."""
+        return self.mixed_sizes and self.length_groups
 
     def _sampling_defaults(self) -> dict[str, Any]:
         """`sampling_defaults` with the default size, less the guidance fields the strategies

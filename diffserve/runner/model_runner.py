@@ -122,7 +122,7 @@ class ModelRunner(Runner):
                          ar_stage=bool(self.adapter.ar_stage_components),
                          quantization=self.quantization.summary(),
                          # compiled blocks and CUDA graphs take the padded path
-                         padding_free=bool(self.adapter.mixed_sizes and self.adapter.length_groups
+                         padding_free=bool(self.adapter.grouping()
                                            and not self.config.compile and not self.config.cuda_graphs))
 
     def prefetch(self, request_id: str, handle, params: SamplingParams) -> None:

@@ -82,9 +82,7 @@ class FluxAdapter(PipelineAdapter):
         self.capabilities = Capabilities(
             teacache=TEACACHE, cache_dit=CacheDiTSupport(blocks=("transformer_blocks", "single_transformer_blocks"),
                                                          patterns=("Pattern_1", "Pattern_1")))
-        self.mixed_sizes = self.mixed_sizes and install_token_spans(pipe.transformer,
-                                                                    grouped=lambda: self.length_groups)
-        self.length_groups = self.mixed_sizes  # eager mixed forwards: blocks per row size
+        self.mixed_sizes = self.mixed_sizes and install_token_spans(pipe.transformer, grouped=self.grouping)
         # VAE down-sampling x 2x2 packing; diffusers' check_inputs refuses more than 512 T5 tokens
         return {"resolution_factor": pipe.vae_scale_factor * 2, "max_sequence_length_limit": 512,
                 "max_prompt_tokens": pipe.tokenizer_max_length}

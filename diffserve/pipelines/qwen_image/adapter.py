@@ -95,9 +95,7 @@ class QwenImageAdapter(PipelineAdapter):
                                       has_encoder_residual=True),
             repeated_blocks=("QwenImageTransformerBlock",),
         )
-        self.mixed_sizes = self.mixed_sizes and install_token_spans(pipe.transformer,
-                                                                    grouped=lambda: self.length_groups)
-        self.length_groups = self.mixed_sizes  # eager mixed forwards: blocks per row size
+        self.mixed_sizes = self.mixed_sizes and install_token_spans(pipe.transformer, grouped=self.grouping)
         factor = pipe.vae_scale_factor * 2
         # RoPE rows: text positions start after max(h, w) / 2 of the latent grid (scale_rope)
         max_side = (pipe.transformer.pos_embed.pos_freqs.shape[0] - MAX_SEQUENCE_LENGTH_LIMIT) * 2 * factor

@@ -97,9 +97,7 @@ class StableDiffusion3Adapter(PipelineAdapter):
         )
         self.mixed_sizes = not pipe.transformer.config.get("dual_attention_layers")
         if self.mixed_sizes:
-            install_token_spans(pipe.transformer, folded=self.context_folding,
-                                grouped=lambda: self.length_groups)
-            self.length_groups = True
+            install_token_spans(pipe.transformer, folded=self.context_folding, grouped=self.grouping)
         pos_max = pipe.transformer.config.get("pos_embed_max_size")
         # PatchEmbed crops a pos_embed_max_size^2 grid of positions: larger inputs fail
         max_side = None if pos_max is None else pos_max * pipe.patch_size * pipe.vae_scale_factor

@@ -124,13 +124,7 @@ class WanAdapter(PipelineAdapter):
             if plain else None,
             repeated_blocks=("WanTransformerBlock",))
         # length groups: eager mixed forwards run each block per row size on real tokens only
-        # (read at run time: EngineConfig.length_groups clears it after setup; Ulysses clears
-        # mixed_sizes and batches by size)
-        def grouped() -> bool:
-            return self.length_groups and self.mixed_sizes
-
-        self.mixed_sizes = self.mixed_sizes and all(install_token_spans(e, grouped) for e in self.experts)
-        self.length_groups = self.mixed_sizes
+        self.mixed_sizes = self.mixed_sizes and all(install_token_spans(e, self.grouping) for e in self.experts)
         p_t, p_h, _ = transformer.config.patch_size
         spatial, temporal = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
         rope = transformer.config.rope_max_seq_len  # RoPE positions per axis, in patches

@@ -415,3 +415,20 @@ def test_qwen_edit_engine_groups_by_target_and_reference(tiny_qwen_image_edit_di
         assert out.ok, out.error
         [solo] = engine.generate([prompt], [p], inputs=[image])
         assert float(np.abs(out.images - solo.images).max()) <= 1e-4
+
+
+def test_length_groups_config_and_flag():
+    """``EngineConfig.length_groups`` takes true or false only (the error names the field);
+    ``--no-length-groups`` turns it off, the default keeps it on."""
+    from diffserve.core.errors import InvalidRequestError
+    from diffserve.entrypoints.cli_args import build_parser
+    from diffserve.entrypoints.engine_args import engine_config_from_args
+
+    with pytest.raises(InvalidRequestError, match="length_groups"):
+        EngineConfig(length_groups="yes")
+
+    def config(*flags):
+        return engine_config_from_args(build_parser().parse_args(["generate", "--prompt", "x", *flags]))
+
+    assert config().length_groups is True
+    assert config("--no-length-groups").length_groups is False

@@ -95,14 +95,14 @@ def length_groups(longest: int, device: torch.device, tokens_key: str = IMAGE_TO
     rows = current_rows()
     if rows is NO_ROW_DATA:
         return None
-    counts = rows.get(tokens_key)
-    if not counts:
-        return None
-    refs = (rows.get(REFERENCE_TOKENS) or (0,) * len(counts)) if reference else (0,) * len(counts)
-    if all(c == longest for c in counts) and all(m == reference for m in refs):
-        return None
 
-    def build() -> tuple[LengthGroup, ...]:
+    def build() -> tuple[LengthGroup, ...] | None:  # once per forward layout (every block reads it)
+        counts = rows.get(tokens_key)
+        if not counts:
+            return None
+        refs = (rows.get(REFERENCE_TOKENS) or (0,) * len(counts)) if reference else (0,) * len(counts)
+        if all(c == longest for c in counts) and all(m == reference for m in refs):
+            return None
         for real, padded, what in ((counts, longest, "tokens"), (refs, reference, "reference tokens")):
             if max(real) > padded:
                 raise ValueError(f"a row of {max(real)} {what} in a forward padded to {padded}")

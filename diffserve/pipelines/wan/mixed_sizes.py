@@ -54,7 +54,7 @@ import torch
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 from diffserve.pipelines.length_groups import grouping_enabled
-from diffserve.pipelines.row_data import NO_ROW_DATA, RowData, current_rows, forward_rows
+from diffserve.pipelines.row_data import NO_ROW_DATA, RowData, current_rows, narrowed_rows
 from diffserve.pipelines.token_spans import LATENT_SIZE
 
 
@@ -145,16 +145,12 @@ class SizeGroup:
             N tokens, ascending (raster order: the solo forward's token order).
         flat: (g * n,) long, ``rows[:, None] * N + positions[None, :]`` flattened: the group's
             real tokens in a (B * N, ...) view of a per-token tensor.
-        row_data: the forward's row data narrowed to `members` (`RowData.select`), made once
-            per batch composition so the plug-ins' memos inside the group are reused by every
-            block.
     """
 
     members: tuple[int, ...]
     rows: torch.Tensor
     positions: torch.Tensor
     flat: torch.Tensor
-    row_data: RowData
 
 
 def size_groups(mask: torch.Tensor, patch: tuple[int, int, int]) -> tuple[SizeGroup, ...] | None:
@@ -192,7 +188,7 @@ def size_groups(mask: torch.Tensor, patch: tuple[int, int, int]) -> tuple[SizeGr
             positions = torch.argsort((~mask[members[0], 0, 0]).to(torch.uint8), stable=True)[:real]
             index = torch.tensor(members, dtype=torch.long, device=mask.device)
             flat = (index[:, None] * n_tokens + positions[None, :]).reshape(-1)
-            groups.append(SizeGroup(members, index, positions, flat, rows.select(members)))
+            groups.append(SizeGroup(members, index, positions, flat))
         return tuple(groups)
 
     return rows.derived(("wan_size_groups", n_tokens, tuple(patch), str(mask.device)), build)
@@ -231,7 +227,7 @@ def _grouped_block_forward(self, hidden_states: torch.Tensor, encoder_hidden_sta
             group_temb = temb_tokens.index_select(0, group.flat).view(g, n, *temb.shape[2:])
         else:
             group_temb = temb.index_select(0, group.rows)
-        with forward_rows(group.row_data):
+        with narrowed_rows(group.members):  # memoised per members: plug-ins' memos last across blocks
             value = stock(self, tokens.index_select(0, group.flat).view(g, n, width),
                           encoder_hidden_states.index_select(0, group.rows), group_temb,
                           (cos.index_select(1, group.positions), sin.index_select(1, group.positions)))

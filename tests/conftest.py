@@ -41,6 +41,15 @@ def one_torch_thread():
 
 
 @pytest.fixture
+def always_group(monkeypatch):
+    """Length groups for every mixed-size forward: the tiny folders' forwards pad fewer token
+    slots than `length_groups.MIN_PADDED_TOKENS_PER_CALL`, so tests of the grouped path lower it."""
+    from diffserve.pipelines import length_groups
+
+    monkeypatch.setattr(length_groups, "MIN_PADDED_TOKENS_PER_CALL", 0)
+
+
+@pytest.fixture
 def fresh_dynamo():
     """Reset torch.compile's caches before and after the test: a compile test then compiles its
     own graphs (dynamo reuses code compiled for another engine on the same block classes, so

@@ -27,6 +27,13 @@ followed by its reference ones, nothing padded in either. Qwen-Image also splits
 its rows' text lengths (`qwen_image.mixed_sizes.text_groups`), so its texts are not padded
 inside a group either.
 
+Not used where it does not pay: k sizes cost k block calls, so a forward groups only when its
+padding outweighs the extra calls' per-call overhead (`worth_grouping`: at least
+`MIN_PADDED_TOKENS_PER_CALL` padded token slots per extra call). On the built-in ``digits``
+model (at most 16 tokens a row) a mixed forward pads a few dozen slots, and grouping it cost
+0.77x the padded forward's throughput (README, "Length groups"); the compute-bound folders pad
+thousands and gain 1.3-1.6x.
+
 Not used where it cannot run: inside a ``torch.compile`` trace (a regionally compiled block keeps
 the masked padded path, so it sees no new guard or shape) and while a CUDA graph is captured
 (`grouping_enabled`); there the padded, masked forward runs as before.
@@ -34,6 +41,7 @@ the masked padded path, so it sees no new guard or shape) and while a CUDA graph
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +68,26 @@ class LengthGroup:
     reference: int = 0
 
 
+#: Padded token slots each extra block call must remove for a forward to run per length group
+#: (`worth_grouping`). Measured on CPU (README, "Length groups"): grouping the built-in
+#: ``digits`` model's mixed forwards (~40 padded slots, 3-4 sizes) cost 0.77x throughput, the
+#: tiny SD3 folders' (~1100 padded slots) gained 1.3-1.6x; 256 lies between. Unmeasured on GPUs.
+MIN_PADDED_TOKENS_PER_CALL = 256
+
+
+def worth_grouping(real: Sequence[int], padded: int, calls: int) -> bool:
+    """Whether running a forward's blocks once per group (`calls` of them) beats one padded call:
+    the padding removed, ``sum(padded - n for n in real)`` token slots, is at least
+    `MIN_PADDED_TOKENS_PER_CALL` per extra call.
+
+    Args:
+        real: each row's real token count (all its padded segments together).
+        padded: the token slots of every row in the padded forward.
+        calls: the block calls grouping makes (one per group).
+    """
+    return sum(padded - n for n in real) >= MIN_PADDED_TOKENS_PER_CALL * (calls - 1)
+
+
 def grouping_enabled() -> bool:
     """Whether blocks may run per length group now: eager execution, no CUDA graph capture."""
     if torch.compiler.is_compiling():
@@ -84,7 +112,8 @@ def length_groups(longest: int, device: torch.device, tokens_key: str = IMAGE_TO
     Returns:
         One `LengthGroup` per distinct count (per distinct (count, reference count) pair;
         ascending), or None when grouping does not apply: no row data, every row is ``longest``
-        (and ``reference``) long, or `grouping_enabled` is False.
+        (and ``reference``) long, the padding is too small to pay for the extra calls
+        (`worth_grouping`), or `grouping_enabled` is False.
 
     Raises:
         ValueError: a row's count exceeds `longest` or its reference count `reference` (the row
@@ -106,8 +135,11 @@ def length_groups(longest: int, device: torch.device, tokens_key: str = IMAGE_TO
         for real, padded, what in ((counts, longest, "tokens"), (refs, reference, "reference tokens")):
             if max(real) > padded:
                 raise ValueError(f"a row of {max(real)} {what} in a forward padded to {padded}")
+        pairs = sorted(set(zip(counts, refs)))
+        if not worth_grouping([n + m for n, m in zip(counts, refs)], longest + reference, len(pairs)):
+            return None
         groups = []
-        for n, m in sorted(set(zip(counts, refs))):
+        for n, m in pairs:
             members = tuple(r for r, pair in enumerate(zip(counts, refs)) if pair == (n, m))
             groups.append(LengthGroup(members, torch.tensor(members, dtype=torch.long, device=device), n, m))
         return tuple(groups)

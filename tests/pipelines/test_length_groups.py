@@ -16,6 +16,7 @@ from diffserve.pipelines.token_spans import (IMAGE_TOKENS, LATENT_SIZE, REFERENC
                                              TokenLayout)
 
 CPU = torch.device("cpu")
+pytestmark = pytest.mark.usefixtures("always_group")  # the grouped path's mechanics, at tiny sizes
 
 
 def test_groups_by_token_count_memoised_and_inert_when_uniform(monkeypatch):
@@ -33,6 +34,23 @@ def test_groups_by_token_count_memoised_and_inert_when_uniform(monkeypatch):
     with forward_rows(RowData({IMAGE_TOKENS: (4, 2)}, 2)):
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
         assert lg.length_groups(4, CPU) is None  # a traced block keeps the padded path
+
+
+def test_small_padding_keeps_one_padded_call(monkeypatch):
+    """A forward groups only when its padding pays for the extra block calls: at least
+    `MIN_PADDED_TOKENS_PER_CALL` padded token slots per extra call (the built-in model's forwards
+    pad a few dozen and stay one padded call; a 1024- and two 256-token rows group)."""
+    monkeypatch.setattr(lg, "MIN_PADDED_TOKENS_PER_CALL", 256)
+    assert not lg.worth_grouping([16, 8, 4, 4], 16, 3)  # 20 padded slots < 2 x 256
+    assert lg.worth_grouping([1024, 256, 256], 1024, 2)  # 1536 >= 256
+    assert not lg.worth_grouping([1024, 1000, 900, 800], 1024, 4)  # 372 < 3 x 256
+    with forward_rows(RowData({IMAGE_TOKENS: (16, 8, 4, 4)}, 4)):
+        assert lg.length_groups(16, CPU) is None
+    with forward_rows(RowData({IMAGE_TOKENS: (1024, 256, 256)}, 3)):
+        assert [g.tokens for g in lg.length_groups(1024, CPU)] == [256, 1024]
+    with forward_rows(RowData({IMAGE_TOKENS: (300, 100), REFERENCE_TOKENS: (0, 400)}, 2)):
+        # pairs (300, 0) and (100, 400) of 300 + 400 slots: 300 padded slots >= 256
+        assert len(lg.length_groups(300, CPU, reference=400)) == 2
 
 
 def test_groups_by_token_and_reference_count_pairs():

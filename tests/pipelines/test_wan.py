@@ -386,7 +386,7 @@ def _grid_rows(sizes, grid, seed):
 
 
 @pytest.mark.parametrize("per_token", [False, True], ids=["timestep", "per_token_timesteps"])
-def test_blocks_run_per_size_on_real_tokens_and_equal_padded_and_solo(per_token):
+def test_blocks_run_per_size_on_real_tokens_and_equal_padded_and_solo(per_token, always_group):
     """Four rows of three sizes and frame counts: each block runs once per size on that size's
     real tokens, a 3-D box of the padded grid (`wan.mixed_sizes.size_groups`), and the output
     equals the padded masked forward (switch off) on every row's region and each row's solo
@@ -439,7 +439,7 @@ def test_blocks_run_per_size_on_real_tokens_and_equal_padded_and_solo(per_token)
 
 
 @pytest.mark.parametrize("length_groups", [True, False])
-def test_engine_length_groups_switch(tiny_wan_dir, length_groups):
+def test_engine_length_groups_switch(tiny_wan_dir, length_groups, always_group):
     """Through the engine (CFG rows, context folding): requests of three sizes and frame counts
     share forwards and equal their runs alone either way; with `EngineConfig.length_groups`
     every self-attention sees one size's real tokens only and `ModelInfo.padding_free` says

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
-from diffserve.pipelines.length_groups import grouping_enabled
+from diffserve.pipelines.length_groups import grouping_enabled, worth_grouping
 from diffserve.pipelines.row_data import NO_ROW_DATA, RowData, current_rows, narrowed_rows
 from diffserve.pipelines.token_spans import LATENT_SIZE
 
@@ -164,7 +164,8 @@ def size_groups(mask: torch.Tensor, patch: tuple[int, int, int]) -> tuple[SizeGr
 
     Returns:
         One `SizeGroup` per distinct size (in order of first appearance), memoised per row
-        data; None when the forward carries no sizes or `grouping_enabled` is False.
+        data; None when the forward carries no sizes, its padding is too small to pay for the
+        extra calls (`length_groups.worth_grouping`) or `grouping_enabled` is False.
 
     Raises:
         ValueError: the row data does not have the mask's row count.
@@ -179,9 +180,13 @@ def size_groups(mask: torch.Tensor, patch: tuple[int, int, int]) -> tuple[SizeGr
         raise ValueError(f"the forward's row data has {len(sizes)} rows, its key mask {mask.shape[0]}")
     n_tokens = mask.shape[-1]
 
-    def build() -> tuple[SizeGroup, ...]:
+    def build() -> tuple[SizeGroup, ...] | None:
+        distinct = list(dict.fromkeys(tuple(s) for s in sizes))
+        counts = [math.prod(d // p for d, p in zip(size, patch)) for size in sizes]
+        if not worth_grouping(counts, n_tokens, len(distinct)):
+            return None
         groups = []
-        for size in dict.fromkeys(tuple(s) for s in sizes):
+        for size in distinct:
             members = tuple(r for r, s in enumerate(sizes) if tuple(s) == size)
             real = math.prod(d // p for d, p in zip(size, patch))
             # the row's True positions in order, without a host sync (a stable sort of ~mask)

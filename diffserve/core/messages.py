@@ -229,7 +229,9 @@ class ModelInfo:
         padding_free: whether a mixed-size forward computes each row's real tokens only
             (length groups in eager forwards, `diffserve.pipelines.length_groups`): padding then
             costs memory but no compute, so the request scheduler's step cost model counts real
-            tokens instead of token slots.
+            tokens instead of token slots. (A forward whose padding is too small to pay for
+            the extra block calls, `length_groups.worth_grouping`, runs padded: its padding
+            costs less than those calls would, so it is still counted as free.)
     """
 
     spec: ModelSpec

@@ -111,42 +111,75 @@ DEFAULT_LEVELS: dict[str, CacheLevel] = {
 }
 
 _CHOICES = {"target": ("residual", "output"), "forecast": ("taylor", "magnitude")}
-_FIELDS = {"order": int, "interval": float, "rel_l1_thresh": float, "budget": float, "warmup_steps": int}
+#: Each numeric field: its type, lowest value, highest value, whether inf is allowed (what inf means).
+_FIELDS = {"order": (int, 0, 2, False), "interval": (float, 0, None, False),
+           "rel_l1_thresh": (float, 0, None, True), "budget": (float, 0, None, True),
+           "warmup_steps": (int, 1, None, False)}
+_ALLOWED_FIELDS = sorted([*_FIELDS, *_CHOICES])
 
 
-def levels_with(*overrides: Mapping[str, Mapping[str, Any]] | None) -> dict[str, CacheLevel]:
+def _number(field: str, value: Any, kind: type, low: float, high: float | None, infinite: bool) -> int | float:
+    """`value` as `kind` if it is a number in ``[low, high]`` (NaN never; inf only where
+    `infinite`; an integer for ``int``), else `InvalidRequestError` naming `field`."""
+    noun = "an integer" if kind is int else "a number"
+    allowed = f"{noun} in [{low}, {high}]" if high is not None else f"{noun} >= {low}"
+    if kind is float:
+        allowed += " (inf allowed)" if infinite else ", finite"
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)
+            or value < low or (high is not None and value > high)
+            or (math.isinf(value) and not infinite)
+            or (kind is int and (math.isinf(value) or value != int(value)))):
+        raise InvalidRequestError(field, value, allowed)
+    return kind(value)
+
+
+def levels_with(*overrides: Mapping[str, Mapping[str, Any]] | None,
+                fields: tuple[str, ...] = ()) -> dict[str, CacheLevel]:
     """`DEFAULT_LEVELS` with overrides applied in order (a model folder's, then the engine's
     ``cache_config.levels``), each ``{level: {field: value}}``; ``"budget": None`` = no guard.
 
+    Args:
+        overrides: ``{level: {field: value}}`` mappings (None: none), applied in order.
+        fields: the name each override is known by, for errors (``"cache_config.levels"``);
+            those past its end are ``"teacache.cache_quality"`` (a folder's
+            ``generation_config.json``).
+
     Raises:
-        InvalidRequestError: an unknown level or field, or a value out of range.
+        InvalidRequestError: an unknown level or field, or a value out of range, naming
+            ``FIELD.LEVEL.KEY`` and the allowed values.
     """
     levels = dict(DEFAULT_LEVELS)
-    for name, fields in (item for override in overrides for item in (override or {}).items()):
-        if name not in CACHE_QUALITY_LEVELS or name == "max" or not isinstance(fields, Mapping):
-            raise InvalidRequestError("teacache.cache_quality", name,
-                                      "a level among high, balanced, fast with an object of fields")
-        values = {}
-        for key, value in fields.items():
-            if key in _CHOICES:
-                if value not in _CHOICES[key]:
-                    raise InvalidRequestError(f"teacache.cache_quality.{name}.{key}", value, " or ".join(_CHOICES[key]))
-                values[key] = value
-                continue
-            if key == "budget" and value is None:
-                values[key] = math.inf
-                continue
-            if key not in _FIELDS or isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or value < 0 or (_FIELDS[key] is int and value != int(value)):
-                raise InvalidRequestError(f"teacache.cache_quality.{name}.{key}", value,
-                                          f"a number >= 0 for one of {sorted(_FIELDS)}")
-            values[key] = _FIELDS[key](value)
-        if 0 < values.get("interval", 0) < 1:
-            raise InvalidRequestError(f"teacache.cache_quality.{name}.interval", values["interval"], "0 or >= 1")
-        if values.get("warmup_steps", 1) < 1:
-            raise InvalidRequestError(f"teacache.cache_quality.{name}.warmup_steps", values["warmup_steps"], ">= 1")
-        levels[name] = dataclasses.replace(levels[name], **values)
-        if levels[name].forecast == "magnitude" and levels[name].target != "residual":
-            raise InvalidRequestError(f"teacache.cache_quality.{name}.forecast", "magnitude",
-                                      "taylor, or magnitude with target residual (it scales the blocks' residual)")
+    for index, override in enumerate(overrides):
+        source = fields[index] if index < len(fields) else "teacache.cache_quality"
+        if override is not None and not isinstance(override, Mapping):
+            raise InvalidRequestError(source, override, "an object {level: {field: value}}")
+        for name, level_fields in (override or {}).items():
+            if name not in CACHE_QUALITY_LEVELS or name == "max":
+                raise InvalidRequestError(f"{source}.{name}", name, "a level among high, balanced, fast")
+            if not isinstance(level_fields, Mapping):
+                raise InvalidRequestError(f"{source}.{name}", level_fields, f"an object of fields among {_ALLOWED_FIELDS}")
+            levels[name] = _level_with(levels[name], level_fields, f"{source}.{name}")
     return levels
+
+
+def _level_with(level: CacheLevel, fields: Mapping[str, Any], field: str) -> CacheLevel:
+    """`level` with `fields` set (validated; errors name ``field.KEY``)."""
+    values = {}
+    for key, value in fields.items():
+        if key in _CHOICES:
+            if value not in _CHOICES[key]:
+                raise InvalidRequestError(f"{field}.{key}", value, " or ".join(_CHOICES[key]))
+            values[key] = value
+        elif key == "budget" and value is None:
+            values[key] = math.inf
+        elif key in _FIELDS:
+            values[key] = _number(f"{field}.{key}", value, *_FIELDS[key])
+        else:
+            raise InvalidRequestError(field, key, f"a field among {_ALLOWED_FIELDS}")
+    if 0 < values.get("interval", 0) < 1:
+        raise InvalidRequestError(f"{field}.interval", values["interval"], "0 or a number >= 1, finite")
+    level = dataclasses.replace(level, **values)
+    if level.forecast == "magnitude" and level.target != "residual":
+        raise InvalidRequestError(f"{field}.forecast", "magnitude",
+                                  "taylor, or magnitude with target residual (it scales the blocks' residual)")
+    return level

@@ -215,7 +215,8 @@ class TeaCacheBackend(CacheBackend):
         self.record_changes = config.record_changes
         #: (input change, output change) per recorded step (`TeaCacheConfig.record_changes`).
         self.changes: list[tuple[float, float]] = []
-        self.levels: dict[str, CacheLevel] = levels_with(support.levels, config.levels)
+        self.levels: dict[str, CacheLevel] = levels_with(support.levels, config.levels,
+                                                           fields=("teacache.cache_quality", "cache_config.levels"))
         self.residual_log_norms = support.residual_log_norms
         for level in self.levels.values():
             if level.forecast == "magnitude" and not self.residual_log_norms:

@@ -114,7 +114,7 @@ def check_arguments(args: argparse.Namespace) -> CalibrationPlan:
     Raises:
         InvalidRequestError: naming the field (the flag's dest): a count out of range, a
             budget that is not finite and > 0, a step count < 2, an empty prompt, a model
-            folder that does not exist.
+            folder that does not exist, an output that is a folder or in a missing one.
     """
     from diffserve.core.sampling_params import RequestLimits, validate_prompt
     from diffserve.models import BUILTIN_PROMPTS, builtin_name, resolve_model
@@ -143,6 +143,8 @@ def check_arguments(args: argparse.Namespace) -> CalibrationPlan:
     base = tuple(args.prompt or BUILTIN_PROMPTS.get(name or "", GENERIC_PROMPTS))
     prompts = tuple(base[i % len(base)] for i in range(args.num_prompts))
     output = Path(args.output) if args.output is not None else model_dir / CACHE_CALIBRATION
+    if output.is_dir() or not output.parent.is_dir():  # else a traceback after the whole run
+        raise InvalidRequestError("output", str(output), "a file path in an existing folder")
     return CalibrationPlan(model_dir, prompts, args.seeds, tuple(args.steps) if args.steps else None,
                            tuple(sorted(set(args.budgets))), args.degree, output)
 

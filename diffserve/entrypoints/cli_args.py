@@ -256,5 +256,7 @@ def usage_error_message(exc: InvalidRequestError, parser: argparse.ArgumentParse
     message = str(exc)
     own = f"invalid {exc.field}="
     if message.startswith(own) and field not in ("height", "width"):
+        if exc.field != field:  # a key inside the flag's JSON: keep its path (levels.fast.interval)
+            return f"argument {flag}: invalid {exc.field[len(field) + 1:]}={message[len(own):]}"
         return f"argument {flag}: invalid value {message[len(own):]}"
     return f"argument {flag}: {message}"

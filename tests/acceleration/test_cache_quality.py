@@ -85,6 +85,27 @@ def test_levels_are_ordered_and_overrides_are_checked():
             levels_with(bad)
 
 
+
+@pytest.mark.parametrize("override, field, allowed", [
+    ({"fast": {"interval": float("inf")}}, "cache_config.levels.fast.interval", "finite"),
+    ({"fast": {"budget": float("nan")}}, "cache_config.levels.fast.budget", "a number >= 0"),
+    ({"fast": {"rel_l1_thresh": float("nan")}}, "cache_config.levels.fast.rel_l1_thresh", "a number >= 0"),
+    ({"fast": {"warmup_steps": 1.5}}, "cache_config.levels.fast.warmup_steps", "an integer >= 1"),
+    ({"fast": {"warmup_steps": 0}}, "cache_config.levels.fast.warmup_steps", "an integer >= 1"),
+    ({"fast": {"order": 3}}, "cache_config.levels.fast.order", r"an integer in \[0, 2\]"),
+    ({"fast": {"speed": 1}}, "cache_config.levels.fast", "a field among"),
+    ({"ultra": {}}, "cache_config.levels.ultra", "high, balanced, fast"),
+    ({"fast": 3}, "cache_config.levels.fast", "an object of fields"),
+])
+def test_level_override_errors_name_their_source_and_field(override, field, allowed):
+    """Each bad override is refused when the levels are built (never later, mid-request: an
+    infinite interval used to raise OverflowError in the first step), naming the source the
+    user wrote it in and the allowed range."""
+    with pytest.raises(InvalidRequestError, match=allowed) as info:
+        levels_with(None, override, fields=("teacache.cache_quality", "cache_config.levels"))
+    assert info.value.field == field
+    assert levels_with({"fast": {"budget": float("inf"), "rel_l1_thresh": 0.3}})["fast"].budget == float("inf")
+
 # ------------------------------------------------------------------- in the engine
 def test_levels_share_step_batches_and_each_equals_its_solo_run(tiny_sd3_dir):
     engine = _engine(tiny_sd3_dir)

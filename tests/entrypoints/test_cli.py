@@ -47,6 +47,10 @@ def test_generate_writes_pngs(tiny_sd3_dir, tmp_path, capsys):
         (["--prompt", "a digit\x07"], "argument --prompt: invalid value 'a digit\\x07'"),
         (["--prompt", "   "], "argument --prompt: invalid value '   ': must be a non-empty"),
         (["--cache-config", "{bad"], "argument --cache-config: invalid value '{bad': must be a JSON object"),
+        (["--cache-backend", "teacache", "--cache-config", '{"levels": {"fast": {"interval": Infinity}}}'],
+         "argument --cache-config: invalid levels.fast.interval=inf: must be a number >= 0, finite"),
+        (["--cache-backend", "teacache", "--cache-config", '{"levels": {"fast": {"speed": 2}}}'],
+         "argument --cache-config: invalid levels.fast='speed': must be a field among"),
         (["--steps", "abc"], "argument --steps: invalid int value: 'abc'"),
         (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
         (["--quantization", "int8_dynamic", "--quantization-skip", ""],  # was accepted, matching nothing

@@ -98,6 +98,16 @@ def test_bad_arguments_exit_2_naming_the_flag(args, flag, tmp_path, capsys):
     assert not (tmp_path / "c.json").exists()
 
 
+
+@pytest.mark.parametrize("output", ["missing/c.json", "."])
+def test_an_output_that_cannot_be_written_is_refused_before_any_compute(output, tmp_path, capsys):
+    """A missing folder or a folder as --output was a FileNotFoundError / IsADirectoryError
+    traceback after the whole calibration had run."""
+    assert main(["calibrate-cache", "--output", str(tmp_path / output), "--num-prompts", "1", "--seeds", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("diffserve: error: argument --output: invalid value") and err.count("\n") == 1, err
+    assert "a file path in an existing folder" in err
+
 def test_a_family_without_teacache_is_refused_by_name(tiny_sd15_dir, tmp_path, capsys):
     assert main(["calibrate-cache", "--model", str(tiny_sd15_dir), "--output", str(tmp_path / "c.json"),
                  "--steps", "3", "--num-prompts", "1", "--seeds", "1"]) == 2

@@ -14,6 +14,16 @@ from diffserve.pipelines.capabilities import TeaCacheSupport
 from diffserve.pipelines.token_spans import zero_padded_tokens
 
 
+def _real_tokens(x: torch.Tensor, attention_kwargs: dict[str, Any] | None) -> torch.Tensor:
+    """`x` (rows, N_img, ...) with each row's padded (noisy and reference) tokens zeroed in a
+    forward over rows of different sizes (``spans`` in the attention kwargs), else `x`: the
+    means TeaCache and its guard take of a row (relative changes, errors, forecasts of the
+    residual or output) are then its solo run's. Nobody reads those tokens otherwise (masked
+    keys; the guided prediction's padded tokens are zeroed after guidance)."""
+    spans = (attention_kwargs or {}).get("spans")
+    return x if spans is None else zero_padded_tokens(x, spans.longest, reference=spans.reference)
+
+
 class FluxTeaCacheSplit:
     """`FluxTransformer2DModel.forward` (diffusers 0.42) in three parts around the blocks, for
     TeaCache; the modulated input is the first double block's ``norm1`` output, as in
@@ -44,7 +54,7 @@ class FluxTeaCacheSplit:
             modulated = zero_padded_tokens(modulated, spans.longest, reference=spans.reference)
         context = {"encoder": encoder, "temb": temb, "rotary": rotary,
                    "joint_attention_kwargs": kwargs.get("joint_attention_kwargs")}
-        return hidden, context, modulated
+        return _real_tokens(hidden, context["joint_attention_kwargs"]), context, modulated
 
     @staticmethod
     def select_rows(context: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
@@ -58,12 +68,12 @@ class FluxTeaCacheSplit:
             encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb=context["temb"],
                                     image_rotary_emb=context["rotary"],
                                     joint_attention_kwargs=context["joint_attention_kwargs"])
-        return hidden
+        return _real_tokens(hidden, context["joint_attention_kwargs"])
 
     @staticmethod
     def head(model, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
         """norm_out and proj_out: (rows, N_img, 4C)."""
-        return model.proj_out(model.norm_out(hidden, context["temb"]))
+        return _real_tokens(model.proj_out(model.norm_out(hidden, context["temb"])), context["joint_attention_kwargs"])
 
 
 #: FLUX.1's TeaCache declaration (TeaCache4FLUX's coefficients; also used for Kontext).

@@ -14,6 +14,16 @@ from diffserve.pipelines.capabilities import TeaCacheSupport
 from diffserve.pipelines.token_spans import zero_padded_tokens
 
 
+def _real_tokens(x: torch.Tensor, attention_kwargs: dict[str, Any] | None) -> torch.Tensor:
+    """`x` (rows, N_img, ...) with each row's padded (noisy and reference) tokens zeroed in a
+    forward over rows of different sizes (``spans`` in the attention kwargs), else `x`: the
+    means TeaCache and its guard take of a row (relative changes, errors, forecasts of the
+    residual or output) are then its solo run's. Nobody reads those tokens otherwise (masked
+    keys; the guided prediction's padded tokens are zeroed after guidance)."""
+    spans = (attention_kwargs or {}).get("spans")
+    return x if spans is None else zero_padded_tokens(x, spans.longest, reference=spans.reference)
+
+
 class QwenImageTeaCacheSplit:
     """`QwenImageTransformer2DModel.forward` (diffusers 0.42.1) in three parts around the blocks,
     for TeaCache; transformers without ``zero_cond_t`` / ``use_additional_t_cond`` and without
@@ -43,7 +53,7 @@ class QwenImageTeaCacheSplit:
             modulated = zero_padded_tokens(modulated, spans.longest, reference=spans.reference)
         context = {"encoder": encoder, "mask": mask, "temb": temb, "rotary": rotary,
                    "attention_kwargs": kwargs.get("attention_kwargs")}
-        return hidden, context, modulated
+        return _real_tokens(hidden, context["attention_kwargs"]), context, modulated
 
     @staticmethod
     def select_rows(context: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
@@ -60,12 +70,12 @@ class QwenImageTeaCacheSplit:
                                     encoder_hidden_states_mask=context["mask"], temb=context["temb"],
                                     image_rotary_emb=context["rotary"],
                                     joint_attention_kwargs=context["attention_kwargs"])
-        return hidden
+        return _real_tokens(hidden, context["attention_kwargs"])
 
     @staticmethod
     def head(model, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
         """norm_out and proj_out: (rows, N_img, patch**2 * C_out)."""
-        return model.proj_out(model.norm_out(hidden, context["temb"]))
+        return _real_tokens(model.proj_out(model.norm_out(hidden, context["temb"])), context["attention_kwargs"])
 
 
 #: Qwen-Image TeaCache rescaling coefficients as vLLM-Omni ships them for

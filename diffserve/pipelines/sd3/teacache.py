@@ -11,6 +11,7 @@ import torch
 
 from diffserve.pipelines import teacache_coefficients
 from diffserve.pipelines.capabilities import TeaCacheSupport
+from diffserve.pipelines.token_spans import zero_padded_tokens
 
 
 class SD3TeaCacheSplit:
@@ -19,6 +20,11 @@ class SD3TeaCacheSplit:
 
     Tensors: hidden (rows, N_img, D); context = dict(encoder (rows, N_txt, D), temb (rows, D),
     height, width in latent pixels, joint_attention_kwargs); output (rows, C, height, width).
+    In a forward over rows of different sizes (`sd3.mixed_sizes`: rows padded in a strip of
+    ``N_img`` patches) the embedded input, the modulated input, the blocks' output and the
+    output are zero on each row's padded patches, so the relative changes and errors TeaCache
+    and its guard take of a row (means over the tensor) are the ones its solo run measures;
+    nobody reads those patches otherwise (masked keys, `TokenLayout.from_strip`).
     """
 
     @staticmethod
@@ -26,9 +32,10 @@ class SD3TeaCacheSplit:
         """Returns (hidden, context, modulated input of the first block)."""
         x = kwargs["hidden_states"]
         hidden = model.pos_embed(x).contiguous()
+        hidden = zero_padded_tokens(hidden, hidden.shape[1])
         temb = model.time_text_embed(kwargs["timestep"], kwargs["pooled_projections"])
         encoder = model.context_embedder(kwargs["encoder_hidden_states"])
-        modulated = model.transformer_blocks[0].norm1(hidden, emb=temb)[0]
+        modulated = zero_padded_tokens(model.transformer_blocks[0].norm1(hidden, emb=temb)[0], hidden.shape[1])
         context = {"encoder": encoder, "temb": temb, "height": x.shape[-2], "width": x.shape[-1],
                    "joint_attention_kwargs": kwargs.get("joint_attention_kwargs")}
         return hidden, context, modulated
@@ -44,12 +51,12 @@ class SD3TeaCacheSplit:
         for block in model.transformer_blocks:
             encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb=temb,
                                     joint_attention_kwargs=context["joint_attention_kwargs"])
-        return hidden
+        return zero_padded_tokens(hidden, hidden.shape[1])
 
     @staticmethod
     def head(model, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
         """norm_out, proj_out and unpatchify to (rows, C, height, width)."""
-        hidden = model.proj_out(model.norm_out(hidden, context["temb"]))
+        hidden = zero_padded_tokens(model.proj_out(model.norm_out(hidden, context["temb"])), hidden.shape[1])
         p = model.config.patch_size
         h, w = context["height"] // p, context["width"] // p
         hidden = hidden.reshape(hidden.shape[0], h, w, p, p, model.out_channels)

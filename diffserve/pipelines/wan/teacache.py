@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from diffserve.pipelines.capabilities import TeaCacheSupport
-from diffserve.pipelines.wan.mixed_sizes import select_rotary
+from diffserve.pipelines.row_data import current_rows
+from diffserve.pipelines.wan.mixed_sizes import select_rotary, zero_outside
 
 
 class WanTeaCacheSplit:
@@ -56,7 +57,10 @@ class WanTeaCacheSplit:
         _, _, f, h, w = context["shape"]
         p_t, p_h, p_w = model.config.patch_size
         hidden = hidden.reshape(hidden.shape[0], f // p_t, h // p_h, w // p_w, p_t, p_h, p_w, -1)
-        return hidden.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
+        hidden = hidden.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
+        # zero outside each row's own grid in a mixed forward: the guard's means of a row's
+        # output and forecasts are then its solo run's (nobody reads those latents otherwise)
+        return zero_outside(hidden, current_rows())
 
 
 #: TeaCache4Wan2.1 (github.com/ali-vilab/TeaCache, TeaCache4Wan2.1/teacache_generate.py, T2V,

@@ -304,12 +304,6 @@ class RequestQueues:
         requests first in arrival order, then by priority (``priority``) or slack (``slo``;
         `step_s`: the predicted seconds of a step, None = unknown: earliest deadline first).
 
-        Under ``slo`` a request past hope (`past_hope`: it would miss its deadline even if it
-        ran alone from now) ranks after every request that can still make its deadline, with
-        those without one. A negative slack at the current load alone does not put it there:
-        the load's step time swings with every admission and the deadline-aware batch size can
-        still run it in a smaller batch, so it stays the most urgent.
-
         `stepping` (a member of the previous step's batch) is the hysteresis that keeps a batch
         from thrashing: among equal priorities it ranks first, and under ``slo`` its slack
         counts `PREEMPT_MARGIN_STEPS` steps smaller, so a newcomer preempts it only when
@@ -324,21 +318,12 @@ class RequestQueues:
         if deadline is None:
             return (2, 0.0, priority, member, request.seq)
         step = step_s or 0.0
-        due = request.arrival_time + deadline - now
-        slack = due - request.remaining_steps * step
-        if slack < 0 and self.past_hope(request, due):  # after those that can still make theirs
+        slack = request.arrival_time + deadline - now - request.remaining_steps * step
+        if slack < 0:  # it will miss its deadline anyway: after those that can still make theirs
             return (2, 0.0, priority, member, request.seq)
         if stepping:
             slack -= PREEMPT_MARGIN_STEPS * step
         return (1, slack, priority, member, request.seq)
-
-    def past_hope(self, request: Request, due: float) -> bool:
-        """Whether `request`, `due` seconds before its deadline, misses it even running alone
-        from now: its remaining steps at the cost model's step time for its own token slots
-        (rows x its row grid), the test `_deadline_prefix` uses too. Before the cost model's
-        first step: whether the deadline has passed."""
-        alone = self.cost_model.predict(request.rows * math.prod(request.row_grid))
-        return due < request.remaining_steps * (alone or 0.0)
 
     def step_seconds(self) -> float | None:
         """The cost model's prediction of a step at the current load (the running requests'

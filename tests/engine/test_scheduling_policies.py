@@ -365,35 +365,6 @@ def test_full_batch_under_fcfs_and_before_the_cost_model_is_fitted(policy, model
     assert len(batch) == 8 and queues.batch_slots == 16 * 64
 
 
-def test_slo_ranks_a_request_past_hope_only_when_it_misses_even_alone():
-    """Slack at the current load's step time can be negative for a request that still makes
-    its deadline alone (a smaller batch): it stays the most urgent. Only one that misses even
-    alone ranks after the requests without a deadline."""
-    a, b = 0.001, 4e-5  # alone (32 slots): 2.3 ms a step; at the load below (8 x 32): 11.2 ms
-    now = 100.0
-    queues = RequestQueues(16, 100, policy="slo", cost_model=_fitted(a, b), clock=lambda: now)
-    for k in range(6):
-        queues.add(Request(request_id=f"free{k}", prompt="p", params=SamplingParams(), batch_key=None,
-                           rows=2, seq=k, arrival_time=now, num_steps=8, tokens=32))
-
-    def tight(name: str, deadline_s: float) -> Request:
-        return Request(request_id=name, prompt="p", params=SamplingParams(deadline_s=deadline_s), batch_key=None,
-                       rows=2, seq=len(queues.waiting) + len(queues.running), arrival_time=now, num_steps=8,
-                       tokens=32)
-
-    savable, lost = tight("savable", 0.05), tight("lost", 0.015)  # 8 steps: 18.4 ms alone, 89.6 ms at load
-    queues.add(savable)
-    queues.add(lost)
-    _admit_and_denoise(queues)
-    step = queues.step_seconds()
-    assert step == pytest.approx(a + b * 8 * 32)
-    for r in (savable, lost):  # both miss at the load's step time
-        assert r.params.deadline_s < r.remaining_steps * step
-    assert not queues.past_hope(savable, 0.05) and queues.past_hope(lost, 0.015)
-    order = sorted(queues.running, key=lambda r: queues.rank(r, now, step))
-    assert order[0] is savable and order[-1] is lost  # lost: after the deadline-less ones (by seq)
-
-
 def test_slo_keeps_the_running_members_unless_it_costs_a_deadline():
     """Hysteresis: with every deadline loose, the full batch runs and stays, step after step."""
     now = [0.0]

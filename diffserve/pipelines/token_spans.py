@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -241,6 +242,16 @@ def zero_padded_tokens(x: torch.Tensor, longest: int, rows: RowData | None = Non
     mask = mask.reshape(*mask.shape, *([1] * (x.dim() - 2)))
     head = x[:, :span].masked_fill(~mask, 0)
     return head if x.shape[1] == span else torch.cat([head, x[:, span:]], dim=1)
+
+
+def zero_padded_spans(x: torch.Tensor, spans: Any) -> torch.Tensor:
+    """`zero_padded_tokens` of `x` (rows, N_img, ...) at a packed family's forward ``spans``
+    (anything with ``longest`` and ``reference``: Flux's, Qwen-Image's; None: `x` itself, a
+    forward whose rows share one size). What TeaCache's forward split hands on in a mixed
+    forward, so the means TeaCache and its guard take of a row (relative changes, errors,
+    forecasts) are its solo run's; nobody reads the padded tokens otherwise (masked keys, the
+    guided prediction's padded tokens zeroed after guidance)."""
+    return x if spans is None else zero_padded_tokens(x, spans.longest, reference=spans.reference)
 
 
 @torch.compiler.disable  # eager: memoised per layout, no guards on the row data in compiled blocks

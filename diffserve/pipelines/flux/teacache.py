@@ -11,17 +11,12 @@ import torch
 
 from diffserve.pipelines import teacache_coefficients
 from diffserve.pipelines.capabilities import TeaCacheSupport
-from diffserve.pipelines.token_spans import zero_padded_tokens
+from diffserve.pipelines.token_spans import zero_padded_spans
 
 
-def _real_tokens(x: torch.Tensor, attention_kwargs: dict[str, Any] | None) -> torch.Tensor:
-    """`x` (rows, N_img, ...) with each row's padded (noisy and reference) tokens zeroed in a
-    forward over rows of different sizes (``spans`` in the attention kwargs), else `x`: the
-    means TeaCache and its guard take of a row (relative changes, errors, forecasts of the
-    residual or output) are then its solo run's. Nobody reads those tokens otherwise (masked
-    keys; the guided prediction's padded tokens are zeroed after guidance)."""
-    spans = (attention_kwargs or {}).get("spans")
-    return x if spans is None else zero_padded_tokens(x, spans.longest, reference=spans.reference)
+def _spans(context: dict[str, Any]):
+    """The forward's ``spans`` (rows of different sizes) from the split's context, or None."""
+    return (context["joint_attention_kwargs"] or {}).get("spans")
 
 
 class FluxTeaCacheSplit:
@@ -48,13 +43,11 @@ class FluxTeaCacheSplit:
             temb = model.time_text_embed(timestep, guidance.to(hidden.dtype) * 1000, kwargs["pooled_projections"])
         encoder = model.context_embedder(kwargs["encoder_hidden_states"])
         rotary = model.pos_embed(torch.cat((kwargs["txt_ids"], kwargs["img_ids"]), dim=0))
-        modulated = model.transformer_blocks[0].norm1(hidden, emb=temb)[0]
-        spans = (kwargs.get("joint_attention_kwargs") or {}).get("spans")
-        if spans is not None:  # padded tokens add nothing to a row's relative change (as solo)
-            modulated = zero_padded_tokens(modulated, spans.longest, reference=spans.reference)
         context = {"encoder": encoder, "temb": temb, "rotary": rotary,
                    "joint_attention_kwargs": kwargs.get("joint_attention_kwargs")}
-        return _real_tokens(hidden, context["joint_attention_kwargs"]), context, modulated
+        # padded tokens add nothing to a row's relative change (as solo)
+        modulated = zero_padded_spans(model.transformer_blocks[0].norm1(hidden, emb=temb)[0], _spans(context))
+        return zero_padded_spans(hidden, _spans(context)), context, modulated
 
     @staticmethod
     def select_rows(context: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
@@ -68,12 +61,12 @@ class FluxTeaCacheSplit:
             encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb=context["temb"],
                                     image_rotary_emb=context["rotary"],
                                     joint_attention_kwargs=context["joint_attention_kwargs"])
-        return _real_tokens(hidden, context["joint_attention_kwargs"])
+        return zero_padded_spans(hidden, _spans(context))
 
     @staticmethod
     def head(model, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
         """norm_out and proj_out: (rows, N_img, 4C)."""
-        return _real_tokens(model.proj_out(model.norm_out(hidden, context["temb"])), context["joint_attention_kwargs"])
+        return zero_padded_spans(model.proj_out(model.norm_out(hidden, context["temb"])), _spans(context))
 
 
 #: FLUX.1's TeaCache declaration (TeaCache4FLUX's coefficients; also used for Kontext).

@@ -11,17 +11,12 @@ import torch
 from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
 
 from diffserve.pipelines.capabilities import TeaCacheSupport
-from diffserve.pipelines.token_spans import zero_padded_tokens
+from diffserve.pipelines.token_spans import zero_padded_spans
 
 
-def _real_tokens(x: torch.Tensor, attention_kwargs: dict[str, Any] | None) -> torch.Tensor:
-    """`x` (rows, N_img, ...) with each row's padded (noisy and reference) tokens zeroed in a
-    forward over rows of different sizes (``spans`` in the attention kwargs), else `x`: the
-    means TeaCache and its guard take of a row (relative changes, errors, forecasts of the
-    residual or output) are then its solo run's. Nobody reads those tokens otherwise (masked
-    keys; the guided prediction's padded tokens are zeroed after guidance)."""
-    spans = (attention_kwargs or {}).get("spans")
-    return x if spans is None else zero_padded_tokens(x, spans.longest, reference=spans.reference)
+def _spans(context: dict[str, Any]):
+    """The forward's ``spans`` (rows of different sizes) from the split's context, or None."""
+    return (context["attention_kwargs"] or {}).get("spans")
 
 
 class QwenImageTeaCacheSplit:
@@ -47,13 +42,11 @@ class QwenImageTeaCacheSplit:
         rotary = model.pos_embed(kwargs["img_shapes"], max_txt_seq_len=text_len, device=hidden.device)
         first = model.transformer_blocks[0]
         img_mod1 = first.img_mod(temb).chunk(2, dim=-1)[0]
-        modulated = first._modulate(first.img_norm1(hidden), img_mod1)[0]
-        spans = (kwargs.get("attention_kwargs") or {}).get("spans")
-        if spans is not None:  # padded tokens add nothing to a row's relative change (as solo)
-            modulated = zero_padded_tokens(modulated, spans.longest, reference=spans.reference)
         context = {"encoder": encoder, "mask": mask, "temb": temb, "rotary": rotary,
                    "attention_kwargs": kwargs.get("attention_kwargs")}
-        return _real_tokens(hidden, context["attention_kwargs"]), context, modulated
+        # padded tokens add nothing to a row's relative change (as solo)
+        modulated = zero_padded_spans(first._modulate(first.img_norm1(hidden), img_mod1)[0], _spans(context))
+        return zero_padded_spans(hidden, _spans(context)), context, modulated
 
     @staticmethod
     def select_rows(context: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
@@ -70,12 +63,12 @@ class QwenImageTeaCacheSplit:
                                     encoder_hidden_states_mask=context["mask"], temb=context["temb"],
                                     image_rotary_emb=context["rotary"],
                                     joint_attention_kwargs=context["attention_kwargs"])
-        return _real_tokens(hidden, context["attention_kwargs"])
+        return zero_padded_spans(hidden, _spans(context))
 
     @staticmethod
     def head(model, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
         """norm_out and proj_out: (rows, N_img, patch**2 * C_out)."""
-        return _real_tokens(model.proj_out(model.norm_out(hidden, context["temb"])), context["attention_kwargs"])
+        return zero_padded_spans(model.proj_out(model.norm_out(hidden, context["temb"])), _spans(context))
 
 
 #: Qwen-Image TeaCache rescaling coefficients as vLLM-Omni ships them for

@@ -220,7 +220,9 @@ class TeaCacheBackend(CacheBackend):
         self.residual_log_norms = support.residual_log_norms
         for level in self.levels.values():
             if level.forecast == "magnitude" and not self.residual_log_norms:
-                raise InvalidRequestError(f"teacache.cache_quality.{level.name}.forecast", "magnitude",
+                mine = ((config.levels or {}).get(level.name) or {}).get("forecast") == "magnitude"
+                source = "cache_config.levels" if mine else "teacache.cache_quality"  # else the folder's
+                raise InvalidRequestError(f"{source}.{level.name}.forecast", "magnitude",
                                           "taylor: magnitude forecasts need the model's residual_log_norms (run "
                                           "diffserve calibrate-cache on the folder)")
         #: (num_steps, step, log residual norm) per recorded step (`TeaCacheConfig.record_changes`).

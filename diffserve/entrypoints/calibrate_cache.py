@@ -145,7 +145,8 @@ def check_arguments(args: argparse.Namespace) -> CalibrationPlan:
     output = Path(args.output) if args.output is not None else model_dir / CACHE_CALIBRATION
     if output.is_dir() or not output.parent.is_dir():  # else a traceback after the whole run
         raise InvalidRequestError("output", str(output), "a file path in an existing folder")
-    return CalibrationPlan(model_dir, prompts, args.seeds, tuple(args.steps) if args.steps else None,
+    steps = tuple(dict.fromkeys(args.steps)) if args.steps else None  # each count once, first one first
+    return CalibrationPlan(model_dir, prompts, args.seeds, steps,
                            tuple(sorted(set(args.budgets))), args.degree, output)
 
 

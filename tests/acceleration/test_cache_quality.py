@@ -234,7 +234,7 @@ def test_magnitude_levels_share_batches_with_taylor_levels_and_equal_their_solo_
     # without a calibrated curve a magnitude level is refused by name
     magnitude = {"forecast": "magnitude", "target": "residual", "order": 0, "interval": 3, "warmup_steps": 2,
                  "budget": None}
-    with pytest.raises(InvalidRequestError, match="teacache.cache_quality.high.forecast"):
+    with pytest.raises(InvalidRequestError, match=r"cache_config\.levels\.high\.forecast"):  # as the user set it
         _engine(folder, levels={**LEVELS, "high": magnitude})
     with pytest.raises(InvalidRequestError, match="teacache.cache_quality.high.forecast"):
         levels_with({"high": {"forecast": "magnitude"}})  # the output target cannot be scaled

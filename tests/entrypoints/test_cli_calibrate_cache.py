@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 
@@ -11,7 +12,8 @@ import pytest
 from PIL import Image
 
 from diffserve import DiffusionEngine, EngineConfig
-from diffserve.entrypoints.calibrate_cache import choose_budget, fit_coefficients
+from diffserve.entrypoints.calibrate_cache import (add_calibrate_arguments, check_arguments, choose_budget,
+                                                  fit_coefficients)
 from diffserve.entrypoints.cli import check_generate_arguments, main
 from diffserve.entrypoints.cli_args import build_parser
 from diffserve.models.model_index import CACHE_CALIBRATION
@@ -99,6 +101,16 @@ def test_bad_arguments_exit_2_naming_the_flag(args, flag, tmp_path, capsys):
 
 
 
+def test_repeated_step_counts_run_once(tmp_path):
+    """``--steps 20 12 20`` calibrates on 20 then 12 steps (the first count, which the magnitude
+    curve is taken on, stays first), as repeated budgets collapse too."""
+    parser = argparse.ArgumentParser()
+    add_calibrate_arguments(parser)
+    plan = check_arguments(parser.parse_args(["--output", str(tmp_path / "c.json"), "--steps", "20", "12", "20",
+                                              "--budgets", "0.1", "0.05", "0.1"]))
+    assert plan.steps == (20, 12) and plan.budgets == (0.05, 0.1)
+
+
 @pytest.mark.parametrize("output", ["missing/c.json", "."])
 def test_an_output_that_cannot_be_written_is_refused_before_any_compute(output, tmp_path, capsys):
     """A missing folder or a folder as --output was a FileNotFoundError / IsADirectoryError
@@ -107,6 +119,7 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_compute(output, 
     err = capsys.readouterr().err
     assert err.startswith("diffserve: error: argument --output: invalid value") and err.count("\n") == 1, err
     assert "a file path in an existing folder" in err
+
 
 def test_a_family_without_teacache_is_refused_by_name(tiny_sd15_dir, tmp_path, capsys):
     assert main(["calibrate-cache", "--model", str(tiny_sd15_dir), "--output", str(tmp_path / "c.json"),

@@ -179,15 +179,19 @@ def test_teacache_guard_and_trip_wire_see_only_real_tokens(cache_quality, config
         engine.shutdown()
 
 
-@pytest.mark.parametrize("folder,frames,rows", [("tiny_flux_dev_dir", {}, 2), ("tiny_qwen_image_dir", {}, 2),
-                                                 ("tiny_wan_dir", {"num_frames": 1}, 4)])
-def test_teacache_guard_sees_only_real_tokens_of_other_families(folder, frames, rows, request, one_torch_thread):
+@pytest.mark.parametrize("folder,frames,rows,target", [
+    ("tiny_flux_dev_dir", {}, 2, "output"), ("tiny_qwen_image_dir", {}, 2, "output"),
+    ("tiny_wan_dir", {"num_frames": 1}, 4, "output"), ("tiny_wan_dir", {"num_frames": 1}, 4, "residual")])
+def test_teacache_guard_sees_only_real_tokens_of_other_families(folder, frames, rows, target, request,
+                                                                 one_torch_thread):
     """Flux and Qwen-Image (right-padded token sequences) and Wan (padded video grids): a small
     `high` request beside a larger one has its solo run's guard estimate (it was 0.042 vs 0.012
     alone on the tiny Flux; Wan, 1 frame beside 5: 0.0324 vs 0.0306 before the head zeroed the
-    padding)."""
+    padding), also when its level forecasts the blocks' residual (Wan: the embedded input and
+    the blocks' output are zero on padded tokens)."""
+    levels = {"high": {"target": target}}
     engine = DiffusionEngine(EngineConfig(model=str(request.getfixturevalue(folder)), cache_backend="teacache",
-                                          overlap_stages=False))
+                                          cache_config={"levels": levels}, overlap_stages=False))
     try:
         small = ("a cat", SamplingParams(seed=1, num_inference_steps=12, height=32, width=32, cache_quality="high",
                                          output_type="np", **frames))

@@ -14,6 +14,14 @@ from diffserve.pipelines.row_data import current_rows
 from diffserve.pipelines.wan.mixed_sizes import select_rotary, zero_outside
 
 
+def _real_tokens(hidden: torch.Tensor, rotary: tuple) -> torch.Tensor:
+    """`hidden` (rows, N, D) zero on each row's padded tokens in a forward of padded rows (the
+    rotary tuple then carries the (rows, 1, 1, N) key mask, `wan.mixed_sizes`), else `hidden`:
+    the blocks' residual a level forecasts (``target="residual"``) and the means its guard takes
+    are then the row's solo run's. Padded tokens are masked keys, so no real token reads them."""
+    return hidden if len(rotary) < 3 else hidden.masked_fill(~rotary[2][:, 0, 0, :, None], 0)
+
+
 class WanTeaCacheSplit:
     """`WanTransformer3DModel.forward` (diffusers 0.42) in three parts around the blocks, for
     TeaCache; text-to-video with one timestep per row (no image embeddings, no per-token
@@ -23,7 +31,8 @@ class WanTeaCacheSplit:
     proj (rows, 6, D), rotary (cos, sin), each (1, N_patches, 1, head_dim), plus in a forward
     of padded rows their (rows, 1, 1, N_patches) key mask (`wan.mixed_sizes`), shape of the
     latent input (rows, C, F, h, w)); modulated = temb (TeaCache4Wan2.1's ``e``); output
-    (rows, C_out, F, h, w).
+    (rows, C_out, F, h, w). In a forward of padded rows the embedded input, the blocks' output
+    and the output are zero outside each row's own tokens (`_real_tokens`, `zero_outside`).
     """
 
     @staticmethod
@@ -34,7 +43,7 @@ class WanTeaCacheSplit:
         temb, proj, encoder, _ = model.condition_embedder(kwargs["timestep"], kwargs["encoder_hidden_states"])
         context = {"encoder": encoder, "temb": temb, "proj": proj.unflatten(1, (6, -1)), "rotary": rotary,
                    "shape": tuple(x.shape)}
-        return hidden, context, temb
+        return _real_tokens(hidden, rotary), context, temb
 
     @staticmethod
     def select_rows(context: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
@@ -45,7 +54,7 @@ class WanTeaCacheSplit:
     def blocks(model, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
         for block in model.blocks:
             hidden = block(hidden, context["encoder"], context["proj"], context["rotary"])
-        return hidden
+        return _real_tokens(hidden, context["rotary"])
 
     @staticmethod
     def head(model, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:

@@ -33,7 +33,7 @@ from diffusers import FluxPipeline, FluxTransformer2DModel
 from diffserve.pipelines.flux.mixed_sizes import FluxSpans, install_token_spans
 from diffserve.pipelines.row_data import RowData, forward_rows
 from diffserve.pipelines.token_spans import IMAGE_TOKENS, LATENT_SIZE
-from interleaved_arms import device_sync, print_summary, summarize, time_arms  # benchmarks/interleaved_arms.py (same folder)
+from interleaved_arms import add_timing_arguments, device_sync, print_summary, summarize, time_arms  # benchmarks/interleaved_arms.py (same folder)
 
 VAE_FACTOR = 8
 
@@ -99,12 +99,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--text-dim", type=int, default=256)
     ap.add_argument("--text", type=int, default=64, help="text tokens (max_sequence_length)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--json", action="store_true")
+    add_timing_arguments(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = build(args)

@@ -4,9 +4,25 @@ median with [min, max], and ratios paired by repeat)."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
+
+
+def add_timing_arguments(ap: argparse.ArgumentParser, iters: int = 3, repeats: int = 5,
+                         dtypes: Sequence[str] | None = ("fp32", "bf16", "fp16")) -> None:
+    """The options every interleaved forward benchmark takes: ``--threads`` (torch threads),
+    ``--repeats`` (rounds of `time_arms`, default `repeats`), ``--iters`` (calls per arm and
+    round, default `iters`), ``--json``, and, unless `dtypes` is None, ``--device`` and
+    ``--dtype`` (one of `dtypes`, default fp32)."""
+    if dtypes is not None:
+        ap.add_argument("--device", default="cpu")
+        ap.add_argument("--dtype", default="fp32", choices=list(dtypes))
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=repeats)
+    ap.add_argument("--iters", type=int, default=iters)
+    ap.add_argument("--json", action="store_true")
 
 
 def device_sync(device: str) -> Callable[[], None]:

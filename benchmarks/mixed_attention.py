@@ -35,6 +35,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from interleaved_arms import add_timing_arguments  # benchmarks/interleaved_arms.py (same folder)
 
 
 def _block(x: torch.Tensor, w: dict[str, torch.Tensor], heads: int, attend) -> torch.Tensor:
@@ -103,10 +104,7 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=77, help="context tokens per row")
     parser.add_argument("--width", type=int, default=384)
     parser.add_argument("--heads", type=int, default=6)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", action="store_true")
+    add_timing_arguments(parser, repeats=3, dtypes=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     mix = [tuple(int(x) for x in part.split(":")) for part in args.mix.split(",")]

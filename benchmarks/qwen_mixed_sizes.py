@@ -32,7 +32,7 @@ from diffserve.pipelines.qwen_image.mixed_sizes import PATCH, QwenSpans, install
 from diffserve.pipelines.row_data import RowData, forward_rows
 from diffserve.pipelines.token_spans import IMAGE_TOKENS, LATENT_SIZE
 from flux_mixed_sizes import parse_mix  # benchmarks/flux_mixed_sizes.py (same folder)
-from interleaved_arms import device_sync, print_summary, summarize, time_arms  # benchmarks/interleaved_arms.py (same folder)
+from interleaved_arms import add_timing_arguments, device_sync, print_summary, summarize, time_arms  # benchmarks/interleaved_arms.py (same folder)
 
 VAE_FACTOR = 8
 
@@ -60,12 +60,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--text-dim", type=int, default=256)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--json", action="store_true")
+    add_timing_arguments(ap, dtypes=("fp32", "bf16"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = build(args)

@@ -35,7 +35,7 @@ from diffusers import WanTransformer3DModel
 from diffserve.pipelines.row_data import RowData, forward_rows
 from diffserve.pipelines.token_spans import LATENT_SIZE
 from diffserve.pipelines.wan.mixed_sizes import install_token_spans
-from interleaved_arms import device_sync, print_summary, summarize, time_arms  # benchmarks/interleaved_arms.py (same folder)
+from interleaved_arms import add_timing_arguments, device_sync, print_summary, summarize, time_arms  # benchmarks/interleaved_arms.py (same folder)
 
 SPATIAL, TEMPORAL = 8, 4
 
@@ -97,12 +97,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=48)
     ap.add_argument("--text-dim", type=int, default=256)
     ap.add_argument("--text", type=int, default=32, help="context tokens (a folded prompt's rows)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--iters", type=int, default=2)
-    ap.add_argument("--json", action="store_true")
+    add_timing_arguments(ap, iters=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     switch = {"grouped": True}

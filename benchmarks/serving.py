@@ -528,7 +528,9 @@ TRACE_ARMS = {"per_size": (False, "fcfs", 1.0, "all"), "mixed": (True, "fcfs", 1
 
 def trace_arm(arm: str) -> tuple[bool, str, float, str]:
     """(batching of sizes, policy, max_padding_ratio, admission) of a trace arm name
-    (``mixed_padded``: ``mixed`` with its forwards over the padded rows, no length groups)."""
+    (``mixed_padded``: ``mixed`` with its forwards over the padded rows, no length groups; any
+    arm with the suffix ``_nojoin``: the same without the request scheduler's join wait)."""
+    arm = arm.removesuffix("_nojoin")
     if arm == "mixed_padded":
         return TRACE_ARMS["mixed"]
     if arm.startswith("mixed_pad"):
@@ -610,8 +612,11 @@ def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
         mixed, policy, ratio, admission = trace_arm(arm)
         runner.adapter.mixed_sizes = mixed and runner._mixed_capable  # read by batch_key and prepare
         runner.adapter.length_groups = runner._groups_capable and arm != "mixed_padded"  # read per forward
-        return DiffusionEngine(dataclasses.replace(config, scheduling_policy=policy, aging_s=args.aging_s,
-                                                   max_padding_ratio=ratio, admission=admission), runner=runner)
+        engine = DiffusionEngine(dataclasses.replace(config, scheduling_policy=policy, aging_s=args.aging_s,
+                                                     max_padding_ratio=ratio, admission=admission), runner=runner)
+        if arm.endswith("_nojoin"):
+            engine.scheduler.join_wait_fraction = 0.0
+        return engine
 
     runner._mixed_capable = bool(runner.adapter.mixed_sizes)
     runner._groups_capable = runner.adapter.grouping()

@@ -97,11 +97,13 @@ def tiny_sd3_t5_dir(tmp_path_factory) -> Path:
 def sync_engine(tiny_sd3_dir, engine):
     """The shared engine's runner behind an engine without the encode/decode side thread
     (``overlap_stages=False``): every step() prepares, steps and decodes inline, so tests can
-    assert exact interleavings."""
+    assert exact interleavings. The request scheduler's join wait is off (it depends on measured
+    prepare and step times); a test that checks it sets ``scheduler.join_wait_fraction``."""
     from diffserve import DiffusionEngine, EngineConfig
 
     eng = DiffusionEngine(EngineConfig(model=str(tiny_sd3_dir), max_batch_size=16, overlap_stages=False),
                           runner=engine.runner)
+    eng.scheduler.join_wait_fraction = 0.0
     yield eng
     assert not eng.has_unfinished_requests()
 

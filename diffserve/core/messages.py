@@ -317,6 +317,8 @@ class SchedulerOutput:
         chunks: streams whose chunk finished denoising: decode it and prepare the next one.
         finished_ids: requests that ended in the engine (aborted, or failed there) whose state
             the workers must drop.
+        join_wait_s: > 0 on a tick that holds its step for `new_requests` (the request
+            scheduler's join wait): wait up to this many seconds for their prepares.
     """
 
     step_ids: list[str] | tuple[()] = ()
@@ -325,6 +327,7 @@ class SchedulerOutput:
     previews: list[str] | tuple[()] = ()
     chunks: list[ChunkWork] | tuple[()] = ()
     finished_ids: list[str] | tuple[()] = ()
+    join_wait_s: float = 0.0
 
     @property
     def has_work(self) -> bool:

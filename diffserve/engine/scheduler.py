@@ -14,6 +14,15 @@ executor (ONE call), and applies the workers' `RunnerOutput` with `update_from_o
                           back applied: prepared, decoded (final or preview), chunk boundaries
                           done, failures
 
+Join wait: a request admitted while a batch of its batch key is stepping would, with its prepare
+running beside the step, join one step later than it could. So a tick that admits such a request
+holds its step (steps nothing) and the executor waits for the tick's prepares, up to
+`JOIN_WAIT_FRACTION` (`RequestScheduler.join_wait_fraction`) x the step's predicted seconds; the engine's next tick then steps with the
+newcomers in the batch. It holds only when the measured prepare time (an exponential moving
+average of the workers' `Prepared.seconds`) fits in that bound, and never two ticks in a row, so
+arrivals cannot starve the running batch: the running requests lose at most the bound per
+admitting tick, a newcomer gains one step. Counted as ``join_waits`` in `stats()`.
+
 Multi-stage models (an AR stage before the DiT stage, `ModelInfo.ar_stage`): a request starts
 in phase AR_STAGE: it is submitted to the AR stage client (`diffserve.executor.ar_stage`, which
 batches the generation of all requests in it beside the DiT steps) and enters the waiting queue
@@ -72,6 +81,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: A tick that admits a request able to join the stepping batch waits for its prepare at most
+#: this fraction of the step's predicted seconds (the module docstring's join wait).
+JOIN_WAIT_FRACTION = 0.25
+#: Weight of the newest prepare in the moving average of prepare seconds.
+PREPARE_EMA_WEIGHT = 0.2
+
 #: Ids of ended requests remembered, so an interaction for one is told it ended (not unknown).
 ENDED_IDS = 4096
 
@@ -125,6 +140,12 @@ class RequestScheduler:
         self._previews: list[str] = []
         self._chunks: list[ChunkWork] = []
         self._finished: list[str] = []
+        #: moving average of the workers' prepare seconds (None before the first prepare)
+        self._prepare_s: float | None = None
+        #: the previous tick held its step for a join wait (the next one steps)
+        self._held = False
+        #: the join wait's bound as a fraction of the step's predicted seconds (0 = never hold)
+        self.join_wait_fraction = JOIN_WAIT_FRACTION
 
     # ------------------------------------------------------------------ arrivals and aborts
     def add_request(self, processed: ProcessedRequest, request_id: str | None = None,
@@ -311,13 +332,15 @@ class RequestScheduler:
                             for r in admitted]
         step_ids = ()
         batch = self.queues.select_batch()
-        if batch:
+        join_wait_s = self._join_wait(admitted, batch) if admitted and batch else 0.0
+        self._held = join_wait_s > 0
+        if batch and not self._held:
             run = self._run
             if run is None or run.batch is not batch:
                 self._end_run()
                 run = self._run = StepRun.start(batch, time.perf_counter())
             step_ids = run.ids
-        out = SchedulerOutput(step_ids=step_ids, new_requests=new_requests)
+        out = SchedulerOutput(step_ids=step_ids, new_requests=new_requests, join_wait_s=join_wait_s)
         if self._decodes:
             out.decodes, self._decodes = self._decodes, []
         if self._previews:
@@ -327,6 +350,25 @@ class RequestScheduler:
         if self._finished:
             out.finished_ids, self._finished = self._finished, []
         return out
+
+    def _join_wait(self, admitted: list[Request], batch: list[Request]) -> float:
+        """Seconds this tick's step is held for the prepares of `admitted` (the module
+        docstring's join wait), or 0: the previous tick held, none of them has `batch`'s batch
+        key, or the measured prepare time (or, before any step, the step's) is unknown or
+        longer than `join_wait_fraction` x the step's predicted seconds."""
+        if self._held or self._prepare_s is None or self.queues.mode != "step":
+            return 0.0
+        key = batch[0].batch_key
+        if not any(r.batch_key == key for r in admitted):
+            return 0.0
+        step_s = self.queues.cost_model.predict(self.queues.cost_tokens)
+        if step_s is None:
+            return 0.0
+        bound = self.join_wait_fraction * step_s
+        if bound <= 0 or self._prepare_s > bound:
+            return 0.0
+        self.counters.join_waits += 1
+        return bound
 
     def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> None:
         """Apply the workers' `result` for `out` (see the module docstring)."""
@@ -551,6 +593,8 @@ class RequestScheduler:
                 self._finished.append(result.request_id)
                 continue
             request.metrics.encode_s = result.seconds
+            self._prepare_s = result.seconds if self._prepare_s is None else \
+                (1 - PREPARE_EMA_WEIGHT) * self._prepare_s + PREPARE_EMA_WEIGHT * result.seconds
             request.metrics.offload_loads += result.offload_loads
             request.metrics.payload_wait_s += result.payload_wait_s
             request.metrics.transfer_s += result.payload_fetch_s

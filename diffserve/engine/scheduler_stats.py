@@ -25,6 +25,8 @@ class SchedulerCounters:
         slo_met / slo_missed: finished requests with a ``deadline_s`` that met / missed it;
             ``slo_met_images``: the images of the met ones (goodput's numerator).
         refused: requests ``--admission slo`` refused at arrival.
+        join_waits: ticks that held their step for the prepares of requests admitted in them
+            (the request scheduler's join wait).
         start: ``time.perf_counter()`` when counting began (goodput's denominator).
     """
 
@@ -32,6 +34,7 @@ class SchedulerCounters:
         self.forwards = self.rows = self.tokens = self.slots = 0
         self.queue: dict[int | str, list] = {}
         self.slo_met = self.slo_missed = self.slo_met_images = self.refused = 0
+        self.join_waits = 0
         self.start = time.perf_counter()
 
     def forward(self, rows: int, tokens: int, slots: int = 0) -> None:
@@ -69,7 +72,7 @@ class SchedulerCounters:
         most `MAX_PRIORITY_BUCKETS` of them plus ``"other"``), ``slo_attainment`` (met /
         finished with a deadline; None without any), ``slo_met``, ``slo_missed``,
         ``goodput_images_per_s`` (images of deadline-meeting requests per second since start),
-        ``refused_deadline``."""
+        ``refused_deadline``, ``join_waits``."""
         judged = self.slo_met + self.slo_missed
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         return {
@@ -85,6 +88,7 @@ class SchedulerCounters:
             "slo_missed": self.slo_missed,
             "goodput_images_per_s": self.slo_met_images / elapsed,
             "refused_deadline": self.refused,
+            "join_waits": self.join_waits,
         }
 
 

@@ -54,7 +54,8 @@ class Executor(ABC):
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run one tick's scheduler output (see `SchedulerOutput` for the order). When it steps
         nothing while background work is in flight, waits up to `WAIT_S` seconds for some of it
-        instead of returning at once (so an idle engine loop does not spin).
+        instead of returning at once (so an idle engine loop does not spin); with
+        `SchedulerOutput.join_wait_s`, waits up to that many seconds for the tick's prepares.
 
         Raises:
             EngineDeadError: the step could not run (a worker died); background work that
@@ -68,6 +69,8 @@ class Executor(ABC):
             result.step_start = time.perf_counter()
             result.step = self._step(out.step_ids)
             result.step_end = time.perf_counter()
+        elif out.join_wait_s and submitted:
+            wait([f for item, f in submitted if item.kind == PREPARE], timeout=out.join_wait_s)
         elif self._inflight:
             wait([f for _, f in self._inflight], timeout=WAIT_S, return_when=FIRST_COMPLETED)
         if self._inflight:

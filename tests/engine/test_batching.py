@@ -46,6 +46,41 @@ def test_request_added_mid_run_joins_next_step(sync_engine):
     assert np.abs(finals[first].images - _solo(engine, "a red car", _p(1, steps=6))).max() <= TOL
 
 
+def test_join_wait_lets_a_late_request_join_the_next_forward(engine):
+    """With the join wait (its bound made generous here: the real one compares measured prepare
+    and step seconds), the tick that admits a request of the stepping batch's key holds its step
+    for the background prepare, so the request's first step shares the very next forward;
+    without it the running request steps alone at least once more. Outputs equal solo runs."""
+    def alone_steps_after_arrival() -> int:
+        first = engine.add_request("a red car", _p(1, steps=12))
+        done = 0
+        while done < 2:
+            done += sum(e.type is EventType.PROGRESS for e in engine.step())
+        late = engine.add_request("a blue car", _p(2, steps=3))
+        alone = 0
+        while True:
+            stepped = {e.request_id for e in engine.step() if e.type is EventType.PROGRESS}
+            if late in stepped:
+                break
+            alone += first in stepped
+        finals = {}
+        while engine.has_unfinished_requests():
+            finals.update({e.request_id: e.output for e in engine.step() if e.type.is_final})
+        assert finals[late].metrics.batch_sizes == {4: 3}
+        assert np.abs(finals[late].images - _solo(engine, "a blue car", _p(2, steps=3))).max() <= TOL
+        return alone
+
+    waits, fraction = engine.stats()["scheduler"]["join_waits"], engine.scheduler.join_wait_fraction
+    try:
+        engine.scheduler.join_wait_fraction = 100.0
+        assert alone_steps_after_arrival() == 0
+        assert engine.stats()["scheduler"]["join_waits"] == waits + 1
+        engine.scheduler.join_wait_fraction = 0.0
+        assert alone_steps_after_arrival() >= 1
+    finally:
+        engine.scheduler.join_wait_fraction = fraction
+
+
 def test_steps_of_an_unchanged_batch_are_booked_exactly(sync_engine):
     """The engine books the steps of an unchanged batch once for all its requests (`StepRun`):
     metrics, previews and progress events still come out step-exact when a request joins,

@@ -330,3 +330,49 @@ def test_fail_waiting_closes_a_waiting_request_only():
     [event] = h.scheduler.take_events()
     assert event.request_id == "b" and event.type is EventType.FAILED and "adapter x failed" in event.output.error
     assert h.scheduler.num_waiting == 0 and h.scheduler.num_running == 1
+
+
+def _stepping_a(h: Harness, prepare_s: float = 0.01):
+    """`a` admitted, prepared in `prepare_s` seconds and stepped once (a 1 s step)."""
+    h.add("a", steps=5)
+    h.tick(RunnerOutput(prepared=[Prepared("a", num_steps=5, seconds=prepare_s)]))
+    h.tick(step_result())
+
+
+def test_a_request_of_the_stepping_key_holds_one_step_for_its_prepare():
+    """Join wait: the tick that admits a request able to join the stepping batch holds its step
+    (bounded by JOIN_WAIT_FRACTION x the predicted step), so the newcomer's first step is the
+    next forward, beside the running request."""
+    h = Harness()
+    _stepping_a(h)
+    h.add("b", steps=3)
+    held = h.scheduler.schedule()
+    assert [n.request_id for n in held.new_requests] == ["b"] and held.step_ids == ()
+    assert held.join_wait_s == pytest.approx(0.25 * 1.0)  # the cost model predicts the 1 s step
+    h.scheduler.update_from_output(held, RunnerOutput(prepared=[Prepared("b", num_steps=3, seconds=0.01)]))
+    assert h.scheduler.schedule().step_ids == ["a", "b"]
+    assert h.scheduler.stats()["join_waits"] == 1
+
+
+def test_a_join_wait_holds_at_most_every_other_tick():
+    """Arrivals in every tick cannot starve the running batch: after a held tick the next one
+    steps, whatever it admits."""
+    h = Harness()
+    _stepping_a(h)
+    h.add("b", steps=3)
+    assert h.tick().step_ids == ()  # held; b's prepare has not come back
+    h.add("c", steps=3)
+    out = h.tick(step_result())
+    assert out.step_ids == ["a"] and out.join_wait_s == 0 and [n.request_id for n in out.new_requests] == ["c"]
+
+
+@pytest.mark.parametrize("case", ["other key", "slow prepare", "off"])
+def test_no_join_wait_when_the_newcomer_cannot_join_or_prepares_slowly(case):
+    h = Harness()
+    _stepping_a(h, prepare_s=0.3 if case == "slow prepare" else 0.01)  # 0.3 s > 0.25 x the 1 s step
+    if case == "off":
+        h.scheduler.join_wait_fraction = 0.0
+    h.add("b", steps=3, key="other" if case == "other key" else "a")
+    out = h.scheduler.schedule()
+    assert out.step_ids == ["a"] and out.join_wait_s == 0 and [n.request_id for n in out.new_requests] == ["b"]
+    assert h.scheduler.stats()["join_waits"] == 0

@@ -45,5 +45,6 @@ def test_priority_deadline_refusal_and_metrics(engine):
         text = httpx.get(f"{base}/metrics", timeout=30).text
         for name in ("diffserve_rows_per_forward_mean", "diffserve_tokens_per_forward_mean", "diffserve_preemptions",
                      "diffserve_slo_attainment", "diffserve_goodput_images_per_second", "diffserve_padded_token_share",
-                     'diffserve_queue_delay_seconds_mean{priority="-2"}', "diffserve_deadline_refusals_total 1.0"):
+                     'diffserve_queue_delay_seconds_mean{priority="-2"}', "diffserve_deadline_refusals_total 1.0",
+                     "diffserve_join_waits_total"):
             assert name in text, name

@@ -220,7 +220,8 @@ class _EngineCollector:
 
 def _scheduler_metrics(sched: dict[str, Any] | None):
     """The request scheduler's counters (`RequestScheduler.stats`): rows and tokens per forward,
-    queueing delay by priority, SLO attainment and goodput, preemptions, deadline refusals."""
+    queueing delay by priority, SLO attainment and goodput, preemptions, deadline refusals, join
+    waits."""
     if not sched:
         return
     yield GaugeMetricFamily("diffserve_rows_per_forward_mean", "Mean denoiser rows per forward since start.",
@@ -235,6 +236,8 @@ def _scheduler_metrics(sched: dict[str, Any] | None):
                               value=sched["preemptions"])
     yield CounterMetricFamily("diffserve_deadline_refusals", "Requests refused at arrival by --admission slo.",
                               value=sched["refused_deadline"])
+    yield CounterMetricFamily("diffserve_join_waits", "Engine ticks that held their step for the prepares of "
+                              "requests admitted in them (join wait).", value=sched.get("join_waits", 0))
     slo = CounterMetricFamily("diffserve_deadline_requests", "Finished requests with a deadline_s, by whether "
                               "they met it.", labels=["met"])
     slo.add_metric(["true"], sched["slo_met"])

@@ -567,7 +567,7 @@ def check_trace_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             ok = False
         if not ok:
             parser.error(f"argument --trace-arms: invalid arm {arm!r}: choose from {', '.join(TRACE_ARMS)} "
-                         "or mixed_padR (R in [0, 1] or auto)")
+                         "or mixed_padR (R in [0, 1] or auto), each optionally with the suffix _nojoin")
 
 
 def solo_latencies(engine_for, jobs: list[TraceJob], guidance: float | None, seed: int,

@@ -328,7 +328,11 @@ class RequestQueues:
     def step_seconds(self) -> float | None:
         """The cost model's prediction of a step at the current load (the running requests'
         tokens, at most a batch's worth), or None before the first step."""
-        tokens = sum(r.tokens for r in self.running if r.phase is Phase.DENOISING)
+        denoising = [r for r in self.running if r.phase is Phase.DENOISING]
+        tokens = sum(r.tokens for r in denoising)
+        rows = sum(r.rows for r in denoising)
+        if rows > self.max_batch_size:  # preempted requests wait beside the batch: a step runs a batch's worth
+            tokens = tokens * self.max_batch_size // rows
         return self.cost_model.predict(tokens)
 
     def predict_latency(self, request: Request) -> tuple[float, float, float] | None:

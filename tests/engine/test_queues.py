@@ -336,6 +336,22 @@ def _fitted(a: float, b: float):
     return model
 
 
+def test_slack_step_time_counts_at_most_a_batch_of_rows():
+    """`step_seconds` (the slack's and --admission slo's step time) predicts a step of the
+    denoising requests' tokens, but a step runs at most `max_batch_size` rows: requests
+    preempted beside the batch (2 x the rows admitted under slo) do not lengthen it."""
+    s = RequestQueues(max_batch_size=4, max_waiting=10, policy="slo", cost_model=_fitted(0.001, 1e-5))
+    running = [_sized(i, 16) for i in range(4)]  # 4 requests x 2 rows x 16 tokens: 8 rows, 128 tokens
+    for r in running:
+        r.phase = Phase.DENOISING
+    s.running.extend(running[:2])
+    assert s.step_seconds() == pytest.approx(0.001 + 1e-5 * 64)  # 4 rows: all of them
+    s.running.extend(running[2:])
+    assert s.step_seconds() == pytest.approx(0.001 + 1e-5 * 64)  # 8 rows: a batch of 4 steps
+    running[3].phase = Phase.DECODING
+    assert s.step_seconds() == pytest.approx(0.001 + 1e-5 * (96 * 4 // 6))  # 6 rows of 16 tokens, 4 step
+
+
 def test_auto_padding_follows_the_cost_model():
     """``max_padding_ratio="auto"``: a narrow row joins wide ones only if the predicted real
     tokens per second do not drop. Compute-bound (a = 0): 2 rows of 256 + 2 of 64 would be

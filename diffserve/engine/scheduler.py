@@ -17,11 +17,12 @@ executor (ONE call), and applies the workers' `RunnerOutput` with `update_from_o
 Join wait: a request admitted while a batch of its batch key is stepping would, with its prepare
 running beside the step, join one step later than it could. So a tick that admits such a request
 holds its step (steps nothing) and the executor waits for the tick's prepares, up to
-`JOIN_WAIT_FRACTION` (`RequestScheduler.join_wait_fraction`) x the step's predicted seconds; the engine's next tick then steps with the
-newcomers in the batch. It holds only when the measured prepare time (an exponential moving
-average of the workers' `Prepared.seconds`) fits in that bound, and never two ticks in a row, so
-arrivals cannot starve the running batch: the running requests lose at most the bound per
-admitting tick, a newcomer gains one step. Counted as ``join_waits`` in `stats()`.
+`JOIN_WAIT_FRACTION` (`RequestScheduler.join_wait_fraction`) x the step's predicted seconds;
+the engine's next tick then steps with the newcomers in the batch. It holds only when the
+measured prepare time (an exponential moving average of the workers' `Prepared.seconds`) fits
+in that bound, and never two ticks in a row, so arrivals cannot starve the running batch: the
+running requests lose at most the bound per admitting tick, a newcomer gains one step.
+Counted as ``join_waits`` in `stats()`.
 
 Multi-stage models (an AR stage before the DiT stage, `ModelInfo.ar_stage`): a request starts
 in phase AR_STAGE: it is submitted to the AR stage client (`diffserve.executor.ar_stage`, which

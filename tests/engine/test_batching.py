@@ -23,7 +23,8 @@ def _solo(engine, prompt, params):
 def test_request_added_mid_run_joins_next_step(sync_engine):
     """A request added while another runs is admitted at the next tick, prepared beside that
     tick's step (inline here: the scheduler output carries its prepare and the running batch's
-    step together) and joins the step after: one forward, two requests at different steps."""
+    step together) and joins the step after: one forward, two requests at different steps.
+    (`sync_engine` has the join wait off; with it, see `test_join_wait_*` below.)"""
     engine = sync_engine
     first = engine.add_request("a red car", _p(1, steps=6))
     engine.step()  # admits + prepares, then runs step 1 of `first` (a second tick of the same call)

@@ -425,9 +425,9 @@ class RequestQueues:
         """``slo``'s deadline-aware batch size: the prefix of `batch` (a filled step batch in
         least-slack order) predicted to let the most requests meet their deadlines.
 
-        For each prefix length k (the head always runs), with the cost model's (a, b) and the
-        prefix's token slots (rows x its widest row's tokens): a member finishes at ``now +
-        its remaining steps x (a + b x slots_k)``; a candidate left out waits until the
+        For each prefix length k (the head always runs), with the cost model's prediction for
+        the prefix's token slots (rows x its widest row's tokens, `StepCostModel.predict`): a
+        member finishes at ``now + its remaining steps x predict(slots_k)``; a candidate left out waits until the
         prefix's last member finishes, then runs at the full batch's step time. A candidate
         with a deadline counts when it finishes by it; one already hopeless (it misses even
         alone: remaining steps x its solo step time beyond its deadline) and one without a
@@ -435,22 +435,21 @@ class RequestQueues:
         that leaves out a member of the previous step is chosen only when it meets strictly
         more deadlines than every prefix keeping them all. Unchanged before the cost model's
         first step. O(len(batch)^2) plain arithmetic (len(batch) <= `max_batch_size`)."""
-        fit = self.cost_model.coefficients()
-        if fit is None:
+        predict = self.cost_model.predict
+        if self.cost_model.coefficients() is None:
             return batch
-        a, b = fit
         n = len(batch)
         step = []  # predicted seconds of a step of each prefix (index k - 1)
         rows, widest = 0, ()
         for request in batch:
             rows += request.rows
             widest = padded_grid((widest, request.row_grid))
-            step.append(a + b * rows * math.prod(widest))
+            step.append(predict(rows * math.prod(widest)))
         left: list[float | None] = []  # seconds to its deadline; None: no deadline, or hopeless
         for request in batch:
             deadline = request.params.deadline_s
             due = None if deadline is None else request.arrival_time + deadline - now
-            solo = request.remaining_steps * (a + b * request.rows * math.prod(request.row_grid))
+            solo = request.remaining_steps * predict(request.rows * math.prod(request.row_grid))
             left.append(due if due is not None and due >= solo else None)
         if not any(x is not None for x in left):
             return batch

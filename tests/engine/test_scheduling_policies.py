@@ -153,6 +153,28 @@ def test_cost_model_fits_a_line():
     assert model.predict(100) == pytest.approx(0.11, rel=1e-6)
 
 
+
+def test_cost_model_follows_a_concave_cost_where_it_has_seen_steps():
+    """A step cost that grows slower than linearly (per-token cost falling with the batch, as on
+    a CPU): the line overpredicts the large steps and underpredicts the small ones; `predict`
+    interpolates between the observed buckets' mean points instead, and continues with the
+    line's slope outside them."""
+    def cost(tokens):
+        return 0.002 + 0.0005 * tokens ** 0.5
+
+    model = StepCostModel(decay=1.0)
+    for _ in range(3):
+        for tokens in (32, 64, 128, 256):
+            model.observe(tokens, cost(tokens))
+    a, b = model.coefficients()
+    assert a + b * 32 != pytest.approx(cost(32), rel=0.05)  # the line misses the small steps...
+    for tokens in (32, 64, 128, 256):
+        assert model.predict(tokens) == pytest.approx(cost(tokens), rel=1e-9)  # ...the points do not
+    assert cost(96) * 0.97 < model.predict(96) < cost(96)  # a chord under a concave curve
+    assert model.predict(512) == pytest.approx(cost(256) + b * 256)
+    assert model.predict(16) == pytest.approx(max(cost(32) - b * 16, cost(32) / 2))
+
+
 # ------------------------------------------------------------------ the engine (built-in model)
 def _run_behind_full_batch(policy: str):
     """Two long low-priority requests fill the batch (4 rows); an urgent short one arrives.

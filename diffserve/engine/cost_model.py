@@ -17,9 +17,9 @@ point (tokens, seconds) of the steps observed there, and `predict` interpolates 
 the mean points of the nearest populated buckets on each side; outside the observed range it
 continues from the nearest mean point with the line's slope (below it, at least proportionally
 to that point). Where the cost is truly linear the mean points lie on the line, so both agree.
-The ``slo`` scheduling policy (slack, the deadline-aware batch size), ``--admission slo`` and
-the join wait read `predict`; the automatic padding decision (``--max-padding-ratio auto``)
-reads the line's `coefficients` (`diffserve.engine.queues`).
+The ``slo`` scheduling policy (slack, the deadline-aware batch size), ``--admission slo``, the
+automatic padding decision (``--max-padding-ratio auto``, `diffserve.engine.queues`) and the
+request scheduler's join wait read `predict`.
 
 Cost: one update is a few float operations per step and one dict update; a prediction is a
 binary search over at most ~40 buckets (their sorted points are cached between updates).

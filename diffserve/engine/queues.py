@@ -62,9 +62,10 @@ most for the requests older than it (then it is the head); under the ranked poli
 bounds it.
 
 Automatic padding decision (`max_padding_ratio` ``"auto"``): no fixed R; a candidate joins
-only if the step cost model (`cost_model.StepCostModel`, step seconds = a + b x token slots)
-predicts no fewer real image tokens per second for the forward with it than without:
-``(tokens + its tokens) x (a + b x slots) >= tokens x (a + b x slots with it)``. Where rows
+only if the step cost model (`cost_model.StepCostModel.predict`: step seconds about a + b x
+token slots, interpolated between observed steps) predicts no fewer real image tokens per
+second for the forward with it than without:
+``(tokens + its tokens) x predict(slots) >= tokens x predict(slots with it)``. Where rows
 are nearly free (a large against b x slots: host-bound) sizes mix; where a forward costs its
 slots (a small: compute-bound) a narrower row joins only if it fills its slots at least as well
 as the batch does. Same exemptions as the cap; before the first step every request joins.
@@ -482,8 +483,8 @@ class RequestQueues:
         auto = self.max_padding_ratio == "auto"
         cap = 1.0 if auto else self.max_padding_ratio
         capped = auto or cap < 1.0
-        # auto: the cost model's (a, b) over token slots (None before the first step: no bound)
-        fit = self.cost_model.coefficients() if auto else None
+        # auto: the cost model's prediction over token slots (before the first step: no bound)
+        predict = self.cost_model.predict if auto and self.cost_model.coefficients() is not None else None
         # the previous step's members, while its head leads again (a new head rebuilds the batch)
         previous = set(map(id, self._last)) if capped and self._last and self._last[0] is ordered[0] else ()
         aged_before = now - self.aging_s
@@ -520,8 +521,8 @@ class RequestQueues:
                 if auto and self.padding_free:  # padding costs no compute: never passed over for it
                     drops = False
                 elif auto:  # passed over: fewer real tokens per predicted second with it
-                    drops = fit is not None and (tokens + request.tokens) * (fit[0] + fit[1] * slots_before) \
-                        < tokens * (fit[0] + fit[1] * slots)
+                    drops = predict is not None and (tokens + request.tokens) * predict(slots_before) \
+                        < tokens * predict(slots)
                 else:  # passed over: past the cap, and more padded than the batch so far (a row at
                     # the widest size lowers the share: it joins even when exempt rows exceed the cap)
                     padded = slots - tokens - request.tokens

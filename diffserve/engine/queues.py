@@ -427,7 +427,8 @@ class RequestQueues:
         least-slack order) predicted to let the most requests meet their deadlines.
 
         For each prefix length k (the head always runs), with the cost model's prediction for
-        the prefix's token slots (rows x its widest row's tokens, `StepCostModel.predict`): a
+        the prefix's token slots (rows x its widest row's tokens; its real tokens where the
+        model's forwards are `padding_free`, as the cost model counts them; `predict`): a
         member finishes at ``now + its remaining steps x predict(slots_k)``; a candidate left out waits until the
         prefix's last member finishes, then runs at the full batch's step time. A candidate
         with a deadline counts when it finishes by it; one already hopeless (it misses even
@@ -441,16 +442,18 @@ class RequestQueues:
             return batch
         n = len(batch)
         step = []  # predicted seconds of a step of each prefix (index k - 1)
-        rows, widest = 0, ()
+        rows, tokens, widest = 0, 0, ()
         for request in batch:
             rows += request.rows
+            tokens += request.tokens
             widest = padded_grid((widest, request.row_grid))
-            step.append(predict(rows * math.prod(widest)))
+            step.append(predict(tokens if self.padding_free else rows * math.prod(widest)))
         left: list[float | None] = []  # seconds to its deadline; None: no deadline, or hopeless
         for request in batch:
             deadline = request.params.deadline_s
             due = None if deadline is None else request.arrival_time + deadline - now
-            solo = request.remaining_steps * predict(request.rows * math.prod(request.row_grid))
+            solo = request.remaining_steps * predict(request.tokens if self.padding_free
+                                                     else request.rows * math.prod(request.row_grid))
             left.append(due if due is not None and due >= solo else None)
         if not any(x is not None for x in left):
             return batch

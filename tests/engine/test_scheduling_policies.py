@@ -353,13 +353,14 @@ def _fitted(a: float = 0.001, b: float = 4e-5) -> StepCostModel:
     return model
 
 
-def _urgent_wide_behind_small_long_ones(policy: str, model: StepCostModel | None) -> RequestQueues:
+def _urgent_wide_behind_small_long_ones(policy: str, model: StepCostModel | None,
+                                        padding_free: bool = False) -> RequestQueues:
     """Seven long 16-token-row requests (deadline 10 s), then an urgent 64-token-row one: 4 steps,
     80 ms. Compute-bound costs (a = 1 ms, b = 40 us): a full 16-row forward pads every row to
     64 tokens (1024 slots, 42 ms a step: 168 ms for its 4 steps, a miss); alone 6.1 ms a step
     (25 ms); at the load's tokens (352: 15 ms a step, 60 ms) it is not hopeless, so it leads."""
     now = 100.0
-    queues = RequestQueues(16, 100, policy=policy, cost_model=model, clock=lambda: now)
+    queues = RequestQueues(16, 100, policy=policy, cost_model=model, clock=lambda: now, padding_free=padding_free)
     for k in range(7):
         queues.add(Request(request_id=f"long{k}", prompt="p", params=SamplingParams(deadline_s=10.0),
                            batch_key=None, rows=2, seq=k, arrival_time=now, num_steps=8, tokens=32))
@@ -378,6 +379,15 @@ def test_slo_runs_an_urgent_request_in_a_smaller_batch_that_meets_its_deadline()
     assert [r.request_id for r in batch] == ["urgent", "long0", "long1"]
     assert 4 * (a + b * queues.batch_slots) <= 0.08 < 4 * (a + b * 16 * 64)
     assert queues.preemptions == 0
+
+
+def test_slo_prefix_counts_real_tokens_on_a_padding_free_model():
+    """Where mixed-size forwards compute real tokens only (length groups), the deadline-aware
+    batch size predicts each prefix at its real tokens, as the cost model was fitted: the whole
+    batch (352 tokens: 15.1 ms a step, 60 ms for the urgent request's 4 steps) meets every
+    deadline, so nobody is left out for the padding a padded forward would have cost."""
+    queues = _urgent_wide_behind_small_long_ones("slo", _fitted(0.001, 4e-5), padding_free=True)
+    assert len(queues.select_batch()) == 8 and queues.preemptions == 0
 
 
 @pytest.mark.parametrize("policy,model", [("fcfs", "fitted"), ("slo", None)], ids=["fcfs", "slo-unfitted"])

@@ -65,9 +65,10 @@ class StepCostModel:
         self._xx = self._xx * d + tokens * tokens
         self._xy = self._xy * d + tokens * seconds
         self.steps += 1
-        entry = self._buckets.get(bucket(tokens))
+        key = bucket(tokens)
+        entry = self._buckets.get(key)
         if entry is None:
-            self._buckets[bucket(tokens)] = [1.0, float(tokens), seconds]
+            self._buckets[key] = [1.0, float(tokens), seconds]
         else:
             entry[0] = entry[0] * d + 1.0
             entry[1] = entry[1] * d + tokens

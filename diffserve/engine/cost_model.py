@@ -16,7 +16,9 @@ model also keeps, per half-octave of token counts (`bucket`), the exponentially 
 point (tokens, seconds) of the steps observed there, and `predict` interpolates linearly between
 the mean points of the nearest populated buckets on each side; outside the observed range it
 continues from the nearest mean point with the line's slope (below it, at least proportionally
-to that point). Where the cost is truly linear the mean points lie on the line, so both agree.
+to that point). The points are made non-decreasing (each at least its smaller neighbour's
+seconds), so noise never makes a bigger step look cheaper. Where the cost is truly linear the
+mean points lie on the line, so both agree.
 The ``slo`` scheduling policy (slack, the deadline-aware batch size), ``--admission slo``, the
 automatic padding decision (``--max-padding-ratio auto``, `diffserve.engine.queues`) and the
 request scheduler's join wait read `predict`.
@@ -28,6 +30,7 @@ binary search over at most ~40 buckets (their sorted points are cached between u
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 
 
@@ -96,7 +99,8 @@ class StepCostModel:
             return None
         if self._points is None:
             points = sorted((s[1] / s[0], s[2] / s[0]) for s in self._buckets.values())
-            self._points = ([p[0] for p in points], [p[1] for p in points])
+            ys = list(itertools.accumulate((p[1] for p in points), max))  # more tokens never cost less
+            self._points = ([p[0] for p in points], ys)
         xs, ys = self._points
         i = bisect.bisect_left(xs, tokens)
         if 0 < i < len(xs):

@@ -173,6 +173,9 @@ def test_cost_model_follows_a_concave_cost_where_it_has_seen_steps():
     assert cost(96) * 0.97 < model.predict(96) < cost(96)  # a chord under a concave curve
     assert model.predict(512) == pytest.approx(cost(256) + b * 256)
     assert model.predict(16) == pytest.approx(max(cost(32) - b * 16, cost(32) / 2))
+    for _ in range(5):  # noisy fast steps: 128's bucket mean drops below 64's
+        model.observe(128, cost(32) / 2)
+    assert model.predict(128) == pytest.approx(model.predict(64)) and model.predict(96) >= model.predict(64)
 
 
 # ------------------------------------------------------------------ the engine (built-in model)

@@ -354,9 +354,9 @@ class RequestScheduler:
 
     def _join_wait(self, admitted: list[Request], batch: list[Request]) -> float:
         """Seconds this tick's step is held for the prepares of `admitted` (the module
-        docstring's join wait), or 0: the previous tick held, none of them has `batch`'s batch
-        key, or the measured prepare time (or, before any step, the step's) is unknown or
-        longer than `join_wait_fraction` x the step's predicted seconds."""
+        docstring's join wait), or 0 when: the previous tick held; none of them has `batch`'s
+        batch key; no prepare or no step has been measured yet; or the measured prepare time
+        exceeds the bound, `join_wait_fraction` x the step's predicted seconds."""
         if self._held or self._prepare_s is None or self.queues.mode != "step":
             return 0.0
         key = batch[0].batch_key

@@ -11,7 +11,7 @@ per step, so it follows load changes: other processes, a cache backend warming u
 Real step costs are not straight lines: on a CPU (and on a GPU below saturation) a bigger
 forward uses the hardware better, so the cost per token falls as the batch grows, and a line
 fitted over all sizes overpredicts the large steps and underpredicts the small ones (measured on
-the built-in model: a 16-row step predicted at 14-19 ms took 11 ms; README, "Scheduling"). So the
+the built-in model: a 16-row step predicted at 14-19 ms took 11 ms; docs/scheduling.md). So the
 model also keeps, per half-octave of token counts (`bucket`), the exponentially weighted mean
 point (tokens, seconds) of the steps observed there, and `predict` interpolates linearly between
 the mean points of the nearest populated buckets on each side; outside the observed range it

@@ -31,7 +31,7 @@ Not used where it does not pay: k sizes cost k block calls, so a forward groups 
 padding outweighs the extra calls' per-call overhead (`worth_grouping`: at least
 `MIN_PADDED_TOKENS_PER_CALL` padded token slots per extra call). On the built-in ``digits``
 model (at most 16 tokens a row) a mixed forward pads a few dozen slots, and grouping it cost
-0.77x the padded forward's throughput (README, "Length groups"); the compute-bound folders pad
+0.77x the padded forward's throughput (docs/scheduling.md, "Length groups"); the compute-bound folders pad
 thousands and gain 1.3-1.6x.
 
 Not used where it cannot run: inside a ``torch.compile`` trace (a regionally compiled block keeps
@@ -69,7 +69,7 @@ class LengthGroup:
 
 
 #: Padded token slots each extra block call must remove for a forward to run per length group
-#: (`worth_grouping`). Measured on CPU (README, "Length groups"): grouping the built-in
+#: (`worth_grouping`). Measured on CPU (docs/scheduling.md, "Length groups"): grouping the built-in
 #: ``digits`` model's mixed forwards (~40 padded slots, 3-4 sizes) cost 0.77x throughput, the
 #: tiny SD3 folders' (~1100 padded slots) gained 1.3-1.6x; 256 lies between. Unmeasured on GPUs.
 MIN_PADDED_TOKENS_PER_CALL = 256

@@ -597,8 +597,10 @@ def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
     workload at one size, rows per forward per-size vs mixed; where the model runs mixed
     forwards per length group, also ``closed/mixed_padded``: the same mixed batches with every
     forward over the padded rows, `PipelineAdapter.length_groups` off) and an
-    open-loop part (Poisson arrivals at each of `--trace-loads` x the per-size FCFS capacity;
-    arms `--trace-arms`), every part `--repeats` times with its arms interleaved.
+    open-loop part (Poisson arrivals at each of `--trace-loads` x the per-size FCFS capacity,
+    measured once before the repeats or, with `--capacity-per-repeat`, by each repeat's own
+    ``closed/per_size`` run, which then goes first; arms `--trace-arms`), every part
+    `--repeats` times with its arms interleaved.
 
     With `--slo-scales`, every request's deadline is scale x its own solo latency (measured
     first, `solo_latencies`), swept over the scales: the FCFS arms ignore deadlines, so one
@@ -645,14 +647,29 @@ def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
     loads = [float(x) for x in args.trace_loads.split(",") if x.strip()]
     pads = [f"mixed_pad{r.strip() if r.strip() == 'auto' else format(float(r), 'g')}"
             for r in args.padding_ratios.split(",") if r.strip()]
+    capacities: list[float] = []  # the req/s each repeat's open-loop rates are fractions of
+
+    def run_one(repeat: int, name: str, arm: str, arm_jobs: list[TraceJob], judge) -> dict:
+        closed_loop = name.startswith("closed")
+        result = replay(engine_for(arm), _at_rate(arm_jobs, None, 0) if closed_loop else arm_jobs,
+                        concurrency if closed_loop else None, args.guidance, args.seed, judge)
+        results.setdefault(name, []).append(result)
+        print(f"  repeat {repeat} {name:22s} " + " ".join(
+            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
+        return result
+
     for repeat in range(args.repeats):
         closed = [("closed/per_size", "per_size", jobs), ("closed/mixed", "mixed", jobs),
                   *[(f"closed/{pad}", pad, jobs) for pad in pads], ("closed/one_size", "mixed", one_size),
                   *([("closed/mixed_padded", "mixed_padded", jobs)] if runner._groups_capable else [])]
+        rate = capacity
+        if args.capacity_per_repeat:  # this repeat's own per-size capacity, measured right before its arms
+            rate = run_one(repeat, *closed.pop(0), ())["requests_per_s"] or capacity
+        capacities.append(rate)
         opened = []
         for load in loads:
             for arm in args.trace_arms.split(","):
-                arrivals = _at_rate(jobs, load * capacity, args.seed + repeat)
+                arrivals = _at_rate(jobs, load * rate, args.seed + repeat)
                 if scales and trace_arm(arm)[1] != "fcfs":  # deadlines steer it: one replay per scale
                     opened += [(f"load{load:g}/{arm}@x{scale:g}", arm, with_deadlines(arrivals, scale), [scale])
                                for scale in scales]
@@ -662,11 +679,7 @@ def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
         if repeat % 2:
             runs = runs[::-1]
         for name, arm, arm_jobs, judge in runs:
-            result = replay(engine_for(arm), _at_rate(arm_jobs, None, 0) if name.startswith("closed") else arm_jobs,
-                            concurrency if name.startswith("closed") else None, args.guidance, args.seed, judge)
-            results.setdefault(name, []).append(result)
-            print(f"  repeat {repeat} {name:22s} " + " ".join(
-                f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
+            run_one(repeat, name, arm, arm_jobs, judge)
     runner.adapter.mixed_sizes = runner._mixed_capable
     runner.adapter.length_groups = runner._groups_capable
     summary = {name: {k: _median_range([r[k] for r in runs]) for k in runs[0]} for name, runs in results.items()}
@@ -711,7 +724,9 @@ def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
         print("SLO attainment by scale x solo latency, median [min, max] of the repeats:")
         for row in summary["slo_sweep"]:
             print("  " + " ".join(f"{k}={_fmt(v)}" for k, v in row.items()))
-    return {"capacity_req_per_s": capacity, "step_s": step_s, "aging_s": args.aging_s,
+    if args.capacity_per_repeat:
+        print("capacity by repeat (req/s): " + ", ".join(f"{c:.1f}" for c in capacities))
+    return {"capacity_req_per_s": capacity, "capacity_by_repeat": capacities, "step_s": step_s, "aging_s": args.aging_s,
             "solo_s": {f"{h}x{w},{n}": v for (h, w, n), v in solo.items()} if scales else None, **summary}
 
 
@@ -836,6 +851,11 @@ def main() -> None:
                          "scale x its own solo latency at its size and steps (measured first), replacing "
                          "--slo-tight / --slo-loose; attainment per arm per scale at each load (default: none)")
     ap.add_argument("--aging-s", type=float, default=60.0, help="trace mode: the slo arm's aging bound")
+    ap.add_argument("--capacity-per-repeat", action="store_true",
+                    help="trace mode: each repeat first runs closed/per_size and sets its open-loop rates to "
+                         "--trace-loads x that run's requests/s (default: x the one capacity probe before the "
+                         "repeats); on a host whose speed drifts between repeats, each repeat's loads then "
+                         "hold against the speed it runs at")
     args = ap.parse_args()
     check_trace_args(ap, args)
     if args.concurrency is None and args.request_rate is None:

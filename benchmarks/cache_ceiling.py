@@ -101,6 +101,8 @@ class ReferenceLoop:
                                          return_dict=False)[0]
 
     def guide(self, out: torch.Tensor) -> torch.Tensor:
+        """The guided prediction ``uncond + guidance * (cond - uncond)`` of a (2 x images, C, H, W)
+        output: (images, C, H, W), its dtype (float32)."""
         uncond, cond = out.chunk(2)
         return uncond + self.guidance * (cond - uncond)
 
@@ -119,8 +121,22 @@ class ReferenceLoop:
 
     def run(self, computed: set[int], corrector: str | None = None, corrector_order: int = 1,
             trip: float = math.inf, probe_eps: float = 0.0):
-        """One pass. Returns (final latents, per-check list of (step, window deviation per image,
-        probe gain per image or None), skipped share)."""
+        """One pass over the schedule, computing the steps in `computed` (and, for a request
+        whose summed window deviation passed `trip`, every later step).
+
+        Args:
+            computed: indices of the computed steps (the others are forecast).
+            corrector: None, ``"plain"``, ``"x0"``, ``"eps"`` or ``"reeval"`` (module docstring).
+            corrector_order: Newton order of the corrector's interpolation (1 or 2).
+            trip: summed window deviation past which a request computes every later step.
+            probe_eps: > 0: run the sensitivity probe at each check step, a perturbation of this
+                fraction of the latent's L2 norm.
+
+        Returns:
+            (final latents (images, C, H, W) float32; per check step ``(step, window deviation
+            (images,) float32 numpy, probe gain (images,) float32 numpy or None)``; the share of
+            request-steps skipped, in [0, 1]).
+        """
         x, history, window = self.latents.clone(), [], []
         tripped = torch.zeros(self.images, dtype=torch.bool)
         deviation = torch.zeros(self.images)
@@ -183,16 +199,21 @@ class ReferenceLoop:
 
 
 def summary(psnrs: np.ndarray) -> str:
+    """"mean X dB  worst image Y dB" of per-image PSNRs (dB); the mean is over all pixels (of the
+    per-image MSEs), as `benchmarks/acceleration.py` reports it."""
     mean = 10 * math.log10(1.0 / float(np.mean(10 ** (-psnrs / 10))))
     return f"mean {mean:6.2f} dB  worst image {psnrs.min():6.2f} dB"
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman rank correlation of two 1-D arrays of equal length."""
     ra, rb = (np.argsort(np.argsort(v, kind="stable"), kind="stable").astype(float) for v in (a, b))
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
 def flagged(signal: np.ndarray, psnrs: np.ndarray) -> str:
+    """How well `signal` (per image, larger = worse expected) ranks the images by error
+    (``-psnrs``): Spearman, and how many of the worst 5 % are among its top 5 %."""
     k = max(1, round(0.05 * len(psnrs)))
     worst, top = set(np.argsort(psnrs)[:k]), set(np.argsort(-signal)[:k])
     return f"Spearman {spearman(signal, -psnrs):+.2f}, {len(worst & top)}/{k} of the worst"
@@ -221,7 +242,7 @@ def main() -> None:
         return loop.psnr(loop.run(set(steps))[0])
 
     if args.experiment == "search":
-        warmup = next(k for k in range(len(computed)) if computed[k] != k)  # leading run 0, 1, ...
+        warmup = next((k for k in range(len(computed)) if computed[k] != k), len(computed))  # leading 0, 1, ...
         best, best_psnr = tuple(computed), score(computed)
         print(f"{best}: {summary(best_psnr)}", flush=True)
         seen, improved = {best}, True

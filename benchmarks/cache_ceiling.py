@@ -59,6 +59,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from diffserve.acceleration.forecast import Forecaster  # noqa: E402
 from diffserve.models import BUILTIN_PROMPTS, resolve_model  # noqa: E402
 
 
@@ -108,16 +109,11 @@ class ReferenceLoop:
 
     @staticmethod
     def newton(history: list[tuple[float, torch.Tensor]], t: float, order: int) -> torch.Tensor:
-        """Newton interpolation/extrapolation at `t` through the newest ``order + 1`` points of
-        `history` ((timestep, output), oldest first)."""
-        points = history[::-1][:order + 1]
-        nodes, table = [p[0] for p in points], [p[1] for p in points]
-        out, basis = table[0], 1.0
-        for level in range(1, len(points)):
-            table = [(table[j] - table[j + 1]) / (nodes[j] - nodes[j + level]) for j in range(len(table) - 1)]
-            basis *= t - nodes[level - 1]
-            out = out + basis * table[0]
-        return out
+        """The engine's forecast (`diffserve.acceleration.forecast.Forecaster`, Newton divided
+        differences) at timestep `t` through the newest ``order + 1`` points of `history`
+        ((timestep, output) pairs, oldest first): an extrapolation past the newest point, an
+        interpolation inside; a tensor of the outputs' shape and dtype."""
+        return Forecaster.fit(history, order).predict(t)
 
     def run(self, computed: set[int], corrector: str | None = None, corrector_order: int = 1,
             trip: float = math.inf, probe_eps: float = 0.0):
@@ -219,7 +215,10 @@ def flagged(signal: np.ndarray, psnrs: np.ndarray) -> str:
     return f"Spearman {spearman(signal, -psnrs):+.2f}, {len(worst & top)}/{k} of the worst"
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked: exits with a usage error naming the flag (status 2) when
+    ``--images`` / ``--steps`` is below 1, ``--computed-set`` is not integer steps in
+    ``[0, steps - 1]`` including 0, or ``--thresholds`` is not comma-separated numbers >= 0."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--experiment", choices=("search", "corrector", "trip", "rank"), required=True)
@@ -230,11 +229,31 @@ def main() -> None:
     ap.add_argument("--thresholds", default="inf,0", help="trip: summed window deviations, comma-separated")
     ap.add_argument("--probe-eps", type=float, default=0.05, help="rank: perturbation, relative to |x|")
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    for flag, value in (("--images", args.images), ("--steps", args.steps)):
+        if value < 1:
+            ap.error(f"argument {flag}: invalid value {value}: must be an integer >= 1")
+    try:
+        args.computed = sorted(int(s) for s in args.computed_set.split(","))
+    except ValueError:
+        args.computed = []
+    if not args.computed or args.computed[0] != 0 or args.computed[-1] >= args.steps:
+        ap.error(f"argument --computed-set: invalid value {args.computed_set!r}: integer steps in "
+                 f"[0, {args.steps - 1}] including 0")
+    try:
+        args.threshold_values = [float(s) for s in args.thresholds.split(",")]
+    except ValueError:
+        args.threshold_values = [-1.0]
+    if any(not t >= 0 for t in args.threshold_values):
+        ap.error(f"argument --thresholds: invalid value {args.thresholds!r}: comma-separated numbers >= 0 "
+                 "(inf allowed)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
-    computed = sorted(int(s) for s in args.computed_set.split(","))
-    if not computed or computed[0] != 0 or computed[-1] >= args.steps:
-        ap.error(f"--computed-set: steps in [0, {args.steps - 1}] including 0")
+    computed = args.computed
     print("command: python benchmarks/cache_ceiling.py " + shlex.join(sys.argv[1:]))
     loop = ReferenceLoop(args.images, args.steps, args.guidance)
 
@@ -269,7 +288,7 @@ def main() -> None:
                 x = loop.run(set(computed), corrector=mode, corrector_order=order)[0]
                 print(f"corrector {mode:6s} order {order}: {summary(loop.psnr(x))}", flush=True)
     elif args.experiment == "trip":
-        for threshold in (float(s) for s in args.thresholds.split(",")):
+        for threshold in args.threshold_values:
             x, _, skipped = loop.run(set(computed), trip=threshold)
             print(f"trip at summed deviation > {threshold}: {summary(loop.psnr(x))}, "
                   f"{100 * skipped:.1f} % of steps skipped", flush=True)

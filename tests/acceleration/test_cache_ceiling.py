@@ -38,3 +38,20 @@ def test_skipping_forecasts_only_the_steps_left_out(loop):
     tripped, _, skipped_tripped = loop.run(computed, trip=0.0)
     assert skipped_tripped == pytest.approx(1 / STEPS)
     assert np.mean(loop.psnr(tripped)) > np.mean(psnrs)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--computed-set", "1,2,3"], "--computed-set"),
+    (["--computed-set", "0,x"], "--computed-set"),
+    (["--computed-set", "0,25"], "--computed-set"),
+    (["--thresholds", "-1"], "--thresholds"),
+    (["--thresholds", "a"], "--thresholds"),
+    (["--images", "0"], "--images"),
+])
+def test_bad_arguments_exit_with_a_usage_error_naming_the_flag(argv, flag, capsys):
+    from cache_ceiling import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--experiment", "trip", *argv])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: invalid value" in capsys.readouterr().err

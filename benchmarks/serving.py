@@ -599,8 +599,9 @@ def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
     forward over the padded rows, `PipelineAdapter.length_groups` off) and an
     open-loop part (Poisson arrivals at each of `--trace-loads` x the per-size FCFS capacity,
     measured once before the repeats or, with `--capacity-per-repeat`, by each repeat's own
-    ``closed/per_size`` run, which then goes first; arms `--trace-arms`), every part
-    `--repeats` times with its arms interleaved.
+    ``closed/per_size`` run, which then goes first, and then also sets that repeat's deadlines
+    (solo latencies measured again, or the built-in classes' full-batch step at that capacity);
+    arms `--trace-arms`), every part `--repeats` times with its arms interleaved.
 
     With `--slo-scales`, every request's deadline is scale x its own solo latency (measured
     first, `solo_latencies`), swept over the scales: the FCFS arms ignore deadlines, so one
@@ -629,15 +630,23 @@ def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
     probe = replay(probe_engine, probe_jobs, concurrency, args.guidance, args.seed)
     capacity = probe["requests_per_s"]
     full_rows = max(probe["rows_per_forward"], 1.0)
-    step_s = 1.0 / (capacity * sum(j.steps for j in probe_jobs) / len(probe_jobs) / max(concurrency, 1)) \
-        if capacity else 0.0
-    jobs = builtin_trace(args, spec, step_s) if not args.trace or args.trace == "builtin" else load_trace(args.trace)
+    builtin = not args.trace or args.trace == "builtin"
+    mean_steps = sum(j.steps for j in probe_jobs) / len(probe_jobs)
+
+    def full_step_s(rate: float) -> float:  # seconds of a full-batch step at `rate` req/s, closed loop
+        return 1.0 / (rate * mean_steps / max(concurrency, 1)) if rate else 0.0
+
+    def timed(trace: list[TraceJob]) -> tuple[list[TraceJob], dict]:  # solo latencies measured now, as deadlines
+        solo = solo_latencies(engine_for, trace, args.guidance, args.seed)
+        return with_deadlines([dataclasses.replace(j, solo_s=solo[(j.height, j.width, j.steps)])
+                               for j in trace], scales[0]), solo
+
+    step_s = full_step_s(capacity)
+    jobs = builtin_trace(args, spec, step_s) if builtin else load_trace(args.trace)
     if scales:
-        solo = solo_latencies(engine_for, jobs, args.guidance, args.seed)
+        jobs, solo = timed(jobs)
         print("solo latency (s) by height x width, steps: " + ", ".join(
             f"{h}x{w},{n}: {v:.4f}" for (h, w, n), v in solo.items()))
-        jobs = with_deadlines([dataclasses.replace(j, solo_s=solo[(j.height, j.width, j.steps)]) for j in jobs],
-                              scales[0])
     one = one_size_of(jobs, spec)
     one_size = [dataclasses.replace(j, height=one[0], width=one[1]) for j in jobs]
     print(f"trace: {len(jobs)} requests; per-size FCFS capacity {capacity:.2f} req/s at concurrency {concurrency} "
@@ -648,6 +657,7 @@ def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
     pads = [f"mixed_pad{r.strip() if r.strip() == 'auto' else format(float(r), 'g')}"
             for r in args.padding_ratios.split(",") if r.strip()]
     capacities: list[float] = []  # the req/s each repeat's open-loop rates are fractions of
+    speeds: list[float] = []  # per repeat: its deadlines over the first measure's (solo latency or step)
 
     def run_one(repeat: int, name: str, arm: str, arm_jobs: list[TraceJob], judge) -> dict:
         closed_loop = name.startswith("closed")
@@ -662,14 +672,20 @@ def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
         closed = [("closed/per_size", "per_size", jobs), ("closed/mixed", "mixed", jobs),
                   *[(f"closed/{pad}", pad, jobs) for pad in pads], ("closed/one_size", "mixed", one_size),
                   *([("closed/mixed_padded", "mixed_padded", jobs)] if runner._groups_capable else [])]
-        rate = capacity
-        if args.capacity_per_repeat:  # this repeat's own per-size capacity, measured right before its arms
+        rate, timed_jobs = capacity, jobs
+        if args.capacity_per_repeat:  # this repeat's own per-size capacity, measured right before its arms,
             rate = run_one(repeat, *closed.pop(0), ())["requests_per_s"] or capacity
+            if scales:  # and its deadlines: scale x the solo latencies measured now
+                timed_jobs, solo_now = timed(jobs)
+                speeds.append(statistics.median(solo_now[k] / solo[k] for k in solo))
+            elif builtin:  # the classes' deadlines in full-batch steps at this repeat's capacity
+                timed_jobs = builtin_trace(args, spec, full_step_s(rate))
+                speeds.append(full_step_s(rate) / step_s if step_s else 1.0)
         capacities.append(rate)
         opened = []
         for load in loads:
             for arm in args.trace_arms.split(","):
-                arrivals = _at_rate(jobs, load * rate, args.seed + repeat)
+                arrivals = _at_rate(timed_jobs, load * rate, args.seed + repeat)
                 if scales and trace_arm(arm)[1] != "fcfs":  # deadlines steer it: one replay per scale
                     opened += [(f"load{load:g}/{arm}@x{scale:g}", arm, with_deadlines(arrivals, scale), [scale])
                                for scale in scales]
@@ -726,7 +742,10 @@ def run_trace(args, config: EngineConfig, runner: ModelRunner) -> dict:
             print("  " + " ".join(f"{k}={_fmt(v)}" for k, v in row.items()))
     if args.capacity_per_repeat:
         print("capacity by repeat (req/s): " + ", ".join(f"{c:.1f}" for c in capacities))
-    return {"capacity_req_per_s": capacity, "capacity_by_repeat": capacities, "step_s": step_s, "aging_s": args.aging_s,
+        if speeds:
+            print("deadlines by repeat, over the first measure's: " + ", ".join(f"{x:.2f}x" for x in speeds))
+    return {"capacity_req_per_s": capacity, "capacity_by_repeat": capacities, "deadline_factor_by_repeat": speeds,
+            "step_s": step_s, "aging_s": args.aging_s,
             "solo_s": {f"{h}x{w},{n}": v for (h, w, n), v in solo.items()} if scales else None, **summary}
 
 
@@ -781,6 +800,20 @@ def _median_range(values: list) -> list:
     if not values:
         return [None, None, None]
     return [statistics.median(values), min(values), max(values)]
+
+
+def load_runner(config: EngineConfig) -> tuple[str, dict, ModelRunner]:
+    """Load `config`'s model folder once: (the pipeline class named in its model_index.json,
+    its components in eval mode, a `ModelRunner` over them), so the diffusers baseline and every
+    engine arm share the very same weights."""
+    class_name, components = load_components(config.model_path, config.torch_dtype, config.load_format,
+                                             device=config.torch_device)
+    for module in components.values():
+        if isinstance(module, torch.nn.Module):
+            module.eval().requires_grad_(False)
+    options = AdapterOptions(context_folding=config.context_folding, model_dir=Path(config.model_path))
+    adapter = adapter_class(class_name).from_components(components, config.torch_device, config.torch_dtype, options)
+    return class_name, components, ModelRunner(config, adapter=adapter)
 
 
 def main() -> None:
@@ -854,8 +887,11 @@ def main() -> None:
     ap.add_argument("--capacity-per-repeat", action="store_true",
                     help="trace mode: each repeat first runs closed/per_size and sets its open-loop rates to "
                          "--trace-loads x that run's requests/s (default: x the one capacity probe before the "
-                         "repeats); on a host whose speed drifts between repeats, each repeat's loads then "
-                         "hold against the speed it runs at")
+                         "repeats), and its deadlines to the speed measured then: with --slo-scales, scale x "
+                         "solo latencies measured again right after that run; on the built-in trace without "
+                         "them, the classes' full-batch steps at that capacity; on a host whose speed drifts "
+                         "between repeats, each repeat's loads and deadlines then hold against the speed it "
+                         "runs at")
     args = ap.parse_args()
     check_trace_args(ap, args)
     if args.concurrency is None and args.request_rate is None:
@@ -867,14 +903,7 @@ def main() -> None:
                           max_waiting_requests=100_000, num_threads=args.threads, compile=args.compile,
                           context_folding=args.context_folding,
                           cache_backend=args.cache_backend, cache_config=json.loads(args.cache_config))
-    class_name, components = load_components(config.model_path, config.torch_dtype, config.load_format,
-                                             device=config.torch_device)
-    for module in components.values():
-        if isinstance(module, torch.nn.Module):
-            module.eval().requires_grad_(False)
-    options = AdapterOptions(context_folding=config.context_folding, model_dir=Path(config.model_path))
-    adapter = adapter_class(class_name).from_components(components, config.torch_device, config.torch_dtype, options)
-    runner = ModelRunner(config, adapter=adapter)
+    class_name, components, runner = load_runner(config)
     if args.trace:
         DiffusionEngine(config, runner=runner).generate(["digit 1"] * 4, SamplingParams(num_inference_steps=2))
         result = run_trace(args, config, runner)

@@ -805,7 +805,11 @@ def _median_range(values: list) -> list:
 def load_runner(config: EngineConfig) -> tuple[str, dict, ModelRunner]:
     """Load `config`'s model folder once: (the pipeline class named in its model_index.json,
     its components in eval mode, a `ModelRunner` over them), so the diffusers baseline and every
-    engine arm share the very same weights."""
+    engine arm share the very same weights.
+
+    Raises:
+        UnsupportedModelError: the folder is missing or unreadable, or diffserve has no adapter
+            for its pipeline class (from `load_components` / `adapter_class`)."""
     class_name, components = load_components(config.model_path, config.torch_dtype, config.load_format,
                                              device=config.torch_device)
     for module in components.values():
